@@ -1,0 +1,215 @@
+"""The ``mfu-lab`` command.
+
+    mfu-lab run [JOB] [--steps baseline,...] [--out DIR] [-p key=value ...]
+        execute the step notebooks with papermill, export HTML, refresh the index
+    mfu-lab step STEP --job JOB [-p key=value ...]
+        run one step in plain Python (no Jupyter needed), write result.json and the index
+    mfu-lab validate JOB     check a job file and print the job it describes
+    mfu-lab keys             list every job key with its default and help
+    mfu-lab report JOB_DIR   re-export HTML for executed notebooks in a job folder and refresh its index
+
+Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .errors import JobError, JobProblem, MfuLabError, StepExecutionError
+from .job import FIELDS, Job, find_workbook_root, load_job, validate
+from .steps import BY_KEY, STEPS
+
+EXIT_OK, EXIT_STEP_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """``key=value`` pairs; values parsed as YAML scalars (``4`` -> int, ``true`` -> bool)."""
+    out, problems = {}, []
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            problems.append(JobProblem(pair, pair, "expected key=value, e.g. -p micro_batch=4"))
+            continue
+        try:
+            out[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            problems.append(JobProblem(key, text, f"is not a valid value: {e}"))
+    if problems:
+        raise JobError("command line (-p)", problems)
+    return out
+
+
+def resolve_job(path: str | None, overrides: dict, out: str | None) -> tuple[Job, str]:
+    """The job to run and where it came from: a file, or the embedded default job."""
+    if out:
+        overrides = {**overrides, "out_dir": str(Path(out).resolve())}
+    if path:
+        return load_job(path, overrides), path
+    default = find_workbook_root() / "parameters" / "default.yaml"
+    if default.is_file():
+        return load_job(default, overrides), str(default)
+    return validate(overrides, "embedded default job"), "embedded default job"
+
+
+def select_steps(spec: str | None) -> list:
+    if not spec:
+        return list(STEPS)
+    keys = [k.strip() for k in spec.split(",") if k.strip()]
+    bad = [k for k in keys if k not in BY_KEY]
+    if bad:
+        raise JobError("command line (--steps)", [JobProblem("--steps", k, f"unknown step; choose from "
+                                                             f"{', '.join(BY_KEY)}") for k in bad])
+    return [s for s in STEPS if s.key in keys]
+
+
+def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False) -> Path:
+    """Run one step's notebook with papermill into the job's output folder; export its HTML."""
+    import papermill as pm
+
+    from .report import FAILURE_FILE, export_html, write_index
+    from .results import write_json_atomic
+
+    folder = job.step_dir(info.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / FAILURE_FILE).unlink(missing_ok=True)
+    src, out_nb = root / "notebooks" / info.notebook, folder / info.notebook
+    if not src.is_file():
+        raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
+    params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
+    try:
+        pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=not quiet, cwd=str(root),
+                            kernel_name="python3")
+    except BaseException as exc:  # PapermillExecutionError, KeyboardInterrupt, kernel death...
+        ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
+        write_json_atomic(folder / FAILURE_FILE, {"step": info.key, "error": f"{ename}: {evalue}",
+                                                  "job_file": source, "notebook": str(out_nb)})
+        if out_nb.is_file():
+            export_html(out_nb, folder / "report.html")
+        write_index(job.output_root())
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise StepExecutionError(info.key, str(out_nb), ename, evalue) from None
+    export_html(out_nb, folder / "report.html")
+    write_index(job.output_root())
+    return folder / "report.html"
+
+
+def cmd_run(args) -> int:
+    overrides = parse_overrides(args.param)
+    job, source = resolve_job(args.job, overrides, args.out)
+    steps = select_steps(args.steps)
+    root = find_workbook_root()
+    print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
+    print(f"mfu-lab: results in {job.output_root()}")
+    for n, info in enumerate(steps, 1):
+        t0 = time.perf_counter()
+        print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
+        try:
+            html = execute_step(info, job, source, root, args.quiet)
+        except StepExecutionError as e:
+            print(f"[{n}/{len(steps)}] {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
+            print(f"    executed notebook (with the error): {e.notebook}", file=sys.stderr)
+            print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
+            return EXIT_STEP_FAILED
+        print(f"[{n}/{len(steps)}] {info.folder} done in {time.perf_counter() - t0:.0f} s -> {html}")
+    print(f"mfu-lab: summary page: {job.output_root() / 'index.html'}")
+    return EXIT_OK
+
+
+def cmd_step(args) -> int:
+    from .report import text_summary
+
+    job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
+    info = select_steps(args.step)[0]
+    print(f"mfu-lab: {info.folder} for job '{job.job_name}' from {source} (plain Python, no notebook)")
+    result = info.load().run(job)
+    print(text_summary(result))
+    print(f"mfu-lab: wrote {job.step_dir(info.folder) / 'result.json'} and {job.output_root() / 'index.html'}")
+    return EXIT_OK
+
+
+def cmd_validate(args) -> int:
+    job = load_job(args.job, parse_overrides(args.param))
+    print(f"{args.job}: valid")
+    print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
+    return EXIT_OK
+
+
+def cmd_keys(args) -> int:
+    job = Job()
+    for name, f in FIELDS.items():
+        print(f"{name:<26} default {getattr(job, name)!r:<14} {f.metadata['help']}")
+    return EXIT_OK
+
+
+def cmd_report(args) -> int:
+    from .report import export_html, write_index
+
+    root = Path(args.job_dir)
+    if not root.is_dir():
+        raise JobError("command line", [JobProblem("JOB_DIR", str(root), "no such folder")])
+    for info in STEPS:
+        nb = root / info.folder / info.notebook
+        if nb.is_file():
+            print(f"exported {export_html(nb, root / info.folder / 'report.html')}")
+    print(f"wrote {write_index(root)}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mfu-lab", description="Measure and raise the MFU of a PyTorch training job.")
+    sub = p.add_subparsers(dest="command", required=True)
+    param = {"action": "append", "default": [], "metavar": "KEY=VALUE", "help": "override one job key"}
+
+    r = sub.add_parser("run", help="execute the step notebooks (papermill) and build the reports")
+    r.add_argument("job", nargs="?", help="job file (default: parameters/default.yaml)")
+    r.add_argument("--steps", help=f"comma-separated subset of: {', '.join(BY_KEY)}")
+    r.add_argument("--out", help="results folder (overrides out_dir)")
+    r.add_argument("-p", "--param", **param)
+    r.add_argument("-q", "--quiet", action="store_true", help="no per-cell progress bar")
+    r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("step", help="run one step in plain Python, without Jupyter")
+    s.add_argument("step", choices=list(BY_KEY))
+    s.add_argument("--job", help="job file (default: parameters/default.yaml)")
+    s.add_argument("--out", help="results folder (overrides out_dir)")
+    s.add_argument("-p", "--param", **param)
+    s.set_defaults(func=cmd_step)
+
+    v = sub.add_parser("validate", help="check a job file")
+    v.add_argument("job")
+    v.add_argument("-p", "--param", **param)
+    v.set_defaults(func=cmd_validate)
+
+    k = sub.add_parser("keys", help="list the job keys")
+    k.set_defaults(func=cmd_keys)
+
+    rep = sub.add_parser("report", help="re-export HTML and the index for a job's output folder")
+    rep.add_argument("job_dir")
+    rep.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except JobError as e:
+        print(f"mfu-lab: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except MfuLabError as e:
+        print(f"mfu-lab: error: {e}", file=sys.stderr)
+        return EXIT_STEP_FAILED
+    except KeyboardInterrupt:
+        print("mfu-lab: interrupted; finished steps are kept, the interrupted one is marked failed",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

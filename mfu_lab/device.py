@@ -1,0 +1,163 @@
+"""Device facts: which device runs the job, and its peak FLOP/s for the training dtype.
+
+Peaks are dense (no 2:4 sparsity) vendor figures. An unknown GPU is an error
+asking for ``peak_flops`` in the job: guessing another chip's peak would make
+every MFU figure wrong without anyone noticing. On a CPU no vendor peak
+applies, so the peak is this CPU's measured matmul rate for the dtype.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DeviceError
+
+T = 1e12
+
+
+@dataclass(frozen=True)
+class Chip:
+    """A datasheet row: dense peak FLOP/s per precision, and where it came from."""
+
+    name: str
+    pattern: str  # regex matched against torch.cuda.get_device_name()
+    fp32: float  # non-tensor FP32
+    tf32: float
+    bf16: float
+    fp16: float
+    fp8: float | None
+    source: str
+
+
+# Order matters: the first pattern that matches wins (H100 NVL/PCIe before plain H100).
+PEAK_TABLE: tuple[Chip, ...] = (
+    Chip("A100", r"A100", 19.5 * T, 156 * T, 312 * T, 312 * T, None,
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe; dense)"),
+    Chip("H100 NVL", r"H100.*NVL", 60 * T, 417.5 * T, 835.5 * T, 835.5 * T, 1670.5 * T,
+         "NVIDIA H100 datasheet, H100 NVL column (half the sparse figures)"),
+    Chip("H100 PCIe", r"H100.*PCIe", 51 * T, 378 * T, 756 * T, 756 * T, 1513 * T,
+         "NVIDIA H100 datasheet, H100 PCIe column (half the sparse figures)"),
+    Chip("H100 SXM", r"H100|H800", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 1978.9 * T,
+         "NVIDIA H100 datasheet, H100 SXM column (half the sparse figures)"),
+    Chip("H200", r"H200", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 1978.9 * T,
+         "NVIDIA H200 datasheet, SXM (half the sparse figures)"),
+    Chip("B200", r"B200", 75 * T, 1100 * T, 2250 * T, 2250 * T, 4500 * T,
+         "NVIDIA HGX B200 datasheet, per GPU (half the sparse figures)"),
+    Chip("L40S", r"L40S", 91.6 * T, 183 * T, 362.05 * T, 362.05 * T, 733 * T,
+         "NVIDIA L40S datasheet (dense; the starred figures are sparse)"),
+    Chip("MI300X", r"MI300X", 163.4 * T, 653.7 * T, 1307.4 * T, 1307.4 * T, 2614.9 * T,
+         "AMD Instinct MI300X data sheet (dense matrix figures)"),
+)
+
+DTYPE_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str  # "cpu" or "cuda"
+    name: str
+    index: int | None
+    capability: str | None  # CUDA compute capability, e.g. "9.0"
+    threads: int | None  # torch intra-op threads on CPU
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Peak FLOP/s for the training dtype, with its provenance."""
+
+    flops_per_s: float
+    source: str  # datasheet | measured
+    precision: str  # fp32, tf32, bf16, fp16
+    note: str
+
+
+def resolve_device(requested: str) -> DeviceInfo:
+    """Turn the job's ``device`` (auto | cpu | cuda) into a concrete device."""
+    has_cuda = torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise DeviceError("the job asks for device 'cuda', but torch sees no CUDA device "
+                          f"(torch {torch.__version__}); use device: auto or cpu")
+    if requested == "cpu" or not has_cuda:
+        return DeviceInfo("cpu", cpu_name(), None, None, torch.get_num_threads())
+    idx = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(idx)
+    return DeviceInfo("cuda", torch.cuda.get_device_name(idx), idx, f"{major}.{minor}", None)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def lookup_chip(device_name: str) -> Chip | None:
+    for chip in PEAK_TABLE:
+        if re.search(chip.pattern, device_name, re.IGNORECASE):
+            return chip
+    return None
+
+
+def float32_precision_key() -> str:
+    """'tf32' when torch may run float32 matmuls on TF32 tensor cores, else 'fp32'."""
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def datasheet_peak(device_name: str, dtype: str) -> Peak:
+    """Dense peak of a known GPU for ``dtype``; DeviceError for an unknown one."""
+    chip = lookup_chip(device_name)
+    if chip is None:
+        known = ", ".join(c.name for c in PEAK_TABLE)
+        raise DeviceError(f"no datasheet peak for GPU '{device_name}' (known: {known}). "
+                          "Set peak_flops in the job file to its dense peak FLOP/s for the training dtype, "
+                          "e.g. peak_flops: 989.4e12")
+    key = float32_precision_key() if dtype == "float32" else DTYPE_KEY[dtype]
+    return Peak(getattr(chip, key), "datasheet", key, f"{chip.name} {key} dense peak: {chip.source}")
+
+
+def measure_matmul_peak(dtype: torch.dtype, device: str = "cpu", sizes=(512, 1024, 1536),
+                        budget_s: float = 1.5) -> tuple[float, str]:
+    """Best achieved FLOP/s of square matmuls (2 n^3 FLOPs each) on this device.
+
+    The best over sizes and repeats stands in for the peak, since no vendor
+    figure applies (CPUs). Each size gets an untimed warm-up call first.
+    Returns (flop/s, a note saying how it was measured).
+    """
+    best, best_n = 0.0, 0
+    per_size = budget_s / len(sizes)
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        torch.mm(a, b)  # warm-up: first call pays allocation and kernel selection
+        start = time.perf_counter()
+        while time.perf_counter() - start < per_size:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            if device != "cpu":
+                torch.cuda.synchronize()  # sync point: the kernel must finish inside the timed region
+            dt = time.perf_counter() - t0
+            if 2 * n**3 / dt > best:
+                best, best_n = 2 * n**3 / dt, n
+    note = (f"best of square {str(dtype).replace('torch.', '')} matmuls (n in {list(sizes)}) on "
+            f"{torch.get_num_threads()} threads; best at n={best_n}")
+    return best, note
+
+
+def resolve_peak(device: DeviceInfo, dtype: str, override: float | None) -> Peak:
+    """The peak MFU is measured against: the job's override, the datasheet (GPU), or measured (CPU)."""
+    key = DTYPE_KEY[dtype]
+    if override is not None:
+        return Peak(override, "datasheet", key, "peak_flops given in the job file")
+    if device.type == "cuda":
+        return datasheet_peak(device.name, dtype)
+    flops, note = measure_matmul_peak(getattr(torch, dtype))
+    return Peak(flops, "measured", key, f"CPU: no vendor peak applies; measured matmul rate of this CPU ({note})")

@@ -1,0 +1,115 @@
+"""FLOP accounting: analytic formulas, counted FLOPs, MFU and HFU.
+
+Public functions, usable on their own to reproduce a published MFU figure::
+
+    >>> f = transformer_flops_per_token(540.35e9, 118, 48 * 256, 2048)  # PaLM 540B
+    >>> round(mfu(f, 238.3e3, 6144 * 275e12), 3)                          # 6144 TPU v4
+    0.462
+
+Conventions (``convention=``):
+  - ``"palm"`` (default): 6N + 12·L·d·T per token, PaLM (Chowdhery et al. 2022), appendix B.
+    N counts parameters that take part in matmuls; the attention term counts the
+    full T×T score matrix, as the unfused kernel computes it.
+  - ``"causal"``: 6N + 6·L·d·T, the same with the attention term halved because a
+    causal kernel can skip the masked upper triangle (as FlashAttention does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+CONVENTIONS = ("palm", "causal")
+
+
+def _attention_flops_per_token(n_layers: int, d_model: int, seq_len: int, convention: str) -> float:
+    """Forward+backward FLOPs of QK^T and AV per token: 12·L·d·T (PaLM B), halved when causal."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    full = 12.0 * n_layers * d_model * seq_len
+    return full / 2 if convention == "causal" else full
+
+
+def transformer_flops_per_token(n_params: float, n_layers: int, d_model: int, seq_len: int,
+                                convention: str = "palm") -> float:
+    """Model FLOPs of one training token (forward + backward) of a decoder-only transformer.
+
+    6N: each matmul parameter does 2 FLOPs per token forward and 4 backward (PaLM, appendix B).
+    12·L·d·T: attention scores and weighted sum, forward 4·L·d·T, backward twice that.
+    ``n_params`` counts matmul parameters (exclude position-embedding tables; a tied
+    input embedding counts once, as the output projection).
+    """
+    return 6.0 * n_params + _attention_flops_per_token(n_layers, d_model, seq_len, convention)
+
+
+def hardware_flops_per_token(n_params: float, n_layers: int, d_model: int, seq_len: int,
+                             recomputed_params: float = 0.0, recomputed_layers: int = 0,
+                             convention: str = "palm") -> float:
+    """FLOPs the hardware does per token when activations are recomputed (for HFU).
+
+    Model FLOPs plus one extra forward pass of the recomputed blocks:
+    2·N_r + (1/3)·attention term for those layers (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models", section 6: full recompute
+    adds one forward, 8N in place of 6N). With nothing recomputed this equals
+    :func:`transformer_flops_per_token`.
+    """
+    model = transformer_flops_per_token(n_params, n_layers, d_model, seq_len, convention)
+    extra_attention = _attention_flops_per_token(recomputed_layers, d_model, seq_len, convention) / 3
+    return model + 2.0 * recomputed_params + extra_attention
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (a fraction, not %)."""
+    if peak_flops_per_s <= 0:
+        raise ValueError("peak_flops_per_s must be positive")
+    return flops_per_token * tokens_per_s / peak_flops_per_s
+
+
+# ------------------------------------------------------------------ counted FLOPs
+def _sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Fused SDPA forward: the two matmuls QK^T and AV (same as torch's GPU formula)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Fused SDPA backward as model FLOPs: dV, dP, dQ, dK = 4 matmuls = 2 x forward.
+
+    torch's own GPU formula adds a fifth matmul for the score recompute that
+    flash kernels do; that is hardware work, not model work, so for MFU we count
+    the four an unfused backward does and the numbers match across kernels.
+    """
+    return 2 * sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _attention_mapping() -> dict:
+    aten = torch.ops.aten
+    forward_ops = ["_scaled_dot_product_flash_attention_for_cpu"]  # absent from torch's registry
+    backward_ops = ["_scaled_dot_product_flash_attention_for_cpu_backward",
+                    "_scaled_dot_product_flash_attention_backward",
+                    "_scaled_dot_product_efficient_attention_backward",
+                    "_scaled_dot_product_cudnn_attention_backward"]
+    mapping = {}
+    for name in forward_ops:
+        if hasattr(aten, name):
+            mapping[getattr(aten, name)] = _sdpa_forward
+    for name in backward_ops:
+        if hasattr(aten, name):
+            mapping[getattr(aten, name)] = _sdpa_backward
+    return mapping
+
+
+@dataclass
+class FlopCount:
+    total: int
+    by_op: dict[str, int]
+
+
+def count_flops(fn: Callable[[], object]) -> FlopCount:
+    """Run ``fn`` under FlopCounterMode (attention counted as model FLOPs on every backend)."""
+    with FlopCounterMode(display=False, custom_mapping=_attention_mapping()) as mode:
+        fn()
+    counts = mode.get_flop_counts().get("Global", {})
+    return FlopCount(mode.get_total_flops(), {str(op): int(n) for op, n in counts.items()})

@@ -1,0 +1,136 @@
+"""Device health during a run: temperature, SM clock against its maximum, power, throttle reasons.
+
+NVIDIA GPUs are sampled through NVML (``nvidia-ml-py``) from a background
+thread. Anywhere else the summary says it was skipped and why; nothing is
+invented.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import dataclass, field
+
+# Clock-event ("throttle") reason bits, from NVML's nvml.h (nvmlClocksEventReason*).
+CLOCK_EVENT_REASONS = {
+    0x1: "GPU idle",
+    0x2: "applications clocks setting",
+    0x4: "SW power cap",
+    0x8: "HW slowdown",
+    0x10: "sync boost",
+    0x20: "SW thermal slowdown",
+    0x40: "HW thermal slowdown",
+    0x80: "HW power brake slowdown",
+    0x100: "display clock setting",
+}
+# Reasons that mean the clocks were pulled down by power or heat (operations loss), not by idleness.
+THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+def decode_reasons(mask: int) -> list[str]:
+    return [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+
+
+@dataclass
+class HealthSummary:
+    sampled: bool
+    skipped_reason: str = ""
+    samples: int = 0
+    interval_s: float = 0.0
+    temperature_c_max: float | None = None
+    temperature_c_mean: float | None = None
+    sm_clock_mhz_mean: float | None = None
+    sm_clock_mhz_min: float | None = None
+    sm_clock_mhz_max_supported: float | None = None
+    power_w_mean: float | None = None
+    power_limit_w: float | None = None
+    reasons_seen: list[str] = field(default_factory=list)
+    throttled_fraction: float | None = None  # share of samples with a power/thermal reason set
+
+    @property
+    def clock_ratio(self) -> float | None:
+        if self.sm_clock_mhz_mean is None or not self.sm_clock_mhz_max_supported:
+            return None
+        return self.sm_clock_mhz_mean / self.sm_clock_mhz_max_supported
+
+
+def _nvml():
+    import pynvml  # provided by nvidia-ml-py
+
+    return pynvml
+
+
+class HealthSampler:
+    """Context manager sampling one NVIDIA GPU every ``interval_s`` while the run goes on."""
+
+    def __init__(self, device_type: str, device_name: str, index: int | None, interval_s: float = 0.2):
+        self.device_type, self.device_name, self.index, self.interval_s = device_type, device_name, index, interval_s
+        self.rows: list[tuple[float, float, float, int]] = []
+        self.skipped = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> HealthSampler:
+        if self.device_type != "cuda":
+            self.skipped = "CPU run: NVML reads NVIDIA GPUs only, and no portable CPU clock/thermal source is used"
+            return self
+        if "NVIDIA" not in self.device_name.upper() and "AMD" in self.device_name.upper():
+            self.skipped = f"{self.device_name}: NVML reads NVIDIA GPUs only (rocm-smi is not integrated)"
+            return self
+        try:
+            nv = _nvml()
+            nv.nvmlInit()
+            self._handle = nv.nvmlDeviceGetHandleByIndex(self.index or 0)
+            self._max_clock = nv.nvmlDeviceGetMaxClockInfo(self._handle, nv.NVML_CLOCK_SM)
+            try:
+                self._power_limit = nv.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0
+            except nv.NVMLError:
+                self._power_limit = None
+        except Exception as e:  # ImportError, NVMLError: either way no samples
+            self.skipped = f"NVML unavailable: {e}"
+            return self
+        self._thread = threading.Thread(target=self._loop, name="mfu-lab-nvml", daemon=True)
+        self._thread.start()
+        return self
+
+    def _reasons(self, nv) -> int:
+        fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        return int(fn(self._handle))
+
+    def _loop(self) -> None:
+        nv = _nvml()
+        while not self._stop.is_set():
+            try:
+                self.rows.append((
+                    float(nv.nvmlDeviceGetTemperature(self._handle, nv.NVML_TEMPERATURE_GPU)),
+                    float(nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_SM)),
+                    nv.nvmlDeviceGetPowerUsage(self._handle) / 1000.0,
+                    self._reasons(nv),
+                ))
+            except Exception as e:  # a failing read ends sampling; what was read is kept
+                self.skipped = f"NVML read failed after {len(self.rows)} samples: {e}"
+                return
+            self._stop.wait(self.interval_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+            try:
+                _nvml().nvmlShutdown()
+            except Exception:
+                pass
+
+    def summary(self) -> HealthSummary:
+        if not self.rows:
+            return HealthSummary(False, self.skipped or "no NVML samples were taken (run too short?)")
+        temps, clocks, power, masks = zip(*self.rows)
+        all_bits = 0
+        for m in masks:
+            all_bits |= m
+        return HealthSummary(
+            True, self.skipped, len(self.rows), self.interval_s,
+            max(temps), statistics.fmean(temps), statistics.fmean(clocks), min(clocks), float(self._max_clock),
+            statistics.fmean(power), self._power_limit, decode_reasons(all_bits),
+            sum(1 for m in masks if m & THROTTLE_BITS) / len(masks),
+        )

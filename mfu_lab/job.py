@@ -1,0 +1,239 @@
+"""Job parameters: one flat set of typed keys, read from YAML or a notebook.
+
+A job file is a flat YAML mapping so that the same file works with
+``mfu-lab run JOB``, ``papermill NB OUT -f JOB`` and ``papermill ... -p key value``
+(papermill overrides top-level names only). Every key is declared once, in
+:class:`Job`, with its type, its default (the embedded default job, which
+``parameters/default.yaml`` repeats) and what values it allows. Validation
+collects every problem and raises one :class:`JobError` naming the source,
+each key, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import JobError, JobProblem
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTIONS = ("sdpa", "unfused")
+DATA_SOURCES = ("synthetic",)
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _key(default, help: str, **rules):
+    """A job key: its default, a one-line help, and its rules (min, choices...)."""
+    kw = {"default_factory": lambda: dict(default)} if isinstance(default, dict) else {"default": default}
+    return field(metadata={"help": help, **rules}, **kw)
+
+
+@dataclass
+class Job:
+    """A training job to measure. Defaults are the embedded default job (CPU-sized)."""
+
+    # --- job ---
+    job_name: str = _key("default", "names the output folder <out_dir>/<job_name>", pattern="job_name")
+    device: str = _key("auto", "auto | cpu | cuda", choices=DEVICES)
+    out_dir: str = _key("outputs", "results folder; relative paths are taken from the workbook root")
+    seed: int = _key(0, "seed for weights and synthetic data", min=0)
+    # --- model ---
+    model: str = _key("gpt", "'gpt' (the reference decoder) or 'package.module:function'", pattern="model")
+    model_kwargs: dict = _key({}, "keyword arguments passed to a module:function model")
+    n_layers: int = _key(4, "transformer blocks (reference model)", min=1)
+    n_heads: int = _key(4, "attention heads; must divide d_model", min=1)
+    d_model: int = _key(256, "hidden size", min=1)
+    vocab_size: int = _key(2048, "token vocabulary", min=2)
+    seq_len: int = _key(256, "tokens per sample", min=1)
+    attention: str = _key("sdpa", "sdpa (fused scaled_dot_product_attention) | unfused (explicit softmax(QK^T)V)",
+                          choices=ATTENTIONS)
+    activation_checkpointing: bool = _key(False, "recompute each block's activations in backward (raises HFU, not MFU)")
+    # --- data ---
+    data: str = _key("synthetic", "synthetic: seeded random token ids through a real DataLoader", choices=DATA_SOURCES)
+    num_workers: int = _key(0, "DataLoader worker processes (0: load in the training process)", min=0)
+    prefetch_factor: int = _key(2, "batches each worker loads ahead (used when num_workers > 0)", min=1)
+    pin_memory: bool = _key(False, "pin host batches for faster copies (CUDA only; ignored on CPU)")
+    synthetic_load_ms: float = _key(0.0, "simulated loading latency per batch, in ms (a sleep standing in for storage or decoding)", min=0.0)
+    # --- training ---
+    micro_batch: int = _key(8, "samples per training step", min=1)
+    steps: int = _key(20, "measured training steps (at least 2, so a spread exists)", min=2)
+    warmup_steps: int = _key(3, "training steps run first and discarded", min=0)
+    dtype: str = _key("float32", "float32 | bfloat16 | float16 (the latter two through autocast)", choices=DTYPES)
+    lr: float = _key(3e-4, "AdamW learning rate", min_exclusive=0.0)
+    # --- device ---
+    peak_flops: float | None = _key(None, "peak FLOP/s for the training dtype; overrides the table / measurement",
+                                   min_exclusive=0.0, optional=True)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def uses_reference_model(self) -> bool:
+        return self.model == "gpt"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def output_root(self, workbook_root: Path | None = None) -> Path:
+        """``<out_dir>/<job_name>``, with a relative out_dir taken from the workbook root."""
+        base = Path(self.out_dir).expanduser()
+        if not base.is_absolute():
+            base = (workbook_root or find_workbook_root()) / base
+        return base / self.job_name
+
+    def step_dir(self, step_folder: str) -> Path:
+        return self.output_root() / step_folder
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Job)}
+
+
+def key_help() -> dict[str, str]:
+    """Each job key with its one-line help, for ``mfu-lab keys`` and errors."""
+    return {name: f.metadata["help"] for name, f in FIELDS.items()}
+
+
+def find_workbook_root(start: Path | None = None) -> Path:
+    """The mfu-lab checkout containing ``start`` (default: cwd), else ``start`` itself.
+
+    A checkout is recognised by ``notebooks/01_baseline.ipynb`` beside ``parameters/``.
+    This makes ``out_dir: outputs`` mean the same folder whether the notebook runs
+    from the repository root (CLI, papermill) or from ``notebooks/`` (JupyterLab).
+    """
+    start = (start or Path.cwd()).resolve()
+    for d in (start, *start.parents):
+        if (d / "notebooks" / "01_baseline.ipynb").is_file() and (d / "parameters").is_dir():
+            return d
+    return start
+
+
+# ---------------------------------------------------------------------- checking
+def _type_problem(name: str, value: Any) -> tuple[Any, str | None]:
+    """Coerce ``value`` to the key's type; return (value, None) or (value, what is expected)."""
+    f = FIELDS[name]
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    meta = f.metadata
+    if value is None:
+        return value, None if meta.get("optional") else f"must be given (expected {t.replace(' | None', '')})"
+    if t == "bool":
+        return value, None if isinstance(value, bool) else "must be true or false"
+    if t == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return value, "must be a whole number"
+        return value, None
+    if t.startswith("float"):
+        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads 989e12 (no dot) as text
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value, "must be a number"
+        value = float(value)
+        return value, None if math.isfinite(value) else "must be a finite number"
+    if t == "str":
+        return value, None if isinstance(value, str) else "must be text"
+    if t == "dict":
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            return value, "must be a mapping of names to values"
+        return value, None
+    raise AssertionError(f"unhandled type {t} for {name}")  # pragma: no cover - schema bug
+
+
+def _rule_problem(name: str, value: Any) -> str | None:
+    meta = FIELDS[name].metadata
+    if value is None:
+        return None
+    if "choices" in meta and value not in meta["choices"]:
+        return f"must be one of {', '.join(meta['choices'])}"
+    if "min" in meta and value < meta["min"]:
+        return f"must be >= {meta['min']}"
+    if "min_exclusive" in meta and value <= meta["min_exclusive"]:
+        return f"must be > {meta['min_exclusive']}"
+    if meta.get("pattern") == "job_name" and not JOB_NAME_RE.match(value):
+        return ("must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit "
+                "(it names a folder, so no path separators)")
+    if meta.get("pattern") == "model" and not MODEL_RE.match(value):
+        return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
+    return None
+
+
+def validate(values: dict[str, Any], source: str) -> Job:
+    """Check ``values`` (key -> value) against :class:`Job`; return the Job or raise JobError.
+
+    Missing keys take their defaults. Unknown keys, wrong types and impossible
+    values are all reported together.
+    """
+    problems: list[JobProblem] = []
+    clean: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str) or key not in FIELDS:
+            near = difflib.get_close_matches(str(key), FIELDS, n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            problems.append(JobProblem(str(key), value, f"unknown key; {hint}allowed keys: {', '.join(FIELDS)}"))
+            continue
+        value, why = _type_problem(key, value)
+        why = why or _rule_problem(key, value)
+        if why:
+            problems.append(JobProblem(key, value, why))
+        else:
+            clean[key] = value
+    if not problems:
+        job = Job(**clean)
+        if job.d_model % job.n_heads:
+            problems.append(JobProblem("n_heads", job.n_heads, f"must divide d_model ({job.d_model})"))
+    if problems:
+        raise JobError(source, problems)
+    return job
+
+
+def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> Job:
+    """Read and validate a job file (safe YAML). ``overrides`` win over the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise JobError(str(path), [JobProblem("(file)", str(path), "no such job file")])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise JobError(str(path), [JobProblem("(file)", path.name, f"is not valid YAML: {e}")]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise JobError(str(path), [JobProblem("(file)", type(data).__name__,
+                                              "must be a mapping of key: value lines")])
+    data.update(overrides or {})
+    return validate(data, str(path))
+
+
+_LITERALS = (str, int, float, bool, list, dict, type(None))  # what papermill can inject
+
+
+def from_namespace(namespace: dict[str, Any], before: set[str] | None = None,
+                   source: str = "notebook parameters") -> Job:
+    """Build a Job from a notebook's globals after its parameters cell ran.
+
+    ``before`` is the set of global names that existed before the parameters
+    cell: any other new, public name is a parameter papermill injected and is
+    checked, so a misspelt ``-p micro_bacth 4`` fails instead of being ignored.
+    """
+    values = {k: namespace[k] for k in FIELDS if k in namespace}
+    if before is not None:
+        for name in set(namespace) - set(before) - set(FIELDS):
+            if not name.startswith("_") and isinstance(namespace[name], _LITERALS):
+                values[name] = namespace[name]
+    return validate(values, source)
+
+
+def default_job_yaml() -> str:
+    """The embedded default job as YAML text, keys in declaration order."""
+    job = Job()
+    return yaml.safe_dump(job.to_dict(), sort_keys=False)

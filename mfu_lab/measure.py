@@ -1,0 +1,140 @@
+"""Timed training steps: per-step wall, data-wait and compute time, then their statistics.
+
+Each step's time is split three ways on the device's own timeline:
+
+- data: from the end of the previous step until this step's batch is on the
+  device (waiting on the DataLoader, plus the host-to-device copy);
+- compute: from the batch being ready until the optimiser step has finished;
+- host: the rest of the wall time (the loop's own bookkeeping).
+
+On CPU everything is synchronous and ``time.perf_counter`` brackets each
+phase. On CUDA the loop records CUDA events and never synchronises inside the
+loop (so the host may run ahead as in real training); events are read once at
+the end.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Timings:
+    """Per-step series, warm-up steps first (``warmup_steps`` of them)."""
+
+    wall_s: list[float]
+    data_s: list[float]
+    compute_s: list[float]
+    loss: list[float]
+    warmup_steps: int
+    method: str
+    peak_memory_bytes: int | None = None
+    peak_memory_note: str = ""
+
+    def measured(self, name: str) -> list[float]:
+        return getattr(self, name)[self.warmup_steps:]
+
+    @property
+    def host_s(self) -> list[float]:
+        return [max(w - d - c, 0.0) for w, d, c in zip(self.wall_s, self.data_s, self.compute_s)]
+
+
+@dataclass
+class Stats:
+    median: float
+    p10: float
+    p90: float
+    mean: float
+    std: float
+    cv: float  # coefficient of variation: std / mean
+    n: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default method), q in [0, 100]."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stats(values: list[float]) -> Stats:
+    if not values:
+        raise ValueError("no values to summarise")
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return Stats(statistics.median(values), percentile(values, 10), percentile(values, 90), mean, std,
+                 std / mean if mean else 0.0, len(values))
+
+
+Progress = Callable[[int, int, float], None]
+
+
+def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: int, steps: int,
+              progress: Progress | None = None) -> Timings:
+    """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor."""
+    if device.type == "cuda":
+        return _run_cuda(step, batches, device, warmup, steps, progress)
+    return _run_cpu(step, batches, device, warmup, steps, progress)
+
+
+def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
+    n = warmup + steps
+    wall, data, compute, losses = [], [], [], []
+    it = iter(batches)
+    start = prev_end = time.perf_counter()
+    for i in range(n):
+        t0 = time.perf_counter()
+        x, y = next(it)
+        x, y = x.to(device), y.to(device)
+        t1 = time.perf_counter()
+        losses.append(step(x, y))
+        end = time.perf_counter()
+        wall.append(end - prev_end)
+        data.append(t1 - t0)
+        compute.append(end - t1)
+        prev_end = end
+        if progress:
+            progress(i + 1, n, end - start)
+    return Timings(wall, data, compute, [float(v) for v in losses], warmup,
+                   "time.perf_counter around each phase (CPU runs synchronously)")
+
+
+def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pragma: no cover - GPU only
+    n = warmup + steps
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    ready, done = [ev() for _ in range(n)], [ev() for _ in range(n)]
+    origin = ev()
+    losses = []
+    torch.cuda.reset_peak_memory_stats(device)
+    it = iter(batches)
+    torch.cuda.synchronize(device)  # sync point: start from an idle device
+    start = time.perf_counter()
+    origin.record()
+    for i in range(n):
+        x, y = next(it)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        ready[i].record()
+        losses.append(step(x, y))
+        done[i].record()
+        if progress:
+            progress(i + 1, n, time.perf_counter() - start)
+    torch.cuda.synchronize(device)  # sync point: every event has completed before we read them
+    wall, data, compute = [], [], []
+    prev = origin
+    for r, d in zip(ready, done):
+        w = prev.elapsed_time(d) / 1e3
+        c = r.elapsed_time(d) / 1e3
+        wall.append(w)
+        compute.append(c)
+        data.append(max(w - c, 0.0))
+        prev = d
+    return Timings(wall, data, compute, torch.stack(losses).float().cpu().tolist(), warmup,
+                   "CUDA events on the device timeline (no synchronisation inside the loop)",
+                   torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated")

@@ -1,0 +1,244 @@
+"""Reports: each executed notebook as offline HTML, and the job's index page across steps.
+
+Both open with no network: the notebook export uses a template with every
+external script removed, and the index embeds its plots as PNG data URIs with
+inline CSS. Everything taken from results or job files is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from .results import RESULT_FILE, read_json
+from .steps import STEPS
+
+TEMPLATES = Path(__file__).parent / "templates"
+FAILURE_FILE = "failure.json"
+e = html.escape
+
+
+def export_html(notebook: Path, html_path: Path) -> Path:
+    """Executed notebook -> self-contained HTML (no script or style fetched from the network)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    exporter = HTMLExporter(template_name="offline", extra_template_basedirs=[str(TEMPLATES)])
+    exporter.exclude_input_prompt = True
+    exporter.exclude_output_prompt = True
+    body, _ = exporter.from_notebook_node(nb)
+    tmp = html_path.with_suffix(".html.tmp")
+    tmp.write_text(body, encoding="utf-8")
+    tmp.replace(html_path)
+    return html_path
+
+
+def fmt(value: float | None, unit: str) -> str:
+    """A metric value for people: fractions as %, FLOP and bytes with SI prefixes."""
+    if value is None:
+        return "n/a"
+    if unit == "fraction":
+        return f"{value:.1%}"
+    if unit in ("FLOP", "FLOP/s", "tokens/s", "bytes"):
+        for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(value) >= scale:
+                u = {"bytes": "B"}.get(unit, unit)
+                return f"{value / scale:.3g} {prefix}{u}"
+        return f"{value:.3g} {unit}"
+    if unit == "s":
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+    return f"{value:.4g} {unit}"
+
+
+def badge(source: str) -> str:
+    return f'<span class="src src-{e(source)}">{e(source)}</span>'
+
+
+PAGE_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
+color:#212529;line-height:1.45}
+h1{margin-bottom:.2em} .sub{color:#666;margin-top:0}
+"""
+# Scoped enough to embed in a notebook output without restyling the notebook itself.
+PART_CSS = """
+.mfu table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:.92em}
+.mfu td,.mfu th{border-bottom:1px solid #ddd;padding:.3em .7em;text-align:left;vertical-align:top}
+.mfu th{background:#f3f4f6}
+.mfu .cards{display:flex;flex-wrap:wrap;gap:.8em;margin:1em 0}
+.mfu .card{border:1px solid #ddd;border-radius:8px;padding:.6em 1em;min-width:150px}
+.mfu .card .v{font-size:1.5em;font-weight:600} .mfu .card .k{color:#555;font-size:.85em}
+.mfu .src{font-size:.72em;border-radius:4px;padding:.05em .4em;margin-left:.3em;color:#fff;background:#868e96}
+.mfu .src-measured{background:#2f9e44}.mfu .src-counted{background:#1971c2}.mfu .src-analytic{background:#5f3dc4}
+.mfu .src-datasheet{background:#495057}.mfu .src-emulated{background:#e8590c}.mfu .src-modelled{background:#c2255c}
+.mfu .act{color:#c92a2a;font-weight:600}.mfu .look{color:#e67700;font-weight:600}.mfu .info{color:#1971c2;font-weight:600}
+.mfu .failed{color:#c92a2a;font-weight:600}.mfu .ok{color:#2f9e44;font-weight:600}.mfu .notrun{color:#888}
+.mfu img{max-width:100%}
+"""
+CSS = PAGE_CSS + PART_CSS
+
+
+def _step_row(job_root: Path, info, result: dict | None) -> str:
+    folder = job_root / info.folder
+    links = []
+    for name, label in (("report.html", "report"), (info.notebook, "notebook"), (RESULT_FILE, "result.json")):
+        if (folder / name).exists():
+            links.append(f'<a href="{e(info.folder)}/{e(name)}">{label}</a>')
+    failure = read_json(folder / FAILURE_FILE) if (folder / FAILURE_FILE).exists() else None
+    if failure:
+        status = f'<span class="failed">failed</span><br><small>{e(failure.get("error", ""))}</small>'
+    elif result:
+        status = '<span class="ok">ok</span>'
+    else:
+        status = '<span class="notrun">not run</span>'
+    m = (result or {}).get("metrics", {})
+
+    def cell(name):
+        x = m.get(name)
+        return f"{fmt(x['value'], x['unit'])}{badge(x['source'])}" if x else ""
+
+    return (f"<tr><td>{info.number}</td><td>{e(info.title)}</td><td>{status}</td><td>{cell('mfu')}</td>"
+            f"<td>{cell('tokens_per_s')}</td><td>{cell('step_time_median_s')}</td><td>{' · '.join(links)}</td></tr>")
+
+
+def _metrics_table(metrics: dict[str, dict]) -> str:
+    rows = "".join(f"<tr><td>{e(k)}</td><td>{fmt(v['value'], v['unit'])}</td><td>{badge(v['source'])}</td>"
+                   f"<td><small>{e(v.get('note', ''))}</small></td></tr>" for k, v in metrics.items())
+    return f"<table><tr><th>metric</th><th>value</th><th>source</th><th>how</th></tr>{rows}</table>"
+
+
+def _baseline_section(d: dict[str, Any]) -> str:
+    from . import plots
+    from .steps.baseline import BaselineResult
+
+    r = BaselineResult.from_dict(d)
+    m = d["metrics"]
+    cards = "".join(
+        f'<div class="card"><div class="k">{e(label)}</div><div class="v">{fmt(m[k]["value"], m[k]["unit"])}</div>'
+        f'{badge(m[k]["source"])}</div>'
+        for label, k in (("MFU", "mfu"), ("HFU", "hfu"), ("tokens/s", "tokens_per_s"),
+                         ("median step", "step_time_median_s"), ("peak", "peak_flops_per_s")))
+    advice = "".join(f'<li><span class="{e(a.severity)}">{e(a.severity)}</span> {e(a.message)} '
+                     f"<small>({e(a.because)})</small></li>" for a in r.advice)
+    skipped = "".join(f"<li>{e(s['what'])}: {e(s['reason'])}</li>" for s in r.skipped) or "<li>nothing</li>"
+    ledger = "".join(f"<tr><td>{e(i.name)}</td><td>{i.fraction:.1%}</td><td>{badge(i.source)}</td>"
+                     f"<td><small>{e(i.explanation)}</small></td></tr>" for i in r.ledger.items)
+    env = "".join(f"<tr><td>{e(str(k))}</td><td>{e(str(v))}</td></tr>" for k, v in d["environment"].items())
+    h = r.health
+    health = (f"<p>{h.samples} NVML samples: max {h.temperature_c_max:.0f} C, SM clock {h.sm_clock_mhz_mean:.0f} of "
+              f"{h.sm_clock_mhz_max_supported:.0f} MHz, {h.power_w_mean:.0f} W; reasons seen: "
+              f"{e(', '.join(h.reasons_seen) or 'none')}</p>" if h.sampled
+              else f"<p>Skipped: {e(h.skipped_reason)}</p>")
+    return f"""
+<h2>Step 1 · baseline</h2>
+<div class="cards">{cards}</div>
+<img alt="MFU ledger waterfall" src="{plots.to_data_uri(plots.ledger_waterfall(r.ledger))}">
+<table><tr><th>ledger</th><th>share of peak</th><th>source</th><th>how</th></tr>{ledger}
+<tr><th>total</th><th>{r.ledger.total:.1%}</th><th></th><th></th></tr></table>
+<img alt="step times" src="{plots.to_data_uri(plots.step_times(r))}">
+<h3>What to do next</h3><ul>{advice or '<li>nothing stands out</li>'}</ul>
+<h3>All figures</h3>{_metrics_table(m)}
+<h3>Device health</h3>{health}
+<h3>Skipped, and why</h3><ul>{skipped}</ul>
+<h3>Environment</h3><table>{env}</table>"""
+
+
+SECTIONS = {"baseline": _baseline_section}
+
+
+def load_results(job_root: Path) -> dict[str, dict]:
+    """Every step's result.json under a job's output folder, by step key."""
+    out = {}
+    for info in STEPS:
+        p = job_root / info.folder / RESULT_FILE
+        if p.is_file():
+            out[info.key] = read_json(p)
+    return out
+
+
+def write_index(job_root: Path) -> Path:
+    """(Re)write ``<job_root>/index.html`` from whatever step results exist."""
+    from . import plots
+
+    job_root = Path(job_root)
+    results = load_results(job_root)
+    rows = "".join(_step_row(job_root, info, results.get(info.key)) for info in STEPS)
+    points = [(info.folder, results[info.key]["metrics"]["mfu"]["value"]) for info in STEPS
+              if info.key in results and results[info.key]["metrics"].get("mfu", {}).get("value") is not None]
+    progression = (f'<img alt="MFU progression" src="{plots.to_data_uri(plots.mfu_progression(points))}">'
+                   if points else "<p>No step has produced an MFU yet.</p>")
+    sections = "".join(SECTIONS[k](results[k]) for k in SECTIONS if k in results)
+    any_result = next(iter(results.values()), None)
+    env = any_result["environment"] if any_result else {}
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>mfu-lab · {e(job_root.name)}</title>
+<style>{CSS}</style></head><body class="mfu">
+<h1>mfu-lab · job <code>{e(job_root.name)}</code></h1>
+<p class="sub">{e(env.get('device_name', ''))} · torch {e(str(env.get('torch', '')))} · workbook commit
+{e(str(env.get('git_commit', '')))} · labels say where each number comes from:
+{''.join(badge(s) for s in ('measured', 'counted', 'analytic', 'datasheet', 'emulated', 'modelled'))}</p>
+{progression}
+<table><tr><th>#</th><th>step</th><th>status</th><th>MFU</th><th>tokens/s</th><th>median step</th><th>files</th></tr>
+{rows}</table>
+{sections}
+</body></html>
+"""
+    path = job_root / "index.html"
+    job_root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------ notebook and terminal views
+class Html(str):
+    """HTML that Jupyter renders (``_repr_html_``) and a terminal prints as markup."""
+
+    def _repr_html_(self) -> str:
+        return str(self)
+
+
+def _as_dict(result) -> dict[str, Any]:
+    from .results import _jsonable
+
+    return result if isinstance(result, dict) else _jsonable(result)
+
+
+def metrics_view(result) -> Html:
+    """Every metric of a result with its value, source label and how it was obtained."""
+    return Html(f'<style>{PART_CSS}</style><div class="mfu">{_metrics_table(_as_dict(result)["metrics"])}</div>')
+
+
+def ledger_view(result) -> Html:
+    """The ledger as a table: each part, its share of peak, its source and how it was computed."""
+    items = _as_dict(result)["ledger"]["items"]
+    rows = "".join(f"<tr><td>{e(i['name'])}</td><td>{i['fraction']:.1%}</td><td>{badge(i['source'])}</td>"
+                   f"<td><small>{e(i['explanation'])}</small></td></tr>" for i in items)
+    total = sum(i["fraction"] for i in items)
+    return Html(f'<style>{PART_CSS}</style><div class="mfu"><table><tr><th>part</th><th>share of peak</th>'
+                f"<th>source</th><th>how</th></tr>{rows}<tr><th>total</th><th>{total:.1%}</th><th></th><th></th>"
+                "</tr></table></div>")
+
+
+def advice_view(result) -> Html:
+    d = _as_dict(result)
+    items = "".join(f'<li><b>{e(a["severity"])}</b>: {e(a["message"])} <small>({e(a["because"])})</small></li>'
+                    for a in d.get("advice", []))
+    skipped = "".join(f"<li>{e(s['what'])}: {e(s['reason'])}</li>" for s in d.get("skipped", []))
+    return Html(f"<ul>{items or '<li>nothing stands out</li>'}</ul>"
+                + (f"<p>Skipped, and why:</p><ul>{skipped}</ul>" if skipped else ""))
+
+
+def text_summary(result) -> str:
+    """A plain-text table of a result's metrics, for the terminal."""
+    d = _as_dict(result)
+    rows = [(k, fmt(v["value"], v["unit"]), v["source"]) for k, v in d["metrics"].items()]
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{k:<{w}}  {v:>14}  [{s}]" for k, v, s in rows]
+    for a in d.get("advice", []):
+        lines.append(f"- {a['severity']}: {a['message']} ({a['because']})")
+    for s in d.get("skipped", []):
+        lines.append(f"- skipped {s['what']}: {s['reason']}")
+    return "\n".join(lines)

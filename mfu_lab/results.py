@@ -1,0 +1,126 @@
+"""Results: labelled metrics, the environment they were measured in, atomic JSON files.
+
+Every number carries its source (DESIGN.md, "Honesty of every number"):
+measured | counted | analytic | datasheet | emulated | modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+
+SOURCES = ("measured", "counted", "analytic", "datasheet", "emulated", "modelled")
+RESULT_FILE = "result.json"
+
+
+@dataclass
+class Metric:
+    value: float | None
+    unit: str
+    source: str
+    note: str = ""
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"metric source must be one of {SOURCES}, got {self.source!r}")
+        if self.value is not None and not math.isfinite(self.value):
+            raise ValueError(f"metric value must be finite or None, got {self.value!r}")
+
+
+def git_commit(path: Path | None = None) -> str:
+    """Commit of the workbook's checkout, '+dirty' when it has uncommitted changes; 'unknown' outside git."""
+    here = path or Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device_name: str, device_type: str) -> dict[str, Any]:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mfu_lab": __version__,
+        "git_commit": git_commit(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "device_type": device_type,
+        "device_name": device_name,
+        "torch_threads": torch.get_num_threads(),
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device_type == "cuda":  # pragma: no cover - GPU only
+        env["cuda"] = torch.version.cuda
+        env["hip"] = getattr(torch.version, "hip", None)
+        env["gpu_count"] = torch.cuda.device_count()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            pynvml.nvmlShutdown()
+        except Exception as e:
+            env["driver"] = f"unknown ({e})"
+    return env
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None  # JSON has no NaN/inf; null means "no value"
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write JSON so that ``path`` holds either the old file or the complete new one, never half.
+
+    The text goes to a temporary file in the same folder, is flushed to disk,
+    then renamed over ``path`` (``os.replace`` is atomic on POSIX and Windows).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_jsonable(data), indent=2, allow_nan=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def metric_value(result: dict[str, Any], name: str) -> float | None:
+    m = result.get("metrics", {}).get(name)
+    return None if m is None else m.get("value")

@@ -1,0 +1,28 @@
+"""The workbook's steps, in order. Each has a module with ``run(job) -> result`` and a notebook."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    key: str  # used on the command line: --steps baseline
+    number: int
+    folder: str  # output folder and notebook stem, e.g. 01_baseline
+    title: str
+    module: str
+
+    @property
+    def notebook(self) -> str:
+        return f"{self.folder}.ipynb"
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+
+STEPS: tuple[StepInfo, ...] = (
+    StepInfo("baseline", 1, "01_baseline", "Baseline: where does the step time go today?", "mfu_lab.steps.baseline"),
+)
+BY_KEY = {s.key: s for s in STEPS}

@@ -1,0 +1,207 @@
+"""Step 1, baseline: where does the step time go today?
+
+``run(job)`` trains the job's model for a few warm-up and measured steps and
+returns a :class:`BaselineResult`: step-time statistics, tokens/s, MFU and HFU,
+FLOPs (analytic and counted), the MFU ledger, device health and advice. It
+writes ``<out>/<job>/01_baseline/result.json`` and refreshes the job's index page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import device as dev
+from .. import flops as fl
+from ..advice import Advice, baseline_advice
+from ..health import HealthSampler, HealthSummary
+from ..job import Job
+from ..ledger import Ledger, LedgerItem, single_process_ledger
+from ..measure import Stats, Timings, run_steps, stats
+from ..progress import printer
+from ..results import RESULT_FILE, Metric, environment, write_json_atomic
+from ..workload import GPT, build_loader, build_model, build_train_step
+from . import BY_KEY
+
+INFO = BY_KEY["baseline"]
+FLOP_TOLERANCE = 0.02  # counted vs analytic FLOPs above this is shown as a disagreement
+
+
+@dataclass
+class FlopReport:
+    """FLOPs of one training step (forward + backward), analytic and counted."""
+
+    model_flops_per_step: float
+    model_flops_source: str  # analytic (reference model) or counted (user model)
+    hardware_flops_per_step: float
+    analytic_flops_per_step: float | None
+    counted_flops_per_step: float
+    counted_hardware_flops_per_step: float
+    disagreement: float | None  # |counted - analytic| / analytic
+    convention: str
+    formula: str
+    counted_by_op: dict[str, int]
+    matmul_params: int | None
+
+
+@dataclass
+class BaselineResult:
+    step: str
+    job: dict[str, Any]
+    environment: dict[str, Any]
+    metrics: dict[str, Metric]
+    timings: Timings
+    step_stats: Stats
+    ledger: Ledger
+    health: HealthSummary
+    flops: FlopReport
+    peak: dict[str, Any]
+    advice: list[Advice]
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    status: str = "ok"
+
+    def metric(self, name: str) -> float | None:
+        return self.metrics[name].value
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BaselineResult:
+        return cls(
+            d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
+            Timings(**d["timings"]), Stats(**d["step_stats"]), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
+            HealthSummary(**d["health"]), FlopReport(**d["flops"]), d["peak"], [Advice(**a) for a in d["advice"]],
+            d.get("skipped", []), d.get("elapsed_s", 0.0), d.get("status", "ok"),
+        )
+
+
+def count_step_flops(job: Job, model: torch.nn.Module, train_step, x, y) -> FlopReport:
+    """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward."""
+
+    def fwd_bwd():
+        train_step.loss(x, y).backward()
+        model.zero_grad(set_to_none=True)
+
+    tokens = x.numel()
+    ckpt = isinstance(model, GPT) and model.activation_checkpointing
+    if ckpt:  # model FLOPs are counted without the recompute, hardware FLOPs with it
+        model.activation_checkpointing = False
+        counted = fl.count_flops(fwd_bwd)
+        model.activation_checkpointing = True
+        counted_hw = fl.count_flops(fwd_bwd).total
+    else:
+        counted = fl.count_flops(fwd_bwd)
+        counted_hw = counted.total
+    if isinstance(model, GPT):
+        n = model.matmul_params()
+        analytic = fl.transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
+        hardware = fl.hardware_flops_per_token(
+            n, model.n_layers, model.d_model, x.size(1),
+            recomputed_params=model.block_matmul_params() if ckpt else 0,
+            recomputed_layers=model.n_layers if ckpt else 0) * tokens
+        return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw,
+                          abs(counted.total - analytic) / analytic, "palm",
+                          "6N + 12*L*d*T per token (PaLM, appendix B); N = matmul parameters", counted.by_op, n)
+    return FlopReport(float(counted.total), "counted", float(counted_hw), None, counted.total, counted_hw, None,
+                      "counted", "FlopCounterMode over one forward+backward (no formula knows a user model)",
+                      counted.by_op, None)
+
+
+def _peak_memory(timings: Timings, device_type: str) -> Metric:
+    if timings.peak_memory_bytes is not None:
+        return Metric(float(timings.peak_memory_bytes), "bytes", "measured", timings.peak_memory_note)
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return Metric(float(rss_kib * 1024), "bytes", "measured",
+                  "peak resident memory of the whole process since it started (CPU run)")
+
+
+def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
+    """Measure the job's baseline; see the module docstring."""
+    t_start = time.perf_counter()
+    progress = progress or printer("baseline steps")
+    device = dev.resolve_device(job.device)
+    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    skipped = []
+    if job.pin_memory and device.type == "cpu":
+        skipped.append({"what": "pin_memory", "reason": "pinned memory only speeds host-to-GPU copies; CPU run"})
+    peak = dev.resolve_peak(device, job.dtype, job.peak_flops)
+
+    model = build_model(job).to(torch_device).train()
+    train_step = build_train_step(job, model, device.type)
+    loader = build_loader(job, job.warmup_steps + job.steps, device.type)
+    # one batch for counting FLOPs, from an in-process loader so no worker starts for it
+    x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
+    report = count_step_flops(job, model, train_step, x0.to(torch_device), y0.to(torch_device))
+
+    with HealthSampler(device.type, device.name, device.index) as sampler:
+        timings = run_steps(train_step, loader, torch_device, job.warmup_steps, job.steps, progress)
+    health = sampler.summary()
+    if not health.sampled:
+        skipped.append({"what": "device health (NVML)", "reason": health.skipped_reason})
+
+    wall = timings.measured("wall_s")
+    total_wall = sum(wall)
+    st = stats(wall)
+    n = len(wall)
+    tokens_per_s = job.tokens_per_step * n / total_wall
+    mfu_value = report.model_flops_per_step * n / (peak.flops_per_s * total_wall)
+    hfu_value = report.hardware_flops_per_step * n / (peak.flops_per_s * total_wall)
+    ledger = single_process_ledger(timings, mfu_value, health)
+    data_f, compute_f = ledger_part(timings, "data_s"), ledger_part(timings, "compute_s")
+    window = f"over {n} measured steps ({job.warmup_steps} warm-up discarded)"
+    metrics = {
+        "mfu": Metric(mfu_value, "fraction", "measured",
+                      f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time) "
+                      + window),
+        "hfu": Metric(hfu_value, "fraction", "measured", "as MFU, counting recomputed activations' FLOPs too"),
+        "step_time_median_s": Metric(st.median, "s", "measured", timings.method),
+        "step_time_p10_s": Metric(st.p10, "s", "measured"),
+        "step_time_p90_s": Metric(st.p90, "s", "measured"),
+        "step_time_cv": Metric(st.cv, "fraction", "measured", "standard deviation / mean of step times"),
+        "tokens_per_s": Metric(tokens_per_s, "tokens/s", "measured", "tokens per step x steps / total wall " + window),
+        "model_flops_per_step": Metric(report.model_flops_per_step, "FLOP", report.model_flops_source, report.formula),
+        "hardware_flops_per_step": Metric(report.hardware_flops_per_step, "FLOP", report.model_flops_source,
+                                          "model FLOPs + recomputed forward (activation checkpointing)"),
+        "counted_flops_per_step": Metric(float(report.counted_flops_per_step), "FLOP", "counted",
+                                         "torch.utils.flop_counter.FlopCounterMode, one forward+backward"),
+        "flops_disagreement": Metric(report.disagreement, "fraction", "analytic",
+                                     "|counted - analytic| / analytic; shown when above "
+                                     f"{FLOP_TOLERANCE:.0%}" if report.disagreement is not None
+                                     else "no formula applies to a user model"),
+        "peak_flops_per_s": Metric(peak.flops_per_s, "FLOP/s", peak.source, peak.note),
+        "achieved_flops_per_s": Metric(mfu_value * peak.flops_per_s, "FLOP/s", "measured",
+                                       "model FLOPs per second over the measured steps"),
+        "data_wait_fraction": Metric(data_f, "fraction", "measured",
+                                     "time waiting for the batch (loader + copy) / wall time"),
+        "host_fraction": Metric(max(0.0, 1 - data_f - compute_f), "fraction", "measured",
+                                "loop bookkeeping outside data and compute / wall time"),
+        "compute_fraction": Metric(compute_f, "fraction", "measured", "forward + backward + optimiser / wall time"),
+        "peak_memory_bytes": _peak_memory(timings, device.type),
+        "final_loss": Metric(timings.loss[-1], "nats", "measured", "training loss of the last step"),
+    }
+    result = BaselineResult(
+        "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
+        report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], skipped)
+    result.advice = baseline_advice(result, FLOP_TOLERANCE)
+    result.elapsed_s = time.perf_counter() - t_start
+    if write:
+        save(job, result)
+    return result
+
+
+def ledger_part(timings: Timings, name: str) -> float:
+    return sum(timings.measured(name)) / sum(timings.measured("wall_s"))
+
+
+def save(job: Job, result: BaselineResult) -> Path:
+    """Write result.json atomically and refresh the job's index page."""
+    from ..report import write_index
+
+    path = write_json_atomic(job.step_dir(INFO.folder) / RESULT_FILE, result)
+    write_index(job.output_root())
+    return path

@@ -1,0 +1,231 @@
+"""The workload: a model, synthetic token data through a real DataLoader, a training step.
+
+The reference model is a small decoder-only GPT (nanoGPT's layout: pre-norm
+blocks, GELU MLP of width 4d, tied input/output embedding) whose attention can
+switch between an explicit unfused softmax(QK^T)V and fused SDPA. A user's own
+model comes from ``package.module:function`` in the job file: the function
+returns an ``nn.Module`` mapping token ids (batch, seq) to logits, or a Hugging
+Face causal LM whose output has ``.logits``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import StepError
+from .job import Job, find_workbook_root
+
+
+# ------------------------------------------------------------------ reference GPT
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, attention: str):
+        super().__init__()
+        self.n_heads, self.attention = n_heads, attention
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # unfused: the T x T score matrix is written to memory and read back
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, attention: str):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, attention)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(idx) -> logits`` of shape (batch, seq, vocab)."""
+
+    def __init__(self, n_layers: int, n_heads: int, d_model: int, vocab_size: int, seq_len: int,
+                 attention: str = "sdpa", activation_checkpointing: bool = False):
+        super().__init__()
+        self.n_layers, self.d_model, self.seq_len = n_layers, d_model, seq_len
+        self.activation_checkpointing = activation_checkpointing
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, attention) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases (keeps first losses near ln(vocab))."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def set_attention(self, attention: str) -> None:
+        for block in self.blocks:
+            block.attn.attention = attention
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def matmul_params(self) -> int:
+        """Parameters that multiply activations: every Linear weight (the tied head once)."""
+        seen, n = set(), 0
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and id(m.weight) not in seen:
+                seen.add(id(m.weight))
+                n += m.weight.numel()
+        return n
+
+    def block_matmul_params(self) -> int:
+        """Matmul parameters inside the transformer blocks (what checkpointing recomputes)."""
+        return sum(m.weight.numel() for b in self.blocks for m in b.modules() if isinstance(m, nn.Linear))
+
+
+# ------------------------------------------------------------------ user models
+def load_user_model(spec: str, kwargs: dict) -> nn.Module:
+    """Import ``package.module:function`` and call it with ``kwargs``; it must return an nn.Module.
+
+    The workbook root and the current directory are importable, so a model file
+    kept beside the job (e.g. ``my_models.py``) works without packaging.
+    """
+    module_name, func_name = spec.split(":")
+    for path in (str(Path.cwd()), str(find_workbook_root())):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise StepError(f"job key 'model' = {spec!r}: cannot import module '{module_name}': {e}") from e
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise StepError(f"job key 'model' = {spec!r}: module '{module_name}' has no function '{func_name}'")
+    model = func(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise StepError(f"job key 'model' = {spec!r}: {func_name}() returned {type(model).__name__}, "
+                        "expected a torch.nn.Module mapping token ids (batch, seq) to logits")
+    return model
+
+
+def logits_of(output) -> torch.Tensor:
+    """Logits from a model's output: a tensor, or an object with ``.logits`` (Hugging Face)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise StepError(f"the model returned {type(output).__name__}; expected logits (batch, seq, vocab) "
+                    "or an object with a .logits tensor")
+
+
+def build_model(job: Job) -> nn.Module:
+    torch.manual_seed(job.seed)
+    if job.uses_reference_model:
+        return GPT(job.n_layers, job.n_heads, job.d_model, job.vocab_size, job.seq_len,
+                   job.attention, job.activation_checkpointing)
+    return load_user_model(job.model, job.model_kwargs)
+
+
+# ------------------------------------------------------------------ data
+class SyntheticTokens(Dataset):
+    """Seeded random token ids; sample i is the same on every run and in every worker.
+
+    ``load_ms`` sleeps that long per batch (spread over its samples) to stand in
+    for storage or decoding latency, so a slow loader can be demonstrated.
+    """
+
+    def __init__(self, n_samples: int, seq_len: int, vocab_size: int, seed: int, load_ms_per_sample: float = 0.0):
+        self.n, self.seq_len, self.vocab, self.seed = n_samples, seq_len, vocab_size, seed
+        self.load_s = load_ms_per_sample / 1000.0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.load_s:
+            time.sleep(self.load_s)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        tokens = torch.randint(self.vocab, (self.seq_len + 1,), generator=g)
+        return tokens[:-1], tokens[1:]
+
+
+def build_loader(job: Job, n_batches: int, device_type: str) -> DataLoader:
+    ds = SyntheticTokens(n_batches * job.micro_batch, job.seq_len, job.vocab_size, job.seed,
+                         job.synthetic_load_ms / job.micro_batch)
+    workers = job.num_workers
+    return DataLoader(ds, batch_size=job.micro_batch, shuffle=False, drop_last=True, num_workers=workers,
+                      prefetch_factor=job.prefetch_factor if workers else None,
+                      pin_memory=job.pin_memory and device_type == "cuda")
+
+
+# ------------------------------------------------------------------ training step
+@dataclass
+class TrainStep:
+    """One optimiser step: forward, loss, backward, AdamW update (autocast for bf16/fp16)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device_type: str
+    dtype: str
+    vocab_size: int
+
+    def __post_init__(self):
+        self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            logits = logits_of(self.model(x))
+        if logits.shape[:2] != x.shape or logits.size(-1) != self.vocab_size:
+            raise StepError(f"the model's logits have shape {tuple(logits.shape)}; expected "
+                            f"({x.size(0)}, {x.size(1)}, vocab_size={self.vocab_size}). "
+                            "Set vocab_size in the job to the model's vocabulary")
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(x, y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    return TrainStep(model, opt, device_type, job.dtype, job.vocab_size)
