@@ -63,7 +63,8 @@ class Job:
     num_workers: int = _key(0, "DataLoader worker processes (0: load in the training process)", min=0)
     prefetch_factor: int = _key(2, "batches each worker loads ahead (used when num_workers > 0)", min=1)
     pin_memory: bool = _key(False, "pin host batches for faster copies (CUDA only; ignored on CPU)")
-    synthetic_load_ms: float = _key(0.0, "simulated loading latency per batch, in ms (a sleep standing in for storage or decoding)", min=0.0)
+    synthetic_load_ms: float = _key(0.0, "simulated loading latency per batch, in ms (a sleep standing in for "
+                                    "storage or decoding)", min=0.0)
     # --- training ---
     micro_batch: int = _key(8, "samples per training step", min=1)
     steps: int = _key(20, "measured training steps (at least 2, so a spread exists)", min=2)
@@ -82,6 +83,15 @@ class Job:
     @property
     def uses_reference_model(self) -> bool:
         return self.model == "gpt"
+
+    def _repr_html_(self) -> str:
+        """A notebook shows the job as a table of key, value and help."""
+        from html import escape
+
+        rows = "".join(f"<tr><td><code>{escape(k)}</code></td><td>{escape(repr(v))}</td>"
+                       f"<td><small>{escape(FIELDS[k].metadata['help'])}</small></td></tr>"
+                       for k, v in self.to_dict().items())
+        return f"<table><tr><th>key</th><th>value</th><th>meaning</th></tr>{rows}</table>"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

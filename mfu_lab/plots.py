@@ -8,8 +8,18 @@ import io
 import matplotlib.ticker
 from matplotlib.figure import Figure
 
-# Figures are built without pyplot: nothing is registered globally, so a notebook
-# shows each returned figure exactly once and headless runs need no backend choice.
+# Figures are built without pyplot: nothing is registered globally, so headless runs
+# need no backend choice, and a notebook shows each returned figure exactly once,
+# through the figure's own _repr_png_.
+
+
+class ReportFigure(Figure):
+    """A Figure that Jupyter displays as PNG when a cell returns it."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=110)
+        return buf.getvalue()
 
 COLORS = {"compute": "#3b6fb6", "data": "#e8912d", "host": "#9a9a9a",
           "mfu": "#2f9e44", "hardware": "#c92a2a", "structure": "#7048e8", "software": "#e8912d",
@@ -19,7 +29,7 @@ COLORS = {"compute": "#3b6fb6", "data": "#e8912d", "host": "#9a9a9a",
 def step_times(result) -> Figure:
     """Per-step timeline (data / compute / host stacked; warm-up shaded) and the measured distribution."""
     t = result.timings
-    fig = Figure(figsize=(11, 3.6))
+    fig = ReportFigure(figsize=(11, 3.6))
     ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
     steps = list(range(1, len(t.wall_s) + 1))
     ms = lambda xs: [v * 1e3 for v in xs]  # noqa: E731
@@ -49,7 +59,7 @@ def step_times(result) -> Figure:
 
 def ledger_waterfall(ledger, title: str = "MFU ledger: where the peak goes") -> Figure:
     """100% of peak, minus each named loss, down to MFU."""
-    fig = Figure(figsize=(8, 3.8))
+    fig = ReportFigure(figsize=(8, 3.8))
     ax = fig.subplots()
     losses = [i for i in ledger.items if i.name != "mfu"]
     mfu_item = ledger.get("mfu")
@@ -79,7 +89,7 @@ def ledger_waterfall(ledger, title: str = "MFU ledger: where the peak goes") -> 
 
 def mfu_progression(points: list[tuple[str, float]]) -> Figure:
     """MFU after each step that has run, in workbook order."""
-    fig = Figure(figsize=(max(4, 1.3 * len(points) + 2), 3.2))
+    fig = ReportFigure(figsize=(max(4, 1.3 * len(points) + 2), 3.2))
     ax = fig.subplots()
     names = [p[0] for p in points]
     values = [p[1] for p in points]
@@ -94,8 +104,6 @@ def mfu_progression(points: list[tuple[str, float]]) -> Figure:
     return fig
 
 
-def to_data_uri(fig: Figure) -> str:
+def to_data_uri(fig: ReportFigure) -> str:
     """PNG data URI for embedding in an offline HTML page."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return "data:image/png;base64," + base64.b64encode(fig._repr_png_()).decode("ascii")

@@ -72,7 +72,8 @@ PART_CSS = """
 .mfu .src{font-size:.72em;border-radius:4px;padding:.05em .4em;margin-left:.3em;color:#fff;background:#868e96}
 .mfu .src-measured{background:#2f9e44}.mfu .src-counted{background:#1971c2}.mfu .src-analytic{background:#5f3dc4}
 .mfu .src-datasheet{background:#495057}.mfu .src-emulated{background:#e8590c}.mfu .src-modelled{background:#c2255c}
-.mfu .act{color:#c92a2a;font-weight:600}.mfu .look{color:#e67700;font-weight:600}.mfu .info{color:#1971c2;font-weight:600}
+.mfu .act{color:#c92a2a;font-weight:600}.mfu .look{color:#e67700;font-weight:600}
+.mfu .info{color:#1971c2;font-weight:600}
 .mfu .failed{color:#c92a2a;font-weight:600}.mfu .ok{color:#2f9e44;font-weight:600}.mfu .notrun{color:#888}
 .mfu img{max-width:100%}
 """

@@ -64,7 +64,7 @@ def environment(device_name: str, device_type: str) -> dict[str, Any]:
         "device_type": device_type,
         "device_name": device_name,
         "torch_threads": torch.get_num_threads(),
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     if device_type == "cuda":  # pragma: no cover - GPU only
         env["cuda"] = torch.version.cuda
@@ -110,6 +110,7 @@ def write_json_atomic(path: Path, data: Any) -> Path:
             f.write(text + "\n")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -108,9 +108,15 @@ class GPT(nn.Module):
                 n += m.weight.numel()
         return n
 
-    def block_matmul_params(self) -> int:
-        """Matmul parameters inside the transformer blocks (what checkpointing recomputes)."""
-        return sum(m.weight.numel() for b in self.blocks for m in b.modules() if isinstance(m, nn.Linear))
+    def recomputed_matmul_params(self) -> int:
+        """Matmul parameters whose forward activation checkpointing runs again in backward.
+
+        torch's non-reentrant checkpoint stops recomputing once every tensor the
+        backward needs is back ("early stop"), so each block's last matmul, the MLP
+        down-projection, whose output no backward needs, is not recomputed.
+        """
+        return sum(m.weight.numel() for b in self.blocks for m in b.modules()
+                   if isinstance(m, nn.Linear) and m is not b.mlp[-1])
 
 
 # ------------------------------------------------------------------ user models

@@ -102,7 +102,7 @@ def count_step_flops(job: Job, model: torch.nn.Module, train_step, x, y) -> Flop
         analytic = fl.transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
         hardware = fl.hardware_flops_per_token(
             n, model.n_layers, model.d_model, x.size(1),
-            recomputed_params=model.block_matmul_params() if ckpt else 0,
+            recomputed_params=model.recomputed_matmul_params() if ckpt else 0,
             recomputed_layers=model.n_layers if ckpt else 0) * tokens
         return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw,
                           abs(counted.total - analytic) / analytic, "palm",

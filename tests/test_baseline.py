@@ -1,0 +1,66 @@
+import dataclasses
+import json
+
+import pytest
+
+from mfu_lab.results import read_json
+from mfu_lab.steps import baseline
+
+REQUIRED = {"mfu", "hfu", "step_time_median_s", "tokens_per_s", "model_flops_per_step", "counted_flops_per_step",
+            "peak_flops_per_s", "data_wait_fraction"}
+
+
+def test_baseline_result_is_complete_and_consistent(tiny_job):
+    r = baseline.run(tiny_job, progress=lambda *a: None)
+    path = tiny_job.step_dir("01_baseline") / "result.json"
+    d = read_json(path)
+    assert REQUIRED <= set(d["metrics"])
+    for m in d["metrics"].values():
+        assert m["source"] in ("measured", "counted", "analytic", "datasheet")
+    assert d["job"]["job_name"] == "tiny" and d["environment"]["torch"]
+    # MFU recomputed independently from the stored series, FLOPs and peak
+    wall = r.timings.wall_s[r.timings.warmup_steps:]
+    expected = r.metric("model_flops_per_step") * len(wall) / (r.metric("peak_flops_per_s") * sum(wall))
+    assert r.metric("mfu") == pytest.approx(expected)
+    assert r.metric("tokens_per_s") == pytest.approx(4 * 32 * len(wall) / sum(wall))
+    assert r.metric("hfu") == pytest.approx(r.metric("mfu"))  # nothing recomputed
+    assert r.metric("counted_flops_per_step") == pytest.approx(r.metric("model_flops_per_step"), rel=0.02)
+    assert r.ledger.total == pytest.approx(1.0)
+    assert r.peak["source"] == "measured"
+    assert any("NVML" in s["what"] for s in r.skipped)
+    # the index page summarises it
+    index = (tiny_job.output_root() / "index.html").read_text()
+    assert "01_baseline" in index and "data:image/png;base64" in index
+    # round-trip through JSON to the typed result
+    again = baseline.BaselineResult.from_dict(json.loads(path.read_text()))
+    assert again.metric("mfu") == r.metric("mfu")
+
+
+def test_slow_loader_shows_as_software_loss_and_advice(tiny_job):
+    job = dataclasses.replace(tiny_job, synthetic_load_ms=40.0)
+    r = baseline.run(job, progress=lambda *a: None, write=False)
+    assert r.metric("data_wait_fraction") > 0.2
+    assert r.ledger.get("software").fraction >= r.metric("data_wait_fraction")
+    act = [a for a in r.advice if a.severity == "act" and "num_workers" in a.message]
+    assert act and "data wait" in act[0].because
+
+
+def test_activation_checkpointing_raises_hfu_above_mfu(tiny_job):
+    r = baseline.run(dataclasses.replace(tiny_job, activation_checkpointing=True), progress=lambda *a: None,
+                     write=False)
+    assert r.metric("hfu") > r.metric("mfu")
+    assert r.flops.counted_hardware_flops_per_step == pytest.approx(r.metric("hardware_flops_per_step"), rel=0.02)
+
+
+def test_user_model_flops_are_counted(tiny_job):
+    job = dataclasses.replace(tiny_job, model="tests.fixtures.tiny_models:bigram", model_kwargs={"vocab_size": 128})
+    r = baseline.run(job, progress=lambda *a: None, write=False)
+    assert r.metrics["model_flops_per_step"].source == "counted"
+    # one Linear(16 -> 128) per token: 2*16*128 forward, twice that backward
+    assert r.metric("model_flops_per_step") == 6 * 16 * 128 * 4 * 32
+    assert r.metric("flops_disagreement") is None
+
+
+def test_peak_override_is_used(tiny_job):
+    r = baseline.run(dataclasses.replace(tiny_job, peak_flops=1e15), progress=lambda *a: None, write=False)
+    assert r.metric("peak_flops_per_s") == 1e15 and "job file" in r.metrics["peak_flops_per_s"].note

@@ -1,0 +1,45 @@
+import json
+
+from mfu_lab.cli import main
+
+from .conftest import TINY
+
+
+def test_validate_reports_bad_file_with_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("micro_batch: -3\ndtype: fp4\n")
+    assert main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "key 'micro_batch' = -3" in err and "key 'dtype' = 'fp4'" in err
+
+
+def test_validate_prints_the_resolved_job(capsys):
+    assert main(["validate", str(TINY), "-p", "micro_batch=2"]) == 0
+    assert "micro_batch: 2" in capsys.readouterr().out
+
+
+def test_bad_command_line_values_exit_2(capsys):
+    assert main(["run", str(TINY), "--steps", "baseline,nosuch"]) == 2
+    assert "nosuch" in capsys.readouterr().err
+    assert main(["validate", str(TINY), "-p", "micro_batch"]) == 2
+    assert "key=value" in capsys.readouterr().err
+    assert main(["validate", str(TINY), "-p", "micro_batch=lots"]) == 2
+
+
+def test_keys_lists_every_key(capsys):
+    assert main(["keys"]) == 0
+    out = capsys.readouterr().out
+    assert "micro_batch" in out and "peak_flops" in out
+
+
+def test_step_runs_in_plain_python(tmp_path, capsys):
+    assert main(["step", "baseline", "--job", str(TINY), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mfu" in out and "[measured]" in out
+    result = json.loads((tmp_path / "tiny" / "01_baseline" / "result.json").read_text())
+    assert result["metrics"]["mfu"]["value"] > 0
+    assert (tmp_path / "tiny" / "index.html").is_file()
+
+
+def test_report_needs_an_existing_folder(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2

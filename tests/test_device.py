@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+from mfu_lab import device as dev
+from mfu_lab.errors import DeviceError
+
+T = 1e12
+
+
+@pytest.mark.parametrize("name,dtype,expected", [
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312 * T),
+    ("NVIDIA A100-PCIE-40GB", "float16", 312 * T),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989.4 * T),
+    ("NVIDIA H100 PCIe", "bfloat16", 756 * T),
+    ("NVIDIA H100 NVL", "bfloat16", 835.5 * T),
+    ("NVIDIA H200", "bfloat16", 989.4 * T),
+    ("NVIDIA B200", "bfloat16", 2250 * T),
+    ("NVIDIA L40S", "bfloat16", 362.05 * T),
+    ("AMD Instinct MI300X", "bfloat16", 1307.4 * T),
+])
+def test_datasheet_peaks(name, dtype, expected):
+    peak = dev.datasheet_peak(name, dtype)
+    assert peak.flops_per_s == expected
+    assert peak.source == "datasheet"
+    assert "datasheet" in peak.note or "data sheet" in peak.note
+
+
+def test_every_chip_has_a_source_and_dense_ordering():
+    for chip in dev.PEAK_TABLE:
+        assert chip.source
+        assert chip.fp32 < chip.tf32 < chip.bf16 == chip.fp16
+        assert chip.fp8 is None or chip.fp8 == pytest.approx(2 * chip.bf16, rel=0.02)
+
+
+def test_float32_uses_tf32_only_when_torch_allows_it():
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert dev.datasheet_peak("NVIDIA H100 80GB HBM3", "float32").flops_per_s == 67 * T
+        torch.set_float32_matmul_precision("high")
+        assert dev.datasheet_peak("NVIDIA H100 80GB HBM3", "float32").flops_per_s == 494.7 * T
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_unknown_gpu_asks_for_peak_flops_instead_of_guessing():
+    with pytest.raises(DeviceError, match="peak_flops") as e:
+        dev.datasheet_peak("NVIDIA GeForce GTX 1080", "bfloat16")
+    assert "GTX 1080" in str(e.value)
+
+
+def test_override_wins_and_cpu_peak_is_measured():
+    cpu = dev.DeviceInfo("cpu", "test cpu", None, None, 1)
+    assert dev.resolve_peak(cpu, "float32", 5e9).flops_per_s == 5e9
+    gpu = dev.DeviceInfo("cuda", "NVIDIA H200", 0, "9.0", None)
+    assert dev.resolve_peak(gpu, "bfloat16", None).flops_per_s == 989.4 * T
+    measured = dev.resolve_peak(cpu, "float32", None)
+    assert measured.source == "measured" and measured.flops_per_s > 1e8
+
+
+def test_measured_peak_is_consistent_with_an_independent_timing():
+    import time
+
+    rate, note = dev.measure_matmul_peak(torch.float32, sizes=(256,), budget_s=0.3)
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    independent = 20 * 2 * 256**3 / (time.perf_counter() - t0)
+    assert rate >= 0.5 * independent  # the best case is at least as good as an average, within noise
+    assert "n=256" in note
+
+
+def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="device 'cuda'"):
+        dev.resolve_device("cuda")
+    assert dev.resolve_device("auto").type == "cpu"

@@ -1,0 +1,48 @@
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mfu_lab.measure import percentile, run_steps, stats
+
+
+def test_stats_match_numpy():
+    xs = [0.3, 0.1, 0.2, 0.5, 0.4, 0.9, 0.35]
+    s = stats(xs)
+    assert s.median == pytest.approx(np.median(xs))
+    assert s.p10 == pytest.approx(np.percentile(xs, 10))
+    assert s.p90 == pytest.approx(np.percentile(xs, 90))
+    assert s.cv == pytest.approx(np.std(xs, ddof=1) / np.mean(xs))
+    assert percentile([1.0], 50) == 1.0
+    with pytest.raises(ValueError):
+        stats([])
+
+
+class SlowBatches:
+    """Yields batches after ``delay`` seconds each: a loader whose wait time is known."""
+
+    def __init__(self, delay):
+        self.delay = delay
+
+    def __iter__(self):
+        while True:
+            time.sleep(self.delay)
+            yield torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
+
+
+def test_data_and_compute_time_are_split_correctly():
+    def step(x, y):
+        time.sleep(0.03)  # known compute time
+        return torch.tensor(1.0)
+
+    seen = []
+    t = run_steps(step, SlowBatches(0.02), torch.device("cpu"), warmup=1, steps=4,
+                  progress=lambda d, n, e: seen.append(d))
+    assert len(t.wall_s) == 5 and t.warmup_steps == 1 and len(t.measured("wall_s")) == 4
+    for w, d, c in zip(t.measured("wall_s"), t.measured("data_s"), t.measured("compute_s")):
+        assert d == pytest.approx(0.02, abs=0.015)
+        assert c == pytest.approx(0.03, abs=0.015)
+        assert w >= d + c
+    assert seen == [1, 2, 3, 4, 5]
+    assert t.loss == [1.0] * 5
