@@ -88,10 +88,11 @@ class Job:
         """A notebook shows the job as a table of key, value and help."""
         from html import escape
 
-        rows = "".join(f"<tr><td><code>{escape(k)}</code></td><td>{escape(repr(v))}</td>"
-                       f"<td><small>{escape(FIELDS[k].metadata['help'])}</small></td></tr>"
+        left = 'style="text-align:left"'
+        rows = "".join(f"<tr><td {left}><code>{escape(k)}</code></td><td {left}>{escape(repr(v))}</td>"
+                       f"<td {left}><small>{escape(FIELDS[k].metadata['help'])}</small></td></tr>"
                        for k, v in self.to_dict().items())
-        return f"<table><tr><th>key</th><th>value</th><th>meaning</th></tr>{rows}</table>"
+        return (f"<table><tr><th {left}>key</th><th {left}>value</th><th {left}>meaning</th></tr>{rows}</table>")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,7 +29,7 @@ COLORS = {"compute": "#3b6fb6", "data": "#e8912d", "host": "#9a9a9a",
 def step_times(result) -> Figure:
     """Per-step timeline (data / compute / host stacked; warm-up shaded) and the measured distribution."""
     t = result.timings
-    fig = ReportFigure(figsize=(11, 3.6))
+    fig = ReportFigure(figsize=(11, 4.0))
     ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
     steps = list(range(1, len(t.wall_s) + 1))
     ms = lambda xs: [v * 1e3 for v in xs]  # noqa: E731
@@ -43,7 +43,7 @@ def step_times(result) -> Figure:
     ax.set_xlabel("training step")
     ax.set_ylabel("time (ms)")
     ax.set_title("Step time, per step")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=5, frameon=False)
     wall = ms(t.measured("wall_s"))
     ax2.hist(wall, bins=min(20, max(5, len(wall) // 2)), color=COLORS["compute"], alpha=0.8)
     for q, name in ((result.step_stats.p10, "p10"), (result.step_stats.median, "median"),
@@ -71,7 +71,8 @@ def ledger_waterfall(ledger, title: str = "MFU ledger: where the peak goes") -> 
         x += 1
         bottom = level - item.fraction
         ax.bar(x, item.fraction, bottom=bottom, color=COLORS[item.name])
-        ax.text(x, max(level, bottom), f"-{item.fraction:.1%}", ha="center", va="bottom", fontsize=8)
+        label = f"-{item.fraction:.1%}" if abs(item.fraction) >= 0.0005 else "0%"
+        ax.text(x, max(level, bottom), label, ha="center", va="bottom", fontsize=8)
         labels.append(f"{item.name}\nloss")
         level = bottom
     x += 1

@@ -64,3 +64,11 @@ def test_cpu_fused_attention_is_counted_where_torch_alone_counts_nothing():
     # forward 2 matmuls of 2*16*16*8 per head, backward 4: 6 * (2*2*16*16*8*2)... counted by hand:
     per_matmul = 2 * (2 * 2) * 16 * 16 * 8
     assert ours.total == 6 * per_matmul
+
+
+def test_module_docstring_example_runs():
+    import doctest
+
+    import mfu_lab.flops
+
+    assert doctest.testmod(mfu_lab.flops).failed == 0
