@@ -132,12 +132,17 @@ def measure_matmul_peak(dtype: torch.dtype, device: str = "cpu", sizes=(512, 102
     figure applies (CPUs). Each size gets an untimed warm-up call first.
     Returns (flop/s, a note saying how it was measured).
     """
-    best, best_n = 0.0, 0
+    best, best_n, tried = 0.0, 0, []
     per_size = budget_s / len(sizes)
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
+        t0 = time.perf_counter()
         torch.mm(a, b)  # warm-up: first call pays allocation and kernel selection
+        tried.append(n)
+        if time.perf_counter() - t0 > per_size:  # slow dtype here (e.g. bf16 without AMX): stop growing
+            best, best_n = max((best, best_n), (2 * n**3 / (time.perf_counter() - t0), n))
+            break
         start = time.perf_counter()
         while time.perf_counter() - start < per_size:
             t0 = time.perf_counter()
@@ -147,7 +152,7 @@ def measure_matmul_peak(dtype: torch.dtype, device: str = "cpu", sizes=(512, 102
             dt = time.perf_counter() - t0
             if 2 * n**3 / dt > best:
                 best, best_n = 2 * n**3 / dt, n
-    note = (f"best of square {str(dtype).replace('torch.', '')} matmuls (n in {list(sizes)}) on "
+    note = (f"best of square {str(dtype).replace('torch.', '')} matmuls (n in {tried}) on "
             f"{torch.get_num_threads()} threads; best at n={best_n}")
     return best, note
 

@@ -80,7 +80,7 @@ class HealthSampler:
         try:
             nv = _nvml()
             nv.nvmlInit()
-            self._handle = nv.nvmlDeviceGetHandleByIndex(self.index or 0)
+            self._handle = self._find_handle(nv)
             self._max_clock = nv.nvmlDeviceGetMaxClockInfo(self._handle, nv.NVML_CLOCK_SM)
             try:
                 self._power_limit = nv.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0
@@ -92,6 +92,18 @@ class HealthSampler:
         self._thread = threading.Thread(target=self._loop, name="mfu-lab-nvml", daemon=True)
         self._thread.start()
         return self
+
+    def _find_handle(self, nv):
+        """NVML numbers physical GPUs and ignores CUDA_VISIBLE_DEVICES, so match torch's device by UUID."""
+        try:
+            import torch
+
+            uuid = getattr(torch.cuda.get_device_properties(self.index or 0), "uuid", None)
+            if uuid is not None:
+                return nv.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        except Exception:
+            pass  # fall back to the index, right whenever CUDA_VISIBLE_DEVICES is unset
+        return nv.nvmlDeviceGetHandleByIndex(self.index or 0)
 
     def _reasons(self, nv) -> int:
         fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
