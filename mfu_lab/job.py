@@ -27,6 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTIONS = ("sdpa", "unfused")
 DATA_SOURCES = ("synthetic",)
+COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -34,7 +35,10 @@ _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 def _key(default, help: str, **rules):
     """A job key: its default, a one-line help, and its rules (min, choices...)."""
-    kw = {"default_factory": lambda: dict(default)} if isinstance(default, dict) else {"default": default}
+    if isinstance(default, (dict, list)):
+        kw = {"default_factory": lambda: type(default)(default)}
+    else:
+        kw = {"default": default}
     return field(metadata={"help": help, **rules}, **kw)
 
 
@@ -74,6 +78,17 @@ class Job:
     # --- device ---
     peak_flops: float | None = _key(None, "peak FLOP/s for the training dtype; overrides the table / measurement",
                                    min_exclusive=0.0, optional=True)
+    # --- distributed (step 2) ---
+    nproc_per_node: int = _key(0, "processes per node for DDP (0: one per visible GPU, or 2 on CPU)", min=0)
+    nnodes: int = _key(1, "nodes in the DDP launch (more than 1 needs rdzv_endpoint)", min=1)
+    rdzv_endpoint: str = _key("", "host:port of the rendezvous for multi-node launches ('' on one node)")
+    comm_bucket_mb: list = _key([1, 8, 25, 100], "DDP bucket_cap_mb values to sweep", items="positive_number")
+    comm_hooks: list = _key(list(COMM_HOOKS), "DDP communication hooks to sweep: " + " | ".join(COMM_HOOKS),
+                            items="hook")
+    comm_grad_as_bucket_view: list = _key([False, True], "gradient_as_bucket_view values to sweep", items="bool")
+    comm_steps: int = _key(4, "measured DDP steps per configuration", min=2)
+    comm_warmup_steps: int = _key(1, "discarded DDP steps per configuration", min=0)
+    comm_timeout_s: float = _key(180.0, "a launch with no progress for this long is ended as hung", min_exclusive=0.0)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -153,11 +168,28 @@ def _type_problem(name: str, value: Any) -> tuple[Any, str | None]:
         return value, None if math.isfinite(value) else "must be a finite number"
     if t == "str":
         return value, None if isinstance(value, str) else "must be text"
+    if t == "list":
+        if not isinstance(value, list) or not value:
+            return value, "must be a non-empty list, e.g. [1, 8, 25]"
+        return value, _items_problem(f.metadata["items"], value)
     if t == "dict":
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             return value, "must be a mapping of names to values"
         return value, None
     raise AssertionError(f"unhandled type {t} for {name}")  # pragma: no cover - schema bug
+
+
+def _items_problem(kind: str, items: list) -> str | None:
+    for v in items:
+        if kind == "positive_number" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            return f"item {v!r}: every item must be a number > 0"
+        if kind == "hook" and v not in COMM_HOOKS:
+            return f"item {v!r}: every item must be one of {', '.join(COMM_HOOKS)}"
+        if kind == "bool" and not isinstance(v, bool):
+            return f"item {v!r}: every item must be true or false"
+    if len(set(map(repr, items))) != len(items):
+        return "items must not repeat"
+    return None
 
 
 def _rule_problem(name: str, value: Any) -> str | None:
@@ -202,6 +234,11 @@ def validate(values: dict[str, Any], source: str) -> Job:
         job = Job(**clean)
         if job.d_model % job.n_heads:
             problems.append(JobProblem("n_heads", job.n_heads, f"must divide d_model ({job.d_model})"))
+        if job.nnodes > 1 and not job.rdzv_endpoint:
+            problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint,
+                                       f"must be host:port when nnodes is {job.nnodes}"))
+        if job.rdzv_endpoint and not re.match(r"^[\w.\-\[\]:]+:\d+$", job.rdzv_endpoint):
+            problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint, "must be host:port, e.g. node01:29500"))
     if problems:
         raise JobError(source, problems)
     return job

@@ -145,7 +145,74 @@ def _baseline_section(d: dict[str, Any]) -> str:
 <h3>Environment</h3><table>{env}</table>"""
 
 
-SECTIONS = {"baseline": _baseline_section}
+def _num(v, f):
+    return "" if v is None else f(v)
+
+
+def attention_table(rows) -> str:
+    body = "".join(
+        f"<tr><td>{e(r.name)}</td><td>{e(r.status)}</td><td>{_num(r.rel_error, lambda v: f'{v:.1e}')}</td>"
+        f"<td>{_num(r.attn_median_s, lambda v: f'{v * 1e3:.2f} ms')}</td>"
+        f"<td>{_num(r.step_median_s, lambda v: f'{v * 1e3:.1f} ms')}</td>"
+        f"<td>{_num(r.attention_share, lambda v: f'{v:.1%}')}</td><td>{_num(r.speedup, lambda v: f'{v:.2f}x')}</td>"
+        f"<td>{_num(r.mfu, lambda v: f'{v:.1%}')}</td><td><small>{e(r.reason)}</small></td></tr>" for r in rows)
+    return ("<table><tr><th>implementation</th><th>status</th><th>rel. error</th><th>attention fwd+bwd</th>"
+            "<th>step (median)</th><th>attention share</th><th>speedup</th><th>MFU</th><th>note</th></tr>"
+            f"{body}</table>")
+
+
+def comm_table(rows) -> str:
+    body = "".join(
+        f"<tr><td>{e(r.hook)}</td><td>{r.bucket_mb:g}</td><td>{r.grad_as_bucket_view}</td><td>{e(r.status)}</td>"
+        f"<td>{_num(r.step_median_s, lambda v: f'{v * 1e3:.1f} ms')}</td>"
+        f"<td>{_num(r.step_p10_s, lambda v: f'{v * 1e3:.1f}')}–{_num(r.step_p90_s, lambda v: f'{v * 1e3:.1f}')}</td>"
+        f"<td>{_num(r.comm_share, lambda v: f'{v:.1%}')}</td><td>{_num(r.exposed_share, lambda v: f'{v:.1%}')}</td>"
+        f"<td>{_num(r.mfu, lambda v: f'{v:.1%}')}</td><td>{_num(r.param_diff, lambda v: f'{v:.0e}')}</td>"
+        f"<td><small>{e(r.error[:300])}</small>"
+        + (f"<details><summary>ranks' stderr</summary><pre>{e(r.stderr)}</pre></details>" if r.stderr else "")
+        + "</td></tr>" for r in rows)
+    return ("<table><tr><th>hook</th><th>bucket MB</th><th>bucket view</th><th>status</th><th>step</th>"
+            "<th>p10–p90 ms</th><th>comm share</th><th>exposed share</th><th>DDP MFU</th><th>param diff</th>"
+            f"<th>error</th></tr>{body}</table>")
+
+
+def _attention_comm_section(d: dict[str, Any]) -> str:
+    from . import plots
+    from .steps.attention_comm import AttentionCommResult
+
+    r = AttentionCommResult.from_dict(d)
+    m = d["metrics"]
+    cards = "".join(
+        f'<div class="card"><div class="k">{e(label)}</div><div class="v">{fmt(m[k]["value"], m[k]["unit"])}</div>'
+        f'{badge(m[k]["source"])}</div>'
+        for label, k in (("MFU (best attention)", "mfu"), ("baseline MFU", "baseline_mfu"),
+                         ("DDP MFU (best config)", "ddp_mfu"), ("exposed comm", "exposed_comm_share"),
+                         ("all-reduce busbw", "allreduce_busbw_max_gbps")))
+    advice = "".join(f'<li><span class="{e(a.severity)}">{e(a.severity)}</span> {e(a.message)} '
+                     f"<small>({e(a.because)})</small></li>" for a in r.advice)
+    att_plot = (f'<img alt="attention times" src="{plots.to_data_uri(plots.attention_times(r))}">'
+                if any(a.status == "ok" for a in r.attention) else "")
+    comm_plot = (f'<img alt="communication sweep" src="{plots.to_data_uri(plots.comm_sweep(r))}">'
+                 if any(c.status == "ok" for c in r.comm) else "")
+    bw_plot = (f'<img alt="all-reduce bandwidth" src="{plots.to_data_uri(plots.allreduce_bandwidth(r))}">'
+               if r.allreduce else "")
+    ledger = ""
+    if r.ledger:
+        fig = plots.ledger_waterfall(r.ledger, "MFU ledger, data-parallel with the best configuration")
+        ledger = f'<img alt="DDP ledger" src="{plots.to_data_uri(fig)}">'
+
+    return f"""
+<h2>Step 2 · attention and communication</h2>
+<p>Compared against: {e(r.baseline.get('source', ''))}</p>
+<div class="cards">{cards}</div>
+<h3>What to do next</h3><ul>{advice}</ul>
+<h3>Attention</h3>{att_plot}{attention_table(r.attention)}
+<h3>Communication: {e(str(r.comm_layout.get('world_size')))} ranks over {e(str(r.comm_layout.get('backend')))}</h3>
+{comm_plot}{comm_table(r.comm)}{ledger}{bw_plot}
+<h3>All figures</h3>{_metrics_table(m)}"""
+
+
+SECTIONS = {"baseline": _baseline_section, "attention_comm": _attention_comm_section}
 
 
 def load_results(job_root: Path) -> dict[str, dict]:
@@ -243,3 +310,11 @@ def text_summary(result) -> str:
     for s in d.get("skipped", []):
         lines.append(f"- skipped {s['what']}: {s['reason']}")
     return "\n".join(lines)
+
+
+def attention_view(result) -> Html:
+    return Html(f'<style>{PART_CSS}</style><div class="mfu">{attention_table(result.attention)}</div>')
+
+
+def comm_view(result) -> Html:
+    return Html(f'<style>{PART_CSS}</style><div class="mfu">{comm_table(result.comm)}</div>')

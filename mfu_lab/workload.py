@@ -40,7 +40,9 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        if self.attention == "sdpa":
+        if callable(self.attention):  # an implementation from mfu_lab.attention (step 2 swaps them)
+            y = self.attention(q, k, v)
+        elif self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # unfused: the T x T score matrix is written to memory and read back
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
@@ -85,7 +87,8 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def set_attention(self, attention: str) -> None:
+    def set_attention(self, attention) -> None:
+        """'sdpa', 'unfused', or a callable (q, k, v) -> causal attention output."""
         for block in self.blocks:
             block.attn.attention = attention
 

@@ -1,0 +1,194 @@
+"""Launching step 2's DDP sweep through torchrun, and surviving workers that crash or hang.
+
+All configurations run inside one launch, so start-up is paid once. A watchdog
+reads the workers' progress file; when a launch makes no progress for
+``comm_timeout_s`` it is ended, the configuration it was in is recorded as hung
+(with each rank's stderr), and a new launch takes the configurations left. A
+crash is handled the same way. A hook that hung or crashed at one bucket size
+is not retried at smaller ones (more buckets), which are recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .job import Job
+
+
+def world_layout(job: Job, device_type: str) -> tuple[int, int]:
+    """(nnodes, nproc_per_node): the job's, or one process per visible GPU, or 2 on CPU."""
+    if job.nproc_per_node:
+        return job.nnodes, job.nproc_per_node
+    if device_type == "cuda":
+        import torch
+
+        return job.nnodes, max(1, torch.cuda.device_count())
+    return job.nnodes, 2
+
+
+def sweep_configs(job: Job) -> list[dict]:
+    """Hook x bucket size (largest first, see the module docstring) x gradient_as_bucket_view."""
+    return [{"hook": h, "bucket_mb": b, "grad_as_bucket_view": g}
+            for h in job.comm_hooks for b in sorted(job.comm_bucket_mb, reverse=True)
+            for g in job.comm_grad_as_bucket_view]
+
+
+def config_key(cfg: dict) -> tuple:
+    return cfg["hook"], float(cfg["bucket_mb"]), bool(cfg["grad_as_bucket_view"])
+
+
+@dataclass
+class Launch:
+    returncode: int | None  # None: ended by the watchdog
+    events: list[dict]
+    rank_stderr: dict[str, str]
+    launcher_stderr: str
+    seconds: float
+
+
+def _torchrun_cmd(job: Job, nnodes: int, nproc: int, log_dir: Path, spec: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
+           f"--log-dir={log_dir}", "--redirects=3"]
+    if nnodes == 1 and not job.rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={job.rdzv_endpoint}", f"--rdzv_id=mfu-lab-{job.job_name}"]
+    return cmd + ["-m", "mfu_lab.ddp_worker", "--spec", str(spec)]
+
+
+def _rank_stderr(log_dir: Path, limit: int = 3000) -> dict[str, str]:
+    out = {}
+    for p in sorted(log_dir.rglob("stderr.log")):
+        text = p.read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if not ln.startswith(("[W", "W1", "I1"))]  # drop torch's log noise
+        out[f"rank {p.parent.name}"] = "\n".join(lines)[-limit:]
+    return out
+
+
+def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: int, progress=None) -> Launch:
+    """Run one torchrun launch of the worker; end it when it stalls for ``job.comm_timeout_s``."""
+    work.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(work), "timeout_s": job.comm_timeout_s}
+    spec_path = work / f"spec_{attempt}.json"
+    spec_path.write_text(json.dumps(spec))
+    progress_file = work / "progress.jsonl"
+    progress_file.unlink(missing_ok=True)
+    log_dir = work / f"logs_{attempt}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(work / f"error_{attempt}.json")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    stderr_path = work / f"launcher_{attempt}.log"
+    t0 = time.perf_counter()
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen(_torchrun_cmd(job, nnodes, nproc, log_dir, spec_path), stdout=err, stderr=err,
+                                env=env, start_new_session=True, cwd=os.getcwd())
+        last_size, last_change, seen = -1, time.monotonic(), 0
+        while proc.poll() is None:
+            size = progress_file.stat().st_size if progress_file.exists() else 0
+            if size != last_size:
+                last_size, last_change = size, time.monotonic()
+                if progress:
+                    events = _read(progress_file)
+                    for ev in events[seen:]:
+                        progress(ev)
+                    seen = len(events)
+            if time.monotonic() - last_change > job.comm_timeout_s:
+                os.killpg(proc.pid, signal.SIGTERM)  # the launcher and every rank
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                break
+            time.sleep(0.2)
+    events = _read(progress_file)
+    if progress:
+        for ev in events[seen:]:
+            progress(ev)
+    rc = None if time.monotonic() - last_change > job.comm_timeout_s else proc.returncode
+    return Launch(rc, events, _rank_stderr(log_dir), stderr_path.read_text(errors="replace")[-3000:],
+                  time.perf_counter() - t0)
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written when the launch died
+    return out
+
+
+@dataclass
+class SweepOutcome:
+    layout: dict
+    compute_only: dict | None
+    allreduce: list[dict]
+    outcomes: dict[tuple, dict] = field(default_factory=dict)  # config key -> event (done/unsupported/failed...)
+    launches: list[dict] = field(default_factory=list)
+
+
+def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, progress=None,
+              allreduce_max_bytes: int | None = None) -> SweepOutcome:
+    nnodes, nproc = world_layout(job, device_type)
+    remaining = sweep_configs(job)
+    max_bytes = allreduce_max_bytes or (256 << 20 if device_type == "cuda" else 16 << 20)
+    result = SweepOutcome({"nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc,
+                           "backend": "nccl" if device_type == "cuda" else "gloo"}, None, [])
+    need_allreduce, need_compute = True, True
+    attempt = 0
+    while remaining or need_allreduce or need_compute:
+        spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": remaining,
+                "allreduce_max_bytes": max_bytes if need_allreduce else None, "compute_only": need_compute}
+        run = launch(job, spec, work, attempt, nnodes, nproc, progress)
+        attempt += 1
+        started = None
+        for ev in run.events:
+            kind = ev["event"]
+            if kind == "allreduce":
+                result.allreduce, need_allreduce = ev["rows"], False
+            elif kind == "compute_only":
+                result.compute_only, need_compute = ev, False
+            elif kind == "start":
+                started = ev["config"]
+            elif kind in ("done", "unsupported", "error"):
+                result.outcomes[config_key(ev["config"])] = ev
+                started = None
+        finished = run.returncode == 0 and any(e["event"] == "finished" for e in run.events)
+        result.launches.append({"attempt": attempt, "returncode": run.returncode, "seconds": run.seconds,
+                                "finished": finished})
+        if finished:
+            break
+        why = (f"no progress for {job.comm_timeout_s:.0f} s: the launch was ended" if run.returncode is None
+               else f"the launch exited with code {run.returncode}")
+        stderr = "\n".join(f"--- {r} ---\n{t}" for r, t in run.rank_stderr.items() if t.strip()) or run.launcher_stderr
+        if started is None:  # failed outside any configuration (start-up, rendezvous...): stop here
+            for cfg in remaining:
+                result.outcomes.setdefault(config_key(cfg), {"event": "failed", "config": cfg,
+                                                             "error": f"{why} before this configuration ran",
+                                                             "stderr": stderr})
+            need_allreduce = need_compute = False
+            break
+        status = "hung" if run.returncode is None else "failed"
+        previous = result.outcomes.get(config_key(started), {})
+        result.outcomes[config_key(started)] = {"event": status, "config": started,
+                                                "error": previous.get("error") or why, "stderr": stderr}
+        done = set(result.outcomes)
+        rest = [c for c in remaining if config_key(c) not in done]
+        for cfg in rest:  # smaller buckets of a hook that already hung or failed would only be worse
+            if cfg["hook"] == started["hook"] and cfg["bucket_mb"] <= started["bucket_mb"]:
+                result.outcomes[config_key(cfg)] = {
+                    "event": "skipped", "config": cfg,
+                    "error": f"not tried: {cfg['hook']} {status} at bucket {started['bucket_mb']} MB, and this "
+                             "configuration has as many buckets or more"}
+        remaining = [c for c in rest if config_key(c) not in result.outcomes]
+    return result

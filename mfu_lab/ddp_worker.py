@@ -1,0 +1,199 @@
+"""One rank of step 2's DDP sweep; started by ``torchrun`` (see mfu_lab.comm), never by hand.
+
+    python -m torch.distributed.run ... -m mfu_lab.ddp_worker --spec SPEC.json
+
+Rank 0 appends one JSON line per event to ``<out>/progress.jsonl`` as soon as it
+happens ("start", "done", "unsupported", "error" per configuration; "allreduce"
+for the bandwidth benchmark), so whatever finished survives a crash or a hang
+of a later configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .job import validate
+from .measure import run_steps
+from .workload import GPT, build_loader, build_model, build_train_step
+
+BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PERFORMANCE.md)
+
+
+def emit(out: Path, event: dict) -> None:
+    if dist.get_rank() == 0:
+        with open(out / "progress.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def register_hook(ddp: DDP, hook: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    if hook == "none":
+        return  # DDP's built-in C++ all-reduce
+    if hook == "powersgd":
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, ps.powerSGD_hook)
+        return
+    ddp.register_comm_hook(None, {"allreduce": dh.allreduce_hook, "fp16_compress": dh.fp16_compress_hook,
+                                  "bf16_compress": dh.bf16_compress_hook}[hook])
+
+
+def comm_time_from_profile(prof, device_type: str) -> float:
+    """Seconds spent in all-reduce during the profiled step, from the profiler's events.
+
+    GPU: NCCL kernels' device time. CPU: gloo's all-reduce events (the work as it runs
+    on gloo's threads). Overlapping buckets are counted by their union, not their sum.
+    """
+    spans = []
+    for ev in prof.events():
+        name = ev.name.lower()
+        if device_type == "cuda":
+            hit = name.startswith("nccl") and ev.device_type == torch.autograd.DeviceType.CUDA
+        else:
+            hit = name.startswith("gloo:all_reduce") or name.startswith("gloo:allreduce")
+        if hit:
+            spans.append((ev.time_range.start, ev.time_range.end))
+    total, end = 0.0, -1.0
+    for s, e in sorted(spans):  # union of intervals, in microseconds
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total / 1e6
+
+
+def params_checksum(model: torch.nn.Module) -> torch.Tensor:
+    flat = torch.cat([p.detach().double().flatten().cpu() for p in model.parameters()])
+    return torch.stack([flat.sum(), flat.abs().sum(), (flat * flat).sum()])
+
+
+def in_sync(model: torch.nn.Module) -> float:
+    """Largest difference of parameter checksums between ranks (0.0: bitwise-equal sums)."""
+    mine = params_checksum(model)
+    allv = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(allv, mine)
+    return float(max((a - allv[0]).abs().max() for a in allv))
+
+
+def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
+    """All-reduce time per message size; algbw = bytes / time, busbw = algbw x 2(n-1)/n (nccl-tests)."""
+    n = dist.get_world_size()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows, size = [], 4096
+    while size <= max_bytes:
+        x = torch.ones(size // 4, dtype=torch.float32, device=device)
+        for _ in range(2):
+            dist.all_reduce(x)  # warm-up: connection set-up and allocation
+        times = []
+        start = time.perf_counter()
+        while len(times) < 5 or (time.perf_counter() - start < 0.3 and len(times) < 50):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            sync()  # sync point: the collective has finished on this rank
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
+        sec = float(t)
+        rows.append({"bytes": size, "time_s": sec, "algbw_gbps": size / sec / 1e9,
+                     "busbw_gbps": size / sec / 1e9 * 2 * (n - 1) / n})
+        size *= 4
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    spec = json.loads(Path(ap.parse_args().spec).read_text())
+    out = Path(spec["out"])
+    cuda = torch.cuda.is_available() and spec["device_type"] == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    job = validate(spec["job"], "step 2 worker spec")
+    emit(out, {"event": "launch", "world_size": world, "backend": backend, "threads": torch.get_num_threads()})
+
+    def fresh_model():
+        model = build_model(job).to(device).train()  # same seed on every rank: same initial weights
+        if isinstance(model, GPT) and spec.get("attention"):
+            from .attention import candidates
+
+            impl = next(i for i in candidates(device.type, job.dtype) if i.name == spec["attention"])
+            model.set_attention(impl.fn)
+        return model
+
+    def loader(n):
+        # each rank reads its own shard of the synthetic data
+        return build_loader(dataclasses.replace(job, seed=job.seed + 7919 * (rank + 1)), n, device.type)
+
+    if spec.get("allreduce_max_bytes"):
+        emit(out, {"event": "allreduce", "rows": allreduce_benchmark(device, spec["allreduce_max_bytes"]),
+                   "world_size": world, "backend": backend})
+
+    steps, warm = job.comm_steps, job.comm_warmup_steps
+    if spec.get("compute_only"):
+        model = fresh_model()
+        ddp = DDP(model, device_ids=[local] if cuda else None)
+        ts = build_train_step(job, ddp, device.type)
+
+        def local_step(x, y):
+            with ddp.no_sync():  # gradients stay local: no communication at all
+                return ts(x, y)
+
+        t = run_steps(local_step, loader(warm + steps), device, warm, steps)
+        emit(out, {"event": "compute_only", "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s")})
+
+    for cfg in spec["configs"]:
+        emit(out, {"event": "start", "config": cfg})
+        model = fresh_model()
+        ddp = DDP(model, device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
+                  gradient_as_bucket_view=cfg["grad_as_bucket_view"])
+        try:
+            register_hook(ddp, cfg["hook"])
+        except Exception as e:  # refused by this backend: record and go on
+            emit(out, {"event": "unsupported", "config": cfg, "error": f"{type(e).__name__}: {e}"})
+            continue
+        ts = build_train_step(job, ddp, device.type)
+        try:
+            t = run_steps(ts, loader(warm + steps + 1), device, warm, steps)
+            x, y = next(iter(loader(1)))
+            with torch.profiler.profile() as prof:  # one extra step, profiled, for communication time
+                t0 = time.perf_counter()
+                ts(x.to(device), y.to(device))
+                if cuda:
+                    torch.cuda.synchronize()  # sync point: the step's kernels are inside the profile
+                profiled_s = time.perf_counter() - t0
+            comm = torch.tensor([comm_time_from_profile(prof, device.type)], dtype=torch.float64)
+            dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+            diff = in_sync(ddp.module)
+        except Exception as e:
+            emit(out, {"event": "error", "config": cfg, "error": f"{type(e).__name__}: {e}"})
+            raise
+        emit(out, {"event": "done", "config": cfg, "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s"),
+                   "comm_s": float(comm), "profiled_step_s": profiled_s, "param_checksum_max_diff": diff,
+                   "loss": t.loss[-1]})
+    emit(out, {"event": "finished"})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

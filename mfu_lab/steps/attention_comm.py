@@ -1,0 +1,345 @@
+"""Step 2, attention and communication: what do a fused attention kernel and bucketed,
+overlapped gradient all-reduce give back?
+
+``run(job)`` (1) checks every attention implementation on this device against the
+unfused form in float32, times attention alone and the whole training step with
+each, and (2) runs data-parallel training through torchrun across a sweep of DDP
+bucket sizes x communication hooks x gradient_as_bucket_view, with an all-reduce
+bandwidth benchmark. Every figure is measured here. Writes
+``<out>/<job>/02_attention_and_comm/result.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import attention as att
+from .. import device as dev
+from ..advice import Advice
+from ..comm import config_key, run_sweep, sweep_configs
+from ..job import Job
+from ..ledger import Ledger, LedgerItem
+from ..measure import run_steps, stats
+from ..results import RESULT_FILE, Metric, environment, read_json, write_json_atomic
+from ..workload import GPT, build_loader, build_model, build_train_step
+from . import BY_KEY
+from .baseline import count_step_flops
+
+INFO = BY_KEY["attention_comm"]
+SYNC_TOLERANCE = 1e-6  # relative checksum difference above which ranks are out of sync
+
+
+@dataclass
+class AttentionRow:
+    name: str
+    status: str  # ok | wrong | unavailable
+    reason: str = ""
+    rel_error: float | None = None
+    tolerance: float | None = None
+    attn_median_s: float | None = None  # forward + backward of one attention layer
+    attn_p10_s: float | None = None
+    attn_p90_s: float | None = None
+    step_median_s: float | None = None
+    step_p10_s: float | None = None
+    step_p90_s: float | None = None
+    mfu: float | None = None
+    speedup: float | None = None  # baseline step time / this step time
+    attention_share: float | None = None  # n_layers x attention time / step time
+
+
+@dataclass
+class CommRow:
+    hook: str
+    bucket_mb: float
+    grad_as_bucket_view: bool
+    status: str  # ok | unsupported | failed | hung | skipped | out of sync
+    error: str = ""
+    stderr: str = ""
+    step_median_s: float | None = None
+    step_p10_s: float | None = None
+    step_p90_s: float | None = None
+    comm_s: float | None = None  # all-reduce time in one profiled step (union of bucket spans, slowest rank)
+    exposed_s: float | None = None  # step time with communication - without (no_sync)
+    comm_share: float | None = None
+    exposed_share: float | None = None
+    param_diff: float | None = None
+    mfu: float | None = None
+
+
+@dataclass
+class AttentionCommResult:
+    step: str
+    job: dict[str, Any]
+    environment: dict[str, Any]
+    metrics: dict[str, Metric]
+    baseline: dict[str, Any]  # where the comparison point came from, and its figures
+    attention: list[AttentionRow]
+    comm_layout: dict[str, Any]
+    compute_only_step_s: float | None
+    comm: list[CommRow]
+    allreduce: list[dict]
+    ledger: Ledger | None
+    recommendation: dict[str, Any]
+    advice: list[Advice]
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    status: str = "ok"
+
+    def metric(self, name: str) -> float | None:
+        return self.metrics[name].value
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AttentionCommResult:
+        return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
+                   d["baseline"], [AttentionRow(**r) for r in d["attention"]], d["comm_layout"],
+                   d["compute_only_step_s"], [CommRow(**r) for r in d["comm"]], d["allreduce"],
+                   Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]) if d.get("ledger") else None,
+                   d["recommendation"], [Advice(**a) for a in d["advice"]], d.get("skipped", []),
+                   d.get("elapsed_s", 0.0), d.get("status", "ok"))
+
+
+def _baseline_reference(job: Job, device_name: str) -> dict | None:
+    path = job.step_dir("01_baseline") / RESULT_FILE
+    if not path.is_file():
+        return None
+    r = read_json(path)
+    if r["environment"].get("device_name") != device_name:
+        return None  # measured on another device: not a fair comparison
+    m = r["metrics"]
+    wall = r["timings"]["wall_s"][r["timings"]["warmup_steps"]:]
+    return {"source": f"step 1 result ({path})", "mfu": m["mfu"]["value"], "step_mean_s": statistics.fmean(wall),
+            "step_median_s": m["step_time_median_s"]["value"], "peak": m["peak_flops_per_s"]["value"],
+            "peak_source": m["peak_flops_per_s"]["source"], "peak_note": m["peak_flops_per_s"]["note"]}
+
+
+def _attention_section(job, device, torch_device, flops_per_step, peak, progress) -> list[AttentionRow]:
+    hd = job.d_model // job.n_heads
+    check_shape = (min(2, job.micro_batch), job.n_heads, job.seq_len, hd)
+    time_shape = (job.micro_batch, job.n_heads, job.seq_len, hd)
+    rows = []
+    impls = att.candidates(device.type, job.dtype)
+    for n, impl in enumerate(impls, 1):
+        progress(f"attention [{n}/{len(impls)}] {impl.name}")
+        if impl.fn is None:
+            rows.append(AttentionRow(impl.name, "unavailable", impl.skipped))
+            continue
+        c = att.check(impl.fn, check_shape, job.dtype, torch_device, job.seed)
+        if c.error:
+            rows.append(AttentionRow(impl.name, "unavailable", c.error, tolerance=c.tolerance))
+            continue
+        if not c.ok:
+            rows.append(AttentionRow(impl.name, "wrong", f"relative error {c.rel_error:.2e} > tolerance "
+                                     f"{c.tolerance:.0e} against unfused float32; not timed, never recommended",
+                                     c.rel_error, c.tolerance))
+            continue
+        a = att.time_fwd_bwd(impl.fn, time_shape, job.dtype, torch_device)
+        model = build_model(job).to(torch_device).train()
+        model.set_attention(impl.fn)
+        t = run_steps(build_train_step(job, model, device.type), build_loader(job, job.warmup_steps + job.steps,
+                      device.type), torch_device, job.warmup_steps, job.steps)
+        wall = t.measured("wall_s")
+        s = stats(wall)
+        rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, s.median,
+                                 s.p10, s.p90, flops_per_step * len(wall) / (peak * sum(wall)), None,
+                                 job.n_layers * a.median / s.median))
+    return rows
+
+
+def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: float, world: int) -> list[CommRow]:
+    base_median = statistics.median(sweep.compute_only["wall_s"]) if sweep.compute_only else None
+    rows = []
+    for cfg in configs:
+        ev = sweep.outcomes.get(config_key(cfg))
+        if ev is None:
+            continue
+        row = CommRow(cfg["hook"], cfg["bucket_mb"], cfg["grad_as_bucket_view"], ev["event"],
+                      ev.get("error", ""), ev.get("stderr", ""))
+        if ev["event"] == "done":
+            s = stats(ev["wall_s"])
+            exposed = max(0.0, s.median - base_median) if base_median is not None else None
+            diff = ev["param_checksum_max_diff"]
+            row.status = "ok" if diff <= SYNC_TOLERANCE else "out of sync"
+            row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
+            row.comm_s, row.exposed_s, row.param_diff = ev["comm_s"], exposed, diff
+            row.comm_share = min(1.0, ev["comm_s"] / ev["profiled_step_s"])  # both from the profiled step
+            row.exposed_share = exposed / s.median if exposed is not None else None
+            row.mfu = world * flops_per_step * len(ev["wall_s"]) / (peak_total * sum(ev["wall_s"]))
+        rows.append(row)
+    return rows
+
+
+def _ddp_ledger(row: CommRow, ev: dict, compute_only: dict | None, world: int) -> Ledger:
+    wall = statistics.fmean(ev["wall_s"])
+    data = statistics.fmean(ev["data_s"]) / wall
+    exposed = max(0.0, wall - statistics.fmean(compute_only["wall_s"])) / wall if compute_only else 0.0
+    mfu_v = row.mfu
+    hardware = 1.0 - mfu_v - exposed - data
+    return Ledger([
+        LedgerItem("mfu", mfu_v, "measured", f"{world} ranks x model FLOPs / (total peak x measured step time)"),
+        LedgerItem("hardware", hardware, "measured", "the rest: computing below peak (1 - the other parts)"),
+        LedgerItem("structure", exposed, "measured", "exposed communication: step time with DDP all-reduce minus "
+                   "the same step under no_sync (no communication), over step time"),
+        LedgerItem("software", data, "measured", "data wait share of the DDP step"),
+        LedgerItem("operations", 0.0, "analytic", "not sampled during the DDP launch; step 1 reads clocks"),
+    ])
+
+
+def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
+    t_start = time.perf_counter()
+    say = progress or (lambda msg: print(msg, flush=True))
+    device = dev.resolve_device(job.device)
+    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    skipped: list[dict[str, str]] = []
+
+    model = build_model(job).to(torch_device).train()
+    x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
+    flops = count_step_flops(job, model, build_train_step(job, model, device.type), x.to(torch_device),
+                             y.to(torch_device))
+    ref = _baseline_reference(job, device.name)
+    if ref:
+        peak = ref["peak"]
+        peak_label = (ref["peak_source"], ref["peak_note"] + " (as in step 1)")
+    else:
+        p = dev.resolve_peak(device, job.dtype, job.peak_flops)
+        peak, peak_label = p.flops_per_s, (p.source, p.note)
+    fps = flops.model_flops_per_step
+
+    # ---- attention
+    if isinstance(model, GPT):
+        rows = _attention_section(job, device, torch_device, fps, peak, say)
+    else:
+        rows = []
+        skipped.append({"what": "attention comparison", "reason": "a user model's attention cannot be swapped by "
+                        "mfu-lab; only the communication sweep runs"})
+    ok_rows = [r for r in rows if r.status == "ok"]
+    job_impl = next((r for r in ok_rows if r.name == ("unfused" if job.attention == "unfused"
+                                                      else "sdpa (torch's choice)")), None)
+    if ref is None:
+        src = "step 1 has not run on this device: the baseline is the job's own attention, measured here"
+        ref = {"source": src, "mfu": job_impl.mfu if job_impl else None,
+               "step_median_s": job_impl.step_median_s if job_impl else None}
+        skipped.append({"what": "step 1 baseline", "reason": src})
+    for r in ok_rows:
+        r.speedup = ref["step_median_s"] / r.step_median_s if ref.get("step_median_s") else None
+    best_att = min(ok_rows, key=lambda r: r.step_median_s) if ok_rows else None
+
+    # ---- communication
+    configs = sweep_configs(job)
+    say(f"communication: {len(configs)} configurations in one torchrun launch")
+    done = {"n": 0}
+
+    def on_event(ev):
+        if ev["event"] in ("done", "unsupported", "error"):
+            done["n"] += 1
+            c = ev["config"]
+            say(f"  comm [{done['n']}/{len(configs)}] {c['hook']}, bucket {c['bucket_mb']} MB, "
+                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}")
+
+    work = job.step_dir(INFO.folder) / "ddp"
+    sweep = run_sweep(job, device.type, best_att.name if best_att else None, work, on_event)
+    world = sweep.layout["world_size"]
+    peak_total = peak * world if device.type == "cuda" else peak  # CPU ranks share one CPU's cores
+    comm_rows = _comm_rows(configs, sweep, fps, peak_total, world)
+    good = [r for r in comm_rows if r.status == "ok"]
+    best_comm = min(good, key=lambda r: r.step_median_s) if good else None
+    ledger = None
+    if best_comm:
+        ev = sweep.outcomes[config_key(vars(best_comm))]
+        ledger = _ddp_ledger(best_comm, ev, sweep.compute_only, world)
+
+    rec = _recommend(job, best_att, best_comm, ref)
+    metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)
+    result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
+                                 rows, sweep.layout | {"launches": sweep.launches}, statistics.median(
+                                     sweep.compute_only["wall_s"]) if sweep.compute_only else None,
+                                 comm_rows, sweep.allreduce, ledger, rec, [], skipped)
+    result.advice = _advice(result)
+    result.elapsed_s = time.perf_counter() - t_start
+    if write:
+        save(job, result)
+    return result
+
+
+def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | None, ref: dict) -> dict:
+    rec: dict[str, Any] = {}
+    if best_att:
+        rec["attention"] = best_att.name
+        rec["attention_text"] = (f"Use {best_att.name}: step {best_att.step_median_s * 1e3:.1f} ms"
+                                 + (f", {best_att.speedup:.2f}x the baseline" if best_att.speedup else "")
+                                 + (f"; MFU {ref['mfu']:.1%} -> {best_att.mfu:.1%}" if ref.get("mfu") else "") + ".")
+        rec["job_fragment"] = {"attention": "unfused" if best_att.name == "unfused" else "sdpa"}
+    if best_comm:
+        rec["comm"] = {"hook": best_comm.hook, "bucket_cap_mb": best_comm.bucket_mb,
+                       "gradient_as_bucket_view": best_comm.grad_as_bucket_view}
+        rec["comm_text"] = (f"Use DDP(bucket_cap_mb={best_comm.bucket_mb}, gradient_as_bucket_view="
+                            f"{best_comm.grad_as_bucket_view}) with hook '{best_comm.hook}': step "
+                            f"{best_comm.step_median_s * 1e3:.1f} ms, exposed communication "
+                            f"{(best_comm.exposed_share or 0):.1%} of the step, DDP MFU {best_comm.mfu:.1%}.")
+    return rec
+
+
+def _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label) -> dict[str, Metric]:
+    def m(v, unit, src="measured", note=""):
+        return Metric(v, unit, src, note)
+
+    bus = max((r["busbw_gbps"] for r in sweep.allreduce), default=None)
+    return {
+        "mfu": m(best_att.mfu if best_att else (ref.get("mfu")), "fraction", "measured",
+                 "single process with the best correct attention implementation (comparable to step 1)"),
+        "baseline_mfu": m(ref.get("mfu"), "fraction", "measured", ref["source"]),
+        "attention_speedup": m(best_att.speedup if best_att else None, "x", "measured",
+                               "baseline step time / step time with the best attention"),
+        "best_attention_step_median_s": m(best_att.step_median_s if best_att else None, "s"),
+        "attention_share": m(job_impl.attention_share if job_impl else None, "fraction", "measured",
+                             "n_layers x attention forward+backward / step time, job's own attention"),
+        "ddp_mfu": m(best_comm.mfu if best_comm else None, "fraction", "measured",
+                     "best DDP configuration: ranks x model FLOPs / (total peak x step time)"),
+        "ddp_step_median_s": m(best_comm.step_median_s if best_comm else None, "s"),
+        "exposed_comm_share": m(best_comm.exposed_share if best_comm else None, "fraction", "measured",
+                                "best DDP configuration: (step - no_sync step) / step"),
+        "structure_loss": m(ledger.get("structure").fraction if ledger else None, "fraction"),
+        "allreduce_busbw_max_gbps": m(bus, "GB/s", "measured", "all-reduce bus bandwidth, largest over sizes "
+                                      "(nccl-tests definition: algbw x 2(n-1)/n)"),
+        "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
+    }
+
+
+def _advice(r: AttentionCommResult) -> list[Advice]:
+    out = []
+    if r.recommendation.get("attention_text"):
+        out.append(Advice("act", r.recommendation["attention_text"], "fastest correct implementation, measured"))
+    wrong = [a.name for a in r.attention if a.status == "wrong"]
+    if wrong:
+        out.append(Advice("look", f"Wrong results from: {', '.join(wrong)}; they are never recommended.",
+                          "relative error above tolerance against unfused float32"))
+    if r.recommendation.get("comm_text"):
+        out.append(Advice("act", r.recommendation["comm_text"], "lowest measured DDP step time with ranks in sync"))
+    best = r.metric("exposed_comm_share")
+    if best is not None and best > 0.15:
+        out.append(Advice("look", "Exposed communication stays above 15% of the step even at the best setting: "
+                          "larger micro-batches (more compute to hide behind), compression hooks on NCCL, or "
+                          "a placement with faster links (step 6).", f"exposed share {best:.1%}"))
+    bad = [c for c in r.comm if c.status in ("hung", "failed", "out of sync")]
+    if bad:
+        out.append(Advice("look", "Some DDP configurations hung, failed or lost sync; see the table for errors "
+                          "and each rank's stderr.", f"{len(bad)} configuration(s)"))
+    if r.comm_layout.get("backend") == "gloo":
+        out.append(Advice("info", "Two gloo processes on one CPU share its cores and memory: communication here "
+                          "is shared-memory traffic, far from a GPU cluster's network. Read the relative ranking "
+                          "of settings, not the absolute shares.", f"world size {r.comm_layout.get('world_size')}"))
+    return out
+
+
+def save(job: Job, result: AttentionCommResult) -> Path:
+    from ..report import write_index
+
+    path = write_json_atomic(job.step_dir(INFO.folder) / RESULT_FILE, result)
+    write_index(job.output_root())
+    return path

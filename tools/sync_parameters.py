@@ -1,0 +1,50 @@
+"""Rewrite the tagged parameters cell of every notebook from mfu_lab.job.Job.
+
+    python tools/sync_parameters.py
+
+Run after adding or changing a job key: every notebook takes every key (so one
+job file drives them all), and tests/test_job.py checks they match.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mfu_lab.job import FIELDS, Job  # noqa: E402
+
+GROUPS = {"job_name": "job", "model": "model", "data": "data", "micro_batch": "training", "peak_flops": "device",
+          "nproc_per_node": "distributed (step 2)"}
+
+
+def parameters_source() -> str:
+    job = Job()
+    lines = ["# Job parameters: papermill -f JOB.yaml or -p key value replace these; defaults: parameters/default.yaml"]
+    for name, f in FIELDS.items():
+        if name in GROUPS:
+            lines.append(f"# --- {GROUPS[name]} ---")
+        t = f.type if isinstance(f.type, str) else f.type.__name__
+        t = '"Optional[float]"' if t == "float | None" else t  # quoted: papermill reads it, Python skips it
+        v = getattr(job, name)
+        lit = json.dumps(v) if isinstance(v, str) else repr(v)
+        lines.append(f"{name}: {t} = {lit}  # {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    src = parameters_source()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        if cell.source != src:
+            cell.source = src
+            nbformat.write(nb, path)
+            print(f"updated {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
