@@ -92,7 +92,8 @@ class Check:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def check(fn: Callable, shape: tuple[int, int, int, int], dtype: str, device: torch.device, seed: int = 0) -> Check:

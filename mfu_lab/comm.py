@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,13 +64,27 @@ def _torchrun_cmd(job: Job, nnodes: int, nproc: int, log_dir: Path, spec: Path) 
     return cmd + ["-m", "mfu_lab.ddp_worker", "--spec", str(spec)]
 
 
+NOISE = ("[W", "W1", "I1", "USDT:")  # torch's warnings and the profiler's trace markers
+
+
 def _rank_stderr(log_dir: Path, limit: int = 3000) -> dict[str, str]:
     out = {}
     for p in sorted(log_dir.rglob("stderr.log")):
-        text = p.read_text(errors="replace")
-        lines = [ln for ln in text.splitlines() if not ln.startswith(("[W", "W1", "I1"))]  # drop torch's log noise
+        lines = [ln for ln in p.read_text(errors="replace").splitlines() if not ln.startswith(NOISE)]
         out[f"rank {p.parent.name}"] = "\n".join(lines)[-limit:]
     return out
+
+
+def error_lines(rank_stderr: dict[str, str]) -> str:
+    """The last error line of each rank's stderr, e.g. 'rank 0: RuntimeError: ...'."""
+    found = []
+    for rank, text in rank_stderr.items():
+        hits = [ln.strip() for ln in text.splitlines()
+                if re.search(r"(Error|Exception|EnforceNotMet)", ln) and not ln.startswith(" ")
+                or ln.strip().startswith("what():")]  # a C++ exception's message
+        if hits:
+            found.append(f"{rank}: {hits[-1][:400]}")
+    return "; ".join(found)
 
 
 def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: int, progress=None) -> Launch:
@@ -138,7 +153,11 @@ class SweepOutcome:
 
 
 def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, progress=None,
-              allreduce_max_bytes: int | None = None) -> SweepOutcome:
+              allreduce_max_bytes: int | None = None, fault: dict | None = None) -> SweepOutcome:
+    """Every configuration of the job's sweep, relaunching past ones that hang or crash.
+
+    ``fault`` (tests only) makes one rank crash or hang at one configuration of the first launch.
+    """
     nnodes, nproc = world_layout(job, device_type)
     remaining = sweep_configs(job)
     max_bytes = allreduce_max_bytes or (256 << 20 if device_type == "cuda" else 16 << 20)
@@ -148,7 +167,8 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
     attempt = 0
     while remaining or need_allreduce or need_compute:
         spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": remaining,
-                "allreduce_max_bytes": max_bytes if need_allreduce else None, "compute_only": need_compute}
+                "allreduce_max_bytes": max_bytes if need_allreduce else None, "compute_only": need_compute,
+                "fault": fault if attempt == 0 else None}
         run = launch(job, spec, work, attempt, nnodes, nproc, progress)
         attempt += 1
         started = None
@@ -168,7 +188,8 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                                 "finished": finished})
         if finished:
             break
-        why = (f"no progress for {job.comm_timeout_s:.0f} s: the launch was ended" if run.returncode is None
+        why = (f"no progress (no finished step) for {job.comm_timeout_s:.0f} s: the launch was ended"
+               if run.returncode is None
                else f"the launch exited with code {run.returncode}")
         stderr = "\n".join(f"--- {r} ---\n{t}" for r, t in run.rank_stderr.items() if t.strip()) or run.launcher_stderr
         if started is None:  # failed outside any configuration (start-up, rendezvous...): stop here
@@ -180,8 +201,11 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
             break
         status = "hung" if run.returncode is None else "failed"
         previous = result.outcomes.get(config_key(started), {})
+        detail = error_lines(run.rank_stderr)
         result.outcomes[config_key(started)] = {"event": status, "config": started,
-                                                "error": previous.get("error") or why, "stderr": stderr}
+                                                "error": previous.get("error") or why + (f" ({detail})" if detail
+                                                                                         else ""),
+                                                "stderr": stderr}
         done = set(result.outcomes)
         rest = [c for c in remaining if config_key(c) not in done]
         for cfg in rest:  # smaller buckets of a hook that already hung or failed would only be worse

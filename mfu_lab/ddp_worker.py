@@ -2,10 +2,11 @@
 
     python -m torch.distributed.run ... -m mfu_lab.ddp_worker --spec SPEC.json
 
-Rank 0 appends one JSON line per event to ``<out>/progress.jsonl`` as soon as it
-happens ("start", "done", "unsupported", "error" per configuration; "allreduce"
-for the bandwidth benchmark), so whatever finished survives a crash or a hang
-of a later configuration.
+Local rank 0 of each node appends one JSON line per event to ``<out>/progress.jsonl``
+(``out`` belongs to that node's launcher) as soon as it happens: "start", "done",
+"unsupported", "error" per configuration, "step" per finished step, "allreduce" for
+the bandwidth benchmark. Whatever finished survives a crash or a hang of a later
+configuration.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -31,7 +34,8 @@ BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PER
 
 
 def emit(out: Path, event: dict) -> None:
-    if dist.get_rank() == 0:
+    """Append an event to this node's progress file (local rank 0 writes; each node has its own launcher)."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         with open(out / "progress.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
             f.flush()
@@ -149,6 +153,10 @@ def main() -> None:
                    "world_size": world, "backend": backend})
 
     steps, warm = job.comm_steps, job.comm_warmup_steps
+
+    def beat(done, total, elapsed):  # one line per finished step: the launcher's watchdog sees progress
+        emit(out, {"event": "step", "done": done, "total": total})
+
     if spec.get("compute_only"):
         model = fresh_model()
         ddp = DDP(model, device_ids=[local] if cuda else None)
@@ -158,11 +166,16 @@ def main() -> None:
             with ddp.no_sync():  # gradients stay local: no communication at all
                 return ts(x, y)
 
-        t = run_steps(local_step, loader(warm + steps), device, warm, steps)
+        t = run_steps(local_step, loader(warm + steps), device, warm, steps, beat)
         emit(out, {"event": "compute_only", "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s")})
 
-    for cfg in spec["configs"]:
+    fault = spec.get("fault")  # tests only: {"config": index, "rank": r, "kind": "crash" | "hang"}
+    for index, cfg in enumerate(spec["configs"]):
         emit(out, {"event": "start", "config": cfg})
+        if fault and fault["config"] == index and fault["rank"] == rank:
+            if fault["kind"] == "crash":
+                raise RuntimeError(f"injected crash on rank {rank} (test fault)")
+            time.sleep(10_000)  # injected hang
         model = fresh_model()
         ddp = DDP(model, device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
                   gradient_as_bucket_view=cfg["grad_as_bucket_view"])
@@ -173,7 +186,7 @@ def main() -> None:
             continue
         ts = build_train_step(job, ddp, device.type)
         try:
-            t = run_steps(ts, loader(warm + steps + 1), device, warm, steps)
+            t = run_steps(ts, loader(warm + steps + 1), device, warm, steps, beat)
             x, y = next(iter(loader(1)))
             with torch.profiler.profile() as prof:  # one extra step, profiled, for communication time
                 t0 = time.perf_counter()
@@ -196,4 +209,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        # Exit at once: a normal exit waits on the process group's teardown, which hangs while the
+        # other ranks sit in a collective, and torchrun would never learn that this rank died.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

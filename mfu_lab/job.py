@@ -88,7 +88,8 @@ class Job:
     comm_grad_as_bucket_view: list = _key([False, True], "gradient_as_bucket_view values to sweep", items="bool")
     comm_steps: int = _key(4, "measured DDP steps per configuration", min=2)
     comm_warmup_steps: int = _key(1, "discarded DDP steps per configuration", min=0)
-    comm_timeout_s: float = _key(180.0, "a launch with no progress for this long is ended as hung", min_exclusive=0.0)
+    comm_timeout_s: float = _key(60.0, "a DDP launch with no finished step for this long is ended as hung",
+                                 min_exclusive=0.0)
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -1,0 +1,63 @@
+"""Step 2 end to end: both notebooks through ``mfu-lab run`` on the tiny CPU job, then the result checked."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mfu_lab.steps.attention_comm import AttentionCommResult, _pick
+
+from .conftest import ROOT, TINY
+from .test_e2e import assert_offline
+
+SMALL_SWEEP = ["-p", "comm_hooks=[none, allreduce, bf16_compress]", "-p", "comm_bucket_mb=[0.05, 25]",
+               "-p", "comm_grad_as_bucket_view=[false]", "-p", "comm_steps=2", "-p", "comm_timeout_s=60"]
+
+
+@pytest.mark.e2e
+def test_step2_runs_after_step1_and_reports_everything(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(tmp_path), "-q",
+                        *SMALL_SWEEP], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    folder = tmp_path / "tiny" / "02_attention_and_comm"
+    d = json.loads((folder / "result.json").read_text())
+    r = AttentionCommResult.from_dict(d)
+    assert r.baseline["source"].startswith("step 1 result")
+    by_name = {a.name: a for a in r.attention}
+    assert by_name["unfused"].status == "ok" and by_name["sdpa math"].status == "ok"
+    assert by_name["sdpa efficient"].status == "unavailable" and by_name["sdpa efficient"].reason
+    assert by_name["flash_attn package"].status == "unavailable"
+    job_own = by_name["sdpa (torch's choice)"]
+    assert job_own.speedup == pytest.approx(1.0)
+    for a in r.attention:
+        if a.status == "ok":
+            assert a.rel_error <= a.tolerance and a.step_median_s > 0 and 0 < a.attention_share < 1
+    statuses = {(c.hook, c.bucket_mb): c.status for c in r.comm}
+    assert statuses[("bf16_compress", 25)] == "unsupported"
+    assert statuses[("none", 25)] == "ok" and statuses[("allreduce", 0.05)] == "ok"
+    assert r.ledger.total == pytest.approx(1.0)
+    assert r.ledger.get("structure").fraction >= 0
+    assert r.recommendation["attention_text"] and r.recommendation["comm_text"]
+    assert r.allreduce and r.metrics["allreduce_busbw_max_gbps"].value > 0
+    report = (folder / "report.html").read_text()
+    assert "Exposed communication share" in report or "exposed" in report
+    assert_offline(report)
+    index = (tmp_path / "tiny" / "index.html").read_text()
+    assert "Step 2 · attention and communication" in index and "02_attention_and_comm/report.html" in index
+    assert_offline(index)
+
+
+class Row:
+    def __init__(self, median, p10, p90):
+        self.step_median_s, self.step_p10_s, self.step_p90_s = median, p10, p90
+
+
+def test_a_change_is_recommended_only_beyond_the_noise():
+    ref = Row(10.0, 9.0, 11.0)
+    overlapping = Row(9.5, 8.5, 10.0)  # faster median, but ranges overlap
+    clear = Row(7.0, 6.5, 8.0)  # p90 below the reference's p10
+    assert _pick([ref, overlapping], ref) is ref
+    assert _pick([ref, overlapping, clear], ref) is clear
+    assert _pick([overlapping], None) is overlapping
+    assert _pick([], ref) is None
