@@ -67,6 +67,23 @@ def select_steps(spec: str | None) -> list:
     return [s for s in STEPS if s.key in keys]
 
 
+class _Indented:
+    """A text stream that indents every line written through it (notebook output inside CLI output)."""
+
+    def __init__(self, stream):
+        self.stream, self.at_line_start = stream, True
+
+    def write(self, text: str) -> None:
+        for ch in text:
+            if self.at_line_start and ch != "\n":
+                self.stream.write("    ")
+            self.stream.write(ch)
+            self.at_line_start = ch == "\n"
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False) -> Path:
     """Run one step's notebook with papermill into the job's output folder; export its HTML."""
     import papermill as pm
@@ -82,8 +99,9 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False) -
         raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
     params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
     try:
-        pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=not quiet, cwd=str(root),
-                            kernel_name="python3")
+        # The kernel's printed lines (the steps' own progress, with time left) are streamed as they come.
+        pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
+                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout))
     except BaseException as exc:  # PapermillExecutionError, KeyboardInterrupt, kernel death...
         ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
         write_json_atomic(folder / FAILURE_FILE, {"step": info.key, "error": f"{ename}: {evalue}",
@@ -171,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", help=f"comma-separated subset of: {', '.join(BY_KEY)}")
     r.add_argument("--out", help="results folder (overrides out_dir)")
     r.add_argument("-p", "--param", **param)
-    r.add_argument("-q", "--quiet", action="store_true", help="no per-cell progress bar")
+    r.add_argument("-q", "--quiet", action="store_true", help="do not stream the notebooks' progress lines")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("step", help="run one step in plain Python, without Jupyter")

@@ -109,19 +109,28 @@ def _metrics_table(metrics: dict[str, dict]) -> str:
     return f"<table><tr><th>metric</th><th>value</th><th>source</th><th>how</th></tr>{rows}</table>"
 
 
+def _cards(metrics: dict[str, dict], pairs) -> str:
+    """Headline figures as cards: (label, metric name) pairs, each with its source label."""
+    return "".join(
+        f'<div class="card"><div class="k">{e(label)}</div><div class="v">'
+        f'{fmt(metrics[k]["value"], metrics[k]["unit"])}</div>{badge(metrics[k]["source"])}</div>'
+        for label, k in pairs)
+
+
+def _advice_items(advice) -> str:
+    return "".join(f'<li><span class="{e(a.severity)}">{e(a.severity)}</span> {e(a.message)} '
+                   f"<small>({e(a.because)})</small></li>" for a in advice)
+
+
 def _baseline_section(d: dict[str, Any]) -> str:
     from . import plots
     from .steps.baseline import BaselineResult
 
     r = BaselineResult.from_dict(d)
     m = d["metrics"]
-    cards = "".join(
-        f'<div class="card"><div class="k">{e(label)}</div><div class="v">{fmt(m[k]["value"], m[k]["unit"])}</div>'
-        f'{badge(m[k]["source"])}</div>'
-        for label, k in (("MFU", "mfu"), ("HFU", "hfu"), ("tokens/s", "tokens_per_s"),
-                         ("median step", "step_time_median_s"), ("peak", "peak_flops_per_s")))
-    advice = "".join(f'<li><span class="{e(a.severity)}">{e(a.severity)}</span> {e(a.message)} '
-                     f"<small>({e(a.because)})</small></li>" for a in r.advice)
+    cards = _cards(m, (("MFU", "mfu"), ("HFU", "hfu"), ("tokens/s", "tokens_per_s"),
+                       ("median step", "step_time_median_s"), ("peak", "peak_flops_per_s")))
+    advice = _advice_items(r.advice)
     skipped = "".join(f"<li>{e(s['what'])}: {e(s['reason'])}</li>" for s in r.skipped) or "<li>nothing</li>"
     ledger = "".join(f"<tr><td>{e(i.name)}</td><td>{i.fraction:.1%}</td><td>{badge(i.source)}</td>"
                      f"<td><small>{e(i.explanation)}</small></td></tr>" for i in r.ledger.items)
@@ -182,14 +191,10 @@ def _attention_comm_section(d: dict[str, Any]) -> str:
 
     r = AttentionCommResult.from_dict(d)
     m = d["metrics"]
-    cards = "".join(
-        f'<div class="card"><div class="k">{e(label)}</div><div class="v">{fmt(m[k]["value"], m[k]["unit"])}</div>'
-        f'{badge(m[k]["source"])}</div>'
-        for label, k in (("MFU (best attention)", "mfu"), ("baseline MFU", "baseline_mfu"),
-                         ("DDP MFU (best config)", "ddp_mfu"), ("exposed comm", "exposed_comm_share"),
-                         ("all-reduce busbw", "allreduce_busbw_max_gbps")))
-    advice = "".join(f'<li><span class="{e(a.severity)}">{e(a.severity)}</span> {e(a.message)} '
-                     f"<small>({e(a.because)})</small></li>" for a in r.advice)
+    cards = _cards(m, (("MFU (recommended attention)", "mfu"), ("baseline MFU", "baseline_mfu"),
+                       ("DDP MFU (recommended config)", "ddp_mfu"), ("exposed comm", "exposed_comm_share"),
+                       ("all-reduce busbw", "allreduce_busbw_max_gbps")))
+    advice = _advice_items(r.advice)
     att_plot = (f'<img alt="attention times" src="{plots.to_data_uri(plots.attention_times(r))}">'
                 if any(a.status == "ok" for a in r.attention) else "")
     comm_plot = (f'<img alt="communication sweep" src="{plots.to_data_uri(plots.comm_sweep(r))}">'

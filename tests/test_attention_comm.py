@@ -61,3 +61,17 @@ def test_a_change_is_recommended_only_beyond_the_noise():
     assert _pick([ref, overlapping, clear], ref) is clear
     assert _pick([overlapping], None) is overlapping
     assert _pick([], ref) is None
+
+
+def test_lossy_hooks_are_recommended_with_a_warning():
+    from mfu_lab.job import Job
+    from mfu_lab.steps.attention_comm import CommRow, _recommend
+
+    row = CommRow("powersgd", 100, False, "ok", step_median_s=1.0, step_p10_s=0.9, step_p90_s=1.1,
+                  exposed_share=0.0, mfu=0.5)
+    assert "lossy" in _recommend(Job(), None, row, {})["comm_text"]
+    row.hook = "allreduce"
+    assert "lossy" not in _recommend(Job(), None, row, {})["comm_text"]
+    default = CommRow("none", 25, False, "ok", step_median_s=1.0, step_p10_s=0.9, step_p90_s=1.1, exposed_share=0.1,
+                      mfu=0.5)
+    assert _recommend(Job(), None, default, {})["comm_text"].startswith("Keep DDP's defaults")

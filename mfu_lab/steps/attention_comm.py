@@ -38,6 +38,7 @@ INFO = BY_KEY["attention_comm"]
 SYNC_TOLERANCE = 1e-6  # checksum difference above which ranks are out of sync
 JOB_IMPL = {"sdpa": "sdpa (torch's choice)", "unfused": "unfused"}  # the job's attention among the candidates
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets
+LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
 
 
 @dataclass
@@ -303,6 +304,9 @@ def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | Non
                        "gradient_as_bucket_view": best_comm.grad_as_bucket_view}
         figures = (f"step {best_comm.step_median_s * 1e3:.1f} ms, exposed communication "
                    f"{(best_comm.exposed_share or 0):.1%} of the step, DDP MFU {best_comm.mfu:.1%}")
+        if best_comm.hook in LOSSY_HOOKS:
+            figures += ("; this hook compresses gradients (lossy), so confirm the loss curve matches before "
+                        "adopting it")
         if (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view) == DDP_DEFAULT:
             rec["comm_text"] = ("Keep DDP's defaults (bucket_cap_mb=25, no hook): no configuration was faster "
                                 f"beyond the noise; {figures}.")
@@ -354,6 +358,15 @@ def _advice(r: AttentionCommResult) -> list[Advice]:
         out.append(Advice("look", "Exposed communication stays above 15% of the step even at the best setting: "
                           "larger micro-batches (more compute to hide behind), compression hooks on NCCL, or "
                           "a placement with faster links (step 6).", f"exposed share {best:.1%}"))
+    own = next((a for a in r.attention if a.status == "ok" and a.name == JOB_IMPL[r.job["attention"]]), None)
+    step1 = r.baseline.get("step_mean_s")  # MFU rests on the mean step time, outliers included
+    if own and step1 and r.baseline["source"].startswith("step 1 result") and not (
+            own.step_p10_s <= step1 <= own.step_p90_s):
+        out.append(Advice("look", "Step 1 and this step disagree on the same configuration, so the MFU change "
+                          "against step 1 mixes in run-to-run noise (a busy machine in one of the runs); trust the "
+                          "side-by-side comparisons made within this step.",
+                          f"step 1 mean step {step1 * 1e3:.0f} ms vs median {own.step_median_s * 1e3:.0f} ms here "
+                          f"(p10-p90 {own.step_p10_s * 1e3:.0f}-{own.step_p90_s * 1e3:.0f} ms)"))
     bad = [c for c in r.comm if c.status in ("hung", "failed", "out of sync")]
     if bad:
         out.append(Advice("look", "Some DDP configurations hung, failed or lost sync; see the table for errors "
