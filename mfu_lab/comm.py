@@ -146,7 +146,6 @@ def _read(path: Path) -> list[dict]:
 @dataclass
 class SweepOutcome:
     layout: dict
-    compute_only: dict | None
     allreduce: list[dict]
     outcomes: dict[tuple, dict] = field(default_factory=dict)  # config key -> event (done/unsupported/failed...)
     launches: list[dict] = field(default_factory=list)
@@ -162,12 +161,12 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
     remaining = sweep_configs(job)
     max_bytes = allreduce_max_bytes or (256 << 20 if device_type == "cuda" else 16 << 20)
     result = SweepOutcome({"nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc,
-                           "backend": "nccl" if device_type == "cuda" else "gloo"}, None, [])
-    need_allreduce, need_compute = True, True
+                           "backend": "nccl" if device_type == "cuda" else "gloo"}, [])
+    need_allreduce = True
     attempt = 0
-    while remaining or need_allreduce or need_compute:
+    while remaining or need_allreduce:
         spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": remaining,
-                "allreduce_max_bytes": max_bytes if need_allreduce else None, "compute_only": need_compute,
+                "allreduce_max_bytes": max_bytes if need_allreduce else None,
                 "fault": fault if attempt == 0 else None}
         run = launch(job, spec, work, attempt, nnodes, nproc, progress)
         attempt += 1
@@ -176,8 +175,6 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
             kind = ev["event"]
             if kind == "allreduce":
                 result.allreduce, need_allreduce = ev["rows"], False
-            elif kind == "compute_only":
-                result.compute_only, need_compute = ev, False
             elif kind == "start":
                 started = ev["config"]
             elif kind in ("done", "unsupported", "error"):
@@ -197,7 +194,7 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                 result.outcomes.setdefault(config_key(cfg), {"event": "failed", "config": cfg,
                                                              "error": f"{why} before this configuration ran",
                                                              "stderr": stderr})
-            need_allreduce = need_compute = False
+            need_allreduce = False
             break
         status = "hung" if run.returncode is None else "failed"
         previous = result.outcomes.get(config_key(started), {})
@@ -206,6 +203,7 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                                                 "error": previous.get("error") or why + (f" ({detail})" if detail
                                                                                          else ""),
                                                 "stderr": stderr}
+        new = [result.outcomes[config_key(started)]]
         done = set(result.outcomes)
         rest = [c for c in remaining if config_key(c) not in done]
         for cfg in rest:  # smaller buckets of a hook that already hung or failed would only be worse
@@ -214,5 +212,9 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                     "event": "skipped", "config": cfg,
                     "error": f"not tried: {cfg['hook']} {status} at bucket {started['bucket_mb']} MB, and this "
                              "configuration has as many buckets or more"}
+                new.append(result.outcomes[config_key(cfg)])
+        if progress:
+            for ev in new:
+                progress(ev)
         remaining = [c for c in rest if config_key(c) not in result.outcomes]
     return result

@@ -101,15 +101,22 @@ def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
         x = torch.ones(size // 4, dtype=torch.float32, device=device)
         for _ in range(2):
             dist.all_reduce(x)  # warm-up: connection set-up and allocation
-        times = []
-        start = time.perf_counter()
-        while len(times) < 5 or (time.perf_counter() - start < 0.3 and len(times) < 50):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            sync()  # sync point: the collective has finished on this rank
-            times.append(time.perf_counter() - t0)
+        def timed(n, x=x):
+            out = []
+            for _ in range(n):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                sync()  # sync point: the collective has finished on this rank
+                out.append(time.perf_counter() - t0)
+            return out
+
+        times = timed(3)
+        # Every rank must run the same number of collectives: agree on the count from the slowest rank.
+        probe = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        times += timed(int(min(47, max(2, 0.3 / max(float(probe), 1e-9)))))
         t = torch.tensor([statistics.median(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
         sec = float(t)
@@ -157,18 +164,6 @@ def main() -> None:
     def beat(done, total, elapsed):  # one line per finished step: the launcher's watchdog sees progress
         emit(out, {"event": "step", "done": done, "total": total})
 
-    if spec.get("compute_only"):
-        model = fresh_model()
-        ddp = DDP(model, device_ids=[local] if cuda else None)
-        ts = build_train_step(job, ddp, device.type)
-
-        def local_step(x, y):
-            with ddp.no_sync():  # gradients stay local: no communication at all
-                return ts(x, y)
-
-        t = run_steps(local_step, loader(warm + steps), device, warm, steps, beat)
-        emit(out, {"event": "compute_only", "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s")})
-
     fault = spec.get("fault")  # tests only: {"config": index, "rank": r, "kind": "crash" | "hang"}
     for index, cfg in enumerate(spec["configs"]):
         emit(out, {"event": "start", "config": cfg})
@@ -197,11 +192,19 @@ def main() -> None:
             comm = torch.tensor([comm_time_from_profile(prof, device.type)], dtype=torch.float64)
             dist.all_reduce(comm, op=dist.ReduceOp.MAX)
             diff = in_sync(ddp.module)
+
+            def local_step(x, y, ddp=ddp, ts=ts):  # bound now: the loop rebinds both names
+                with ddp.no_sync():  # the same step with gradients kept local: no communication at all
+                    return ts(x, y)
+
+            # Side by side with the timed steps above, after the sync check (local updates diverge the ranks).
+            local = run_steps(local_step, loader(steps), device, 0, steps, beat)
         except Exception as e:
             emit(out, {"event": "error", "config": cfg, "error": f"{type(e).__name__}: {e}"})
             raise
         emit(out, {"event": "done", "config": cfg, "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s"),
-                   "comm_s": float(comm), "profiled_step_s": profiled_s, "param_checksum_max_diff": diff,
+                   "no_sync_wall_s": local.measured("wall_s"), "comm_s": float(comm), "profiled_step_s": profiled_s,
+                   "param_checksum_max_diff": diff,
                    "loss": t.loss[-1]})
     emit(out, {"event": "finished"})
     dist.barrier()

@@ -86,7 +86,7 @@ class Job:
     comm_hooks: list = _key(list(COMM_HOOKS), "DDP communication hooks to sweep: " + " | ".join(COMM_HOOKS),
                             items="hook")
     comm_grad_as_bucket_view: list = _key([False, True], "gradient_as_bucket_view values to sweep", items="bool")
-    comm_steps: int = _key(4, "measured DDP steps per configuration", min=2)
+    comm_steps: int = _key(3, "measured DDP steps per configuration (and as many under no_sync)", min=2)
     comm_warmup_steps: int = _key(1, "discarded DDP steps per configuration", min=0)
     comm_timeout_s: float = _key(60.0, "a DDP launch with no finished step for this long is ended as hung",
                                  min_exclusive=0.0)

@@ -34,6 +34,9 @@ def test_step2_runs_after_step1_and_reports_everything(tmp_path):
         if a.status == "ok":
             assert a.rel_error <= a.tolerance and a.step_median_s > 0 and 0 < a.attention_share < 1
     statuses = {(c.hook, c.bucket_mb): c.status for c in r.comm}
+    problems = [f"{c.hook} {c.bucket_mb}: {c.status}: {c.error}\n{c.stderr}" for c in r.comm
+                if c.status not in ("ok", "unsupported")]
+    assert not problems, "\n".join(problems)
     assert statuses[("bf16_compress", 25)] == "unsupported"
     assert statuses[("none", 25)] == "ok" and statuses[("allreduce", 0.05)] == "ok"
     assert r.ledger.total == pytest.approx(1.0)

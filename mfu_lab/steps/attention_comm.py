@@ -71,6 +71,7 @@ class CommRow:
     step_p10_s: float | None = None
     step_p90_s: float | None = None
     comm_s: float | None = None  # all-reduce time in one profiled step (union of bucket spans, slowest rank)
+    no_sync_step_s: float | None = None  # median of the same steps under no_sync, measured right after
     exposed_s: float | None = None  # step time with communication - without (no_sync)
     comm_share: float | None = None
     exposed_share: float | None = None
@@ -87,7 +88,6 @@ class AttentionCommResult:
     baseline: dict[str, Any]  # where the comparison point came from, and its figures
     attention: list[AttentionRow]
     comm_layout: dict[str, Any]
-    compute_only_step_s: float | None
     comm: list[CommRow]
     allreduce: list[dict]
     ledger: Ledger | None
@@ -104,7 +104,7 @@ class AttentionCommResult:
     def from_dict(cls, d: dict[str, Any]) -> AttentionCommResult:
         return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
                    d["baseline"], [AttentionRow(**r) for r in d["attention"]], d["comm_layout"],
-                   d["compute_only_step_s"], [CommRow(**r) for r in d["comm"]], d["allreduce"],
+                   [CommRow(**r) for r in d["comm"]], d["allreduce"],
                    Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]) if d.get("ledger") else None,
                    d["recommendation"], [Advice(**a) for a in d["advice"]], d.get("skipped", []),
                    d.get("elapsed_s", 0.0), d.get("status", "ok"))
@@ -158,7 +158,6 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
 
 
 def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: float, world: int) -> list[CommRow]:
-    base_median = statistics.median(sweep.compute_only["wall_s"]) if sweep.compute_only else None
     rows = []
     for cfg in configs:
         ev = sweep.outcomes.get(config_key(cfg))
@@ -168,29 +167,30 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
                       ev.get("error", ""), ev.get("stderr", ""))
         if ev["event"] == "done":
             s = stats(ev["wall_s"])
-            exposed = max(0.0, s.median - base_median) if base_median is not None else None
+            local = statistics.median(ev["no_sync_wall_s"])
+            exposed = max(0.0, s.median - local)
             diff = ev["param_checksum_max_diff"]
             row.status = "ok" if diff <= SYNC_TOLERANCE else "out of sync"
             row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
-            row.comm_s, row.exposed_s, row.param_diff = ev["comm_s"], exposed, diff
+            row.comm_s, row.no_sync_step_s, row.exposed_s, row.param_diff = ev["comm_s"], local, exposed, diff
             row.comm_share = min(1.0, ev["comm_s"] / ev["profiled_step_s"])  # both from the profiled step
-            row.exposed_share = exposed / s.median if exposed is not None else None
+            row.exposed_share = exposed / s.median
             row.mfu = world * flops_per_step * len(ev["wall_s"]) / (peak_total * sum(ev["wall_s"]))
         rows.append(row)
     return rows
 
 
-def _ddp_ledger(row: CommRow, ev: dict, compute_only: dict | None, world: int) -> Ledger:
+def _ddp_ledger(row: CommRow, ev: dict, world: int) -> Ledger:
     wall = statistics.fmean(ev["wall_s"])
     data = statistics.fmean(ev["data_s"]) / wall
-    exposed = max(0.0, wall - statistics.fmean(compute_only["wall_s"])) / wall if compute_only else 0.0
+    exposed = max(0.0, wall - statistics.fmean(ev["no_sync_wall_s"])) / wall
     mfu_v = row.mfu
     hardware = 1.0 - mfu_v - exposed - data
     return Ledger([
         LedgerItem("mfu", mfu_v, "measured", f"{world} ranks x model FLOPs / (total peak x measured step time)"),
         LedgerItem("hardware", hardware, "measured", "the rest: computing below peak (1 - the other parts)"),
         LedgerItem("structure", exposed, "measured", "exposed communication: step time with DDP all-reduce minus "
-                   "the same step under no_sync (no communication), over step time"),
+                   "the same steps under no_sync (no communication) measured right after, over step time"),
         LedgerItem("software", data, "measured", "data wait share of the DDP step"),
         LedgerItem("operations", 0.0, "analytic", "not sampled during the DDP launch; step 1 reads clocks"),
     ])
@@ -240,7 +240,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     done = {"n": 0}
 
     def on_event(ev):
-        if ev["event"] in ("done", "unsupported", "error"):
+        if ev["event"] in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]
             say(f"  comm [{done['n']}/{len(configs)}] {c['hook']}, bucket {c['bucket_mb']} MB, "
@@ -257,14 +257,13 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     ledger = None
     if best_comm:
         ev = sweep.outcomes[config_key(vars(best_comm))]
-        ledger = _ddp_ledger(best_comm, ev, sweep.compute_only, world)
+        ledger = _ddp_ledger(best_comm, ev, world)
 
     rec = _recommend(job, best_att, best_comm, ref)
     metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)
     result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
-                                 rows, sweep.layout | {"launches": sweep.launches}, statistics.median(
-                                     sweep.compute_only["wall_s"]) if sweep.compute_only else None,
-                                 comm_rows, sweep.allreduce, ledger, rec, [], skipped)
+                                 rows, sweep.layout | {"launches": sweep.launches}, comm_rows, sweep.allreduce, ledger,
+                                 rec, [], skipped)
     result.advice = _advice(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
