@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .measure import Stats, stats
 
@@ -112,6 +113,26 @@ def check(fn: Callable, shape: tuple[int, int, int, int], dtype: str, device: to
         return Check(False, None, tol, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     err = max(_rel(out, ref_out), *(_rel(t.grad, r.grad) for t, r in zip(test_in, ref_in)))
     return Check(err <= tol, err, tol)
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def kernel_signature(fn: Callable, shape: tuple[int, int, int, int], dtype: str, device: torch.device) -> str:
+    """The aten operators a forward dispatches to: two implementations with the same signature run the
+    same kernels (on CPU, torch's own SDPA choice is the flash kernel), so their timing differences are noise."""
+    q = torch.randn(shape, device=device, dtype=getattr(torch, dtype))
+    with torch.no_grad(), _OpRecorder() as rec:
+        fn(q, q, q)
+    fused = [op for op in rec.ops if "attention" in op or "flash" in op]
+    return "+".join(dict.fromkeys(fused)) if fused else "+".join(dict.fromkeys(rec.ops))
 
 
 def time_fwd_bwd(fn: Callable, shape: tuple[int, int, int, int], dtype: str, device: torch.device,

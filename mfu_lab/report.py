@@ -164,9 +164,11 @@ def attention_table(rows) -> str:
         f"<td>{_num(r.attn_median_s, lambda v: f'{v * 1e3:.2f} ms')}</td>"
         f"<td>{_num(r.step_median_s, lambda v: f'{v * 1e3:.1f} ms')}</td>"
         f"<td>{_num(r.attention_share, lambda v: f'{v:.1%}')}</td><td>{_num(r.speedup, lambda v: f'{v:.2f}x')}</td>"
-        f"<td>{_num(r.mfu, lambda v: f'{v:.1%}')}</td><td><small>{e(r.reason)}</small></td></tr>" for r in rows)
+        f"<td>{_num(r.mfu, lambda v: f'{v:.1%}')}</td><td><small>{e(r.kernel)}</small></td>"
+        f"<td><small>{e(r.reason)}</small></td></tr>" for r in rows)
     return ("<table><tr><th>implementation</th><th>status</th><th>rel. error</th><th>attention fwd+bwd</th>"
-            "<th>step (median)</th><th>attention share</th><th>speedup vs job's</th><th>MFU</th><th>note</th></tr>"
+            "<th>step (median)</th><th>attention share</th><th>speedup vs job's</th><th>MFU</th><th>kernel</th>"
+            "<th>note</th></tr>"
             f"{body}</table>")
 
 

@@ -48,3 +48,12 @@ def test_unfused_matches_the_definition():
 def test_timing_reports_a_spread():
     s = att.time_fwd_bwd(att.unfused, SHAPE, "float32", CPU, warmup=1, reps=4)
     assert s.n == 4 and s.p10 <= s.median <= s.p90
+
+
+def test_kernel_signature_tells_same_kernels_apart_from_different_ones():
+    impls = {i.name: i for i in att.candidates("cpu", "float32")}
+    sig = {n: att.kernel_signature(impls[n].fn, SHAPE, "float32", CPU)
+           for n in ("unfused", "sdpa (torch's choice)", "sdpa flash", "sdpa math")}
+    assert sig["sdpa (torch's choice)"] == sig["sdpa flash"]  # on CPU torch picks the flash kernel
+    assert sig["unfused"] != sig["sdpa flash"] and sig["sdpa math"] != sig["sdpa flash"]
+    assert "flash" in sig["sdpa flash"]

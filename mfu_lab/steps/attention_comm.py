@@ -57,6 +57,7 @@ class AttentionRow:
     mfu: float | None = None
     speedup: float | None = None  # baseline step time / this step time
     attention_share: float | None = None  # n_layers x attention time / step time
+    kernel: str = ""  # aten operators the forward dispatches to (same kernel, same signature)
 
 
 @dataclass
@@ -145,6 +146,7 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
                                      c.rel_error, c.tolerance))
             continue
         a = att.time_fwd_bwd(impl.fn, time_shape, job.dtype, torch_device)
+        kernel = att.kernel_signature(impl.fn, check_shape, job.dtype, torch_device)
         model = build_model(job).to(torch_device).train()
         model.set_attention(impl.fn)
         t = run_steps(build_train_step(job, model, device.type), build_loader(job, job.warmup_steps + job.steps,
@@ -153,7 +155,7 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
         s = stats(wall)
         rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, s.median,
                                  s.p10, s.p90, flops_per_step * len(wall) / (peak * sum(wall)), None,
-                                 job.n_layers * a.median / s.median))
+                                 job.n_layers * a.median / s.median, kernel))
     return rows
 
 
@@ -232,7 +234,15 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         skipped.append({"what": "step 1 baseline", "reason": src})
     for r in ok_rows:  # side by side in this run, against the job's own attention
         r.speedup = job_impl.step_median_s / r.step_median_s if job_impl else None
-    best_att = _pick(ok_rows, job_impl)
+    # Only a different kernel can be a real change: rows running the job's own kernel are the job's attention.
+    best_att = _pick([r for r in ok_rows if job_impl is None or r is job_impl or r.kernel != job_impl.kernel],
+                     job_impl)
+    if job_impl:
+        same = [r.name for r in ok_rows if r is not job_impl and r.kernel == job_impl.kernel]
+        if same:
+            skipped.append({"what": "switching to " + ", ".join(same),
+                            "reason": f"runs the same kernel as the job's attention here ({job_impl.kernel}); "
+                                      "their timing differences are run-to-run noise"})
 
     # ---- communication
     configs = sweep_configs(job)
