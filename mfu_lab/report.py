@@ -64,7 +64,7 @@ h1{margin-bottom:.2em} .sub{color:#666;margin-top:0}
 # Scoped enough to embed in a notebook output without restyling the notebook itself.
 PART_CSS = """
 .mfu table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:.92em}
-.mfu td,.mfu th{border-bottom:1px solid #ddd;padding:.3em .7em;text-align:left;vertical-align:top}
+.mfu td,.mfu th{border-bottom:1px solid #ddd;padding:.3em .7em;text-align:left !important;vertical-align:top}
 .mfu th{background:#f3f4f6}
 .mfu .cards{display:flex;flex-wrap:wrap;gap:.8em;margin:1em 0}
 .mfu .card{border:1px solid #ddd;border-radius:8px;padding:.6em 1em;min-width:150px}
@@ -205,7 +205,7 @@ def _attention_comm_section(d: dict[str, Any]) -> str:
                if r.allreduce else "")
     ledger = ""
     if r.ledger:
-        fig = plots.ledger_waterfall(r.ledger, "MFU ledger, data-parallel with the best configuration")
+        fig = plots.ledger_waterfall(r.ledger, "MFU ledger, data-parallel with the recommended configuration")
         ledger = f'<img alt="DDP ledger" src="{plots.to_data_uri(fig)}">'
 
     return f"""

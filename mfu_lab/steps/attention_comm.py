@@ -253,8 +253,11 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         if ev["event"] in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]
+            took = (f", {statistics.median(ev['wall_s']) * 1e3:.0f} ms/step "
+                    f"({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"
+                    if ev["event"] == "done" else "")
             say(f"  comm [{done['n']}/{len(configs)}] {c['hook']}, bucket {c['bucket_mb']} MB, "
-                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}")
+                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}{took}")
 
     work = job.step_dir(INFO.folder) / "ddp" / f"{platform.node() or 'node'}-{os.getpid()}"  # one per launcher
     sweep = run_sweep(job, device.type, best_att.name if best_att else None, work, on_event)
@@ -340,10 +343,10 @@ def _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label
         "attention_share": m(job_impl.attention_share if job_impl else None, "fraction", "measured",
                              "n_layers x attention forward+backward / step time, job's own attention"),
         "ddp_mfu": m(best_comm.mfu if best_comm else None, "fraction", "measured",
-                     "best DDP configuration: ranks x model FLOPs / (total peak x step time)"),
+                     "recommended DDP configuration: ranks x model FLOPs / (total peak x step time)"),
         "ddp_step_median_s": m(best_comm.step_median_s if best_comm else None, "s"),
         "exposed_comm_share": m(best_comm.exposed_share if best_comm else None, "fraction", "measured",
-                                "best DDP configuration: (step - no_sync step) / step"),
+                                "recommended DDP configuration: (step - no_sync step) / step"),
         "structure_loss": m(ledger.get("structure").fraction if ledger else None, "fraction"),
         "allreduce_busbw_max_gbps": m(bus, "GB/s", "measured", "all-reduce bus bandwidth, largest over sizes "
                                       "(nccl-tests definition: algbw x 2(n-1)/n)"),
