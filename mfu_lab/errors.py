@@ -17,7 +17,7 @@ class JobError(MfuLabError):
     def __init__(self, source: str, problems: list[JobProblem]):
         self.source = source
         self.problems = problems
-        lines = [f"{source}: {len(problems)} invalid job parameter(s)"]
+        lines = [f"{source}: {len(problems)} invalid value(s)"]
         lines += [f"  - {p}" for p in problems]
         super().__init__("\n".join(lines))
 

@@ -231,10 +231,12 @@ def validate(values: dict[str, Any], source: str) -> Job:
             problems.append(JobProblem(key, value, why))
         else:
             clean[key] = value
-    if not problems:
-        job = Job(**clean)
+    bad = {p.key for p in problems}
+    job = Job(**clean)  # the clean keys over the defaults: cross-key checks of keys that are fine on their own
+    if not bad & {"d_model", "n_heads"}:
         if job.d_model % job.n_heads:
             problems.append(JobProblem("n_heads", job.n_heads, f"must divide d_model ({job.d_model})"))
+    if not bad & {"nnodes", "rdzv_endpoint"}:
         if job.nnodes > 1 and not job.rdzv_endpoint:
             problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint,
                                        f"must be host:port when nnodes is {job.nnodes}"))

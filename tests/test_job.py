@@ -130,3 +130,10 @@ def test_output_root_is_relative_to_the_workbook_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outside the checkout: relative to the current folder
     assert Job().output_root() == tmp_path / "outputs" / "default"
     assert validate({"out_dir": str(tmp_path / "x")}, "t").output_root() == tmp_path / "x" / "default"
+
+
+def test_cross_key_checks_are_reported_with_the_other_problems(tmp_path):
+    p = write(tmp_path, "micro_bacth: 4\nnnodes: 2\nn_heads: 3\n")
+    with pytest.raises(JobError) as e:
+        load_job(p)
+    assert {pr.key for pr in e.value.problems} == {"micro_bacth", "rdzv_endpoint", "n_heads"}
