@@ -1,0 +1,78 @@
+"""One short run of the GPU code paths, for a session that is lent a GPU machine. Not part of the tests.
+
+    python benchmarks/gpu_check.py [--out outputs] [--quick]
+
+Plain Python (GPU machines have torch but no Jupyter). Runs step 1 and step 2 on a
+mid-sized GPT in bf16 on the visible GPUs and prints one table of what the CUDA
+paths measured: CUDA-event step times, the datasheet peak, NVML health, the SDPA
+backends (efficient, cuDNN, flash) and flash_attn, and a reduced NCCL sweep.
+Results land in <out>/gpu-check/ like any job's. About 3-4 minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from mfu_lab.job import load_job  # noqa: E402
+from mfu_lab.steps import attention_comm, baseline  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "outputs"))
+    ap.add_argument("--quick", action="store_true", help="step 1 only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible; nothing to check here")
+        return 2
+    job = dataclasses.replace(
+        load_job(ROOT / "parameters" / "gpt2_124m_gpu.yaml"), job_name="gpu-check", out_dir=args.out,
+        n_layers=6, d_model=768, n_heads=12, seq_len=1024, micro_batch=8, steps=30, warmup_steps=10,
+        comm_hooks=["none", "allreduce", "bf16_compress", "powersgd"], comm_bucket_mb=[1, 25],
+        comm_grad_as_bucket_view=[False], comm_steps=8, comm_warmup_steps=3, comm_timeout_s=60.0)
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} x "
+          f"{torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability(0)}")
+    t0 = time.perf_counter()
+    b = baseline.run(job)
+    m = b.metrics
+    print(f"\nstep 1 ({time.perf_counter() - t0:.0f} s): {b.timings.method}")
+    for k in ("mfu", "step_time_median_s", "step_time_cv", "tokens_per_s", "peak_flops_per_s",
+              "counted_flops_per_step", "model_flops_per_step", "data_wait_fraction", "peak_memory_bytes"):
+        print(f"  {k:<24} {m[k].value!r:<24} [{m[k].source}] {m[k].note[:80]}")
+    h = b.health
+    print(f"  NVML: sampled={h.sampled} samples={h.samples} max {h.temperature_c_max} C, SM clock "
+          f"{h.sm_clock_mhz_mean}/{h.sm_clock_mhz_max_supported} MHz, power {h.power_w_mean} W, "
+          f"reasons {h.reasons_seen} {h.skipped_reason}")
+    print("  ledger " + ", ".join(f"{i.name} {i.fraction:.1%}" for i in b.ledger.items))
+    if args.quick:
+        return 0
+    t0 = time.perf_counter()
+    r = attention_comm.run(job)
+    print(f"\nstep 2 ({time.perf_counter() - t0:.0f} s), world {r.comm_layout['world_size']} over "
+          f"{r.comm_layout['backend']}")
+    for a in r.attention:
+        figs = (f"err {a.rel_error:.1e} attn {a.attn_median_s * 1e3:.2f} ms step {a.step_median_s * 1e3:.1f} ms "
+                f"mfu {a.mfu:.1%} kernel {a.kernel}" if a.status == "ok" else a.reason[:100])
+        print(f"  {a.name:<24} {a.status:<12} {figs}")
+    for c in r.comm:
+        figs = (f"step {c.step_median_s * 1e3:.1f} ms, no_sync {c.no_sync_step_s * 1e3:.1f} ms, comm "
+                f"{c.comm_share:.1%}, exposed {c.exposed_share:.1%}, diff {c.param_diff}" if c.status == "ok"
+                else c.error[:120])
+        print(f"  {c.hook:<14} {c.bucket_mb:>4g} MB {c.status:<11} {figs}")
+    for row in r.allreduce:
+        print(f"  all-reduce {row['bytes']:>10} B {row['time_s'] * 1e6:9.1f} us busbw {row['busbw_gbps']:.1f} GB/s")
+    print("  " + r.recommendation.get("attention_text", "") + "\n  " + r.recommendation.get("comm_text", ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
