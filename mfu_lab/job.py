@@ -127,11 +127,6 @@ class Job:
 FIELDS = {f.name: f for f in dataclasses.fields(Job)}
 
 
-def key_help() -> dict[str, str]:
-    """Each job key with its one-line help, for ``mfu-lab keys`` and errors."""
-    return {name: f.metadata["help"] for name, f in FIELDS.items()}
-
-
 def find_workbook_root(start: Path | None = None) -> Path:
     """The mfu-lab checkout containing ``start`` (default: cwd), else ``start`` itself.
 
@@ -283,8 +278,3 @@ def from_namespace(namespace: dict[str, Any], before: set[str] | None = None,
                 values[name] = namespace[name]
     return validate(values, source)
 
-
-def default_job_yaml() -> str:
-    """The embedded default job as YAML text, keys in declaration order."""
-    job = Job()
-    return yaml.safe_dump(job.to_dict(), sort_keys=False)

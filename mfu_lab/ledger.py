@@ -39,9 +39,6 @@ class Ledger:
     def total(self) -> float:
         return sum(i.fraction for i in self.items)
 
-    def as_dict(self) -> dict[str, float]:
-        return {i.name: i.fraction for i in self.items}
-
 
 def single_process_ledger(timings: Timings, mfu_value: float, health: HealthSummary) -> Ledger:
     wall = sum(timings.measured("wall_s"))

@@ -120,8 +120,3 @@ def write_json_atomic(path: Path, data: Any) -> Path:
 
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
-
-
-def metric_value(result: dict[str, Any], name: str) -> float | None:
-    m = result.get("metrics", {}).get(name)
-    return None if m is None else m.get("value")

@@ -80,7 +80,7 @@ class BaselineResult:
         )
 
 
-def count_step_flops(job: Job, model: torch.nn.Module, train_step, x, y) -> FlopReport:
+def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
     """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward."""
 
     def fwd_bwd():
@@ -112,7 +112,7 @@ def count_step_flops(job: Job, model: torch.nn.Module, train_step, x, y) -> Flop
                       counted.by_op, None)
 
 
-def _peak_memory(timings: Timings, device_type: str) -> Metric:
+def _peak_memory(timings: Timings) -> Metric:
     if timings.peak_memory_bytes is not None:
         return Metric(float(timings.peak_memory_bytes), "bytes", "measured", timings.peak_memory_note)
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -136,7 +136,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     loader = build_loader(job, job.warmup_steps + job.steps, device.type)
     # one batch for counting FLOPs, from an in-process loader so no worker starts for it
     x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
-    report = count_step_flops(job, model, train_step, x0.to(torch_device), y0.to(torch_device))
+    report = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device))
 
     with HealthSampler(device.type, device.name, device.index) as sampler:
         timings = run_steps(train_step, loader, torch_device, job.warmup_steps, job.steps, progress)
@@ -181,7 +181,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "host_fraction": Metric(max(0.0, 1 - data_f - compute_f), "fraction", "measured",
                                 "loop bookkeeping outside data and compute / wall time"),
         "compute_fraction": Metric(compute_f, "fraction", "measured", "forward + backward + optimiser / wall time"),
-        "peak_memory_bytes": _peak_memory(timings, device.type),
+        "peak_memory_bytes": _peak_memory(timings),
         "final_loss": Metric(timings.loss[-1], "nats", "measured", "training loss of the last step"),
     }
     result = BaselineResult(
