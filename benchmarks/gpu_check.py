@@ -2,11 +2,12 @@
 
     python benchmarks/gpu_check.py [--out outputs] [--quick]
 
-Plain Python (GPU machines have torch but no Jupyter). Runs step 1 and step 2 on a
+Plain Python (GPU machines have torch but no Jupyter). Runs steps 1, 2 and 3 on a
 mid-sized GPT in bf16 on the visible GPUs and prints one table of what the CUDA
 paths measured: CUDA-event step times, the datasheet peak, NVML health, the SDPA
-backends (efficient, cuDNN, flash) and flash_attn, and a reduced NCCL sweep.
-Results land in <out>/gpu-check/ like any job's. About 3-4 minutes on one H200.
+backends (efficient, cuDNN, flash) and flash_attn, a reduced NCCL sweep, and the
+CUDA trace of step 3 (kernels tied to their operators, breakdown, fusion candidates).
+Results land in <out>/gpu-check/ like any job's. About 4-5 minutes on one H200.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mfu_lab.job import load_job  # noqa: E402
-from mfu_lab.steps import attention_comm, baseline  # noqa: E402
+from mfu_lab.steps import attention_comm, baseline, kernels  # noqa: E402
 
 
 def main() -> int:
@@ -71,6 +72,20 @@ def main() -> int:
     for row in r.allreduce:
         print(f"  all-reduce {row['bytes']:>10} B {row['time_s'] * 1e6:9.1f} us busbw {row['busbw_gbps']:.1f} GB/s")
     print("  " + r.recommendation.get("attention_text", "") + "\n  " + r.recommendation.get("comm_text", ""))
+    t0 = time.perf_counter()
+    k = kernels.run(job)
+    a, km = k.analysis, k.metrics
+    print(f"\nstep 3 ({time.perf_counter() - t0:.0f} s): {a.kind} trace, {a.steps} steps, "
+          f"{a.step_time_s * 1e3:.1f} ms each; profiler overhead {km['profiler_overhead'].value:+.1%}; "
+          f"bandwidth {km['memory_bandwidth_bytes_per_s'].value / 1e12:.2f} TB/s (measured)")
+    for t in a.top[:12]:
+        print(f"  {t.category:<13} {t.calls:>5} {t.total_s / a.steps * 1e3:8.3f} ms/step {t.share:6.1%}  "
+              f"{t.name[:70]}  <- {t.launched_by}")
+    print("  breakdown " + ", ".join(f"{n} {v:.1%}" for n, v in a.breakdown.parts().items()))
+    for c in a.fusion[:6]:
+        print(f"  fuse {c.pattern[:60]:<60} x{c.per_step:g} {c.time_per_step_s * 1e6:8.1f} us, saves "
+              f"{c.saved_bytes_per_step / 1e6:.1f} MB = {(c.est_saving_per_step_s or 0) * 1e6:.1f} us")
+    print("  optimizer", a.optimizer)
     return 0
 
 

@@ -166,3 +166,34 @@ def resolve_peak(device: DeviceInfo, dtype: str, override: float | None) -> Peak
         return datasheet_peak(device.name, dtype)
     flops, note = measure_matmul_peak(getattr(torch, dtype))
     return Peak(flops, "measured", key, f"CPU: no vendor peak applies; measured matmul rate of this CPU ({note})")
+
+
+def measure_memory_bandwidth(device: torch.device, mib: int = 256, budget_s: float = 1.0) -> tuple[float, str]:
+    """Best achieved bytes/s copying a large float32 buffer on the device (read + write: 2 x size / time).
+
+    Stands in for the bandwidth that memory-bound kernels can reach here, the
+    same way the best matmul stands in for a CPU's peak FLOP/s.
+    """
+    n = mib * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch pays page faults / allocation
+    cuda = device.type == "cuda"
+    best, count = 0.0, 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < budget_s or count < 3:
+        if cuda:  # pragma: no cover - GPU only
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()  # sync point: read the events once the copy is done
+            dt = a.elapsed_time(b) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            dt = time.perf_counter() - t0
+        best = max(best, 2 * src.nbytes / dt)
+        count += 1
+    how = "CUDA events" if cuda else f"time.perf_counter on {torch.get_num_threads()} threads"
+    return best, f"best of {count} copies of a {mib} MiB float32 buffer (2 x size / time; {how})"

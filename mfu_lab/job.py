@@ -90,6 +90,10 @@ class Job:
     comm_warmup_steps: int = _key(1, "discarded DDP steps per configuration", min=0)
     comm_timeout_s: float = _key(60.0, "a DDP launch with no finished step for this long is ended as hung",
                                  min_exclusive=0.0)
+    # --- kernels (step 3) ---
+    profile_warmup_steps: int = _key(2, "profiled steps run first and not recorded (the profiler warms up)", min=0)
+    profile_steps: int = _key(3, "training steps recorded by torch.profiler", min=1)
+    top_n: int = _key(20, "rows of the kernel (GPU) / operator (CPU) table", min=1)
 
     # ------------------------------------------------------------------ helpers
     @property

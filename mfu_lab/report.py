@@ -41,13 +41,15 @@ def fmt(value: float | None, unit: str) -> str:
         return "n/a"
     if unit == "fraction":
         return f"{value:.1%}"
-    if unit in ("FLOP", "FLOP/s", "tokens/s", "bytes"):
+    if unit in ("FLOP", "FLOP/s", "tokens/s", "bytes", "bytes/s"):
         for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
             if abs(value) >= scale:
-                u = {"bytes": "B"}.get(unit, unit)
+                u = {"bytes": "B", "bytes/s": "B/s"}.get(unit, unit)
                 return f"{value / scale:.3g} {prefix}{u}"
         return f"{value:.3g} {unit}"
     if unit == "s":
+        if abs(value) < 1e-3:
+            return f"{value * 1e6:.1f} µs"
         return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
     return f"{value:.4g} {unit}"
 
@@ -83,7 +85,8 @@ CSS = PAGE_CSS + PART_CSS
 def _step_row(job_root: Path, info, result: dict | None) -> str:
     folder = job_root / info.folder
     links = []
-    for name, label in (("report.html", "report"), (info.notebook, "notebook"), (RESULT_FILE, "result.json")):
+    for name, label in (("report.html", "report"), (info.notebook, "notebook"), (RESULT_FILE, "result.json"),
+                        ("trace.json.gz", "trace")):
         if (folder / name).exists():
             links.append(f'<a href="{e(info.folder)}/{e(name)}">{label}</a>')
     failure = read_json(folder / FAILURE_FILE) if (folder / FAILURE_FILE).exists() else None
@@ -219,7 +222,106 @@ def _attention_comm_section(d: dict[str, Any]) -> str:
 <h3>All figures</h3>{_metrics_table(m)}"""
 
 
-SECTIONS = {"baseline": _baseline_section, "attention_comm": _attention_comm_section}
+def _ms(v: float | None) -> str:
+    return "" if v is None else fmt(v, "s")
+
+
+def top_table(a) -> str:
+    """The top-N kernels/operators, with what the rest and the idle time add up to."""
+    per = lambda s: s / a.steps  # noqa: E731 - per profiled step
+    body = "".join(
+        f"<tr><td>{i}</td><td title=\"{e(r.name)}\"><code>{e(r.name[:90])}</code>"
+        + (f"<br><small>launched by {e(r.launched_by)}</small>" if r.launched_by else "")
+        + f"</td><td>{e(r.category)}</td><td>{r.calls}</td><td>{_ms(r.total_s)}</td><td>{_ms(per(r.total_s))}</td>"
+        f"<td>{_ms(r.mean_s)}</td><td>{r.share:.1%}</td><td><small>{e(r.shapes[:120])}"
+        + (f" (+{r.shape_variants - 1} more)" if r.shape_variants > 1 else "") + "</small></td></tr>"
+        for i, r in enumerate(a.top, 1))
+    what = "kernels" if a.kind == "gpu" else "operators"
+    return (f"<table><tr><th>#</th><th>{what[:-1]}</th><th>category</th><th>calls</th><th>total</th><th>per step</th>"
+            f"<th>mean</th><th>share of step</th><th>input shapes (most frequent)</th></tr>{body}"
+            f"<tr><th></th><th>these {len(a.top)} {what}</th><th></th><th></th><th></th><th></th><th></th>"
+            f"<th>{a.top_share:.1%}</th><th></th></tr>"
+            f"<tr><td></td><td>the other {a.rest_count} {what}</td><td></td><td></td><td></td><td></td><td></td>"
+            f"<td>{a.rest_share:.1%}</td><td></td></tr></table>")
+
+
+def breakdown_table(a) -> str:
+    b = a.breakdown
+    terms = {"computing": "MFU + hardware loss", "communicating (exposed)": "structure loss",
+             "copying memory": "hardware loss", "waiting for data": "software loss", "idle": "software loss"}
+    rows = "".join(f"<tr><td>{e(k)}</td><td>{v:.1%}</td><td>{_ms(v * b.window_s / b.steps)}</td><td>{terms[k]}</td>"
+                   "</tr>" for k, v in b.parts().items())
+    comm = (f"<p>Communication in all: {b.comm_total:.1%} of the window, {b.comm_overlapped:.1%} of it hidden "
+            "under compute.</p>" if b.comm_total else "")
+    return (f"<table><tr><th>part of the profiled step</th><th>share</th><th>per step</th><th>ledger term</th></tr>"
+            f"{rows}<tr><th>total</th><th>{sum(b.parts().values()):.1%}</th><th>{_ms(b.window_s / b.steps)}</th>"
+            f"<th></th></tr></table>{comm}")
+
+
+def fusion_table(a) -> str:
+    if not a.fusion:
+        return "<p>No run of two or more adjacent memory-bound operations in the trace.</p>"
+    body = "".join(
+        f"<tr><td>{i}</td><td><code>{e(c.pattern)}</code><br><small>{e(', '.join(c.categories))}</small></td>"
+        f"<td>{c.per_step:g}</td><td>{_ms(c.time_per_step_s)}</td><td>{c.share_of_step:.1%}</td>"
+        f"<td>{fmt(c.saved_bytes_per_step, 'bytes')}</td><td>{_ms(c.est_saving_per_step_s)}</td>"
+        f"<td><small>{e(c.remedy)}</small></td><td><small>{e(c.example_shapes)}</small></td></tr>"
+        for i, c in enumerate(a.fusion, 1))
+    return ("<table><tr><th>#</th><th>adjacent operations</th><th>per step</th><th>measured time / step</th>"
+            f"<th>share of step</th><th>traffic saved / step {badge('analytic')}</th><th>est. saving / step "
+            f"{badge('analytic')}</th><th>remedy</th><th>shapes (first run)</th></tr>{body}</table>")
+
+
+def compare_line(result) -> str:
+    """Step 3's step time against step 1's, in one sentence."""
+    c = result.compare
+    mine = (f"this run {_ms(c['this_median_s'])} without the profiler, {_ms(c['profiled_median_s'])} with it "
+            f"(median step)")
+    if "median_s" not in c:
+        return f"Step 1 has not run on this device; {mine}."
+    verdict = ("the same as step 1 within its spread" if c["consistent"]
+               else f"{c['difference']:+.1%} against step 1, outside its spread")
+    return (f"Step 1 median {_ms(c['median_s'])} (p10–p90 {_ms(c['p10_s'])}–{_ms(c['p90_s'])}); {mine}: "
+            f"{verdict}.")
+
+
+def _kernels_section(d: dict[str, Any]) -> str:
+    from . import plots
+    from .steps.kernels import OPEN_TRACE, KernelsResult
+
+    r = KernelsResult.from_dict(d)
+    a, m = r.analysis, d["metrics"]
+    cards = _cards(m, (("MFU (this run)", "mfu"), ("profiler overhead", "profiler_overhead"),
+                       ("top-N share", "top_n_share"), ("idle", "idle_share"),
+                       ("memory-bound share", "memory_bound_share"),
+                       ("fusion saving / step", "fusion_saving_per_step_s")))
+    compared = compare_line(r)
+    notes = "".join(f"<li>{e(n)}</li>" for n in a.notes)
+    opt = a.optimizer
+    opt_line = (f"<p>Optimizer step: {_ms(opt['time_per_step_s'])} per step ({opt['share_of_step']:.1%}), "
+                f"{opt['ops_per_step']:.0f} {e(opt['what'])} per step, "
+                f"{'multi-tensor (foreach/fused)' if opt['multi_tensor'] else 'one parameter at a time'}.</p>"
+                if opt.get("found") else "")
+    folder = next(s.folder for s in STEPS if s.key == "kernels")
+    return f"""
+<h2>Step 3 · kernels</h2>
+<p>{e(compared)}</p>
+<div class="cards">{cards}</div>
+<h3>What to do next</h3><ul>{_advice_items(r.advice)}</ul>
+<p>Trace: <a href="{e(folder)}/{e(r.trace_file)}">{e(r.trace_file)}</a> ({a.steps} steps, shapes recorded);
+{e(OPEN_TRACE)}.</p>
+<h3>Top {len(a.top)} {'kernels' if a.kind == 'gpu' else 'operators'}</h3>
+<img alt="top kernels" src="{plots.to_data_uri(plots.top_kernels(r))}">{top_table(a)}
+<h3>Time breakdown</h3>
+<img alt="time breakdown" src="{plots.to_data_uri(plots.time_breakdown(r))}">{breakdown_table(a)}
+<img alt="ledger" src="{plots.to_data_uri(plots.ledger_waterfall(r.ledger, "MFU ledger of the profiled steps"))}">
+<h3>Fusion candidates</h3>
+{f'<img alt="fusion candidates" src="{plots.to_data_uri(plots.fusion_candidates(r))}">' if a.fusion else ''}
+{fusion_table(a)}{opt_line}<ul>{notes}</ul>
+<h3>All figures</h3>{_metrics_table(m)}"""
+
+
+SECTIONS = {"baseline": _baseline_section, "attention_comm": _attention_comm_section, "kernels": _kernels_section}
 
 
 def load_results(job_root: Path) -> dict[str, dict]:
@@ -325,3 +427,19 @@ def attention_view(result) -> Html:
 
 def comm_view(result) -> Html:
     return Html(f'<style>{PART_CSS}</style><div class="mfu">{comm_table(result.comm)}</div>')
+
+
+def _part(inner: str) -> Html:
+    return Html(f'<style>{PART_CSS}</style><div class="mfu">{inner}</div>')
+
+
+def top_view(result) -> Html:
+    return _part(top_table(result.analysis))
+
+
+def breakdown_view(result) -> Html:
+    return _part(breakdown_table(result.analysis))
+
+
+def fusion_view(result) -> Html:
+    return _part(fusion_table(result.analysis))

@@ -1,26 +1,19 @@
-"""Step 2 end to end: both notebooks through ``mfu-lab run`` on the tiny CPU job, then the result checked."""
+"""Step 2 end to end: the notebooks through ``mfu-lab run`` on the tiny CPU job, then the result checked."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from mfu_lab.steps.attention_comm import AttentionCommResult, _pick
 
-from .conftest import ROOT, TINY
 from .test_e2e import assert_offline
-
-SMALL_SWEEP = ["-p", "comm_hooks=[none, allreduce, bf16_compress]", "-p", "comm_bucket_mb=[0.05, 25]",
-               "-p", "comm_grad_as_bucket_view=[false]", "-p", "comm_steps=2", "-p", "comm_timeout_s=60"]
 
 
 @pytest.mark.e2e
-def test_step2_runs_after_step1_and_reports_everything(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(tmp_path), "-q",
-                        *SMALL_SWEEP], cwd=ROOT, capture_output=True, text=True, timeout=900)
+def test_step2_runs_after_step1_and_reports_everything(full_run):
+    p, job_root = full_run
     assert p.returncode == 0, p.stderr[-3000:]
-    folder = tmp_path / "tiny" / "02_attention_and_comm"
+    folder = job_root / "02_attention_and_comm"
     d = json.loads((folder / "result.json").read_text())
     r = AttentionCommResult.from_dict(d)
     assert r.baseline["source"].startswith("step 1 result")
@@ -46,7 +39,7 @@ def test_step2_runs_after_step1_and_reports_everything(tmp_path):
     report = (folder / "report.html").read_text()
     assert "Exposed communication share" in report or "exposed" in report
     assert_offline(report)
-    index = (tmp_path / "tiny" / "index.html").read_text()
+    index = (job_root / "index.html").read_text()
     assert "Step 2 · attention and communication" in index and "02_attention_and_comm/report.html" in index
     assert_offline(index)
 

@@ -26,5 +26,7 @@ STEPS: tuple[StepInfo, ...] = (
     StepInfo("baseline", 1, "01_baseline", "Baseline: where does the step time go today?", "mfu_lab.steps.baseline"),
     StepInfo("attention_comm", 2, "02_attention_and_comm",
              "Attention kernels and gradient communication: what do they give back?", "mfu_lab.steps.attention_comm"),
+    StepInfo("kernels", 3, "03_kernels", "Kernels: which eat the time, and which adjacent operations could be fused?",
+             "mfu_lab.steps.kernels"),
 )
 BY_KEY = {s.key: s for s in STEPS}

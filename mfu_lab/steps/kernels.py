@@ -1,0 +1,324 @@
+"""Step 3, kernels: which kernels eat the time, and which adjacent operations could be fused?
+
+``run(job)`` times the job's training step without the profiler, then records a
+few steps with ``torch.profiler`` (shapes recorded) and reads the trace with
+:mod:`mfu_lab.trace`: the top-N kernels (GPU) or operators (CPU) by self time,
+a time breakdown of the profiled steps in the ledger's terms, time by category,
+and fusion candidates with their memory traffic at the device's measured
+bandwidth. The trace is kept, gzipped, as ``<out>/<job>/03_kernels/trace.json.gz``
+next to ``result.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import device as dev
+from .. import trace as tr
+from ..advice import Advice
+from ..job import Job
+from ..ledger import Ledger, LedgerItem
+from ..measure import Timings, run_steps, stats
+from ..progress import printer
+from ..results import RESULT_FILE, Metric, environment, read_json, write_json_atomic
+from ..workload import build_loader, build_model, build_train_step
+from . import BY_KEY
+from .baseline import count_step_flops
+
+INFO = BY_KEY["kernels"]
+TRACE_FILE = "trace.json.gz"
+OVERHEAD_LIMIT = 0.10  # profiling slowed the step by more than this: say the shares are of a slower step
+IDLE_LIMIT = 0.20  # device idle (host-bound) above this share of the step
+DATA_LIMIT = 0.03  # as step 1: the loader is worth fixing first above 3%
+COMM_LIMIT = 0.15  # FIELD-NOTES: aim for communication under 15% of step time
+FUSION_LIMIT = 0.02  # a fusion candidate whose runs take 2% of the step is worth acting on
+MEMORY_BOUND_LIMIT = 0.30
+OPTIMIZER_LIMIT = 0.10
+OPEN_TRACE = ("open it in https://ui.perfetto.dev (Open trace file; the file stays on your machine) or in "
+              "chrome://tracing; both read the .gz as it is")
+
+
+@dataclass
+class KernelsResult:
+    step: str
+    job: dict[str, Any]
+    environment: dict[str, Any]
+    metrics: dict[str, Metric]
+    analysis: tr.TraceAnalysis
+    ledger: Ledger
+    unprofiled: Timings
+    profiled: Timings
+    compare: dict[str, Any]  # against step 1, when it ran on this device
+    trace_file: str
+    advice: list[Advice]
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    status: str = "ok"
+
+    def metric(self, name: str) -> float | None:
+        return self.metrics[name].value
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KernelsResult:
+        a = dict(d["analysis"])
+        a["top"] = [tr.TopRow(**r) for r in a["top"]]
+        a["breakdown"] = tr.Breakdown(**a["breakdown"])
+        a["fusion"] = [tr.FusionCandidate(**c) for c in a["fusion"]]
+        return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
+                   tr.TraceAnalysis(**a), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
+                   Timings(**d["unprofiled"]), Timings(**d["profiled"]), d["compare"], d["trace_file"],
+                   [Advice(**x) for x in d["advice"]], d.get("skipped", []), d.get("elapsed_s", 0.0),
+                   d.get("status", "ok"))
+
+
+def profile_steps(step, batches, device: torch.device, warmup: int, active: int, trace_path: Path,
+                  progress=None) -> tuple[Timings, dict[str, Any]]:
+    """Run ``warmup + active`` steps under torch.profiler, recording the last ``active`` of them.
+
+    Shapes are recorded; the trace is exported to ``trace_path`` (gzipped when it
+    ends in .gz) and returned as loaded JSON. ``step(x, y)`` returns the loss.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trace_path = Path(trace_path)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = trace_path.with_name(trace_path.name.replace(".json", ".partial.json"))
+    with _without_usdt_lines(), profile(activities=activities, record_shapes=True,
+                                        schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                                        on_trace_ready=lambda p: p.export_chrome_trace(str(tmp))) as prof:
+
+        def stepped(x, y):
+            loss = step(x, y)
+            prof.step()  # the profiler's step boundary: ProfilerStep#N spans in the trace
+            return loss
+
+        timings = run_steps(stepped, batches, device, warmup, active, progress)
+    if not tmp.is_file():
+        raise RuntimeError(f"torch.profiler exported no trace to {tmp}")
+    tmp.replace(trace_path)
+    return timings, tr.load_trace(trace_path)
+
+
+@contextlib.contextmanager
+def _without_usdt_lines():
+    """Some torch builds' Kineto print 'USDT: ... profiler_start/stop' on the C++ stderr at every start and
+    stop; notebooks show them as errors. Hold the process's stderr (fd 2) while profiling and pass on every
+    other line afterwards."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (some embedded interpreters): leave stderr alone
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = [ln for ln in held.read().decode("utf-8", "replace").splitlines(True) if not ln.startswith("USDT:")]
+            if rest:
+                sys.stderr.write("".join(rest))
+                sys.stderr.flush()
+
+
+def _baseline_reference(job: Job, device_name: str) -> dict[str, Any] | None:
+    path = job.step_dir("01_baseline") / RESULT_FILE
+    if not path.is_file():
+        return None
+    r = read_json(path)
+    if r["environment"].get("device_name") != device_name:
+        return None
+    m = r["metrics"]
+    return {"source": f"step 1 result ({path})", "median_s": m["step_time_median_s"]["value"],
+            "p10_s": m["step_time_p10_s"]["value"], "p90_s": m["step_time_p90_s"]["value"],
+            "mfu": m["mfu"]["value"], "peak": m["peak_flops_per_s"]["value"],
+            "peak_source": m["peak_flops_per_s"]["source"], "peak_note": m["peak_flops_per_s"]["note"]}
+
+
+def _ledger(a: tr.TraceAnalysis, mfu_profiled: float, device_type: str) -> Ledger:
+    b = a.breakdown
+    return Ledger([
+        LedgerItem("mfu", mfu_profiled, "measured", "model FLOPs x profiled steps / (peak x profiled window)"),
+        LedgerItem("hardware", b.computing + b.copying - mfu_profiled, "measured",
+                   f"device busy below peak: computing {b.computing:.1%} + copying memory {b.copying:.1%} of the "
+                   "profiled window, minus MFU"),
+        LedgerItem("structure", b.communicating, "measured",
+                   f"communication not hidden behind compute ({b.comm_total:.1%} in all, {b.comm_overlapped:.1%} "
+                   "overlapped)" if b.comm_total else "no communication in a one-process profile"),
+        LedgerItem("software", b.waiting_for_data + b.idle, "measured",
+                   f"device idle: waiting for data {b.waiting_for_data:.1%} + idle {b.idle:.1%} ("
+                   + ("no kernel running: the host is launching, synchronising or in Python)" if device_type == "cuda"
+                      else "no operator running: Python, the autograd engine and the loop between operators)")),
+        LedgerItem("operations", 0.0, "analytic", "not separated while profiling (clocks are read in step 1)"),
+    ])
+
+
+def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any], device_type: str) -> list[Advice]:
+    """Advice from the trace's own figures; each item says which figures triggered it."""
+    out: list[Advice] = []
+    b = a.breakdown
+    unit = "kernels" if a.kind == "gpu" else "operators"
+    if overhead is not None and overhead > OVERHEAD_LIMIT:
+        out.append(Advice("look", "The profiler slowed the step down; the shares below are of the profiled step, "
+                          "in which per-operator overheads weigh more than in the real one",
+                          f"profiled step {overhead:+.1%} against the unprofiled steps of this run"))
+    if compare.get("consistent") is False:
+        out.append(Advice("look", "This run's step time differs from step 1's beyond its spread: the machine's load "
+                          "changed between the runs, so compare shares rather than times",
+                          f"unprofiled median {compare['this_median_s'] * 1e3:.1f} ms vs step 1 "
+                          f"{compare['median_s'] * 1e3:.1f} ms (p10-p90 {compare['p10_s'] * 1e3:.1f}-"
+                          f"{compare['p90_s'] * 1e3:.1f} ms)"))
+    if b.waiting_for_data > DATA_LIMIT:
+        out.append(Advice("act", "The device waits for the next batch: load in background workers (num_workers, "
+                          "prefetch_factor, pin_memory on GPU)", f"waiting for data {b.waiting_for_data:.1%}"))
+    if b.communicating > COMM_LIMIT:
+        out.append(Advice("act", "Communication is exposed: use step 2's bucket size and hook to overlap it",
+                          f"exposed communication {b.communicating:.1%} (aim under {COMM_LIMIT:.0%})"))
+    if b.idle > IDLE_LIMIT:
+        fix = ("launch overhead: CUDA graphs via torch.compile(mode='reduce-overhead') (step 4), fewer and larger "
+               "kernels (fusion, below), or a larger micro-batch" if device_type == "cuda" else
+               "per-operator overhead between small operators: torch.compile (step 4) removes most of it; a larger "
+               "micro-batch amortises it")
+        out.append(Advice("act", f"The device is idle between {unit} for a large share of the step: {fix}",
+                          f"idle {b.idle:.1%} of the profiled window"))
+    for c in a.fusion[:3]:
+        if c.share_of_step >= FUSION_LIMIT:
+            saving = (f", estimated {c.est_saving_per_step_s * 1e3:.2f} ms of traffic saved per step"
+                      if c.est_saving_per_step_s is not None else "")
+            out.append(Advice("act" if c is a.fusion[0] else "look", f"Fuse '{c.pattern}': {c.remedy}",
+                              f"{c.per_step:g} runs per step taking {c.time_per_step_s * 1e3:.2f} ms "
+                              f"({c.share_of_step:.1%} of the step){saving}"))
+    opt = a.optimizer
+    if opt.get("found") and not opt["multi_tensor"] and opt["share_of_step"] > OPTIMIZER_LIMIT:
+        out.append(Advice("act", "The optimiser updates one parameter at a time: torch.optim.AdamW(..., fused=True) "
+                          "(CUDA, and CPU since torch 2.4) or foreach=True does it in a few multi-tensor kernels",
+                          f"optimizer step {opt['share_of_step']:.1%} of the step, {opt['ops_per_step']:.0f} "
+                          f"{opt['what']} per step"))
+    mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
+    if mem > MEMORY_BOUND_LIMIT:
+        out.append(Advice("look", "Memory-bound operations take a large share: their cost is bytes moved, not "
+                          "FLOPs, so fusing them (torch.compile, step 4) pays more than faster matmuls",
+                          f"elementwise + normalisation + reduction + memory copy {mem:.1%} of the step"))
+    dense = a.category_share["matmul"] + a.category_share["attention"]
+    out.append(Advice("info", f"Matmuls and attention, the {unit} that do the model's FLOPs, take {dense:.1%} of "
+                      "the profiled step; the rest is where MFU goes",
+                      "self time by category, from the trace"))
+    return out
+
+
+def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
+    """Profile the job's training step; see the module docstring."""
+    t_start = time.perf_counter()
+    say = progress or (lambda msg: print(msg, flush=True))
+    device = dev.resolve_device(job.device)
+    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    skipped: list[dict[str, str]] = []
+    out_dir = job.step_dir(INFO.folder)
+    trace_path = out_dir / TRACE_FILE
+
+    model = build_model(job).to(torch_device).train()
+    train_step = build_train_step(job, model, device.type)
+    x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
+    flops = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device))
+    ref = _baseline_reference(job, device.name)
+    if ref:
+        peak, peak_label = ref["peak"], (ref["peak_source"], ref["peak_note"] + " (as in step 1)")
+    else:
+        p = dev.resolve_peak(device, job.dtype, job.peak_flops)
+        peak, peak_label = p.flops_per_s, (p.source, p.note)
+        skipped.append({"what": "comparison with step 1", "reason": "step 1 has no result on this device yet"})
+
+    say(f"timing {job.steps} steps without the profiler ({job.warmup_steps} warm-up)")
+    unprofiled = run_steps(train_step, build_loader(job, job.warmup_steps + job.steps, device.type), torch_device,
+                           job.warmup_steps, job.steps, printer("unprofiled steps"))
+    say(f"profiling {job.profile_steps} steps ({job.profile_warmup_steps} warm-up) with shapes recorded")
+    profiled, trace = profile_steps(
+        train_step, build_loader(job, job.profile_warmup_steps + job.profile_steps, device.type), torch_device,
+        job.profile_warmup_steps, job.profile_steps, trace_path, printer("profiled steps"))
+    say("measuring memory bandwidth")
+    bandwidth, bw_note = dev.measure_memory_bandwidth(torch_device)
+    say(f"reading the trace ({trace_path.stat().st_size / 1e6:.1f} MB gzipped)")
+    a = tr.analyse(trace, job.top_n, bandwidth)
+    del trace
+
+    plain, prof = stats(unprofiled.measured("wall_s")), stats(profiled.measured("wall_s"))
+    overhead = prof.median / plain.median - 1
+    compare: dict[str, Any] = {"this_median_s": plain.median, "profiled_median_s": prof.median}
+    if ref:
+        compare |= {k: ref[k] for k in ("source", "median_s", "p10_s", "p90_s", "mfu")}
+        compare["consistent"] = ref["p10_s"] <= plain.median <= ref["p90_s"] or abs(
+            plain.median / ref["median_s"] - 1) <= 0.05
+        compare["difference"] = plain.median / ref["median_s"] - 1
+    n = len(unprofiled.measured("wall_s"))
+    mfu_plain = flops.model_flops_per_step * n / (peak * sum(unprofiled.measured("wall_s")))
+    mfu_profiled = flops.model_flops_per_step * a.steps / (peak * a.window_s)
+    ledger = _ledger(a, mfu_profiled, device.type)
+    b = a.breakdown
+    best = a.fusion[0] if a.fusion else None
+    est_total = sum(c.est_saving_per_step_s or 0.0 for c in a.fusion)
+    mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
+    window = f"over {a.steps} profiled steps"
+    metrics = {
+        "mfu": Metric(mfu_plain, "fraction", "measured",
+                      f"{flops.model_flops_source} model FLOPs x steps / (peak x wall), {n} unprofiled steps of "
+                      "this run"),
+        "profiled_mfu": Metric(mfu_profiled, "fraction", "measured", "the same, over the profiled window"),
+        "step_time_median_s": Metric(plain.median, "s", "measured", unprofiled.method + ", without the profiler"),
+        "profiled_step_time_median_s": Metric(prof.median, "s", "measured", "the same steps under torch.profiler"),
+        "profiler_overhead": Metric(overhead, "fraction", "measured", "profiled median / unprofiled median - 1, "
+                                    "side by side in this run"),
+        "tokens_per_s": Metric(job.tokens_per_step * n / sum(unprofiled.measured("wall_s")), "tokens/s", "measured",
+                               "unprofiled steps"),
+        "top_n_share": Metric(a.top_share, "fraction", "measured",
+                              f"self time of the top {len(a.top)} {'kernels' if a.kind == 'gpu' else 'operators'} "
+                              f"/ profiled window ({window})"),
+        "computing_share": Metric(b.computing, "fraction", "measured", "device computing / profiled window"),
+        "exposed_comm_share": Metric(b.communicating, "fraction", "measured", "communication outside compute"),
+        "copying_share": Metric(b.copying, "fraction", "measured", "memory copies outside compute"),
+        "data_wait_share": Metric(b.waiting_for_data, "fraction", "measured", "idle while the host loads data"),
+        "idle_share": Metric(b.idle, "fraction", "measured", "nothing running on the device, outside data loading"),
+        "matmul_attention_share": Metric(a.category_share["matmul"] + a.category_share["attention"], "fraction",
+                                         "measured", "self time of matmul and attention / profiled window"),
+        "memory_bound_share": Metric(mem, "fraction", "measured",
+                                     "self time of elementwise, normalisation, reduction and memory copy / window"),
+        "memory_bandwidth_bytes_per_s": Metric(bandwidth, "bytes/s", "measured", bw_note),
+        "fusion_candidates": Metric(float(len(a.fusion)), "patterns", "counted",
+                                    "distinct runs of 2+ adjacent memory-bound operations in the trace"),
+        "fusion_saving_per_step_s": Metric(est_total, "s", "analytic",
+                                           "sum over candidates of 2 x intermediate bytes / measured bandwidth"),
+        "top_candidate_share": Metric(best.share_of_step if best else 0.0, "fraction", "measured",
+                                      f"measured time of '{best.pattern}' runs / step" if best else "no candidate"),
+        "optimizer_share": Metric(a.optimizer.get("share_of_step", 0.0), "fraction", "measured",
+                                  "Optimizer.step span / profiled step"),
+        "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
+    }
+    result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
+                           unprofiled, profiled, compare, TRACE_FILE, [], skipped)
+    result.advice = advise(a, overhead, compare, device.type)
+    result.elapsed_s = time.perf_counter() - t_start
+    if write:
+        save(job, result)
+    return result
+
+
+def save(job: Job, result: KernelsResult) -> Path:
+    from ..report import write_index
+
+    path = write_json_atomic(job.step_dir(INFO.folder) / RESULT_FILE, result)
+    write_index(job.output_root())
+    return path

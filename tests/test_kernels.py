@@ -1,0 +1,128 @@
+"""Step 3: profiling real steps on CPU, fusion-candidate detection, and the step's result and report."""
+
+import dataclasses
+import gzip
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mfu_lab import trace as tr
+from mfu_lab.errors import JobError
+from mfu_lab.job import load_job
+from mfu_lab.steps import baseline, kernels
+
+from .conftest import TINY
+from .test_e2e import assert_offline
+
+B, D = 8, 16
+
+
+class WithChain(nn.Module):
+    """A residual add, LayerNorm and dropout back to back between two matmuls."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.ln, self.drop, self.out = nn.Linear(D, D), nn.LayerNorm(D), nn.Dropout(0.1), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.out(self.drop(self.ln(x + self.inp(x))))
+
+
+def profile_model(model, tmp_path):
+    def step(x, y):
+        loss = model(x).sum()
+        loss.backward()
+        return loss.detach()
+
+    batches = [(torch.randn(B, D), torch.zeros(B)) for _ in range(3)]
+    timings, trace = kernels.profile_steps(step, batches, torch.device("cpu"), 1, 2, tmp_path / "t.json.gz")
+    assert len(timings.measured("wall_s")) == 2
+    return tr.analyse(trace, bandwidth=1e10)
+
+
+def test_finds_the_add_norm_dropout_chain_in_a_model_built_with_it(tmp_path):
+    a = profile_model(WithChain().train(), tmp_path)
+    assert a.steps == 2
+    by = {c.pattern: c for c in a.fusion}
+    c = by["add + layer_norm + dropout"]
+    assert c.per_step == 1 and c.categories == ["elementwise", "normalisation", "elementwise"]
+    assert c.saved_bytes_per_step == 2 * 2 * B * D * 4  # the add's and the norm's outputs, written and read back
+    assert "norm" in c.remedy and c.example_shapes.startswith(f"{B}x{D} float")
+
+
+def test_finds_no_candidate_in_a_model_without_one(tmp_path):
+    model = nn.Sequential(nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False))
+    a = profile_model(model, tmp_path)
+    assert a.fusion == []
+    assert a.category_share["matmul"] > 0
+
+
+def test_profile_steps_writes_a_gzipped_trace(tmp_path):
+    profile_model(WithChain(), tmp_path)
+    data = json.loads(gzip.open(tmp_path / "t.json.gz").read())
+    steps = [e for e in data["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+    assert len(steps) == 2
+    assert not list(tmp_path.glob("*.partial.*"))
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    out = tmp_path_factory.mktemp("k")
+    job = dataclasses.replace(load_job(TINY), out_dir=str(out))
+    base = baseline.run(job)
+    return job, base, kernels.run(job)
+
+
+def test_run_writes_result_trace_and_index(ran):
+    job, _, r = ran
+    folder = job.step_dir("03_kernels")
+    assert (folder / "trace.json.gz").is_file() and r.trace_file == "trace.json.gz"
+    d = json.loads((folder / "result.json").read_text())
+    again = kernels.KernelsResult.from_dict(d)
+    assert again.analysis.top[0] == r.analysis.top[0] and again.ledger.total == pytest.approx(1.0)
+    index = (job.output_root() / "index.html").read_text()
+    assert "Step 3 · kernels" in index and 'href="03_kernels/trace.json.gz"' in index
+
+
+def test_figures_agree_with_each_other(ran):
+    _, base, r = ran
+    m = r.metrics
+    assert m["profiler_overhead"].value == pytest.approx(
+        m["profiled_step_time_median_s"].value / m["step_time_median_s"].value - 1)
+    assert r.ledger.total == pytest.approx(1.0)
+    assert r.ledger.get("mfu").fraction == pytest.approx(m["profiled_mfu"].value)
+    assert m["peak_flops_per_s"].value == base.metric("peak_flops_per_s")  # step 1's peak, reused
+    assert m["top_n_share"].value == pytest.approx(sum(t.share for t in r.analysis.top))
+    assert len(r.analysis.top) == 20 and r.analysis.kind == "cpu" and r.analysis.steps == 3
+    assert m["memory_bandwidth_bytes_per_s"].source == "measured" and m["memory_bandwidth_bytes_per_s"].value > 1e8
+    assert r.compare["median_s"] == base.metric("step_time_median_s")
+    assert r.compare["consistent"] in (True, False)
+    assert any(a.severity == "info" and "Matmuls and attention" in a.message for a in r.advice)
+
+
+def test_profile_keys_are_validated():
+    with pytest.raises(JobError) as err:
+        load_job(TINY, {"profile_steps": 0, "top_n": 0})
+    text = str(err.value)
+    assert "profile_steps" in text and "top_n" in text
+
+
+@pytest.mark.e2e
+def test_notebook_runs_under_papermill_with_plots_and_an_offline_report(full_run):
+    p, job_root = full_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    folder = job_root / "03_kernels"
+    nb = json.loads((folder / "03_kernels.ipynb").read_text())
+    outputs = [o for c in nb["cells"] for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # top kernels, breakdown, ledger, fusion
+    text = "".join("".join(o.get("text", "")) for o in outputs)
+    assert "USDT:" not in text and "Step 1 median" in text  # compared with step 1, which ran first
+    report = (folder / "report.html").read_text()
+    assert "add + layer_norm" in report and "these 20 operators" in report
+    assert_offline(report)
+    index = (job_root / "index.html").read_text()
+    assert "Step 3 · kernels" in index and 'href="03_kernels/report.html"' in index
+    assert_offline(index)
