@@ -1,4 +1,5 @@
-"""One rank of step 2's DDP sweep; started by ``torchrun`` (see mfu_lab.comm), never by hand.
+"""One rank of step 2's DDP sweep (and of step 3's per-rank profile); started by ``torchrun`` (see
+mfu_lab.comm), never by hand.
 
     python -m torch.distributed.run ... -m mfu_lab.ddp_worker --spec SPEC.json
 
@@ -126,6 +127,21 @@ def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
     return rows
 
 
+def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, beat, out: Path) -> None:
+    """Step 3: a few DDP steps under torch.profiler with one configuration; every rank writes its own trace."""
+    from .steps.kernels import profile_steps
+
+    cfg = p["config"]
+    ddp = DDP(fresh_model(), device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
+              gradient_as_bucket_view=cfg["grad_as_bucket_view"])
+    register_hook(ddp, cfg["hook"])
+    emit(out, {"event": "start", "config": cfg, "profile": True})
+    ts = build_train_step(job, ddp, device.type)
+    timings, _ = profile_steps(ts, loader(p["warmup"] + p["steps"]), device, p["warmup"], p["steps"],
+                               Path(p["dir"]) / f"trace_rank{rank}.json.gz", beat, load=False)
+    emit(out, {"event": "profiled", "config": cfg, "wall_s": timings.measured("wall_s")})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
@@ -206,6 +222,8 @@ def main() -> None:
                    "no_sync_wall_s": local.measured("wall_s"), "comm_s": float(comm), "profiled_step_s": profiled_s,
                    "param_checksum_max_diff": diff,
                    "loss": t.loss[-1]})
+    if spec.get("profile"):
+        profile_ranks(spec["profile"], fresh_model, loader, device, local, cuda, job, rank, beat, out)
     emit(out, {"event": "finished"})
     dist.barrier()
     dist.destroy_process_group()

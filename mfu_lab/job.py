@@ -94,6 +94,7 @@ class Job:
     profile_warmup_steps: int = _key(2, "profiled steps run first and not recorded (the profiler warms up)", min=0)
     profile_steps: int = _key(3, "training steps recorded by torch.profiler", min=1)
     top_n: int = _key(20, "rows of the kernel (GPU) / operator (CPU) table", min=1)
+    profile_ddp: bool = _key(True, "also profile the job data-parallel in step 2's layout, one trace per rank")
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -223,22 +223,33 @@ def top_kernels(result) -> ReportFigure:
     return fig
 
 
-def time_breakdown(result) -> ReportFigure:
-    """The profiled window split into computing, exposed communication, copies, data wait and idle."""
-    b = result.analysis.breakdown
-    fig = ReportFigure(figsize=(11, 1.9))
+def time_breakdown(result, per_rank: bool = False) -> ReportFigure:
+    """The profiled window split into computing, exposed communication, copies, data wait and idle: one bar
+    for the one-process profile, or (``per_rank``) one bar per rank of the data-parallel profile."""
+    if per_rank:
+        rows = [(f"rank {r.rank}", r.breakdown) for r in result.ddp.get("ranks", [])][::-1]
+        title = (f"Data-parallel, per rank ({result.ddp.get('world_size')} ranks over {result.ddp.get('backend')}, "
+                 f"hook {result.ddp['config']['hook']}, bucket {result.ddp['config']['bucket_mb']:g} MB)")
+    else:
+        b = result.analysis.breakdown
+        rows = [("one process", b)]
+        title = f"Where the profiled step goes ({b.steps} steps, {b.window_s / b.steps * 1e3:.1f} ms each)"
+    fig = ReportFigure(figsize=(11, 1.4 + 0.5 * len(rows)))
     ax = fig.subplots()
-    left = 0.0
-    for name, share in b.parts().items():
-        ax.barh([0], [share], left=left, color=BREAKDOWN_COLORS[name], label=f"{name} {share:.1%}")
-        if share > 0.06:
-            ax.text(left + share / 2, 0, f"{share:.0%}", ha="center", va="center", color="white", fontsize=9)
-        left += share
+    for y, (_, b) in enumerate(rows):
+        left = 0.0
+        for name, share in b.parts().items():
+            ax.barh([y], [share], left=left, color=BREAKDOWN_COLORS[name], label=name if y == 0 else None)
+            if share > 0.06:
+                ax.text(left + share / 2, y, f"{share:.0%}", ha="center", va="center", color="white", fontsize=9)
+            left += share
     ax.set_xlim(0, 1)
-    ax.set_yticks([])
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for label, _ in rows])
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    ax.set_title(f"Where the profiled step goes ({b.steps} steps, {b.window_s / b.steps * 1e3:.1f} ms each)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, frameon=False)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45 if len(rows) == 1 else -0.2), ncol=5,
+              frameon=False)
     fig.tight_layout()
     return fig
 

@@ -258,6 +258,30 @@ def breakdown_table(a) -> str:
             f"<th></th></tr></table>{comm}")
 
 
+def ranks_table(result, prefix: str = "") -> str:
+    """The data-parallel profile: one row per rank's trace, or why there is none."""
+    d = result.ddp
+    if d.get("status") != "ok":
+        why = d.get("reason") or d.get("error") or "not run"
+        err = f"<details><summary>ranks' stderr</summary><pre>{e(d['stderr'])}</pre></details>" if d.get(
+            "stderr") else ""
+        return f"<p>Per-rank profile {e(d.get('status', 'not run'))}: {e(why)}</p>{err}"
+    rows = "".join(
+        f"<tr><td>{r.rank}</td><td>{_ms(r.step_time_s)}</td><td>{r.breakdown.computing:.1%}</td>"
+        f"<td>{r.breakdown.comm_total:.1%}</td><td>{r.breakdown.comm_overlapped:.1%}</td>"
+        f"<td>{r.breakdown.communicating:.1%}</td><td>{r.breakdown.copying:.1%}</td>"
+        f"<td>{r.breakdown.waiting_for_data:.1%}</td><td>{r.breakdown.idle:.1%}</td>"
+        f"<td>{r.matmul_attention_share:.1%}</td><td><a href=\"{e(prefix + r.trace_file)}\">{e(r.trace_file)}</a>"
+        "</td></tr>" for r in d["ranks"])
+    cfg = d["config"]
+    return (f"<p>{d['world_size']} ranks over {e(d['backend'])}, hook <code>{e(cfg['hook'])}</code>, bucket "
+            f"{cfg['bucket_mb']:g} MB, gradient_as_bucket_view {cfg['grad_as_bucket_view']} "
+            f"({e(d['config_source'])}). {e(d.get('note', ''))}</p>"
+            "<table><tr><th>rank</th><th>profiled step</th><th>computing</th><th>communication</th>"
+            "<th>of it under compute</th><th>exposed</th><th>copying</th><th>waiting for data</th><th>idle</th>"
+            f"<th>matmul + attention</th><th>trace</th></tr>{rows}</table>")
+
+
 def fusion_table(a) -> str:
     if not a.fusion:
         return "<p>No run of two or more adjacent memory-bound operations in the trace.</p>"
@@ -315,6 +339,9 @@ def _kernels_section(d: dict[str, Any]) -> str:
 <h3>Time breakdown</h3>
 <img alt="time breakdown" src="{plots.to_data_uri(plots.time_breakdown(r))}">{breakdown_table(a)}
 <img alt="ledger" src="{plots.to_data_uri(plots.ledger_waterfall(r.ledger, "MFU ledger of the profiled steps"))}">
+<h3>Data-parallel: one trace per rank</h3>
+{f'<img alt="per-rank breakdown" src="{plots.to_data_uri(plots.time_breakdown(r, per_rank=True))}">'
+ if r.ddp.get("ranks") else ''}{ranks_table(r, folder + "/")}
 <h3>Fusion candidates</h3>
 {f'<img alt="fusion candidates" src="{plots.to_data_uri(plots.fusion_candidates(r))}">' if a.fusion else ''}
 {fusion_table(a)}{opt_line}<ul>{notes}</ul>
@@ -443,3 +470,7 @@ def breakdown_view(result) -> Html:
 
 def fusion_view(result) -> Html:
     return _part(fusion_table(result.analysis))
+
+
+def ranks_view(result) -> Html:
+    return _part(ranks_table(result))

@@ -102,6 +102,31 @@ def test_figures_agree_with_each_other(ran):
     assert any(a.severity == "info" and "Matmuls and attention" in a.message for a in r.advice)
 
 
+def test_every_rank_of_the_data_parallel_profile_has_its_trace_and_breakdown(ran):
+    job, _, r = ran
+    d = r.ddp
+    assert d["status"] == "ok" and d["world_size"] == 2 and d["backend"] == "gloo"
+    assert d["config"] == {"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}  # no step 2 result
+    assert [x.rank for x in d["ranks"]] == [0, 1]
+    for x in d["ranks"]:
+        assert (job.step_dir("03_kernels") / x.trace_file).is_file()
+        assert sum(x.breakdown.parts().values()) == pytest.approx(1.0)
+        assert x.breakdown.comm_total > 0  # gloo's all-reduce is in every rank's trace
+        assert x.breakdown.communicating <= x.breakdown.comm_total
+    assert r.metrics["ddp_exposed_comm_share"].value == max(x.breakdown.communicating for x in d["ranks"])
+
+
+def test_the_rank_profile_takes_step_2s_recommendation_and_skips_one_process(tiny_job, tmp_path):
+    folder = tiny_job.step_dir("02_attention_and_comm")
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({"recommendation": {"comm": {
+        "hook": "bf16_compress", "bucket_cap_mb": 8, "gradient_as_bucket_view": True}}}))
+    assert kernels._comm_config(tiny_job) == (
+        {"hook": "bf16_compress", "bucket_mb": 8, "grad_as_bucket_view": True}, "step 2's recommendation")
+    one = dataclasses.replace(tiny_job, nproc_per_node=1)
+    assert kernels.profile_ranks(one, "cpu", tmp_path, print)["status"] == "skipped"
+
+
 def test_profile_keys_are_validated():
     with pytest.raises(JobError) as err:
         load_job(TINY, {"profile_steps": 0, "top_n": 0})

@@ -26,6 +26,7 @@ import torch
 from .. import device as dev
 from .. import trace as tr
 from ..advice import Advice
+from ..comm import error_lines, launch, world_layout
 from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import Timings, run_steps, stats
@@ -49,6 +50,16 @@ OPEN_TRACE = ("open it in https://ui.perfetto.dev (Open trace file; the file sta
 
 
 @dataclass
+class RankProfile:
+    rank: int
+    trace_file: str
+    step_time_s: float  # profiled window / steps
+    breakdown: tr.Breakdown
+    matmul_attention_share: float
+    memory_bound_share: float
+
+
+@dataclass
 class KernelsResult:
     step: str
     job: dict[str, Any]
@@ -61,6 +72,7 @@ class KernelsResult:
     compare: dict[str, Any]  # against step 1, when it ran on this device
     trace_file: str
     advice: list[Advice]
+    ddp: dict[str, Any] = field(default_factory=dict)  # the per-rank profile: status, config, ranks
     skipped: list[dict[str, str]] = field(default_factory=list)
     elapsed_s: float = 0.0
     status: str = "ok"
@@ -74,15 +86,18 @@ class KernelsResult:
         a["top"] = [tr.TopRow(**r) for r in a["top"]]
         a["breakdown"] = tr.Breakdown(**a["breakdown"])
         a["fusion"] = [tr.FusionCandidate(**c) for c in a["fusion"]]
+        ddp = dict(d.get("ddp") or {})
+        ddp["ranks"] = [RankProfile(**{**r, "breakdown": tr.Breakdown(**r["breakdown"])})
+                        for r in ddp.get("ranks", [])]
         return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
                    tr.TraceAnalysis(**a), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
                    Timings(**d["unprofiled"]), Timings(**d["profiled"]), d["compare"], d["trace_file"],
-                   [Advice(**x) for x in d["advice"]], d.get("skipped", []), d.get("elapsed_s", 0.0),
+                   [Advice(**x) for x in d["advice"]], ddp, d.get("skipped", []), d.get("elapsed_s", 0.0),
                    d.get("status", "ok"))
 
 
 def profile_steps(step, batches, device: torch.device, warmup: int, active: int, trace_path: Path,
-                  progress=None) -> tuple[Timings, dict[str, Any]]:
+                  progress=None, load: bool = True) -> tuple[Timings, dict[str, Any] | None]:
     """Run ``warmup + active`` steps under torch.profiler, recording the last ``active`` of them.
 
     Shapes are recorded; the trace is exported to ``trace_path`` (gzipped when it
@@ -107,7 +122,7 @@ def profile_steps(step, batches, device: torch.device, warmup: int, active: int,
     if not tmp.is_file():
         raise RuntimeError(f"torch.profiler exported no trace to {tmp}")
     tmp.replace(trace_path)
-    return timings, tr.load_trace(trace_path)
+    return timings, tr.load_trace(trace_path) if load else None
 
 
 @contextlib.contextmanager
@@ -150,6 +165,59 @@ def _baseline_reference(job: Job, device_name: str) -> dict[str, Any] | None:
             "peak_source": m["peak_flops_per_s"]["source"], "peak_note": m["peak_flops_per_s"]["note"]}
 
 
+def _comm_config(job: Job) -> tuple[dict[str, Any], str]:
+    """Step 2's recommended DDP configuration when it has one, else DDP's own defaults."""
+    path = job.step_dir("02_attention_and_comm") / RESULT_FILE
+    rec = (read_json(path).get("recommendation") or {}).get("comm") if path.is_file() else None
+    if rec:
+        return ({"hook": rec["hook"], "bucket_mb": rec["bucket_cap_mb"],
+                 "grad_as_bucket_view": rec["gradient_as_bucket_view"]}, "step 2's recommendation")
+    return {"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}, "DDP's defaults (step 2 has no result)"
+
+
+def profile_ranks(job: Job, device_type: str, out_dir: Path, say) -> dict[str, Any]:
+    """Profile the job data-parallel (step 2's layout) through torchrun; analyse each rank's trace."""
+    nnodes, nproc = world_layout(job, device_type)
+    if nnodes * nproc < 2:
+        return {"status": "skipped", "reason": f"{nnodes * nproc} process in step 2's layout: no ranks to compare"}
+    cfg, source = _comm_config(job)
+    for old in out_dir.glob("trace_rank*.json.gz"):
+        old.unlink()  # never mix ranks from an earlier run
+    spec = {"job": job.to_dict(), "device_type": device_type, "attention": None, "configs": [],
+            "allreduce_max_bytes": None,
+            "profile": {"config": cfg, "warmup": job.profile_warmup_steps, "steps": job.profile_steps,
+                        "dir": str(out_dir)}}
+    total = job.profile_warmup_steps + job.profile_steps
+
+    def on_event(ev):
+        if ev["event"] == "launch":
+            say(f"  {ev['world_size']} ranks over {ev['backend']}: hook {cfg['hook']}, bucket {cfg['bucket_mb']} MB "
+                f"({source})")
+        elif ev["event"] == "step" and ev["done"] == total:
+            say("  profiled steps done; writing each rank's trace")
+
+    result: dict[str, Any] = {"config": cfg, "config_source": source, "nnodes": nnodes, "nproc_per_node": nproc,
+                              "ranks": []}
+    got = launch(job, spec, out_dir / "ddp", 0, nnodes, nproc, on_event)
+    launched = next((e for e in got.events if e["event"] == "launch"), {})
+    result |= {"world_size": launched.get("world_size", nnodes * nproc), "backend": launched.get("backend", "")}
+    traces = sorted(out_dir.glob("trace_rank*.json.gz"), key=lambda p: int(p.name[10:].split(".")[0]))
+    if got.returncode != 0 or not traces:
+        why = ("no step finished for comm_timeout_s" if got.returncode is None
+               else error_lines(got.rank_stderr) or got.launcher_stderr[-400:])
+        return result | {"status": "failed", "error": why,
+                         "stderr": "\n".join(f"{k}: {v}" for k, v in got.rank_stderr.items())[-3000:]}
+    for path in traces:
+        a = tr.analyse(tr.load_trace(path), top_n=1)
+        result["ranks"].append(RankProfile(
+            int(path.name[10:].split(".")[0]), path.name, a.step_time_s, a.breakdown,
+            a.category_share["matmul"] + a.category_share["attention"],
+            sum(a.category_share[c] for c in tr.MEMORY_BOUND)))
+    if nnodes > 1:
+        result["note"] = "each node keeps its own ranks' traces; this page reads this node's"
+    return result | {"status": "ok", "seconds": got.seconds}
+
+
 def _ledger(a: tr.TraceAnalysis, mfu_profiled: float, device_type: str) -> Ledger:
     b = a.breakdown
     return Ledger([
@@ -168,9 +236,17 @@ def _ledger(a: tr.TraceAnalysis, mfu_profiled: float, device_type: str) -> Ledge
     ])
 
 
-def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any], device_type: str) -> list[Advice]:
+def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any], device_type: str,
+           ranks: list[RankProfile] = ()) -> list[Advice]:
     """Advice from the trace's own figures; each item says which figures triggered it."""
     out: list[Advice] = []
+    exposed = max(ranks, key=lambda r: r.breakdown.communicating, default=None)
+    if exposed and exposed.breakdown.communicating > COMM_LIMIT:
+        b = exposed.breakdown
+        out.append(Advice("act", "Data-parallel, communication is exposed on some ranks: overlap it (step 2's "
+                          "bucket size and hooks) or shrink it (a compressing hook, fewer, larger buckets)",
+                          f"rank {exposed.rank}: {b.communicating:.1%} of the step communicating outside compute "
+                          f"({b.comm_total:.1%} in all, aim under {COMM_LIMIT:.0%})"))
     b = a.breakdown
     unit = "kernels" if a.kind == "gpu" else "operators"
     if overhead is not None and overhead > OVERHEAD_LIMIT:
@@ -250,6 +326,16 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     profiled, trace = profile_steps(
         train_step, build_loader(job, job.profile_warmup_steps + job.profile_steps, device.type), torch_device,
         job.profile_warmup_steps, job.profile_steps, trace_path, printer("profiled steps"))
+    if job.profile_ddp:
+        say("profiling the job data-parallel, one trace per rank")
+        ddp = profile_ranks(job, device.type, out_dir, say)
+        if ddp["status"] == "skipped":
+            skipped.append({"what": "per-rank profile", "reason": ddp["reason"]})
+        elif ddp["status"] == "failed":
+            say(f"  the per-rank profile failed: {ddp['error']}")
+    else:
+        ddp = {"status": "skipped", "reason": "profile_ddp is false in the job"}
+        skipped.append({"what": "per-rank profile", "reason": ddp["reason"]})
     say("measuring memory bandwidth")
     bandwidth, bw_note = dev.measure_memory_bandwidth(torch_device)
     say(f"reading the trace ({trace_path.stat().st_size / 1e6:.1f} MB gzipped)")
@@ -307,9 +393,21 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
                                   "Optimizer.step span / profiled step"),
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
+    ranks = ddp.get("ranks", [])
+    if ranks:
+        worst = max(ranks, key=lambda r: r.breakdown.communicating)
+        comm_total = sum(r.breakdown.comm_total for r in ranks)
+        metrics["ddp_exposed_comm_share"] = Metric(
+            worst.breakdown.communicating, "fraction", "measured",
+            f"communication not under compute, rank {worst.rank} (the most exposed of {len(ranks)})")
+        metrics["ddp_comm_hidden"] = Metric(
+            sum(r.breakdown.comm_overlapped for r in ranks) / comm_total if comm_total else 0.0, "fraction",
+            "measured", "communication under compute / all communication, over every rank's trace")
+        metrics["ddp_step_time_s"] = Metric(max(r.step_time_s for r in ranks), "s", "measured",
+                                            "profiled window / steps, slowest rank")
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
-                           unprofiled, profiled, compare, TRACE_FILE, [], skipped)
-    result.advice = advise(a, overhead, compare, device.type)
+                           unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped)
+    result.advice = advise(a, overhead, compare, device.type, ranks)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
