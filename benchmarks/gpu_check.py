@@ -2,12 +2,13 @@
 
     python benchmarks/gpu_check.py [--out outputs] [--quick]
 
-Plain Python (GPU machines have torch but no Jupyter). Runs steps 1, 2 and 3 on a
+Plain Python (GPU machines have torch but no Jupyter). Runs steps 1 to 4 on a
 mid-sized GPT in bf16 on the visible GPUs and prints one table of what the CUDA
 paths measured: CUDA-event step times, the datasheet peak, NVML health, the SDPA
 backends (efficient, cuDNN, flash) and flash_attn, a reduced NCCL sweep, and the
-CUDA trace of step 3 (kernels tied to their operators, breakdown, fusion candidates).
-Results land in <out>/gpu-check/ like any job's. About 4-5 minutes on one H200.
+CUDA trace of step 3 (kernels tied to their operators, breakdown, fusion candidates), and
+step 4's inductor compile in default and reduce-overhead (CUDA graphs) modes.
+Results land in <out>/gpu-check/ like any job's. About 6-8 minutes on one H200.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mfu_lab.job import load_job  # noqa: E402
-from mfu_lab.steps import attention_comm, baseline, kernels  # noqa: E402
+from mfu_lab.steps import attention_comm, baseline, compiled, kernels  # noqa: E402
 
 
 def main() -> int:
@@ -86,6 +87,18 @@ def main() -> int:
         print(f"  fuse {c.pattern[:60]:<60} x{c.per_step:g} {c.time_per_step_s * 1e6:8.1f} us, saves "
               f"{c.saved_bytes_per_step / 1e6:.1f} MB = {(c.est_saving_per_step_s or 0) * 1e6:.1f} us")
     print("  optimizer", a.optimizer)
+    t0 = time.perf_counter()
+    c = compiled.run(dataclasses.replace(job, compile_modes=["default", "reduce-overhead"]))
+    print(f"\nstep 4 ({time.perf_counter() - t0:.0f} s): shapes {c.audit.shapes}, recompiles on data "
+          f"{c.recompiles[0].recompiles}, demo static/auto {c.recompiles[1].recompiles}/{c.recompiles[2].recompiles}, "
+          f"graph breaks {c.breaks.breaks}")
+    for t in [c.eager] + c.trials:
+        figs = (f"step {t.step_median_s * 1e3:.2f} ms ({t.step_p10_s * 1e3:.2f}-{t.step_p90_s * 1e3:.2f}), "
+                f"speedup {t.speedup}, compile cold {t.compile_cold_s} s warm {t.compile_warm_s} s, break-even "
+                f"{t.break_even_cold}, drift {t.drift}, kernels/step {t.ops_per_step}" if t.status == "ok"
+                else f"{t.reason or t.error}")
+        print(f"  {t.mode:<28} {t.status:<8} {figs}")
+    print("  " + c.recommendation["text"])
     return 0
 
 

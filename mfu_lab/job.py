@@ -26,7 +26,11 @@ from .errors import JobError, JobProblem
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTIONS = ("sdpa", "unfused")
-DATA_SOURCES = ("synthetic",)
+DATA_SOURCES = ("synthetic", "synthetic_varlen")
+SEQ_POLICIES = ("longest", "pad", "bucket", "pack")
+LAST_BATCH = ("drop", "keep", "pad")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+COMPILE_DYNAMIC = ("auto", "static", "dynamic")
 COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
@@ -63,7 +67,17 @@ class Job:
                           choices=ATTENTIONS)
     activation_checkpointing: bool = _key(False, "recompute each block's activations in backward (raises HFU, not MFU)")
     # --- data ---
-    data: str = _key("synthetic", "synthetic: seeded random token ids through a real DataLoader", choices=DATA_SOURCES)
+    data: str = _key("synthetic", "synthetic: seeded random token ids through a real DataLoader | synthetic_varlen: "
+                     "the same with sample lengths varying in [min_seq_len, seq_len]", choices=DATA_SOURCES)
+    min_seq_len: int = _key(0, "shortest sample of synthetic_varlen (0: seq_len // 2)", min=0)
+    seq_policy: str = _key("longest", "how samples of different lengths form a batch: longest (pad to the batch's "
+                           "longest) | pad (to seq_len) | bucket (to the next of seq_buckets lengths) | pack (end to "
+                           "end, cut at seq_len)", choices=SEQ_POLICIES)
+    seq_buckets: int = _key(4, "bucket lengths for seq_policy: bucket (evenly spaced up to seq_len)", min=1)
+    last_batch: str = _key("drop", "a last batch short of micro_batch: drop | keep (a smaller batch) | pad (rows of "
+                           "padding)", choices=LAST_BATCH)
+    dataset_samples: int = _key(0, "samples in one epoch of the data (0: as many as the steps need); step 4's shape "
+                                "audit reads one epoch", min=0)
     num_workers: int = _key(0, "DataLoader worker processes (0: load in the training process)", min=0)
     prefetch_factor: int = _key(2, "batches each worker loads ahead (used when num_workers > 0)", min=1)
     pin_memory: bool = _key(False, "pin host batches for faster copies (CUDA only; ignored on CPU)")
@@ -95,6 +109,20 @@ class Job:
     profile_steps: int = _key(3, "training steps recorded by torch.profiler", min=1)
     top_n: int = _key(20, "rows of the kernel (GPU) / operator (CPU) table", min=1)
     profile_ddp: bool = _key(True, "also profile the job data-parallel in step 2's layout, one trace per rank")
+    # --- compile (step 4) ---
+    compile_modes: list = _key(["default", "max-autotune-no-cudagraphs", "reduce-overhead"],
+                               "torch.compile modes to try: " + " | ".join(COMPILE_MODES)
+                               + " (CUDA-graph modes are skipped on CPU)", items="compile_mode")
+    compile_backend: str = _key("inductor", "torch.compile backend (inductor; aot_eager or eager to check dynamo "
+                                "alone)")
+    compile_options: dict = _key({}, "inductor options; when given, one more trial compiles with these options "
+                                 "instead of a mode")
+    compile_dynamic: str = _key("auto", "dynamic shapes: auto (torch's default: static, then dynamic after a "
+                                "change) | static (dynamic False) | dynamic (dynamic True)", choices=COMPILE_DYNAMIC)
+    compile_warmup_steps: int = _key(2, "first compiled steps, where compilation happens (their extra time is the "
+                                     "compile time)", min=1)
+    compile_timeout_s: float = _key(900.0, "a compile trial running longer than this is ended and recorded",
+                                    min_exclusive=0.0)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -186,6 +214,8 @@ def _items_problem(kind: str, items: list) -> str | None:
             return f"item {v!r}: every item must be a number > 0"
         if kind == "hook" and v not in COMM_HOOKS:
             return f"item {v!r}: every item must be one of {', '.join(COMM_HOOKS)}"
+        if kind == "compile_mode" and v not in COMPILE_MODES:
+            return f"item {v!r}: every item must be one of {', '.join(COMPILE_MODES)}"
         if kind == "bool" and not isinstance(v, bool):
             return f"item {v!r}: every item must be true or false"
     if len(set(map(repr, items))) != len(items):
@@ -242,6 +272,10 @@ def validate(values: dict[str, Any], source: str) -> Job:
                                        f"must be host:port when nnodes is {job.nnodes}"))
         if job.rdzv_endpoint and not re.match(r"^[\w.\-\[\]:]+:\d+$", job.rdzv_endpoint):
             problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint, "must be host:port, e.g. node01:29500"))
+    if not bad & {"min_seq_len", "seq_len"} and job.min_seq_len > job.seq_len:
+        problems.append(JobProblem("min_seq_len", job.min_seq_len, f"must be <= seq_len ({job.seq_len})"))
+    if not bad & {"seq_buckets", "seq_len"} and job.seq_buckets > job.seq_len:
+        problems.append(JobProblem("seq_buckets", job.seq_buckets, f"must be <= seq_len ({job.seq_len})"))
     if problems:
         raise JobError(source, problems)
     return job

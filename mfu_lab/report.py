@@ -47,6 +47,10 @@ def fmt(value: float | None, unit: str) -> str:
                 u = {"bytes": "B", "bytes/s": "B/s"}.get(unit, unit)
                 return f"{value / scale:.3g} {prefix}{u}"
         return f"{value:.3g} {unit}"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "steps":
+        return f"{value:,.0f} steps"
     if unit == "s":
         if abs(value) < 1e-3:
             return f"{value * 1e6:.1f} µs"
@@ -348,7 +352,92 @@ def _kernels_section(d: dict[str, Any]) -> str:
 <h3>All figures</h3>{_metrics_table(m)}"""
 
 
-SECTIONS = {"baseline": _baseline_section, "attention_comm": _attention_comm_section, "kernels": _kernels_section}
+def audit_table(r) -> str:
+    a = r.audit
+    rows = "".join(f"<tr><td>{e(k)}</td><td>{v}</td></tr>" for k, v in a.shapes.items())
+    verdict = ('<span class="look">shapes vary</span>' if a.varies else '<span class="ok">one shape</span>')
+    return (f"<p>{verdict}: {a.batches} batches, {a.epoch_samples} samples ({e(a.policy)}); batch sizes "
+            f"{e(str(a.batch_sizes))}, lengths {e(str(a.seq_lens[:12]))}{'…' if len(a.seq_lens) > 12 else ''}; "
+            f"padding {a.padding_fraction:.1%} of target positions.</p>"
+            f"<table><tr><th>batch shape</th><th>batches</th></tr>{rows}</table>")
+
+
+def recompile_table(r) -> str:
+    rows = "".join(
+        f"<tr><td>{e(x.label)}</td><td>{e(x.dynamic)}</td><td><small>{e(', '.join(x.shapes[:8]))}"
+        f"{' …' if len(x.shapes) > 8 else ''}</small></td><td>{x.recompiles}</td><td>{x.graphs}</td>"
+        f"<td><small>{'<br>'.join(e(m) for m in x.messages[:6]) or 'none'}</small></td></tr>" for x in r.recompiles)
+    b = r.breaks
+    breaks = (f"<p>Graph breaks in one forward (<code>torch._dynamo.explain</code>): {b.breaks} ({b.graphs} "
+              f"graph{'s' if b.graphs != 1 else ''}){': ' + e('; '.join(b.reasons)) if b.reasons else ''}.</p>")
+    return ("<table><tr><th>inputs</th><th>dynamic</th><th>shapes fed, in order</th><th>recompiles "
+            f"{badge('counted')}</th><th>graphs</th><th>guard failure that caused each</th></tr>{rows}</table>"
+            + breaks)
+
+
+def trials_table(r) -> str:
+    def row(t):
+        if t.status != "ok":
+            detail = e(t.reason or t.error)
+            tb = (f"<details><summary>traceback</summary><pre>{e(t.traceback)}</pre></details>"
+                  if t.traceback else "")
+            return f"<tr><td>{e(t.mode)}</td><td>{e(t.status)}</td><td colspan=9><small>{detail}</small>{tb}</td></tr>"
+        be = lambda v: "never" if v is None else f"{v:.0f}"  # noqa: E731
+        return (f"<tr><td>{e(t.mode)}</td><td>ok</td><td>{_ms(t.step_median_s)}</td>"
+                f"<td>{_ms(t.step_p10_s)}–{_ms(t.step_p90_s)}</td>"
+                f"<td>{'' if t.speedup is None else f'{t.speedup:.2f}x'}{' ✓' if t.faster_beyond_noise else ''}</td>"
+                f"<td>{_num(t.mfu, lambda v: f'{v:.1%}')}</td><td>{_num(t.compile_cold_s, lambda v: f'{v:.1f} s')}"
+                f"</td><td>{_num(t.compile_warm_s, lambda v: f'{v:.1f} s')}</td>"
+                f"<td>{'' if t.mode == 'eager' else be(t.break_even_cold) + ' / ' + be(t.break_even_warm)}</td>"
+                f"<td>{'' if t.drift is None else f'{t.drift:.1e}'}{' ✗' if t.drift_ok is False else ''}</td>"
+                f"<td>{t.recompiles}</td></tr>")
+
+    return ("<table><tr><th>mode</th><th>status</th><th>step (median)</th><th>p10–p90</th><th>speedup</th>"
+            "<th>MFU</th><th>compile, cold</th><th>compile, warm</th><th>break-even steps (cold / warm)</th>"
+            f"<th>loss drift</th><th>recompiles</th></tr>{row(r.eager)}{''.join(row(t) for t in r.trials)}</table>"
+            "<p><small>✓: p90 below eager's p10 (faster beyond the noise). Loss drift: largest relative per-step "
+            "difference from eager's loss, same seed and data; ✗ above the tolerance for the dtype.</small></p>")
+
+
+def step3_table(r) -> str:
+    s3 = r.step3
+    if "patterns" not in s3:
+        return f"<p>{e(s3['source'])}.</p>"
+    what = "kernels" if s3["kind"] == "gpu" else "operators"
+    rows = "".join(
+        f"<tr><td>{e(mode)}</td><td>{_num(s3['ops_per_step'], lambda v: f'{v:.0f}')}</td>"
+        f"<td>{_num(v['ops_per_step'], lambda x: f'{x:.0f}')}</td><td><small>{e('; '.join(v['removed'])) or '-'}"
+        f"</small></td><td><small>{e('; '.join(v['left'])) or '-'}</small></td></tr>"
+        for mode, v in s3.items() if isinstance(v, dict))
+    return (f"<p>Against {e(s3['source'])}:</p><table><tr><th>mode</th><th>{what} per step, eager (step 3)</th>"
+            f"<th>compiled</th><th>fusion candidates gone</th><th>still there</th></tr>{rows}</table>")
+
+
+def _compile_section(d: dict[str, Any]) -> str:
+    from . import plots
+    from .steps.compiled import CompileResult
+
+    r = CompileResult.from_dict(d)
+    m = d["metrics"]
+    cards = _cards(m, (("MFU (recommended)", "mfu"), ("eager MFU", "eager_mfu"), ("speedup", "speedup"),
+                       ("compile, cold", "compile_cold_s"), ("break-even", "break_even_steps"),
+                       ("recompiles on the data", "recompiles_on_data")))
+    ok = [t for t in r.trials if t.status == "ok"]
+    figs = (f'<img alt="compile modes" src="{plots.to_data_uri(plots.compile_modes(r))}">'
+            f'<img alt="break-even" src="{plots.to_data_uri(plots.break_even(r))}">' if ok else "")
+    return f"""
+<h2>Step 4 · compile</h2>
+<div class="cards">{cards}</div>
+<h3>What to do next</h3><ul>{_advice_items(r.advice)}</ul>
+<h3>Shapes of the data</h3>{audit_table(r)}
+<h3>Recompiles</h3>{recompile_table(r)}
+<h3>Modes against eager</h3>{figs}{trials_table(r)}
+<h3>Kernels after compiling</h3>{step3_table(r)}
+<h3>All figures</h3>{_metrics_table(m)}"""
+
+
+SECTIONS = {"baseline": _baseline_section, "attention_comm": _attention_comm_section, "kernels": _kernels_section,
+            "compile": _compile_section}
 
 
 def load_results(job_root: Path) -> dict[str, dict]:
@@ -474,3 +563,19 @@ def fusion_view(result) -> Html:
 
 def ranks_view(result) -> Html:
     return _part(ranks_table(result))
+
+
+def audit_view(result) -> Html:
+    return _part(audit_table(result))
+
+
+def recompile_view(result) -> Html:
+    return _part(recompile_table(result))
+
+
+def trials_view(result) -> Html:
+    return _part(trials_table(result))
+
+
+def step3_view(result) -> Html:
+    return _part(step3_table(result))

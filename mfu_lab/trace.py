@@ -302,6 +302,7 @@ class TraceAnalysis:
     fusion: list[FusionCandidate]
     optimizer: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    ops_per_step: float = 0.0  # kernels and copies (GPU) / operators (CPU) per profiled step, counted
 
 
 # ------------------------------------------------------------------ analysis
@@ -609,6 +610,8 @@ def analyse(trace: dict[str, Any], top_n: int = 20, bandwidth: float | None = No
             notes.append(f"{len(passless)} run pattern(s) of adjacent memory-bound operations pass no tensor from "
                          "one to the next (e.g. a bias-gradient sum beside an activation's backward), so fusing "
                          "them saves no traffic; left out: " + "; ".join(c.pattern for c in passless))
+    work = tr.device if tr.kind == "gpu" else tr.ops
+    ops = sum(1 for e in work if tr.in_window(e)) / tr.n_steps
     return TraceAnalysis(
         tr.kind, tr.n_steps, window_us / 1e6, step_time, top, sum(r.share for r in top), rest_share, rest_count,
-        _breakdown(tr), cat_share, fusion, _optimizer(tr, step_time), notes)
+        _breakdown(tr), cat_share, fusion, _optimizer(tr, step_time), notes, ops)

@@ -189,11 +189,113 @@ class SyntheticTokens(Dataset):
         return tokens[:-1], tokens[1:]
 
 
-def build_loader(job: Job, n_batches: int, device_type: str) -> DataLoader:
-    ds = SyntheticTokens(n_batches * job.micro_batch, job.seq_len, job.vocab_size, job.seed,
-                         job.synthetic_load_ms / job.micro_batch)
+IGNORE = -100  # target id that cross_entropy skips (its default ignore_index): padding
+PAD_ID = 0  # input id of padding positions
+
+
+class VarLenTokens(SyntheticTokens):
+    """Seeded random token sequences of varying length, uniform in [min_len, seq_len]."""
+
+    def __init__(self, n_samples: int, seq_len: int, min_len: int, vocab_size: int, seed: int,
+                 load_ms_per_sample: float = 0.0):
+        super().__init__(n_samples, seq_len, vocab_size, seed, load_ms_per_sample)
+        self.min_len = min_len
+
+    def length(self, i: int) -> int:
+        g = torch.Generator().manual_seed(self.seed * 7_000_003 + i)
+        return int(torch.randint(self.min_len, self.seq_len + 1, (1,), generator=g))
+
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        n = self.length(i)
+        return x[:n], y[:n]
+
+
+class PackedTokens(Dataset):
+    """Variable-length samples laid end to end and cut into rows of exactly seq_len tokens (no padding)."""
+
+    def __init__(self, source: VarLenTokens, n_rows: int):
+        self.src, self.n, self.seq_len = source, n_rows, source.seq_len
+        self.starts = [0]  # stream offset where each source sample starts
+        i = 0
+        while self.starts[-1] < n_rows * self.seq_len:
+            self.starts.append(self.starts[-1] + source.length(i))
+            i += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, r: int):
+        lo, hi = r * self.seq_len, (r + 1) * self.seq_len
+        xs, ys = [], []
+        for i in range(len(self.starts) - 1):
+            s, e = self.starts[i], self.starts[i + 1]
+            if e <= lo or s >= hi:
+                continue
+            x, y = self.src[i]
+            a, b = max(lo, s) - s, min(hi, e) - s
+            xs.append(x[a:b])
+            ys.append(y[a:b])
+        return torch.cat(xs), torch.cat(ys)
+
+
+def bucket_lengths(seq_len: int, buckets: int) -> list[int]:
+    """``buckets`` lengths evenly spaced up to seq_len, each rounded up to a multiple of 8."""
+    out = set()
+    for k in range(1, buckets + 1):
+        length = math.ceil(seq_len * k / buckets)
+        out.add(min(seq_len, math.ceil(length / 8) * 8))
+    return sorted(out)
+
+
+@dataclass
+class Collate:
+    """Batch samples of different lengths into one (batch, length) tensor pair: padded to the longest
+    sample ('longest'), to seq_len ('pad'), or to the next bucket length ('bucket'). With
+    ``fill_to`` set, a short last batch gets rows of padding (targets ignored) up to that size."""
+
+    policy: str
+    seq_len: int
+    buckets: list[int]
+    fill_to: int = 0
+
+    def __call__(self, samples):
+        longest = max(len(x) for x, _ in samples)
+        if self.policy == "pad":
+            length = self.seq_len
+        elif self.policy == "bucket":
+            length = min([b for b in self.buckets if b >= longest] or [self.seq_len])
+        else:
+            length = longest
+        rows = max(len(samples), self.fill_to)
+        x = torch.full((rows, length), PAD_ID, dtype=torch.long)
+        y = torch.full((rows, length), IGNORE, dtype=torch.long)
+        for i, (xi, yi) in enumerate(samples):
+            x[i, :len(xi)], y[i, :len(yi)] = xi, yi
+        return x, y
+
+
+def build_dataset(job: Job, n_samples: int) -> Dataset:
+    per_sample_ms = job.synthetic_load_ms / job.micro_batch
+    if job.data == "synthetic":
+        return SyntheticTokens(n_samples, job.seq_len, job.vocab_size, job.seed, per_sample_ms)
+    src = VarLenTokens(n_samples, job.seq_len, job.min_seq_len or max(1, job.seq_len // 2), job.vocab_size,
+                       job.seed, per_sample_ms)
+    return PackedTokens(src, n_samples) if job.seq_policy == "pack" else src
+
+
+def build_loader(job: Job, n_batches: int, device_type: str, n_samples: int | None = None) -> DataLoader:
+    """The job's DataLoader over ``n_batches`` full batches (or exactly ``n_samples`` samples)."""
+    ds = build_dataset(job, n_samples if n_samples is not None else n_batches * job.micro_batch)
     workers = job.num_workers
-    return DataLoader(ds, batch_size=job.micro_batch, shuffle=False, drop_last=True, num_workers=workers,
+    collate = None
+    if job.data != "synthetic" and job.seq_policy != "pack":
+        collate = Collate(job.seq_policy, job.seq_len, bucket_lengths(job.seq_len, job.seq_buckets),
+                          job.micro_batch if job.last_batch == "pad" else 0)
+    elif job.last_batch == "pad":
+        collate = Collate("longest", job.seq_len, [], job.micro_batch)
+    return DataLoader(ds, batch_size=job.micro_batch, shuffle=False, drop_last=job.last_batch == "drop",
+                      num_workers=workers, collate_fn=collate,
                       prefetch_factor=job.prefetch_factor if workers else None,
                       pin_memory=job.pin_memory and device_type == "cuda")
 

@@ -18,7 +18,8 @@ def tiny_job(tmp_path) -> Job:
 
 
 SMALL_SWEEP = ["-p", "comm_hooks=[none, allreduce, bf16_compress]", "-p", "comm_bucket_mb=[0.05, 25]",
-               "-p", "comm_grad_as_bucket_view=[false]", "-p", "comm_steps=2", "-p", "comm_timeout_s=60"]
+               "-p", "comm_grad_as_bucket_view=[false]", "-p", "comm_steps=2", "-p", "comm_timeout_s=60",
+               "-p", "compile_modes=[default]"]
 
 
 @pytest.fixture(scope="session")

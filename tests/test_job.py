@@ -137,3 +137,13 @@ def test_cross_key_checks_are_reported_with_the_other_problems(tmp_path):
     with pytest.raises(JobError) as e:
         load_job(p)
     assert {pr.key for pr in e.value.problems} == {"micro_bacth", "rdzv_endpoint", "n_heads"}
+
+
+def test_papermill_sees_every_key_in_every_notebook():
+    import papermill
+
+    from mfu_lab.job import FIELDS
+
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        found = papermill.inspect_notebook(str(nb))
+        assert list(found) == list(FIELDS), f"{nb.name}: papermill reads {sorted(set(FIELDS) - set(found))} wrong"

@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT))
 from mfu_lab.job import FIELDS, Job  # noqa: E402
 
 GROUPS = {"job_name": "job", "model": "model", "data": "data", "micro_batch": "training", "peak_flops": "device",
-          "nproc_per_node": "distributed (step 2)", "profile_warmup_steps": "kernels (step 3)"}
+          "nproc_per_node": "distributed (step 2)", "profile_warmup_steps": "kernels (step 3)",
+          "compile_modes": "compile (step 4)"}
 
 
 def parameters_source() -> str:

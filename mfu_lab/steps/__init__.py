@@ -28,5 +28,7 @@ STEPS: tuple[StepInfo, ...] = (
              "Attention kernels and gradient communication: what do they give back?", "mfu_lab.steps.attention_comm"),
     StepInfo("kernels", 3, "03_kernels", "Kernels: which eat the time, and which adjacent operations could be fused?",
              "mfu_lab.steps.kernels"),
+    StepInfo("compile", 4, "04_compile", "Compile: does torch.compile pay for itself at fixed shapes?",
+             "mfu_lab.steps.compiled"),
 )
 BY_KEY = {s.key: s for s in STEPS}

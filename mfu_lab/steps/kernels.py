@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import tempfile
@@ -236,10 +237,25 @@ def _ledger(a: tr.TraceAnalysis, mfu_profiled: float, device_type: str) -> Ledge
     ])
 
 
+FIRST_BUCKET_MB = 1.0  # DDP puts the last-produced gradients into a small first bucket (1 MiB)
+
+
 def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any], device_type: str,
-           ranks: list[RankProfile] = ()) -> list[Advice]:
+           ranks: list[RankProfile] = (), ddp: dict[str, Any] | None = None, grad_bytes: int = 0) -> list[Advice]:
     """Advice from the trace's own figures; each item says which figures triggered it."""
     out: list[Advice] = []
+    comm = sum(r.breakdown.comm_total for r in ranks)
+    hidden = sum(r.breakdown.comm_overlapped for r in ranks) / comm if comm else None
+    if hidden is not None and hidden < 0.10 and ddp and grad_bytes:
+        cap = float(ddp["config"]["bucket_mb"])
+        mib = grad_bytes / 2**20
+        buckets = 1 + math.ceil(max(0.0, mib - FIRST_BUCKET_MB) / cap)
+        if buckets <= 2:
+            out.append(Advice("look", f"Almost no communication is hidden under backward: the {mib:.1f} MiB of "
+                              f"gradients fill {buckets} bucket(s) of bucket_cap_mb={cap:g}, so the all-reduce of "
+                              "nearly all of them can only start when backward ends. Smaller buckets let it start "
+                              "while backward still runs (step 2 times them)",
+                              f"{hidden:.1%} of communication under compute across the ranks' traces"))
     exposed = max(ranks, key=lambda r: r.breakdown.communicating, default=None)
     if exposed and exposed.breakdown.communicating > COMM_LIMIT:
         b = exposed.breakdown
@@ -407,7 +423,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
                                             "profiled window / steps, slowest rank")
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
                            unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped)
-    result.advice = advise(a, overhead, compare, device.type, ranks)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    result.advice = advise(a, overhead, compare, device.type, ranks, ddp, grad_bytes)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)

@@ -1,0 +1,74 @@
+"""One trial of step 4 in a fresh process: the job's training steps, eager or compiled in one mode.
+
+    python -m mfu_lab.compile_worker --spec SPEC.json
+
+Started by mfu_lab.steps.compiled with TORCHINDUCTOR_CACHE_DIR (and TRITON_CACHE_DIR) pointing at
+the trial's own cache folder: empty for a cold compile, filled by the cold run for a warm one. A
+fresh process per trial keeps one mode's in-memory caches out of the next mode's compile time, and
+a crash in one mode out of the others. Prints one progress line per step; writes its result JSON
+to spec["out"] (status, per-step walls and losses, recompiles with their guard messages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    spec = json.loads(Path(ap.parse_args().spec).read_text())
+    out = Path(spec["out"])
+    result: dict = {"mode": spec["mode"], "status": "failed"}
+    try:
+        import torch
+
+        from .compiling import RecompileLog, guard_lines, mode_kwargs
+        from .device import resolve_device
+        from .job import validate
+        from .measure import run_steps
+        from .workload import build_loader, build_model, build_train_step
+
+        job = validate(spec["job"], "step 4 worker spec")
+        device = resolve_device(job.device)
+        tdev = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+        model = build_model(job).to(tdev).train()
+        if spec["mode"] != "eager":
+            model = torch.compile(model, **mode_kwargs(spec["mode"], job.compile_backend, job.compile_dynamic,
+                                                       job.compile_options))
+        step = build_train_step(job, model, device.type)
+        warm, steps = spec["warmup"], spec["steps"]
+        t0 = time.perf_counter()
+
+        def progress(done, total, elapsed):  # every compile step, then every quarter
+            if done <= warm or done == total or done % max(1, total // 4) == 0:
+                print(f"{spec['label']}: step {done}/{total} ({elapsed:.1f} s)", flush=True)
+
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        with RecompileLog() as log:
+            timings = run_steps(step, build_loader(job, warm + steps, device.type), tdev, warm, steps, progress)
+        result.update(status="ok", wall_s=timings.wall_s, loss=timings.loss, warmup=warm, method=timings.method,
+                      recompiles=log.count, recompile_messages=[guard_lines(m) for m in log.messages[:20]],
+                      graphs=int(counters["stats"]["unique_graphs"]), seconds=time.perf_counter() - t0)
+        if spec.get("trace"):
+            from .steps.kernels import profile_steps
+
+            print(f"{spec['label']}: profiling 3 steps", flush=True)
+            profile_steps(step, build_loader(job, 5, device.type), tdev, 2, 3, Path(spec["trace"]), load=False)
+            result["trace"] = spec["trace"]
+    except Exception as exc:  # recorded for the step; the other modes still run
+        result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    out.write_text(json.dumps(result))
+    return 0 if result["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

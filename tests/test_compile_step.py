@@ -1,0 +1,84 @@
+"""Step 4 end to end in plain Python on the tiny job, with dynamo's 'eager' backend (no code generation,
+so it runs in seconds); tests/test_kernels.py's papermill run uses inductor."""
+
+import dataclasses
+import json
+
+import pytest
+
+from mfu_lab.job import load_job
+from mfu_lab.steps import compiled
+
+from .conftest import TINY
+from .test_e2e import assert_offline
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path_factory.mktemp("c")), compile_backend="eager",
+                              compile_modes=["default", "reduce-overhead"])
+    return job, compiled.run(job)
+
+
+def test_every_mode_is_run_or_skipped_with_a_reason(ran):
+    job, r = ran
+    assert r.eager.status == "ok" and len(r.eager.loss) == job.compile_warmup_steps + job.steps
+    by = {t.mode: t for t in r.trials}
+    assert by["reduce-overhead"].status == "skipped" and "CUDA" in by["reduce-overhead"].reason
+    t = by["default"]
+    assert t.status == "ok" and t.drift == 0.0 and t.drift_ok  # the eager backend runs the same kernels
+    assert t.speedup == pytest.approx(r.eager.step_median_s / t.step_median_s)
+    assert t.compile_cold_s == pytest.approx(sum(t.first_steps_s) - 2 * t.step_median_s - (
+        sum(r.eager.first_steps_s) - 2 * r.eager.step_median_s))
+    assert t.compile_warm_s is not None and t.recompiles == 0 and t.graphs >= 1
+    assert t.ops_per_step > 0 and r.step3["source"].startswith("the eager run's own trace")
+
+
+def test_recompiles_and_shapes_are_reported(ran):
+    _, r = ran
+    own, static, auto = r.recompiles
+    assert own.recompiles == 0 and not r.audit.varies  # fixed synthetic data
+    assert (static.recompiles, auto.recompiles) == (2, 1)
+    assert "size mismatch" in static.messages[0]
+    assert r.metrics["recompiles_on_data"].value == 0 and r.metrics["graph_breaks"].value == 0
+
+
+def test_result_file_round_trips_and_the_index_shows_step_4(ran):
+    job, r = ran
+    d = json.loads((job.step_dir("04_compile") / "result.json").read_text())
+    again = compiled.CompileResult.from_dict(d)
+    assert again.trials[0].step_median_s == r.trials[0].step_median_s
+    assert again.recommendation["text"] == r.recommendation["text"]
+    index = (job.output_root() / "index.html").read_text()
+    assert "Step 4 · compile" in index and "lengths varied, dynamic=False" in index
+
+
+def test_a_failing_mode_is_recorded_and_the_others_still_run(tmp_path):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), compile_backend="inductor",
+                              compile_modes=["reduce-overhead"], compile_options={"no_such_option": 1}, steps=2)
+    r = compiled.run(job)
+    by = {t.mode: t for t in r.trials}
+    assert by["reduce-overhead"].status == "skipped"
+    assert by["options"].status == "failed" and "no_such_option" in by["options"].error
+    assert r.eager.status == "ok" and not r.recommendation["compile"]
+    assert any("options" in a.message and "failed" in a.message for a in r.advice)
+
+
+@pytest.mark.e2e
+def test_notebook_compiles_with_inductor_under_papermill(full_run):
+    p, job_root = full_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    folder = job_root / "04_compile"
+    nb = json.loads((folder / "04_compile.ipynb").read_text())
+    outputs = [o for c in nb["cells"] for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # modes and break-even plots
+    r = compiled.CompileResult.from_dict(json.loads((folder / "result.json").read_text()))
+    t = next(t for t in r.trials if t.mode == "default")
+    assert t.status == "ok" and t.compile_cold_s > t.compile_warm_s  # inductor's cache makes the second faster
+    assert t.drift_ok and (folder / "trace_default.json.gz").is_file()
+    assert r.step3["source"].startswith("step 3 result")  # step 3 ran first in the same run
+    assert set(r.step3["default"]["removed"]) | set(r.step3["default"]["left"]) == set(r.step3["patterns"])
+    report = (folder / "report.html").read_text()
+    assert "break-even" in report and "dynamic=False" in report
+    assert_offline(report)
