@@ -21,6 +21,15 @@ class StepInfo:
     def load(self):
         return importlib.import_module(self.module)
 
+    def save(self, job, result):
+        """Write the step's result.json atomically and refresh the job's index page."""
+        from ..report import write_index
+        from ..results import RESULT_FILE, write_json_atomic
+
+        path = write_json_atomic(job.step_dir(self.folder) / RESULT_FILE, result)
+        write_index(job.output_root())
+        return path
+
 
 STEPS: tuple[StepInfo, ...] = (
     StepInfo("baseline", 1, "01_baseline", "Baseline: where does the step time go today?", "mfu_lab.steps.baseline"),

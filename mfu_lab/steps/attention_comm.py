@@ -29,7 +29,7 @@ from ..comm import config_key, run_sweep, sweep_configs
 from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import run_steps, stats
-from ..results import RESULT_FILE, Metric, environment, read_json, write_json_atomic
+from ..results import RESULT_FILE, Metric, environment, read_json
 from ..workload import GPT, build_loader, build_model, build_train_step
 from . import BY_KEY
 from .baseline import count_step_flops
@@ -391,8 +391,5 @@ def _advice(r: AttentionCommResult) -> list[Advice]:
 
 
 def save(job: Job, result: AttentionCommResult) -> Path:
-    from ..report import write_index
-
-    path = write_json_atomic(job.step_dir(INFO.folder) / RESULT_FILE, result)
-    write_index(job.output_root())
-    return path
+    """Write result.json atomically and refresh the job\'s index page."""
+    return INFO.save(job, result)

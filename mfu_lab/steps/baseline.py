@@ -25,7 +25,7 @@ from ..job import Job
 from ..ledger import Ledger, LedgerItem, single_process_ledger
 from ..measure import Stats, Timings, run_steps, stats
 from ..progress import printer
-from ..results import RESULT_FILE, Metric, environment, write_json_atomic
+from ..results import RESULT_FILE, Metric, environment, read_json
 from ..workload import GPT, build_loader, build_model, build_train_step
 from . import BY_KEY
 
@@ -194,14 +194,23 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     return result
 
 
+def reference_peak(job: Job, device: dev.DeviceInfo) -> tuple[float, str, str, bool]:
+    """The peak step 1 measured MFU against on this device, so later steps compare like with like:
+    (FLOP/s, source label, note, taken from step 1). Without a step-1 result on this device: resolved here."""
+    path = job.step_dir(INFO.folder) / RESULT_FILE
+    if path.is_file():
+        r = read_json(path)
+        if r["environment"].get("device_name") == device.name:
+            pk = r["metrics"]["peak_flops_per_s"]
+            return pk["value"], pk["source"], pk["note"] + " (as in step 1)", True
+    p = dev.resolve_peak(device, job.dtype, job.peak_flops)
+    return p.flops_per_s, p.source, p.note, False
+
+
 def ledger_part(timings: Timings, name: str) -> float:
     return sum(timings.measured(name)) / sum(timings.measured("wall_s"))
 
 
 def save(job: Job, result: BaselineResult) -> Path:
-    """Write result.json atomically and refresh the job's index page."""
-    from ..report import write_index
-
-    path = write_json_atomic(job.step_dir(INFO.folder) / RESULT_FILE, result)
-    write_index(job.output_root())
-    return path
+    """Write result.json atomically and refresh the job\'s index page."""
+    return INFO.save(job, result)

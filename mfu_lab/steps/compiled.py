@@ -34,10 +34,10 @@ from .. import trace as tr
 from ..advice import Advice
 from ..job import Job
 from ..measure import stats
-from ..results import RESULT_FILE, Metric, environment, read_json, write_json_atomic
+from ..results import RESULT_FILE, Metric, environment, read_json
 from ..workload import build_loader, build_model
 from . import BY_KEY
-from .baseline import count_step_flops
+from .baseline import count_step_flops, reference_peak
 
 INFO = BY_KEY["compile"]
 WARM_STEPS = 3  # measured steps of the warm-cache run (only its compile time is used)
@@ -271,14 +271,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
     flops = count_step_flops(model, build_train_step(job, model, device.type), x0.to(torch_device),
                              y0.to(torch_device)).model_flops_per_step
-    ref1 = job.step_dir("01_baseline") / RESULT_FILE
-    r1 = read_json(ref1) if ref1.is_file() else None
-    if r1 and r1["environment"].get("device_name") == device.name:
-        pk = r1["metrics"]["peak_flops_per_s"]
-        peak, peak_label = pk["value"], (pk["source"], pk["note"] + " (as in step 1)")
-    else:
-        p = dev.resolve_peak(device, job.dtype, job.peak_flops)
-        peak, peak_label = p.flops_per_s, (p.source, p.note)
+    peak, *peak_label, _ = reference_peak(job, device)
     del model
 
     # ---- 3. trials, each in a fresh process
@@ -383,8 +376,5 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
 
 def save(job: Job, result: CompileResult) -> Path:
-    from ..report import write_index
-
-    path = write_json_atomic(job.step_dir(INFO.folder) / RESULT_FILE, result)
-    write_index(job.output_root())
-    return path
+    """Write result.json atomically and refresh the job\'s index page."""
+    return INFO.save(job, result)

@@ -32,10 +32,10 @@ from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import Timings, run_steps, stats
 from ..progress import printer
-from ..results import RESULT_FILE, Metric, environment, read_json, write_json_atomic
+from ..results import RESULT_FILE, Metric, environment, read_json
 from ..workload import build_loader, build_model, build_train_step
 from . import BY_KEY
-from .baseline import count_step_flops
+from .baseline import count_step_flops, reference_peak
 
 INFO = BY_KEY["kernels"]
 TRACE_FILE = "trace.json.gz"
@@ -162,8 +162,7 @@ def _baseline_reference(job: Job, device_name: str) -> dict[str, Any] | None:
     m = r["metrics"]
     return {"source": f"step 1 result ({path})", "median_s": m["step_time_median_s"]["value"],
             "p10_s": m["step_time_p10_s"]["value"], "p90_s": m["step_time_p90_s"]["value"],
-            "mfu": m["mfu"]["value"], "peak": m["peak_flops_per_s"]["value"],
-            "peak_source": m["peak_flops_per_s"]["source"], "peak_note": m["peak_flops_per_s"]["note"]}
+            "mfu": m["mfu"]["value"]}
 
 
 def _comm_config(job: Job) -> tuple[dict[str, Any], str]:
@@ -328,11 +327,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
     flops = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device))
     ref = _baseline_reference(job, device.name)
-    if ref:
-        peak, peak_label = ref["peak"], (ref["peak_source"], ref["peak_note"] + " (as in step 1)")
-    else:
-        p = dev.resolve_peak(device, job.dtype, job.peak_flops)
-        peak, peak_label = p.flops_per_s, (p.source, p.note)
+    peak, *peak_label, _ = reference_peak(job, device)
+    if not ref:
         skipped.append({"what": "comparison with step 1", "reason": "step 1 has no result on this device yet"})
 
     say(f"timing {job.steps} steps without the profiler ({job.warmup_steps} warm-up)")
@@ -432,8 +428,5 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
 
 
 def save(job: Job, result: KernelsResult) -> Path:
-    from ..report import write_index
-
-    path = write_json_atomic(job.step_dir(INFO.folder) / RESULT_FILE, result)
-    write_index(job.output_root())
-    return path
+    """Write result.json atomically and refresh the job\'s index page."""
+    return INFO.save(job, result)
