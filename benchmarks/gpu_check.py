@@ -2,12 +2,13 @@
 
     python benchmarks/gpu_check.py [--out outputs] [--quick]
 
-Plain Python (GPU machines have torch but no Jupyter). Runs steps 1 to 4 on a
+Plain Python (GPU machines have torch but no Jupyter). Runs steps 1 to 5 on a
 mid-sized GPT in bf16 on the visible GPUs and prints one table of what the CUDA
 paths measured: CUDA-event step times, the datasheet peak, NVML health, the SDPA
 backends (efficient, cuDNN, flash) and flash_attn, a reduced NCCL sweep, and the
 CUDA trace of step 3 (kernels tied to their operators, breakdown, fusion candidates), and
-step 4's inductor compile in default and reduce-overhead (CUDA graphs) modes.
+step 4's inductor compile in default and reduce-overhead (CUDA graphs) modes, and step 5's FP8
+policy (real torchao float8 timing when torchao is installed).
 Results land in <out>/gpu-check/ like any job's. About 6-8 minutes on one H200.
 """
 
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mfu_lab.job import load_job  # noqa: E402
-from mfu_lab.steps import attention_comm, baseline, compiled, kernels  # noqa: E402
+from mfu_lab.steps import attention_comm, baseline, compiled, fp8, kernels  # noqa: E402
 
 
 def main() -> int:
@@ -99,6 +100,16 @@ def main() -> int:
                 else f"{t.reason or t.error}")
         print(f"  {t.mode:<28} {t.status:<8} {figs}")
     print("  " + c.recommendation["text"])
+    t0 = time.perf_counter()
+    f = fp8.run(dataclasses.replace(job, fp8_steps=20))
+    print(f"\nstep 5 ({time.perf_counter() - t0:.0f} s): path {f.path}, speed {f.speed}")
+    for g in f.sensitivity.get("tensorwise", []):
+        print(f"  {g.group:<10} SNR out {g.output_snr_db:.1f} gin {g.grad_input_snr_db:.1f} "
+              f"gw {g.grad_weight_snr_db:.1f} dB")
+    for t in f.trials:
+        print(f"  {t.name:<28} {t.status:<10} last loss {t.loss[-1]:.4f} {t.reason}")
+    print("  " + f.choice["text"])
+    print("  " + ", ".join(f"{k} {m.value} [{m.source}]" for k, m in f.metrics.items()))
     return 0
 
 

@@ -31,6 +31,7 @@ SEQ_POLICIES = ("longest", "pad", "bucket", "pack")
 LAST_BATCH = ("drop", "keep", "pad")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 COMPILE_DYNAMIC = ("auto", "static", "dynamic")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
@@ -123,6 +124,19 @@ class Job:
                                      "compile time)", min=1)
     compile_timeout_s: float = _key(900.0, "a compile trial running longer than this is ended and recorded",
                                     min_exclusive=0.0)
+    # --- FP8 (step 5) ---
+    fp8_recipe: str = _key("tensorwise", "FP8 scaling recipe (torchao's names): " + " | ".join(FP8_RECIPES),
+                           choices=FP8_RECIPES)
+    fp8_layers: list = _key([], "layer groups that train in FP8 in this job (step 5 writes this line for you); "
+                            "[] for none", items="name", empty=True)
+    fp8_policies: dict = _key({}, "more policies to try: name -> list of layer groups, e.g. {attn: [attn_qkv, "
+                              "attn_out]}")
+    fp8_steps: int = _key(30, "training steps of each FP8 policy trial (same seed, same batches)", min=2)
+    fp8_sensitivity_batches: int = _key(2, "batches whose layer inputs and gradients measure FP8 error", min=1)
+    fp8_tolerance: float = _key(0.02, "relative loss above the reference that a policy may reach", min_exclusive=0.0)
+    fp8_window: int = _key(5, "steps averaged by the divergence watch and the final comparison", min=1)
+    fp8_spike: float = _key(10.0, "a gradient norm this many times the median so far stops a trial",
+                            min_exclusive=1.0)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -198,7 +212,7 @@ def _type_problem(name: str, value: Any) -> tuple[Any, str | None]:
     if t == "str":
         return value, None if isinstance(value, str) else "must be text"
     if t == "list":
-        if not isinstance(value, list) or not value:
+        if not isinstance(value, list) or (not value and not f.metadata.get("empty")):
             return value, "must be a non-empty list, e.g. [1, 8, 25]"
         return value, _items_problem(f.metadata["items"], value)
     if t == "dict":
@@ -214,6 +228,8 @@ def _items_problem(kind: str, items: list) -> str | None:
             return f"item {v!r}: every item must be a number > 0"
         if kind == "hook" and v not in COMM_HOOKS:
             return f"item {v!r}: every item must be one of {', '.join(COMM_HOOKS)}"
+        if kind == "name" and (not isinstance(v, str) or not v):
+            return f"item {v!r}: every item must be a non-empty name"
         if kind == "compile_mode" and v not in COMPILE_MODES:
             return f"item {v!r}: every item must be one of {', '.join(COMPILE_MODES)}"
         if kind == "bool" and not isinstance(v, bool):

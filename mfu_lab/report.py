@@ -436,8 +436,55 @@ def _compile_section(d: dict[str, Any]) -> str:
 <h3>All figures</h3>{_metrics_table(m)}"""
 
 
+def sensitivity_table(r) -> str:
+    rows = ""
+    for sc, groups in r.sensitivity.items():
+        for g in groups:
+            rows += (f"<tr><td>{e(sc)}</td><td>{e(g.group)}</td><td>{g.layers}</td><td>{g.flops_share:.1%}</td>"
+                     f"<td>{g.output_snr_db:.1f}</td><td>{g.grad_input_snr_db:.1f}</td><td>{g.grad_weight_snr_db:.1f}</td>"
+                     f"<td>{g.input_underflow:.2%}</td><td>{g.input_saturated:.2%}</td><td>{g.grad_underflow:.2%}</td>"
+                     f"<td>{g.grad_saturated:.2%}</td></tr>")
+    return (f"<table><tr><th>scaling</th><th>group</th><th>layers</th><th>FLOPs share</th><th>output SNR dB "
+            f"{badge('emulated')}</th><th>grad-input SNR dB</th><th>grad-weight SNR dB</th><th>input underflow</th>"
+            "<th>input saturated</th><th>grad underflow</th><th>grad saturated</th></tr>"
+            f"{rows}</table><p><small>Worst layer of each group, over the sensitivity batches. Underflow: nonzero "
+            "values cast to zero; saturated: values beyond the format's largest (e4m3 448 forward, e5m2 57344 "
+            "backward).</small></p>")
+
+
+def policies_table(r) -> str:
+    rows = "".join(
+        f"<tr><td>{e(t.name)}{' <small>(scaling study)</small>' if t.study else ''}</td>"
+        f"<td><small>{e(', '.join(t.groups)) or 'none'}</small></td><td>{e(t.recipe)}</td>"
+        f"<td>{t.flops_share:.0%}</td><td>{e(t.status)}</td><td>{len(t.loss)}</td>"
+        f"<td>{t.loss[-1]:.4f}</td><td>{'' if t.final_gap is None else f'{t.final_gap:+.2%}'}</td>"
+        f"<td><small>{e(t.reason)}</small></td></tr>" for t in r.trials)
+    return ("<table><tr><th>policy</th><th>FP8 groups</th><th>scaling</th><th>FP8 FLOPs share</th><th>status</th>"
+            "<th>steps run</th><th>last loss</th><th>final gap</th><th>why</th></tr>" + rows + "</table>")
+
+
+def _fp8_section(d: dict[str, Any]) -> str:
+    from . import plots
+    from .steps.fp8 import Fp8Result
+
+    r = Fp8Result.from_dict(d)
+    m = d["metrics"]
+    cards = _cards(m, (("FP8 FLOPs share (chosen)", "fp8_flops_share"), ("policies kept", "policies_kept"),
+                       ("worst group SNR", "worst_group_snr_db"),
+                       ("grad underflow, no scaling", "no_scaling_grad_underflow")))
+    frag = f"<pre>{e(r.choice['fragment'])}</pre>" if r.choice.get("fragment") else ""
+    return f"""
+<h2>Step 5 · FP8</h2>
+<p>Path: <b>{e(r.path)}</b>. {e(r.speed.get('reason', ''))}</p>
+<div class="cards">{cards}</div>
+<h3>What to do next</h3><ul>{_advice_items(r.advice)}</ul>{frag}
+<h3>Sensitivity</h3><img alt="sensitivity" src="{plots.to_data_uri(plots.fp8_sensitivity(r))}">{sensitivity_table(r)}
+<h3>Loss curves</h3><img alt="loss curves" src="{plots.to_data_uri(plots.fp8_losses(r))}">{policies_table(r)}
+<h3>All figures</h3>{_metrics_table(m)}"""
+
+
 SECTIONS = {"baseline": _baseline_section, "attention_comm": _attention_comm_section, "kernels": _kernels_section,
-            "compile": _compile_section}
+            "compile": _compile_section, "fp8": _fp8_section}
 
 
 def load_results(job_root: Path) -> dict[str, dict]:
@@ -579,3 +626,11 @@ def trials_view(result) -> Html:
 
 def step3_view(result) -> Html:
     return _part(step3_table(result))
+
+
+def sensitivity_view(result) -> Html:
+    return _part(sensitivity_table(result))
+
+
+def policies_view(result) -> Html:
+    return _part(policies_table(result))

@@ -39,5 +39,6 @@ STEPS: tuple[StepInfo, ...] = (
              "mfu_lab.steps.kernels"),
     StepInfo("compile", 4, "04_compile", "Compile: does torch.compile pay for itself at fixed shapes?",
              "mfu_lab.steps.compiled"),
+    StepInfo("fp8", 5, "05_fp8", "FP8: which layers can train in FP8 and keep the loss curve?", "mfu_lab.steps.fp8"),
 )
 BY_KEY = {s.key: s for s in STEPS}

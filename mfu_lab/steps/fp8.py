@@ -1,0 +1,313 @@
+"""Step 5, FP8: which layers of this job can train in FP8 and keep the loss curve, and what does it buy?
+
+``run(job)`` (1) records every linear layer's input and output gradient on real batches and measures
+each layer group's FP8 error against float32 (signal-to-noise in dB, underflow and saturation) under
+tensorwise, rowwise and no scaling; (2) trains the job's model from the same seed on the same batches
+for ``fp8_steps`` steps under each policy (the reference precision; FP8 on the MLP; on every group but
+the most sensitive; everywhere; everywhere without scaling; plus the job's own), with a divergence
+watch; (3) picks the policy that puts the most matmul FLOPs into FP8 while its loss stays within
+``fp8_tolerance`` of the reference, and writes it as a job-file fragment. On a GPU with FP8 units and
+torchao installed it also times the chosen policy for real (torchao float8 training under
+torch.compile) against the same model without it. Everything from the emulated path is labelled
+``emulated`` and makes no speed claim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import device as dev
+from .. import fp8 as f8
+from ..advice import Advice
+from ..errors import JobError, JobProblem
+from ..job import Job
+from ..results import Metric, environment
+from ..workload import build_loader, build_model, build_train_step
+from . import BY_KEY
+from .baseline import count_step_flops
+
+INFO = BY_KEY["fp8"]
+FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
+
+
+@dataclass
+class PolicyTrial:
+    name: str
+    groups: list[str]
+    recipe: str  # tensorwise | rowwise | rowwise_with_gw_hp | none (no scaling)
+    flops_share: float  # share of linear-layer FLOPs in FP8 (analytic)
+    status: str  # reference | ok | diverged | off (loss beyond tolerance) | skipped
+    reason: str = ""
+    loss: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    stopped_at: int | None = None
+    final_gap: float | None = None  # last-window mean loss / reference's - 1
+    study: bool = False  # part of the scaling study, not a candidate policy
+
+
+@dataclass
+class Fp8Result:
+    step: str
+    job: dict[str, Any]
+    environment: dict[str, Any]
+    metrics: dict[str, Metric]
+    path: str  # emulated | fp8 hardware
+    sensitivity: dict[str, list[f8.GroupSensitivity]]
+    trials: list[PolicyTrial]
+    choice: dict[str, Any]
+    speed: dict[str, Any]
+    advice: list[Advice]
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    status: str = "ok"
+
+    def metric(self, name: str) -> float | None:
+        return self.metrics[name].value
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Fp8Result:
+        return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
+                   d["path"], {k: [f8.GroupSensitivity(**g) for g in v] for k, v in d["sensitivity"].items()},
+                   [PolicyTrial(**t) for t in d["trials"]], d["choice"], d["speed"],
+                   [Advice(**a) for a in d["advice"]], d.get("skipped", []), d.get("elapsed_s", 0.0),
+                   d.get("status", "ok"))
+
+
+def fp8_hardware(device: dev.DeviceInfo) -> str:
+    """'' when this device has FP8 units, else why not."""
+    if device.type != "cuda":
+        return "a CPU has no FP8 matmul units (torch._scaled_mm runs on CPU, far too slowly to train with)"
+    cap = torch.cuda.get_device_capability(device.index)
+    if cap < FP8_CAPABILITY and not torch.version.hip:
+        return f"CUDA capability {cap[0]}.{cap[1]} has no FP8 tensor cores (8.9 and up do)"
+    return ""
+
+
+def _policies(job: Job, groups: list[str], most_sensitive: str) -> list[tuple[str, list[str], str, bool]]:
+    """(name, groups, recipe, study) for every trial."""
+    mlp = [g for g in groups if "mlp" in g or "ffn" in g or "fc" in g]
+    out = [("reference", [], job.fp8_recipe, False)]
+    if mlp:
+        out.append(("mlp only", mlp, job.fp8_recipe, False))
+    if len(groups) > 1:
+        out.append((f"all but {most_sensitive}", [g for g in groups if g != most_sensitive], job.fp8_recipe, False))
+    out.append(("all linears", list(groups), job.fp8_recipe, False))
+    if job.fp8_layers:
+        out.append(("the job's fp8_layers", list(job.fp8_layers), job.fp8_recipe, False))
+    for name, gs in job.fp8_policies.items():
+        out.append((name, list(gs), job.fp8_recipe, False))
+    other = "rowwise" if job.fp8_recipe == "tensorwise" else "tensorwise"
+    out.append((f"all linears, {other}", list(groups), other, True))
+    out.append(("all linears, no scaling", list(groups), "none", True))
+    return out
+
+
+def _check_groups(job: Job, groups: list[str]) -> None:
+    problems = []
+    for key, lists in (("fp8_layers", {"fp8_layers": job.fp8_layers}), ("fp8_policies", job.fp8_policies)):
+        for name, gs in lists.items():
+            if not isinstance(gs, list):
+                problems.append(JobProblem(key, gs, f"{name}: must be a list of layer groups"))
+                continue
+            unknown = [g for g in gs if g not in groups]
+            if unknown:
+                problems.append(JobProblem(key, gs, f"{name}: unknown layer group(s) {', '.join(map(str, unknown))}; "
+                                           f"this model's groups: {', '.join(groups)}"))
+    if problems:
+        raise JobError("the job", problems)
+
+
+def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch.device,
+                watch: f8.Watch) -> tuple[list[float], list[float], str | None, int | None]:
+    """Train a fresh model (the job's seed) on ``batches`` with ``groups`` in emulated FP8; stop on the watch."""
+    model = build_model(job).to(device).train()
+    f8.apply_policy(model, groups, recipe)
+    ts = build_train_step(job, model, device.type)
+    for i, (x, y) in enumerate(batches):
+        loss = ts.loss(x.to(device), y.to(device))
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
+        ts.optimizer.step()
+        ts.optimizer.zero_grad(set_to_none=True)
+        why = watch.check(float(loss.detach()), norm)
+        if why:
+            return watch.losses, watch.grad_norms, why, i
+    return watch.losses, watch.grad_norms, None, None
+
+
+def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[str, Any]:  # pragma: no cover
+    """On FP8 hardware: the chosen policy through torchao float8 training under torch.compile, against the same
+    compiled model without it. GPU only."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return {"status": "skipped", "reason": "torchao is not installed (pip install torchao)"}
+    from ..measure import run_steps, stats
+
+    out: dict[str, Any] = {"status": "ok", "recipe": job.fp8_recipe}
+    for label, use in (("bf16", False), ("fp8", True)):
+        model = build_model(dataclasses.replace(job, dtype="bfloat16")).to(device).train()
+        if use:
+            def keep(mod, fqn):
+                return f8.group_of(fqn) in groups and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(job.fp8_recipe),
+                                       module_filter_fn=keep)
+        model = torch.compile(model)
+        ts = build_train_step(dataclasses.replace(job, dtype="bfloat16"), model, "cuda")
+        say(f"  timing {label} (compiled) for {job.steps} steps")
+        t = run_steps(ts, build_loader(job, 3 + job.steps, "cuda"), device, 3, job.steps)
+        out[f"{label}_step_s"] = stats(t.measured("wall_s")).median
+    out["speedup"] = out["bf16_step_s"] / out["fp8_step_s"]
+    return out
+
+
+def advise(r: Fp8Result) -> list[Advice]:
+    out = [Advice("act" if r.choice.get("groups") else "info", r.choice["text"],
+                  "loss curves from the same seed and batches, under the divergence watch")]
+    sens = r.sensitivity.get(r.job["fp8_recipe"] if r.job["fp8_recipe"] != "rowwise_with_gw_hp" else "rowwise", [])
+    if sens:
+        worst = min(sens, key=lambda g: g.worst_snr_db)
+        out.append(Advice("look", f"Keep '{worst.group}' in high precision first if any group must stay out: it "
+                          "loses the most to FP8", f"worst SNR {worst.worst_snr_db:.1f} dB (emulated)"))
+    none = next((t for t in r.trials if t.recipe == "none"), None)
+    if none and none.status in ("diverged", "off"):
+        out.append(Advice("info", "Without scaling, FP8 training goes wrong here: a scaler is not optional",
+                          f"no-scaling trial: {none.reason}"))
+    lost = max(r.sensitivity.get("none", []), key=lambda g: g.grad_underflow, default=None)
+    if lost and lost.grad_underflow > 0.5:
+        out.append(Advice("info", f"Without scaling, most of '{lost.group}''s gradients cast to zero: a scaler is not "
+                          "optional, even where a short loss curve does not show it yet",
+                          f"{lost.grad_underflow:.1%} of its output gradients underflow e5m2; gradient SNR "
+                          f"{min(lost.grad_input_snr_db, lost.grad_weight_snr_db):.1f} dB (emulated)"))
+    if r.trials and max(r.trials[0].loss) - min(r.trials[0].loss) < 0.01 * abs(r.trials[0].loss[0]):
+        out.append(Advice("look", "The reference loss barely moves over the trial window (random synthetic tokens "
+                          "cannot be learned), so the loss curves are weak evidence: judge by the sensitivity "
+                          "table too, and confirm on real data over a longer window",
+                          f"reference loss {r.trials[0].loss[0]:.3f} -> {r.trials[0].loss[-1]:.3f}"))
+    if r.path == "emulated":
+        out.append(Advice("info", "FP8 numerics were emulated on this device: the policy is sound, but its speed "
+                          "must be measured on FP8 hardware (capability 8.9+ with torchao)", r.speed.get("reason", "")))
+    return out
+
+
+def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
+    """Choose an FP8 policy for the job; see the module docstring."""
+    t_start = time.perf_counter()
+    say = progress or (lambda msg: print(msg, flush=True))
+    device = dev.resolve_device(job.device)
+    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    skipped: list[dict[str, str]] = []
+    no_hw = fp8_hardware(device)
+    path = "emulated" if no_hw else "fp8 hardware"
+    label = "emulated"  # the loss curves and errors always come from emulation; only speed can be measured
+
+    model = build_model(job).to(torch_device).train()
+    groups = list(f8.linear_groups(model))
+    _check_groups(job, groups)
+    share = f8.group_flops_share(model)
+    quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
+    batches = list(build_loader(quiet, max(job.fp8_sensitivity_batches, job.fp8_steps), device.type))
+    say(f"sensitivity: {len(groups)} layer groups on {job.fp8_sensitivity_batches} batches, 3 scalings")
+    ts = build_train_step(job, model, device.type)
+    sens = f8.sensitivity(model, lambda m, x, y: ts.loss(x.to(torch_device), y.to(torch_device)),
+                          batches[:job.fp8_sensitivity_batches])
+    scaling = f8.RECIPES[job.fp8_recipe][0]
+    most = min(sens[scaling], key=lambda g: g.worst_snr_db).group
+    del model
+
+    trials: list[PolicyTrial] = []
+    reference: list[float] | None = None
+    plan = _policies(job, groups, most)
+    for i, (name, gs, recipe, study) in enumerate(plan, 1):
+        say(f"[{i}/{len(plan)}] {name}: {job.fp8_steps} steps" + (f", FP8 on {', '.join(gs)} ({recipe})" if gs
+                                                                  else ", no FP8 (the reference)"))
+        watch = f8.Watch(reference, job.fp8_tolerance, job.fp8_window, job.fp8_spike)
+        losses, norms, why, at = train_trial(job, gs, recipe, batches[:job.fp8_steps], torch_device, watch)
+        t = PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "reference" if not gs else "ok", why or "",
+                        losses, norms, at, study=study)
+        if not gs:
+            reference = losses
+        elif why:
+            t.status = "diverged"
+        else:
+            w = min(job.fp8_window, len(losses))
+            t.final_gap = (sum(losses[-w:]) / w) / (sum(reference[-w:]) / w) - 1
+            if t.final_gap > job.fp8_tolerance:
+                t.status, t.reason = "off", f"final loss {t.final_gap:+.1%} from the reference"
+        trials.append(t)
+        say(f"  {t.status}" + (f": {t.reason}" if t.reason else "") + f"; last loss {losses[-1]:.4f}")
+
+    good = [t for t in trials if t.status == "ok" and not t.study]
+    best = max(good, key=lambda t: (t.flops_share, -len(t.groups)), default=None)
+    if best:
+        fragment = f"fp8_layers: [{', '.join(best.groups)}]\nfp8_recipe: {job.fp8_recipe}"
+        choice = {"policy": best.name, "groups": best.groups, "recipe": job.fp8_recipe, "flops_share": best.flops_share,
+                  "fragment": fragment,
+                  "text": f"Train {', '.join(best.groups)} in FP8 ({job.fp8_recipe} scaling): {best.flops_share:.0%} "
+                          f"of the linear-layer FLOPs, loss within {job.fp8_tolerance:.0%} of the reference over "
+                          f"{job.fp8_steps} steps (final gap {best.final_gap:+.2%}). Job-file fragment: "
+                          + fragment.replace("\n", "; ")}
+    else:
+        choice = {"policy": None, "groups": [], "recipe": job.fp8_recipe, "flops_share": 0.0, "fragment": "",
+                  "text": "Keep every layer in high precision: no FP8 policy kept the loss within "
+                          f"{job.fp8_tolerance:.0%} of the reference without diverging"}
+
+    if no_hw:
+        speed = {"status": "skipped", "reason": no_hw}
+        skipped.append({"what": "FP8 speed", "reason": no_hw})
+    elif best:  # pragma: no cover - FP8 GPUs only
+        speed = _real_speed(job, best.groups, torch_device, say)
+    else:
+        speed = {"status": "skipped", "reason": "no policy chosen"}
+    ref_t = trials[0]
+    metrics = {
+        "fp8_flops_share": Metric(choice["flops_share"], "fraction", "analytic",
+                                  "linear-layer FLOPs of the chosen groups / all linear-layer FLOPs (in x out)"),
+        "policies_kept": Metric(float(len(good)), "policies", "counted", "policies whose loss stayed within "
+                                f"fp8_tolerance ({job.fp8_tolerance:.0%}) without diverging, of "
+                                f"{sum(not t.study and t.groups != [] for t in trials)}"),
+        "worst_group_snr_db": Metric(min(g.worst_snr_db for g in sens[scaling]), "dB", label,
+                                     f"the most sensitive group ({most}), {scaling} scaling, worst of output, "
+                                     "input-gradient and weight-gradient SNR against float32"),
+        "reference_final_loss": Metric(ref_t.loss[-1], "nats", "measured", f"the reference precision "
+                                       f"({job.dtype}), step {len(ref_t.loss)}"),
+        "chosen_final_gap": Metric(best.final_gap if best else None, "fraction", label,
+                                   "chosen policy's last-window mean loss / the reference's - 1"),
+        "no_scaling_grad_underflow": Metric(max(g.grad_underflow for g in sens["none"]), "fraction", label,
+                                            "largest share of nonzero output gradients that a plain cast to e5m2 "
+                                            "flushes to zero"),
+    }
+    if speed.get("status") == "ok":  # pragma: no cover - FP8 GPUs only
+        metrics["fp8_speedup"] = Metric(speed["speedup"], "x", "measured", "bf16 step / fp8 step, both compiled")
+        metrics["tokens_per_s"] = Metric(job.tokens_per_step / speed["fp8_step_s"], "tokens/s", "measured",
+                                         "tokens per step / median FP8 step")
+        chip = dev.lookup_chip(device.name)
+        m0 = build_model(job).to(torch_device).train()
+        x0, y0 = batches[0]
+        fl = count_step_flops(m0, build_train_step(job, m0, device.type), x0.to(torch_device),
+                              y0.to(torch_device)).model_flops_per_step
+        for peak_name in ("bf16", "fp8"):
+            pk = getattr(chip, peak_name) if chip else None
+            metrics[f"mfu_vs_{peak_name}_peak"] = Metric(
+                fl / (pk * speed["fp8_step_s"]) if pk else None, "fraction", "measured",
+                f"model FLOPs / ({peak_name.upper()} datasheet peak x FP8 step): MFU under FP8 is ambiguous, so both")
+    result = Fp8Result("fp8", job.to_dict(), environment(device.name, device.type), metrics, path, sens, trials,
+                       choice, speed, [], skipped)
+    result.advice = advise(result)
+    result.elapsed_s = time.perf_counter() - t_start
+    if write:
+        save(job, result)
+    return result
+
+
+def save(job: Job, result: Fp8Result) -> Path:
+    """Write result.json atomically and refresh the job's index page."""
+    return INFO.save(job, result)
