@@ -375,6 +375,11 @@ def recompile_table(r) -> str:
             + breaks)
 
 
+def _compile_s(v: float) -> str:
+    """A compile time; at or below zero the first steps were no slower than eager's: within the noise."""
+    return f"{v:.1f} s" if v > 0 else f"≈0 ({v:+.1f} s, within noise)"
+
+
 def trials_table(r) -> str:
     def row(t):
         if t.status != "ok":
@@ -386,8 +391,8 @@ def trials_table(r) -> str:
         return (f"<tr><td>{e(t.mode)}</td><td>ok</td><td>{_ms(t.step_median_s)}</td>"
                 f"<td>{_ms(t.step_p10_s)}–{_ms(t.step_p90_s)}</td>"
                 f"<td>{'' if t.speedup is None else f'{t.speedup:.2f}x'}{' ✓' if t.faster_beyond_noise else ''}</td>"
-                f"<td>{_num(t.mfu, lambda v: f'{v:.1%}')}</td><td>{_num(t.compile_cold_s, lambda v: f'{v:.1f} s')}"
-                f"</td><td>{_num(t.compile_warm_s, lambda v: f'{v:.1f} s')}</td>"
+                f"<td>{_num(t.mfu, lambda v: f'{v:.1%}')}</td><td>{_num(t.compile_cold_s, _compile_s)}"
+                f"</td><td>{_num(t.compile_warm_s, _compile_s)}</td>"
                 f"<td>{'' if t.mode == 'eager' else be(t.break_even_cold) + ' / ' + be(t.break_even_warm)}</td>"
                 f"<td>{'' if t.drift is None else f'{t.drift:.1e}'}{' ✗' if t.drift_ok is False else ''}</td>"
                 f"<td>{t.recompiles}</td></tr>")
