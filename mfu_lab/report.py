@@ -71,6 +71,7 @@ h1{margin-bottom:.2em} .sub{color:#666;margin-top:0}
 PART_CSS = """
 .mfu table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:.92em}
 .mfu td,.mfu th{border-bottom:1px solid #ddd;padding:.3em .7em;text-align:left !important;vertical-align:top}
+.mfu td{overflow-wrap:anywhere}
 .mfu th{background:#f3f4f6}
 .mfu .cards{display:flex;flex-wrap:wrap;gap:.8em;margin:1em 0}
 .mfu .card{border:1px solid #ddd;border-radius:8px;padding:.6em 1em;min-width:150px}
