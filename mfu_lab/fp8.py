@@ -6,10 +6,11 @@ float8 training uses, with the matmuls themselves done in float32. It reproduces
 (rounding, underflow, saturation) on any device and says nothing about FP8 *speed*: every figure
 from it is labelled ``emulated``.
 
-Scaling, per tensor before the cast:
+Scaling, per tensor before the cast, following torchao's recipes:
 
-- ``tensorwise``: one scale per tensor, ``scale = fmax / amax(|t|)``;
-- ``rowwise``: one scale per row (the last dimension's amax);
+- ``tensorwise``: one scale per tensor, ``scale = fmax / amax(|t|)``; gradients in e5m2;
+- ``rowwise``: one scale per row (the last dimension's amax), floored to a power of two; e4m3 for
+  gradients too (``rowwise_with_gw_hp`` also keeps the weight gradient in high precision);
 - ``none``: a plain cast. Small gradients underflow to zero and large activations saturate,
   which is why a scaler is not optional.
 
@@ -29,37 +30,43 @@ from torch import nn
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
 SCALINGS = ("tensorwise", "rowwise", "none")
-RECIPES = {"tensorwise": ("tensorwise", True), "rowwise": ("rowwise", True), "rowwise_with_gw_hp": ("rowwise", False)}
+# torchao's recipes: scaling, whether grad_weight is quantised, the gradients' format, power-of-2 scales.
+# Tensorwise casts gradients to e5m2; rowwise uses e4m3 everywhere, with scales floored to a power of two.
+RECIPES = {"tensorwise": ("tensorwise", True, E5M2, False), "rowwise": ("rowwise", True, E4M3, True),
+           "rowwise_with_gw_hp": ("rowwise", False, E4M3, True), "none": ("none", True, E5M2, False)}
+SCALING_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "none": "none"}  # sensitivity columns
 
 
-def _scale(t32: torch.Tensor, dtype: torch.dtype, scaling: str) -> torch.Tensor:
+def _scale(t32: torch.Tensor, dtype: torch.dtype, scaling: str, pow2: bool = False) -> torch.Tensor:
     fmax = FMAX[dtype]
     if scaling == "none":
         return torch.ones((), dtype=torch.float32, device=t32.device)
     if scaling == "tensorwise":
-        return fmax / t32.abs().amax().clamp(min=1e-12)
-    if scaling == "rowwise":
-        return fmax / t32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+        scale = fmax / t32.abs().amax().clamp(min=1e-12)
+    elif scaling == "rowwise":
+        scale = fmax / t32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    else:
+        raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
-def quantise(t: torch.Tensor, dtype: torch.dtype, scaling: str) -> torch.Tensor:
+def quantise(t: torch.Tensor, dtype: torch.dtype, scaling: str, pow2: bool = False) -> torch.Tensor:
     """``t`` through FP8 and back (float32): scale, saturate, cast, cast back, unscale."""
     t32 = t.detach().float()
-    scale = _scale(t32, dtype, scaling)
+    scale = _scale(t32, dtype, scaling, pow2)
     fmax = FMAX[dtype]
     return (t32 * scale).clamp(-fmax, fmax).to(dtype).float() / scale
 
 
-def cast_stats(t: torch.Tensor, dtype: torch.dtype, scaling: str) -> dict[str, float]:
+def cast_stats(t: torch.Tensor, dtype: torch.dtype, scaling: str, pow2: bool = False) -> dict[str, float]:
     """How ``t`` survives the cast: signal-to-noise (dB), share of nonzero values that underflow to
     zero, share beyond the format's largest finite value (saturated by the clamp)."""
     t32 = t.detach().float()
-    q = quantise(t32, dtype, scaling)
+    q = quantise(t32, dtype, scaling, pow2)
     nonzero = t32 != 0
     n = int(nonzero.sum()) or 1
     under = int(((q == 0) & nonzero).sum()) / n
-    sat = int(((t32 * _scale(t32, dtype, scaling)).abs() > FMAX[dtype] * (1 + 1e-6)).sum()) / n  # float slack
+    sat = int(((t32 * _scale(t32, dtype, scaling, pow2)).abs() > FMAX[dtype] * (1 + 1e-6)).sum()) / n  # float slack
     return {"snr_db": snr_db(t32, q), "underflow": under, "saturated": sat}
 
 
@@ -79,10 +86,11 @@ class _Fp8Matmul(torch.autograd.Function):
     """y = q(x) q(w)^T + b; backward with q(grad_y) (e5m2); grad_w in high precision when asked."""
 
     @staticmethod
-    def forward(ctx, x, w, b, scaling: str, quantise_grad_weight: bool):
-        xq, wq = quantise(x, E4M3, scaling), quantise(w, E4M3, scaling)
+    def forward(ctx, x, w, b, recipe: str):
+        scaling, qgw, gdtype, pow2 = RECIPES[recipe]
+        xq, wq = quantise(x, E4M3, scaling, pow2), quantise(w, E4M3, scaling, pow2)
         ctx.save_for_backward(x, xq, wq)
-        ctx.scaling, ctx.qgw, ctx.has_bias = scaling, quantise_grad_weight, b is not None
+        ctx.spec, ctx.has_bias = (scaling, qgw, gdtype, pow2), b is not None
         y = xq @ wq.t()
         if b is not None:
             y = y + b.float()
@@ -91,23 +99,23 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, xq, wq = ctx.saved_tensors
-        gq = quantise(g, E5M2, ctx.scaling)
+        scaling, qgw, gdtype, pow2 = ctx.spec
+        gq = quantise(g, gdtype, scaling, pow2)
         gx = (gq @ wq).to(x.dtype)
-        g2, x2 = g.reshape(-1, g.shape[-1]).float(), (xq if ctx.qgw else x.float()).reshape(-1, x.shape[-1])
-        gw = (quantise(g2, E5M2, ctx.scaling) if ctx.qgw else g2).t() @ x2
+        g2, x2 = g.reshape(-1, g.shape[-1]).float(), (xq if qgw else x.float()).reshape(-1, x.shape[-1])
+        gw = (quantise(g2, gdtype, scaling, pow2) if qgw else g2).t() @ x2
         gb = g2.sum(0) if ctx.has_bias else None
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None
 
 
 class EmulatedFp8Linear(nn.Linear):
     """An nn.Linear whose matmuls see FP8 numerics (see the module docstring). Made by changing an
     existing Linear's class, so its parameters (and any weight tying) stay as they are."""
 
-    fp8_scaling: str = "tensorwise"
-    fp8_quantise_grad_weight: bool = True
+    fp8_recipe: str = "tensorwise"
 
     def forward(self, x):
-        return _Fp8Matmul.apply(x, self.weight, self.bias, self.fp8_scaling, self.fp8_quantise_grad_weight)
+        return _Fp8Matmul.apply(x, self.weight, self.bias, self.fp8_recipe)
 
 
 # ------------------------------------------------------------------ layer groups and policies
@@ -141,13 +149,14 @@ def group_flops_share(model: nn.Module) -> dict[str, float]:
 
 
 def apply_policy(model: nn.Module, groups: list[str], recipe: str) -> int:
-    """Switch the linears of ``groups`` to emulated FP8 under ``recipe``; returns how many were switched."""
-    scaling, qgw = RECIPES[recipe] if recipe in RECIPES else (recipe, True)
+    """Switch the linears of ``groups`` to emulated FP8 under ``recipe`` (a key of RECIPES); returns how many."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     n = 0
     for name, m in model.named_modules():
         if type(m) is nn.Linear and group_of(name) in groups:
             m.__class__ = EmulatedFp8Linear
-            m.fp8_scaling, m.fp8_quantise_grad_weight = scaling, qgw
+            m.fp8_recipe = recipe
             n += 1
     return n
 
@@ -172,12 +181,15 @@ class GroupSensitivity:
 
 
 def layer_sensitivity(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, scaling: str) -> dict[str, float]:
-    """One linear layer's FP8 error against float32, from its recorded input, weight and output gradient."""
+    """One linear layer's FP8 error against float32, from its recorded input, weight and output gradient,
+    with the formats and scales of the recipe that uses ``scaling`` (SCALING_RECIPE)."""
+    _, _, gdtype, pow2 = RECIPES[SCALING_RECIPE[scaling]]
     x2 = x.detach().float().reshape(-1, x.shape[-1])
     g2 = g.detach().float().reshape(-1, g.shape[-1])
     w = w.detach().float()
-    xq, wq, gq = quantise(x2, E4M3, scaling), quantise(w, E4M3, scaling), quantise(g2, E5M2, scaling)
-    xs, gs = cast_stats(x2, E4M3, scaling), cast_stats(g2, E5M2, scaling)
+    xq, wq = quantise(x2, E4M3, scaling, pow2), quantise(w, E4M3, scaling, pow2)
+    gq = quantise(g2, gdtype, scaling, pow2)
+    xs, gs = cast_stats(x2, E4M3, scaling, pow2), cast_stats(g2, gdtype, scaling, pow2)
     return {"output_snr_db": snr_db(x2 @ w.t(), xq @ wq.t()), "grad_input_snr_db": snr_db(g2 @ w, gq @ wq),
             "grad_weight_snr_db": snr_db(g2.t() @ x2, gq.t() @ xq),
             "input_underflow": xs["underflow"], "input_saturated": xs["saturated"],

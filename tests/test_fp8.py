@@ -153,3 +153,13 @@ def test_notebook_runs_under_papermill_with_its_plots(full_run):
     assert "emulated" in report and "fp8_layers" in report
     assert_offline(report)
     assert "Step 5 · FP8" in (job_root / "index.html").read_text()
+
+
+def test_recipes_follow_torchao():
+    # tensorwise: e5m2 gradients; rowwise: e4m3 everywhere with power-of-two scales (torchao's recipe notes)
+    assert f8.RECIPES["tensorwise"][2] is f8.E5M2 and f8.RECIPES["rowwise"][2] is f8.E4M3
+    assert f8.RECIPES["rowwise_with_gw_hp"][1] is False  # grad_weight stays in high precision
+    scale = f8._scale(torch.randn(4, 8) * 3, f8.E4M3, "rowwise", pow2=True)
+    assert torch.equal(torch.log2(scale), torch.round(torch.log2(scale)))
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        f8.apply_policy(nn.Sequential(nn.Linear(2, 2)), ["0"], "blockwise")

@@ -219,7 +219,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     ts = build_train_step(job, model, device.type)
     sens = f8.sensitivity(model, lambda m, x, y: ts.loss(x.to(torch_device), y.to(torch_device)),
                           batches[:job.fp8_sensitivity_batches])
-    scaling = f8.RECIPES[job.fp8_recipe][0]
+    scaling = f8.RECIPES[job.fp8_recipe][0]  # the sensitivity column that matches the job's recipe
     most = min(sens[scaling], key=lambda g: g.worst_snr_db).group
     del model
 
