@@ -183,8 +183,8 @@ def advise(r: Fp8Result) -> list[Advice]:
                           f"no-scaling trial: {none.reason}"))
     lost = max(r.sensitivity.get("none", []), key=lambda g: g.grad_underflow, default=None)
     if lost and lost.grad_underflow > 0.5:
-        out.append(Advice("info", f"Without scaling, most of '{lost.group}''s gradients cast to zero: a scaler is not "
-                          "optional, even where a short loss curve does not show it yet",
+        out.append(Advice("info", f"Without scaling, most of the gradients of '{lost.group}' cast to zero: a "
+                          "scaler is not optional, even where a short loss curve does not show it yet",
                           f"{lost.grad_underflow:.1%} of its output gradients underflow e5m2; gradient SNR "
                           f"{min(lost.grad_input_snr_db, lost.grad_weight_snr_db):.1f} dB (emulated)"))
     if r.trials and max(r.trials[0].loss) - min(r.trials[0].loss) < 0.01 * abs(r.trials[0].loss[0]):
