@@ -395,6 +395,9 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         "memory_bound_share": Metric(mem, "fraction", "measured",
                                      "self time of elementwise, normalisation, reduction and memory copy / window"),
         "memory_bandwidth_bytes_per_s": Metric(bandwidth, "bytes/s", "measured", bw_note),
+        "ops_per_step": Metric(a.ops_per_step, "kernels" if a.kind == "gpu" else "operators", "counted",
+                               "kernels and copies (GPU) / operators (CPU) in the trace, per profiled step; step 4 "
+                               "compares its compiled count with this"),
         "fusion_candidates": Metric(float(len(a.fusion)), "patterns", "counted",
                                     "distinct runs of 2+ adjacent memory-bound operations in the trace"),
         "fusion_saving_per_step_s": Metric(est_total, "s", "analytic",
