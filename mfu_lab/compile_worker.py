@@ -36,7 +36,7 @@ def main() -> int:
 
         job = validate(spec["job"], "step 4 worker spec")
         device = resolve_device(job.device)
-        tdev = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+        tdev = device.torch_device
         model = build_model(job).to(tdev).train()
         if spec["mode"] != "eager":
             model = torch.compile(model, **mode_kwargs(spec["mode"], job.compile_backend, job.compile_dynamic,

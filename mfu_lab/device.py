@@ -65,6 +65,10 @@ class DeviceInfo:
     capability: str | None  # CUDA compute capability, e.g. "9.0"
     threads: int | None  # torch intra-op threads on CPU
 
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.index) if self.type == "cuda" else torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class Peak:

@@ -554,7 +554,7 @@ def _as_dict(result) -> dict[str, Any]:
 
 def metrics_view(result) -> Html:
     """Every metric of a result with its value, source label and how it was obtained."""
-    return Html(f'<style>{PART_CSS}</style><div class="mfu">{_metrics_table(_as_dict(result)["metrics"])}</div>')
+    return _part(_metrics_table(_as_dict(result)["metrics"]))
 
 
 def ledger_view(result) -> Html:
@@ -591,11 +591,11 @@ def text_summary(result) -> str:
 
 
 def attention_view(result) -> Html:
-    return Html(f'<style>{PART_CSS}</style><div class="mfu">{attention_table(result.attention)}</div>')
+    return _part(attention_table(result.attention))
 
 
 def comm_view(result) -> Html:
-    return Html(f'<style>{PART_CSS}</style><div class="mfu">{comm_table(result.comm)}</div>')
+    return _part(comm_table(result.comm))
 
 
 def _part(inner: str) -> Html:

@@ -40,6 +40,25 @@ class Metric:
             raise ValueError(f"metric value must be finite or None, got {self.value!r}")
 
 
+@dataclass
+class StepResult:
+    """What every step's result ends with: what was skipped and why, how long the step took, its status.
+    Keyword-only, so each step's own fields come first and positionally."""
+
+    _: dataclasses.KW_ONLY
+    skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    elapsed_s: float = 0.0
+    status: str = "ok"
+
+    def metric(self, name: str) -> float | None:
+        return self.metrics[name].value
+
+    @staticmethod
+    def tail(d: dict[str, Any]) -> dict[str, Any]:
+        """The shared fields of a result read back from JSON."""
+        return {"skipped": d.get("skipped", []), "elapsed_s": d.get("elapsed_s", 0.0), "status": d.get("status", "ok")}
+
+
 def git_commit(path: Path | None = None) -> str:
     """Commit of the workbook's checkout, '+dirty' when it has uncommitted changes; 'unknown' outside git."""
     here = path or Path(__file__).resolve().parent

@@ -385,7 +385,8 @@ def _shape_text(args: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _top_rows(tr: _Trace, window_total_us: float, top_n: int) -> tuple[list[TopRow], float, int]:
+def _table(tr: _Trace, window_total_us: float) -> list[TopRow]:
+    """Every kernel (GPU) or operator (CPU) with its self time, largest first."""
     groups: dict[tuple[str, str], list[Event]] = defaultdict(list)
     if tr.kind == "gpu":
         for d in tr.device:
@@ -408,7 +409,7 @@ def _top_rows(tr: _Trace, window_total_us: float, top_n: int) -> tuple[list[TopR
                            shapes.most_common(1)[0][0] if shapes else "", len(shapes),
                            launched.most_common(1)[0][0] if launched else ""))
     rows.sort(key=lambda r: -r.total_s)
-    return rows[:top_n], sum(r.share for r in rows[top_n:]), max(0, len(rows) - top_n)
+    return rows
 
 
 def _breakdown(tr: _Trace) -> Breakdown:
@@ -591,8 +592,9 @@ def analyse(trace: dict[str, Any], top_n: int = 20, bandwidth: float | None = No
     tr = _Trace(trace)
     w0, w1 = tr.window
     window_us = w1 - w0
-    top, rest_share, rest_count = _top_rows(tr, window_us, top_n)
-    all_rows, _, _ = _top_rows(tr, window_us, 10**9)
+    all_rows = _table(tr, window_us)
+    top, rest = all_rows[:top_n], all_rows[top_n:]
+    rest_share, rest_count = sum(r.share for r in rest), len(rest)
     cat_share = dict.fromkeys(CATEGORIES, 0.0)
     for r in all_rows:
         cat_share[r.category] += r.share

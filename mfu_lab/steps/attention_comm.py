@@ -16,11 +16,9 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .. import attention as att
 from .. import device as dev
@@ -29,7 +27,7 @@ from ..comm import config_key, run_sweep, sweep_configs
 from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import run_steps, stats
-from ..results import RESULT_FILE, Metric, environment, read_json
+from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
 from ..workload import GPT, build_loader, build_model, build_train_step
 from . import BY_KEY
 from .baseline import count_step_flops
@@ -81,7 +79,7 @@ class CommRow:
 
 
 @dataclass
-class AttentionCommResult:
+class AttentionCommResult(StepResult):
     step: str
     job: dict[str, Any]
     environment: dict[str, Any]
@@ -94,12 +92,6 @@ class AttentionCommResult:
     ledger: Ledger | None
     recommendation: dict[str, Any]
     advice: list[Advice]
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    status: str = "ok"
-
-    def metric(self, name: str) -> float | None:
-        return self.metrics[name].value
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AttentionCommResult:
@@ -107,8 +99,7 @@ class AttentionCommResult:
                    d["baseline"], [AttentionRow(**r) for r in d["attention"]], d["comm_layout"],
                    [CommRow(**r) for r in d["comm"]], d["allreduce"],
                    Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]) if d.get("ledger") else None,
-                   d["recommendation"], [Advice(**a) for a in d["advice"]], d.get("skipped", []),
-                   d.get("elapsed_s", 0.0), d.get("status", "ok"))
+                   d["recommendation"], [Advice(**a) for a in d["advice"]], **cls.tail(d))
 
 
 def _baseline_reference(job: Job, device_name: str) -> dict | None:
@@ -202,7 +193,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     t_start = time.perf_counter()
     say = progress or (lambda msg: print(msg, flush=True))
     device = dev.resolve_device(job.device)
-    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
 
     model = build_model(job).to(torch_device).train()
@@ -276,7 +267,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)
     result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
                                  rows, sweep.layout | {"launches": sweep.launches}, comm_rows, sweep.allreduce, ledger,
-                                 rec, [], skipped)
+                                 rec, [], skipped=skipped)
     result.advice = _advice(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from ..job import Job
 from ..ledger import Ledger, LedgerItem, single_process_ledger
 from ..measure import Stats, Timings, run_steps, stats
 from ..progress import printer
-from ..results import RESULT_FILE, Metric, environment, read_json
+from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
 from ..workload import GPT, build_loader, build_model, build_train_step
 from . import BY_KEY
 
@@ -51,7 +51,7 @@ class FlopReport:
 
 
 @dataclass
-class BaselineResult:
+class BaselineResult(StepResult):
     step: str
     job: dict[str, Any]
     environment: dict[str, Any]
@@ -63,12 +63,6 @@ class BaselineResult:
     flops: FlopReport
     peak: dict[str, Any]
     advice: list[Advice]
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    status: str = "ok"
-
-    def metric(self, name: str) -> float | None:
-        return self.metrics[name].value
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BaselineResult:
@@ -76,7 +70,7 @@ class BaselineResult:
             d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
             Timings(**d["timings"]), Stats(**d["step_stats"]), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
             HealthSummary(**d["health"]), FlopReport(**d["flops"]), d["peak"], [Advice(**a) for a in d["advice"]],
-            d.get("skipped", []), d.get("elapsed_s", 0.0), d.get("status", "ok"),
+            **cls.tail(d),
         )
 
 
@@ -125,7 +119,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     t_start = time.perf_counter()
     progress = progress or printer("baseline steps")
     device = dev.resolve_device(job.device)
-    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    torch_device = device.torch_device
     skipped = []
     if job.pin_memory and device.type == "cpu":
         skipped.append({"what": "pin_memory", "reason": "pinned memory only speeds host-to-GPU copies; CPU run"})
@@ -186,7 +180,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     }
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
-        report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], skipped)
+        report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], skipped=skipped)
     result.advice = baseline_advice(result, FLOP_TOLERANCE)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import selectors
 import shutil
 import signal
 import subprocess
@@ -34,8 +35,8 @@ from .. import trace as tr
 from ..advice import Advice
 from ..job import Job
 from ..measure import stats
-from ..results import RESULT_FILE, Metric, environment, read_json
-from ..workload import build_loader, build_model
+from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
+from ..workload import build_loader, build_model, build_train_step
 from . import BY_KEY
 from .baseline import count_step_flops, reference_peak
 
@@ -74,7 +75,7 @@ class Trial:
 
 
 @dataclass
-class CompileResult:
+class CompileResult(StepResult):
     step: str
     job: dict[str, Any]
     environment: dict[str, Any]
@@ -87,20 +88,13 @@ class CompileResult:
     step3: dict[str, Any]
     recommendation: dict[str, Any]
     advice: list[Advice]
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    status: str = "ok"
-
-    def metric(self, name: str) -> float | None:
-        return self.metrics[name].value
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompileResult:
         return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
                    cp.ShapeAudit(**d["audit"]), [cp.RecompileRun(**r) for r in d["recompiles"]],
                    cp.GraphBreaks(**d["breaks"]), Trial(**d["eager"]), [Trial(**t) for t in d["trials"]],
-                   d["step3"], d["recommendation"], [Advice(**a) for a in d["advice"]], d.get("skipped", []),
-                   d.get("elapsed_s", 0.0), d.get("status", "ok"))
+                   d["step3"], d["recommendation"], [Advice(**a) for a in d["advice"]], **cls.tail(d))
 
 
 # ------------------------------------------------------------------ trials in fresh processes
@@ -121,8 +115,6 @@ def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, 
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         timed_out = False
-        import selectors
-
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         while True:
@@ -240,7 +232,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     t_start = time.perf_counter()
     say = progress or (lambda msg: print(msg, flush=True))
     device = dev.resolve_device(job.device)
-    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
     out_dir = job.step_dir(INFO.folder)
 
@@ -250,11 +242,12 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     policy = (f"data={job.data}, seq_policy={job.seq_policy}, last_batch={job.last_batch}, "
               f"micro_batch={job.micro_batch}, {epoch} samples")
     say(f"reading one epoch of the data ({policy})")
-    audit = cp.audit_shapes(build_loader(quiet, 0, "cpu", n_samples=epoch), policy)
+    epoch_batches = list(build_loader(quiet, 0, "cpu", n_samples=epoch))
+    audit = cp.audit_shapes(epoch_batches, policy)
 
     # ---- 2. recompiles (dynamo alone: no backend compile needed) and graph breaks
     model = build_model(job).to(torch_device).train()
-    batches = [x for x, _ in build_loader(quiet, 0, "cpu", n_samples=epoch)][:64]
+    batches = [x for x, _ in epoch_batches[:64]]
     say(f"counting recompiles: {len(batches)} batches of the data, then {job.seq_len}-token lengths varied")
     real = cp.count_recompiles(model, [x.to(torch_device) for x in batches], job.compile_dynamic,
                                "the data's own shapes")
@@ -267,8 +260,6 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
     # ---- FLOPs and peak for MFU, as in step 1
     x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
-    from ..workload import build_train_step
-
     flops = count_step_flops(model, build_train_step(job, model, device.type), x0.to(torch_device),
                              y0.to(torch_device)).model_flops_per_step
     peak, *peak_label, _ = reference_peak(job, device)
@@ -367,7 +358,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
     result = CompileResult("compile", job.to_dict(), environment(device.name, device.type), metrics, audit,
-                           [real, *demo], breaks, eager, trials, step3, rec, [], skipped)
+                           [real, *demo], breaks, eager, trials, step3, rec, [], skipped=skipped)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

@@ -28,7 +28,7 @@ from .. import fp8 as f8
 from ..advice import Advice
 from ..errors import JobError, JobProblem
 from ..job import Job
-from ..results import Metric, environment
+from ..results import Metric, StepResult, environment
 from ..workload import build_loader, build_model, build_train_step
 from . import BY_KEY
 from .baseline import count_step_flops
@@ -53,7 +53,7 @@ class PolicyTrial:
 
 
 @dataclass
-class Fp8Result:
+class Fp8Result(StepResult):
     step: str
     job: dict[str, Any]
     environment: dict[str, Any]
@@ -64,20 +64,13 @@ class Fp8Result:
     choice: dict[str, Any]
     speed: dict[str, Any]
     advice: list[Advice]
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    status: str = "ok"
-
-    def metric(self, name: str) -> float | None:
-        return self.metrics[name].value
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Fp8Result:
         return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
                    d["path"], {k: [f8.GroupSensitivity(**g) for g in v] for k, v in d["sensitivity"].items()},
                    [PolicyTrial(**t) for t in d["trials"]], d["choice"], d["speed"],
-                   [Advice(**a) for a in d["advice"]], d.get("skipped", []), d.get("elapsed_s", 0.0),
-                   d.get("status", "ok"))
+                   [Advice(**a) for a in d["advice"]], **cls.tail(d))
 
 
 def fp8_hardware(device: dev.DeviceInfo) -> str:
@@ -203,7 +196,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     t_start = time.perf_counter()
     say = progress or (lambda msg: print(msg, flush=True))
     device = dev.resolve_device(job.device)
-    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
     no_hw = fp8_hardware(device)
     path = "emulated" if no_hw else "fp8 hardware"
@@ -300,7 +293,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
                 fl / (pk * speed["fp8_step_s"]) if pk else None, "fraction", "measured",
                 f"model FLOPs / ({peak_name.upper()} datasheet peak x FP8 step): MFU under FP8 is ambiguous, so both")
     result = Fp8Result("fp8", job.to_dict(), environment(device.name, device.type), metrics, path, sens, trials,
-                       choice, speed, [], skipped)
+                       choice, speed, [], skipped=skipped)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

@@ -32,7 +32,7 @@ from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import Timings, run_steps, stats
 from ..progress import printer
-from ..results import RESULT_FILE, Metric, environment, read_json
+from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
 from ..workload import build_loader, build_model, build_train_step
 from . import BY_KEY
 from .baseline import count_step_flops, reference_peak
@@ -61,7 +61,7 @@ class RankProfile:
 
 
 @dataclass
-class KernelsResult:
+class KernelsResult(StepResult):
     step: str
     job: dict[str, Any]
     environment: dict[str, Any]
@@ -74,12 +74,6 @@ class KernelsResult:
     trace_file: str
     advice: list[Advice]
     ddp: dict[str, Any] = field(default_factory=dict)  # the per-rank profile: status, config, ranks
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    status: str = "ok"
-
-    def metric(self, name: str) -> float | None:
-        return self.metrics[name].value
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelsResult:
@@ -93,8 +87,7 @@ class KernelsResult:
         return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
                    tr.TraceAnalysis(**a), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
                    Timings(**d["unprofiled"]), Timings(**d["profiled"]), d["compare"], d["trace_file"],
-                   [Advice(**x) for x in d["advice"]], ddp, d.get("skipped", []), d.get("elapsed_s", 0.0),
-                   d.get("status", "ok"))
+                   [Advice(**x) for x in d["advice"]], ddp, **cls.tail(d))
 
 
 def profile_steps(step, batches, device: torch.device, warmup: int, active: int, trace_path: Path,
@@ -317,7 +310,7 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     t_start = time.perf_counter()
     say = progress or (lambda msg: print(msg, flush=True))
     device = dev.resolve_device(job.device)
-    torch_device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
+    torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
     out_dir = job.step_dir(INFO.folder)
     trace_path = out_dir / TRACE_FILE
@@ -421,7 +414,7 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         metrics["ddp_step_time_s"] = Metric(max(r.step_time_s for r in ranks), "s", "measured",
                                             "profiled window / steps, slowest rank")
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
-                           unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped)
+                           unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped=skipped)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     result.advice = advise(a, overhead, compare, device.type, ranks, ddp, grad_bytes)
     result.elapsed_s = time.perf_counter() - t_start
