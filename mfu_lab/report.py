@@ -398,8 +398,9 @@ def trials_table(r) -> str:
                 f"<td>{'' if t.drift is None else f'{t.drift:.1e}'}{' ✗' if t.drift_ok is False else ''}</td>"
                 f"<td>{t.recompiles}</td></tr>")
 
-    return ("<table><tr><th>mode</th><th>status</th><th>step (median)</th><th>p10–p90</th><th>speedup</th>"
-            "<th>MFU</th><th>compile, cold</th><th>compile, warm</th><th>break-even steps (cold / warm)</th>"
+    return (f"<table><tr><th>mode</th><th>status</th><th>step (median) {badge('measured')}</th><th>p10–p90</th>"
+            "<th>speedup</th><th>MFU</th><th>compile, cold</th><th>compile, warm</th>"
+            f"<th>break-even steps (cold / warm) {badge('analytic')}</th>"
             f"<th>loss drift</th><th>recompiles</th></tr>{row(r.eager)}{''.join(row(t) for t in r.trials)}</table>"
             "<p><small>✓: p90 below eager's p10 (faster beyond the noise). Loss drift: largest relative per-step "
             "difference from eager's loss, same seed and data; ✗ above the tolerance for the dtype.</small></p>")
@@ -465,8 +466,9 @@ def policies_table(r) -> str:
         f"<td>{t.flops_share:.0%}</td><td>{e(t.status)}</td><td>{len(t.loss)}</td>"
         f"<td>{t.loss[-1]:.4f}</td><td>{'' if t.final_gap is None else f'{t.final_gap:+.2%}'}</td>"
         f"<td><small>{e(t.reason)}</small></td></tr>" for t in r.trials)
-    return ("<table><tr><th>policy</th><th>FP8 groups</th><th>scaling</th><th>FP8 FLOPs share</th><th>status</th>"
-            "<th>steps run</th><th>last loss</th><th>final gap</th><th>why</th></tr>" + rows + "</table>")
+    return (f"<table><tr><th>policy</th><th>FP8 groups</th><th>scaling</th><th>FP8 FLOPs share {badge('analytic')}"
+            f"</th><th>status</th><th>steps run</th><th>last loss {badge('emulated')}</th><th>final gap</th>"
+            "<th>why</th></tr>" + rows + "</table>")
 
 
 def _fp8_section(d: dict[str, Any]) -> str:

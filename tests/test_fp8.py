@@ -119,13 +119,13 @@ def test_policies_run_from_one_reference_and_the_choice_is_a_valid_job_fragment(
     ref = r.trials[0]
     assert len(ref.loss) == job.fp8_steps and ref.status == "reference"
     assert all(t.loss[0] == pytest.approx(ref.loss[0], rel=1e-2) for t in r.trials)  # same weights, same batch
-    if r.choice["groups"]:
-        frag = yaml.safe_load(r.choice["fragment"])
-        adopted = load_job(TINY, frag)
-        assert adopted.fp8_layers == r.choice["groups"]
-        chosen = next(t for t in r.trials if t.name == r.choice["policy"])
-        assert chosen.status == "ok" and not chosen.study
-        assert chosen.flops_share == max(t.flops_share for t in r.trials if t.status == "ok" and not t.study)
+    assert r.choice["groups"]  # the tiny model's loss stays with the reference under tensorwise FP8
+    frag = yaml.safe_load(r.choice["fragment"])
+    adopted = load_job(TINY, frag)
+    assert adopted.fp8_layers == r.choice["groups"]
+    chosen = next(t for t in r.trials if t.name == r.choice["policy"])
+    assert chosen.status == "ok" and not chosen.study
+    assert chosen.flops_share == max(t.flops_share for t in r.trials if t.status == "ok" and not t.study)
     d = json.loads((job.step_dir("05_fp8") / "result.json").read_text())
     assert fp8.Fp8Result.from_dict(d).choice == r.choice
 
