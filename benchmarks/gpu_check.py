@@ -2,13 +2,14 @@
 
     python benchmarks/gpu_check.py [--out outputs] [--quick]
 
-Plain Python (GPU machines have torch but no Jupyter). Runs steps 1 to 5 on a
+Plain Python (GPU machines have torch but no Jupyter). Runs steps 1 to 6 on a
 mid-sized GPT in bf16 on the visible GPUs and prints one table of what the CUDA
 paths measured: CUDA-event step times, the datasheet peak, NVML health, the SDPA
 backends (efficient, cuDNN, flash) and flash_attn, a reduced NCCL sweep, and the
 CUDA trace of step 3 (kernels tied to their operators, breakdown, fusion candidates), and
 step 4's inductor compile in default and reduce-overhead (CUDA graphs) modes, and step 5's FP8
-policy (real torchao float8 timing when torchao is installed).
+policy (real torchao float8 timing when torchao is installed), and step 6 (co-location of two copies on one
+GPU, the model calibrated by steps 1-2 on this GPU and checked against step 2's NCCL step).
 Results land in <out>/gpu-check/ like any job's. About 6-8 minutes on one H200.
 """
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mfu_lab.job import load_job  # noqa: E402
-from mfu_lab.steps import attention_comm, baseline, compiled, fp8, kernels  # noqa: E402
+from mfu_lab.steps import attention_comm, baseline, compiled, fp8, kernels, placement  # noqa: E402
 
 
 def main() -> int:
@@ -110,6 +111,18 @@ def main() -> int:
         print(f"  {t.name:<28} {t.status:<10} last loss {t.loss[-1]:.4f} {t.reason}")
     print("  " + f.choice["text"])
     print("  " + ", ".join(f"{k} {m.value} [{m.source}]" for k, m in f.metrics.items()))
+    t0 = time.perf_counter()
+    pj = dataclasses.replace(job, cluster=str(ROOT / "parameters" / "clusters" / "example_h100.yaml"), coloc_steps=10)
+    pr = placement.run(pj)
+    print(f"\nstep 6 ({time.perf_counter() - t0:.0f} s): co-location {pr.coloc.status} alone "
+          f"{pr.coloc.alone_median_s} s, pair {pr.coloc.pair_median_s} s, slowdown {pr.coloc.slowdown}")
+    for c in pr.calibration:
+        print(f"  {c['input']:<38} {c['value']!r:<22} [{c['source']}] {c['from'][:70]}")
+    print(f"  check: {pr.check.reason or pr.check.config}")
+    for row in pr.check.rows:
+        print(f"  {row['name']:<45} predicted {row['predicted_s'] * 1e3:8.2f} ms, measured "
+              f"{pr.check.measured_s * 1e3:8.2f} ms, error {row['error']:+.1%}")
+    print("  " + ", ".join(f"{k} {m.value} [{m.source}]" for k, m in pr.metrics.items()))
     return 0
 
 

@@ -7,6 +7,7 @@
     mfu-lab validate JOB     check a job file and print the job it describes
     mfu-lab keys             list every job key with its default and help
     mfu-lab report JOB_DIR   re-export HTML for executed notebooks in a job folder and refresh its index
+    mfu-lab gate             pre-launch GPU health gate on this node (NVML); exit 1 names the failing GPU
 
 Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, arguments).
 """
@@ -121,6 +122,8 @@ def cmd_run(args) -> int:
     overrides = parse_overrides(args.param)
     job, source = resolve_job(args.job, overrides, args.out)
     steps = select_steps(args.steps)
+    if any(s.key == "placement" for s in steps):
+        check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
     root = find_workbook_root()
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
     print(f"mfu-lab: results in {job.output_root()}")
@@ -151,9 +154,17 @@ def cmd_step(args) -> int:
     return EXIT_OK
 
 
+def check_cluster(job: Job) -> None:
+    from .cluster import load_cluster
+    from .steps.placement import cluster_path
+
+    load_cluster(cluster_path(job))
+
+
 def cmd_validate(args) -> int:
     job = load_job(args.job, parse_overrides(args.param))
-    print(f"{args.job}: valid")
+    check_cluster(job)
+    print(f"{args.job}: valid (cluster file {job.cluster}: valid)")
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
     return EXIT_OK
 
@@ -177,6 +188,16 @@ def cmd_report(args) -> int:
             print(f"exported {export_html(nb, root / info.folder / 'report.html')}")
     print(f"wrote {write_index(root)}")
     return EXIT_OK
+
+
+def cmd_gate(args) -> int:
+    from .health import gate
+
+    ok, lines = gate(args.max_temp_c)
+    for line in lines:
+        print(line)
+    print("health gate: " + ("passed" if ok else "FAILED"))
+    return EXIT_OK if ok else EXIT_STEP_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="re-export HTML and the index for a job's output folder")
     rep.add_argument("job_dir")
     rep.set_defaults(func=cmd_report)
+
+    g = sub.add_parser("gate", help="pre-launch health gate: every NVIDIA GPU on this node cool and unthrottled")
+    g.add_argument("--max-temp-c", type=float, default=80.0, help="fail a GPU above this temperature (80)")
+    g.set_defaults(func=cmd_gate)
     return p
 
 

@@ -146,3 +146,37 @@ class HealthSampler:
             statistics.fmean(power), self._power_limit, decode_reasons(all_bits),
             sum(1 for m in masks if m & THROTTLE_BITS) / len(masks),
         )
+
+
+def gate(max_temp_c: float = 80.0) -> tuple[bool, list[str]]:
+    """A pre-launch health gate over every NVIDIA GPU of this node, through NVML.
+
+    Fails a GPU above ``max_temp_c`` or with a power/thermal/hardware slowdown reason set
+    (``THROTTLE_BITS``). Clocks are not compared with their maximum: an idle GPU clocks down.
+    Returns (all passed, one line per GPU or the reason nothing could be read).
+    """
+    try:
+        nv = _nvml()
+        nv.nvmlInit()
+    except Exception as e:
+        return False, [f"NVML unavailable ({e}): no NVIDIA GPU can be checked on this node"]
+    lines, ok = [], True
+    try:
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            temp = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+            fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                nv.nvmlDeviceGetCurrentClocksThrottleReasons
+            bad = decode_reasons(int(fn(h)) & THROTTLE_BITS)
+            fail = temp > max_temp_c or bool(bad)
+            ok = ok and not fail
+            lines.append(f"GPU {i}: {temp:.0f} °C, slowdown reasons: {', '.join(bad) or 'none'}"
+                         + (f"  FAIL (limit {max_temp_c:g} °C, no slowdown reason allowed)" if fail else "  ok"))
+        if not lines:
+            return False, ["NVML sees no GPU on this node"]
+    finally:
+        try:
+            nv.nvmlShutdown()
+        except Exception:
+            pass
+    return ok, lines

@@ -137,6 +137,23 @@ class Job:
     fp8_window: int = _key(5, "steps averaged by the divergence watch and the final comparison", min=1)
     fp8_spike: float = _key(10.0, "a gradient norm this many times the median so far stops a trial",
                             min_exclusive=1.0)
+    # --- placement (step 6) ---
+    cluster: str = _key("parameters/clusters/example_h100.yaml", "cluster file (switches, nodes, GPUs, links; see "
+                        "parameters/clusters/); relative paths are taken from the workbook root")
+    gpus: int = _key(0, "GPUs the job is placed on (0: the efficient size the sweep finds)", min=0)
+    tp: int = _key(0, "tensor-parallel size (0: the fastest the model finds); must divide n_heads", min=0)
+    pp: int = _key(0, "pipeline-parallel stages (0: the fastest the model finds); must divide n_layers", min=0)
+    interleave: int = _key(1, "interleaved pipeline chunks per stage (Megatron-LM's virtual stages)", min=1)
+    global_batch: int = _key(512, "samples per optimizer step on the cluster (data parallel x micro-batches x "
+                             "micro_batch); a multiple of micro_batch", min=1)
+    assumed_mfu: float = _key(0.4, "single-GPU MFU the model assumes when no earlier step measured the cluster's "
+                              "GPU", min_exclusive=0.0)
+    min_marginal_efficiency: float = _key(0.8, "the efficient size is the largest whose added GPUs still bring this "
+                                          "share of the per-GPU throughput", min_exclusive=0.0)
+    placement_jobs: int = _key(2, "copies of the job sharing the cluster in the whole-rack vs interleaved comparison",
+                               min=1)
+    coloc_steps: int = _key(8, "measured steps of the co-location experiment (the job alone, then two copies at once)",
+                            min=2)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -292,6 +309,18 @@ def validate(values: dict[str, Any], source: str) -> Job:
         problems.append(JobProblem("min_seq_len", job.min_seq_len, f"must be <= seq_len ({job.seq_len})"))
     if not bad & {"seq_buckets", "seq_len"} and job.seq_buckets > job.seq_len:
         problems.append(JobProblem("seq_buckets", job.seq_buckets, f"must be <= seq_len ({job.seq_len})"))
+    if not bad & {"global_batch", "micro_batch"} and job.global_batch % job.micro_batch:
+        problems.append(JobProblem("global_batch", job.global_batch, f"must be a multiple of micro_batch "
+                                   f"({job.micro_batch})"))
+    if not bad & {"tp", "n_heads"} and job.tp and job.n_heads % job.tp:
+        problems.append(JobProblem("tp", job.tp, f"must divide n_heads ({job.n_heads})"))
+    if not bad & {"pp", "n_layers"} and job.pp and job.n_layers % job.pp:
+        problems.append(JobProblem("pp", job.pp, f"must divide n_layers ({job.n_layers})"))
+    if not bad & {"min_marginal_efficiency"} and job.min_marginal_efficiency > 1:
+        problems.append(JobProblem("min_marginal_efficiency", job.min_marginal_efficiency, "must be <= 1 (1 is "
+                                   "perfect scaling)"))
+    if not bad & {"assumed_mfu"} and job.assumed_mfu > 1:
+        problems.append(JobProblem("assumed_mfu", job.assumed_mfu, "must be <= 1 (a fraction of peak)"))
     if problems:
         raise JobError(source, problems)
     return job

@@ -76,7 +76,8 @@ PART_CSS = """
 .mfu .cards{display:flex;flex-wrap:wrap;gap:.8em;margin:1em 0}
 .mfu .card{border:1px solid #ddd;border-radius:8px;padding:.6em 1em;min-width:150px}
 .mfu .card .v{font-size:1.5em;font-weight:600} .mfu .card .k{color:#555;font-size:.85em}
-.mfu .src{font-size:.72em;border-radius:4px;padding:.05em .4em;margin-left:.3em;color:#fff;background:#868e96}
+.mfu .src{font-size:.72em;border-radius:4px;white-space:nowrap;overflow-wrap:normal;padding:.05em .4em;
+margin-left:.3em;color:#fff;background:#868e96}
 .mfu .src-measured{background:#2f9e44}.mfu .src-counted{background:#1971c2}.mfu .src-analytic{background:#5f3dc4}
 .mfu .src-datasheet{background:#495057}.mfu .src-emulated{background:#e8590c}.mfu .src-modelled{background:#c2255c}
 .mfu .act{color:#c92a2a;font-weight:600}.mfu .look{color:#e67700;font-weight:600}
@@ -491,8 +492,160 @@ def _fp8_section(d: dict[str, Any]) -> str:
 <h3>All figures</h3>{_metrics_table(m)}"""
 
 
+def calibration_table(r) -> str:
+    rows = "".join(f"<tr><td>{e(c['input'])}</td><td>{e(fmt(c['value'], c['unit']))}</td><td>{badge(c['source'])}"
+                   f"</td><td><small>{e(c['from'])}</small></td></tr>" for c in r.calibration)
+    return f"<table><tr><th>model input</th><th>value</th><th>source</th><th>from</th></tr>{rows}</table>"
+
+
+def _ms0(v: float) -> str:
+    return "-" if not v else _ms(v)
+
+
+def _pred_cells(x: dict) -> str:
+    links = x["links"]
+    return (f"<td>{e(x['label'])}</td><td>{x['nodes']} / {x['switches']}</td><td>{_ms(x['step_s'])}</td>"
+            f"<td>{x['mfu']:.1%}</td><td>{fmt(x['tokens_per_s'], 'tokens/s')}</td>"
+            f"<td>{_ms0(x['tp_s'])}</td><td>{_ms0(x['pp_s'])}</td><td>{_ms0(x['bubble_s'])}</td>"
+            f"<td>{_ms0(x['dp_exposed_s'])} of {_ms0(x['dp_s'])}</td>"
+            f"<td><small>TP {e(links['tp'])}; DP {e(links['dp'])}; PP {e(links['pp'])}</small></td>")
+
+
+PRED_HEAD = ("<th>layout</th><th>nodes / switches</th><th>step</th><th>MFU</th><th>tokens/s</th><th>TP comm</th>"
+             "<th>PP comm</th><th>bubble</th><th>DP exposed</th><th>slowest links</th>")
+
+
+def strategies_table(r) -> str:
+    rows = []
+    for x in r.strategies:
+        if x.get("status") != "ok":
+            rows.append(f"<tr><td>{e(x['strategy'])}</td><td colspan=11>{e(x['status'])}</td></tr>")
+            continue
+        rows.append(f"<tr><td>{e(x['strategy'])}</td>{_pred_cells(x)}<td>{x['vs_aware']:.2f}x</td></tr>")
+    return (f"<p>Every figure is {badge('modelled')}.</p><table><tr><th>strategy</th>{PRED_HEAD}"
+            f"<th>vs topology-aware</th></tr>{''.join(rows)}</table>")
+
+
+def shared_table(r) -> str:
+    if not r.shared:
+        return "<p>Not compared (see the skipped list).</p>"
+    rows = "".join(f"<tr><td>{e(x['partition'])}</td><td>{x.get('job', '')}</td>"
+                   + (_pred_cells(x) if x.get("status") == "ok" else f"<td colspan=10>{e(x['status'])}</td>")
+                   + "</tr>" for x in r.shared)
+    good = {}
+    for x in r.shared:
+        if x.get("status") == "ok":
+            good.setdefault(x["partition"], []).append(x)
+    total = ""
+    for k, v in good.items():
+        n = sum(y["layout"]["tp"] * y["layout"]["pp"] * y["layout"]["dp"] for y in v)
+        flops = sum(y["mfu"] * y["layout"]["tp"] * y["layout"]["pp"] * y["layout"]["dp"] for y in v)
+        total += (f"<li>{e(k)}: cluster goodput {fmt(sum(y['tokens_per_s'] for y in v), 'tokens/s')}, "
+                  f"{flops / n:.1%} MFU over the {n} GPUs in use</li>")
+    return (f"<p>Every figure is {badge('modelled')}; jobs whose groups cross the same uplink share its bandwidth.</p>"
+            f"<table><tr><th>partition</th><th>job</th>{PRED_HEAD}</tr>{rows}</table><ul>{total}</ul>")
+
+
+def sweep_table(r) -> str:
+    rows = []
+    for x in r.sweep:
+        if x["status"] != "ok":
+            rows.append(f"<tr><td>{x['gpus_n']}</td><td colspan=12>{e(x['reason'])}</td></tr>")
+            continue
+        me = x.get("marginal_efficiency")
+        star = " ★" if x["gpus_n"] == r.efficient_size else ""
+        per_hour = fmt(x["tokens_per_gpu_hour"], "tokens/s").replace("tokens/s", "tokens")
+        rows.append(f"<tr><td>{x['gpus_n']}{star}</td>{_pred_cells(x)}<td>{per_hour}"
+                    f"</td><td>{'-' if me is None else f'{me:.0%}'}</td><td>{x['memory_gb']:.1f} GB</td></tr>")
+    return (f"<p>Every figure is {badge('modelled')}. ★ the efficient size (marginal efficiency threshold "
+            f"{r.job['min_marginal_efficiency']:.0%}).</p><table><tr><th>GPUs</th>{PRED_HEAD}<th>per GPU-hour</th>"
+            f"<th>marginal efficiency</th><th>memory / GPU</th></tr>{''.join(rows)}</table>")
+
+
+def check_table(r) -> str:
+    ch, co = r.check, r.coloc
+    out = []
+    if co.status == "ok":
+        out.append(f"<p>Co-location {badge('measured')}: the job alone {_ms(co.alone_median_s)} per step (p10-p90 "
+                   f"{_ms(co.alone_p10_s)}-{_ms(co.alone_p90_s)}); two copies at once {_ms(co.pair_median_s)} "
+                   f"({_ms(co.pair_p10_s)}-{_ms(co.pair_p90_s)}): <b>{co.slowdown:.2f}x</b> slower, on "
+                   f"{e(co.device)} with {co.threads} thread(s) per copy.</p>")
+    else:
+        out.append(f"<p>Co-location experiment failed: {e(co.reason)}</p>")
+    if not ch.available:
+        out.append(f"<p>No model check: {e(ch.reason)}</p>")
+        return "".join(out)
+    out.append(f"<p>Step 2 measured {_ms(ch.measured_s)} per data-parallel step ({ch.world} ranks, {e(ch.backend)}, "
+               f"{e(ch.config)}; p10-p90 {_ms(ch.measured_p10_s)}-{_ms(ch.measured_p90_s)}). The model adds "
+               f"{ch.buckets} bucket all-reduce(s) of {fmt(ch.grad_bytes, 'bytes')} of gradients, "
+               f"{_ms(ch.allreduce_s)} at the bandwidth {ch.busbw_gbps:.3g} GB/s and latency "
+               f"{ch.alpha_s * 1e6:.0f} µs fitted to step 2's all-reduce benchmark, to each measured compute time:</p>")
+    rows = "".join(f"<tr><td>{e(x['name'])}</td><td>{_ms(x['compute_s'])} <small>{e(x['compute_from'])}</small></td>"
+                   f"<td>{_ms(x['comm_s'])}</td><td>{_ms(x['predicted_s'])}</td><td>{x['error']:+.1%}</td></tr>"
+                   for x in ch.rows)
+    out.append(f"<table><tr><th>prediction</th><th>compute {badge('measured')}</th><th>all-reduce "
+               f"{badge('modelled')}</th><th>predicted</th><th>error</th></tr>{rows}</table>")
+    return "".join(out)
+
+
+def gang_table(r) -> str:
+    def opt(v, f):
+        return "-" if v is None else f(v)
+
+    rows = "".join(f"<tr><td>{e(g['policy'])}</td><td>{g['idle_gpu_hours']:.0f}</td>"
+                   f"<td>{opt(g['makespan_h'], lambda v: f'{v:g} h')}</td>"
+                   f"<td>{opt(g['mean_completion_h'], lambda v: f'{v:.2f} h')}</td>"
+                   f"<td>{opt(g['deadlock_h'], lambda v: f'from hour {v:g}')}</td>"
+                   f"<td>{sum(1 for j in g['jobs'] if j['end_h'] is not None)} / {len(g['jobs'])}</td></tr>"
+                   for g in r.gang)
+    if not r.gang:
+        return ""
+    return (f"<p>Simulated ({badge('modelled')}) on {e(r.gang[0]['queue_from'])}, over the "
+            f"{r.gang[0]['horizon_h']:g} h the gang policy takes to finish it.</p>"
+            f"<table><tr><th>policy</th><th>idle GPU-hours</th><th>makespan</th><th>mean completion (finished jobs)"
+            f"</th><th>deadlock</th><th>jobs finished</th></tr>{rows}</table>")
+
+
+def hints_html(r) -> str:
+    if not r.hints:
+        return "<p>No hints: no layout was chosen.</p>"
+    return (f"<h4>Slurm</h4><pre>{e(r.hints['slurm'])}</pre><h4>Kubernetes (Kueue)</h4><pre>{e(r.hints['kueue'])}</pre>"
+            f"<h4>Health gate</h4><p>{e(r.hints['gate'])}</p>")
+
+
+def _placement_section(d: dict[str, Any]) -> str:
+    from . import plots
+    from .steps.placement import PlacementResult
+
+    r = PlacementResult.from_dict(d)
+    m = d["metrics"]
+    cards = _cards(m, (("predicted MFU", "predicted_mfu"), ("efficient size", "efficient_size"),
+                       ("worst placement", "worst_placement_slowdown"), ("co-location slowdown", "coloc_slowdown"),
+                       ("model check error", "check_error")))
+
+    def img(fig, alt):
+        return f'<img alt="{alt}" src="{plots.to_data_uri(fig)}">' if fig is not None else ""
+
+    return f"""
+<h2>Step 6 · Placement</h2>
+<p>Cluster <b>{e(r.cluster['name'])}</b>: {r.cluster['gpus']} {e(r.cluster['gpu'])} in {r.cluster['nodes']} nodes
+under {len(r.cluster['switches'])} leaf switches. Cluster figures are {badge('modelled')}; what each input came from
+is below.</p>
+<div class="cards">{cards}</div>
+<h3>What to do next</h3><ul>{_advice_items(r.advice)}</ul>
+<h3>Model inputs</h3>{calibration_table(r)}
+<h3>The model against this machine</h3>{img(plots.model_check(r), "model check")}{check_table(r)}
+<h3>Size sweep</h3>{img(plots.size_sweep(r), "size sweep")}{sweep_table(r)}
+<h3>Placement strategies</h3>{img(plots.placement_strategies(r) if r.chosen else None, "strategies")}
+{img(plots.placement_map(r), "placement map")}{strategies_table(r)}
+<h3>Several jobs on the cluster</h3>{shared_table(r)}
+<h3>Gang scheduling</h3>{img(plots.gang_timeline(r) if r.gang else None, "gang")}{gang_table(r)}
+<h3>Scheduler hints</h3>{hints_html(r)}
+<h3>All figures</h3>{_metrics_table(m)}"""
+
+
 SECTIONS = {"baseline": _baseline_section, "attention_comm": _attention_comm_section, "kernels": _kernels_section,
-            "compile": _compile_section, "fp8": _fp8_section}
+            "compile": _compile_section, "fp8": _fp8_section, "placement": _placement_section}
 
 
 def load_results(job_root: Path) -> dict[str, dict]:
@@ -642,3 +795,31 @@ def sensitivity_view(result) -> Html:
 
 def policies_view(result) -> Html:
     return _part(policies_table(result))
+
+
+def calibration_view(result) -> Html:
+    return _part(calibration_table(result))
+
+
+def check_view(result) -> Html:
+    return _part(check_table(result))
+
+
+def sweep_view(result) -> Html:
+    return _part(sweep_table(result))
+
+
+def strategies_view(result) -> Html:
+    return _part(strategies_table(result))
+
+
+def shared_view(result) -> Html:
+    return _part(shared_table(result))
+
+
+def gang_view(result) -> Html:
+    return _part(gang_table(result))
+
+
+def hints_view(result) -> Html:
+    return _part(hints_html(result))

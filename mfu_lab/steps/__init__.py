@@ -40,5 +40,7 @@ STEPS: tuple[StepInfo, ...] = (
     StepInfo("compile", 4, "04_compile", "Compile: does torch.compile pay for itself at fixed shapes?",
              "mfu_lab.steps.compiled"),
     StepInfo("fp8", 5, "05_fp8", "FP8: which layers can train in FP8 and keep the loss curve?", "mfu_lab.steps.fp8"),
+    StepInfo("placement", 6, "06_placement", "Placement: where should this job run on a shared cluster, and at what "
+             "size is it most efficient?", "mfu_lab.steps.placement"),
 )
 BY_KEY = {s.key: s for s in STEPS}

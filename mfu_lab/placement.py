@@ -1,0 +1,541 @@
+"""The placement model: a training step's time on a cluster, from the job's shape, its layout and where
+its ranks sit. Every figure it returns is ``modelled``; the step that calls it says what each input was
+calibrated from.
+
+Ranks are numbered Megatron-style with tensor parallelism innermost:
+``rank = pp_index * (dp * tp) + dp_index * tp + tp_index``. A placement maps rank -> global GPU
+index (``node * gpus_per_node + local``). Groups that communicate at the same time share links: a
+node's network injection bandwidth is split among the groups that leave the node, a leaf switch's
+uplink among the groups that leave the switch (other jobs' groups included).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from .cluster import Cluster, QueueEntry
+
+GB = 1e9
+
+
+# ------------------------------------------------------------------ collective costs
+def ring_allreduce_s(nbytes: float, n: int, busbw_gbps: float, latency_s: float) -> float:
+    """Ring all-reduce: 2(n-1) steps, each moving nbytes/n over the slowest link.
+
+    t = 2(n-1)/n * nbytes / B + 2(n-1) * alpha  (Patarasuk & Yuan 2009; B is nccl-tests' bus bandwidth).
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / (busbw_gbps * GB) + 2 * (n - 1) * latency_s
+
+
+def tree_allreduce_s(nbytes: float, n: int, busbw_gbps: float, latency_s: float) -> float:
+    """Pipelined (double binary) tree all-reduce: reduce then broadcast, each moving the whole buffer.
+
+    t = 2 * nbytes / B + 2 * ceil(log2 n) * alpha  (NCCL's tree: latency grows with log n, not n).
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * nbytes / (busbw_gbps * GB) + 2 * math.ceil(math.log2(n)) * latency_s
+
+
+def allreduce_s(nbytes: float, n: int, busbw_gbps: float, latency_s: float) -> float:
+    """The faster of ring and tree, as NCCL picks per size: ring for large buffers, tree for small ones at scale."""
+    return min(ring_allreduce_s(nbytes, n, busbw_gbps, latency_s), tree_allreduce_s(nbytes, n, busbw_gbps, latency_s))
+
+
+def p2p_s(nbytes: float, bw_gbps: float, latency_s: float) -> float:
+    """One point-to-point send: alpha + nbytes / B."""
+    return latency_s + nbytes / (bw_gbps * GB)
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Pipeline bubble over ideal compute time: (p-1)/m for 1F1B, (p-1)/(v*m) with v interleaved chunks.
+
+    Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters"), section 2.2.
+    """
+    return (p - 1) / (v * m)
+
+
+def fit_alpha_beta(table: list[dict], world: int) -> tuple[float, float] | None:
+    """Least-squares fit t = alpha_ring + bytes * k / B over an all-reduce size sweep (step 2's benchmark).
+
+    Returns (per-step latency alpha, bus bandwidth B in GB/s) under the ring formula above, or None when
+    the fit is not usable (fewer than two sizes, or a non-positive slope).
+    """
+    pts = [(r["bytes"], r["time_s"]) for r in table if r.get("time_s")]
+    if len(pts) < 2 or world < 2:
+        return None
+    n = len(pts)
+    mx = sum(b for b, _ in pts) / n
+    my = sum(t for _, t in pts) / n
+    sxx = sum((b - mx) ** 2 for b, _ in pts)
+    if sxx == 0:
+        return None
+    slope = sum((b - mx) * (t - my) for b, t in pts) / sxx
+    intercept = my - slope * mx
+    if slope <= 0:
+        return None
+    k = 2 * (world - 1) / world
+    return max(0.0, intercept) / (2 * (world - 1)), k / slope / GB
+
+
+# ------------------------------------------------------------------ the job and its layout
+@dataclass(frozen=True)
+class Shape:
+    """What the model needs to know about the job."""
+
+    n_layers: int
+    n_heads: int
+    d_model: int
+    seq_len: int
+    micro_batch: int
+    params: float  # all parameters (gradients all-reduced by DP)
+    flops_per_sample: float  # model FLOPs of one sample, forward and backward
+    act_bytes: int  # bytes per activation element (2 under bf16/fp16 autocast, 4 in float32)
+    grad_bytes: int = 4  # DDP all-reduces gradients in the parameters' dtype (float32 master weights)
+    unfused_attention: bool = False
+    checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    m: int  # micro-batches per pipeline per optimizer step (gradient accumulation)
+    v: int = 1  # interleaved chunks per pipeline stage
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def label(self) -> str:
+        return f"TP{self.tp} PP{self.pp}{f'x{self.v}' if self.v > 1 else ''} DP{self.dp} m{self.m}"
+
+
+def memory_bytes(s: Shape, lay: Layout) -> float:
+    """Per-GPU memory: 16 bytes per parameter shard plus the first pipeline stage's activations in flight.
+
+    16 B/param: float32 weights (4) + gradients (4) + Adam's two moments (8), no ZeRO sharding.
+    Activations per layer per micro-batch: s*b*h*(10 + 24/t) bytes with fused attention, plus 5*a*s^2*b/t
+    for an unfused score matrix (Korthikanti et al. 2022, table 2, tensor parallel without sequence
+    parallel); with checkpointing, each layer keeps its 2-byte input and one layer is live at a time.
+    1F1B keeps min(p, m) micro-batches in flight on stage one.
+    """
+    sbh = s.seq_len * s.micro_batch * s.d_model
+    per_layer = sbh * (10 + 24 / lay.tp) * s.act_bytes / 2
+    if s.unfused_attention:
+        per_layer += 5 * s.n_heads * s.seq_len ** 2 * s.micro_batch / lay.tp * s.act_bytes / 2
+    layers = s.n_layers / lay.pp
+    acts = (layers * 2 * sbh + per_layer) if s.checkpointing else layers * per_layer
+    return 16 * s.params / (lay.tp * lay.pp) + acts * min(lay.pp, lay.m)
+
+
+def enumerate_layouts(s: Shape, gpus: int, global_batch: int, tp: int = 0, pp: int = 0, v: int = 1,
+                      max_tp: int | None = None) -> list[Layout]:
+    """Every (tp, pp, dp, m) with tp*pp*dp == gpus, dp*m*micro_batch == global_batch, tp | heads, pp | layers.
+
+    ``tp``/``pp`` fix a size when non-zero. Interleaving applies where each stage's layers split into v chunks.
+    """
+    out = []
+    for t in range(1, gpus + 1):
+        if gpus % t or s.n_heads % t or (tp and t != tp) or (max_tp and t > max_tp):
+            continue
+        for p in range(1, gpus // t + 1):
+            if (gpus // t) % p or s.n_layers % p or (pp and p != pp):
+                continue
+            d = gpus // (t * p)
+            if global_batch % (d * s.micro_batch):
+                continue
+            m = global_batch // (d * s.micro_batch)
+            vv = v if p > 1 and (s.n_layers // p) % v == 0 else 1
+            out.append(Layout(t, p, d, m, vv))
+    return out
+
+
+# ------------------------------------------------------------------ placements
+def rank_coords(rank: int, lay: Layout) -> tuple[int, int, int]:
+    """rank -> (tp index, dp index, pp index)."""
+    return rank % lay.tp, (rank // lay.tp) % lay.dp, rank // (lay.tp * lay.dp)
+
+
+def groups(lay: Layout) -> dict[str, list[list[int]]]:
+    """The ranks of every TP, DP and PP group."""
+    out: dict[str, dict[tuple, list[int]]] = {"tp": {}, "dp": {}, "pp": {}}
+    for r in range(lay.gpus):
+        t, d, p = rank_coords(r, lay)
+        out["tp"].setdefault((d, p), []).append(r)
+        out["dp"].setdefault((t, p), []).append(r)
+        out["pp"].setdefault((t, d), []).append(r)
+    return {k: list(v.values()) for k, v in out.items()}
+
+
+def free_gpus(cluster: Cluster, taken: set[int] = frozenset()) -> list[int]:
+    return [g for g in range(cluster.occupied_gpus, cluster.n_gpus) if g not in taken]
+
+
+def place_in_order(cluster: Cluster, n: int, taken: set[int] = frozenset()) -> list[int]:
+    """Naive: ranks onto the first free GPUs in node order, wherever the free list starts."""
+    free = free_gpus(cluster, taken)
+    return free[:n] if len(free) >= n else []
+
+
+def place_round_robin(cluster: Cluster, n: int, taken: set[int] = frozenset()) -> list[int]:
+    """Spread: rank i onto the next free GPU of node i mod nodes (a scheduler that balances nodes)."""
+    g = cluster.gpus_per_node
+    per_node = [[x for x in free_gpus(cluster, taken) if x // g == node] for node in range(len(cluster.nodes))]
+    out, node = [], 0
+    while len(out) < n and any(per_node):
+        if per_node[node]:
+            out.append(per_node[node].pop(0))
+        node = (node + 1) % len(per_node)
+    return out if len(out) == n else []
+
+
+def place_random(cluster: Cluster, n: int, seed: int, taken: set[int] = frozenset()) -> list[int]:
+    free = free_gpus(cluster, taken)
+    if len(free) < n:
+        return []
+    return random.Random(seed).sample(free, n)
+
+
+def place_topology_aware(cluster: Cluster, lay: Layout, taken: set[int] = frozenset(),
+                         nodes_allowed: list[int] | None = None) -> list[int]:
+    """Each TP group inside one node; whole free nodes first, under the fewest leaf switches.
+
+    Nodes are ranked by switch (the switches with the most wholly free nodes first), then filled with
+    whole TP groups in rank order (TP innermost, then DP, then PP), so DP replicas and pipeline
+    stages pack under as few switches as the job's size allows.
+    """
+    g = cluster.gpus_per_node
+    free = set(free_gpus(cluster, taken))
+    sw = cluster.node_switch
+    nodes = nodes_allowed if nodes_allowed is not None else list(range(len(cluster.nodes)))
+    free_of = {nd: [x for x in range(nd * g, nd * g + g) if x in free] for nd in nodes}
+    whole = {s: sum(1 for nd in nodes if sw[nd] == s and len(free_of[nd]) == g) for s in set(sw.values())}
+    order = sorted(nodes, key=lambda nd: (-whole[sw[nd]], sw[nd], -len(free_of[nd]), nd))
+    out: list[int] = []
+    tp = lay.tp
+    for nd in order:
+        slots = free_of[nd]
+        usable = len(slots) - len(slots) % tp if tp <= g else len(slots)
+        take = min(usable, lay.gpus - len(out))
+        out += slots[:take]
+        if len(out) == lay.gpus:
+            return out
+    return []
+
+
+# ------------------------------------------------------------------ links
+@dataclass
+class Link:
+    busbw_gbps: float
+    latency_s: float
+    level: str  # node | switch | spine
+
+
+def _group_links(cluster: Cluster, gpu_groups: list[list[int]], neighbours: list[list[int]]) -> list[Link]:
+    """The bottleneck link of each group, with leaf uplinks shared by the groups that cross them.
+
+    Inside a node: the NVLink bus bandwidth. Across nodes: each GPU drives its own share of the node's
+    NICs (node_network / gpus_per_node, rail-optimised), so a group with k members on a node gets at
+    most k of them. Across leaf switches: every group that crosses a switch asks the uplink for its
+    NIC-limited bandwidth; when the asks exceed the uplink (nodes x node_network / oversubscription)
+    each gets a proportional share. ``gpu_groups`` communicate at the same time; ``neighbours`` are other
+    jobs' groups assumed to be communicating too.
+    """
+    g = cluster.gpus_per_node
+    sw = cluster.node_switch
+    nic = cluster.node_network_gbps / g
+
+    def nic_limit(grp):
+        per_node: dict[int, int] = {}
+        for x in grp:
+            per_node[x // g] = per_node.get(x // g, 0) + 1
+        return min(cluster.intra_node_gbps, min(k * nic for k in per_node.values())), per_node
+
+    asks: dict[int, float] = {}
+    for grp in gpu_groups + neighbours:
+        bw, per_node = nic_limit(grp)
+        switches = {sw[nd] for nd in per_node}
+        if len(switches) > 1:
+            for s_ in switches:
+                asks[s_] = asks.get(s_, 0.0) + bw
+    out = []
+    for grp in gpu_groups:
+        bw, per_node = nic_limit(grp)
+        switches = {sw[nd] for nd in per_node}
+        if len(per_node) == 1:
+            out.append(Link(cluster.intra_node_gbps, cluster.intra_node_latency_us * 1e-6, "node"))
+            continue
+        level, lat = "switch", cluster.inter_node_latency_us * 1e-6
+        if len(switches) > 1:
+            bw = min([bw] + [bw * min(1.0, cluster.uplink_gbps(s_) / asks[s_]) for s_ in switches])
+            level, lat = "spine", 2 * lat  # up to the spine and down again
+        out.append(Link(bw, lat, level))
+    return out
+
+
+# ------------------------------------------------------------------ the step-time model
+@dataclass
+class Calibration:
+    """The model's inputs that are not the job's shape, each with where it came from."""
+
+    peak_flops: float  # per GPU, job dtype (datasheet)
+    efficiency: float  # single-GPU MFU (compute time = FLOPs / (peak * efficiency))
+    overlap: float  # share of the DP all-reduce hidden behind backward (capped by the backward's length)
+    bucket_bytes: float = 25 * 2 ** 20  # DDP bucket size: the last bucket is reduced after backward ends
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    gpus: list[int]
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    tp_s: float
+    pp_s: float
+    dp_s: float  # the all-reduce's full time
+    dp_exposed_s: float
+    mfu: float
+    tokens_per_s: float
+    memory_gb: float
+    fits: bool
+    links: dict[str, str]  # group kind -> worst level and bandwidth, for the table
+
+    @property
+    def tokens_per_gpu_hour(self) -> float:
+        return self.tokens_per_s * 3600 / self.layout.gpus
+
+
+def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: Calibration,
+            neighbours: list[list[int]] | None = None) -> Prediction:
+    """Step time of one optimizer step (global batch = dp * m * micro_batch samples) on this placement.
+
+    Each term's formula is on its line; the terms add up (communication other than the DP all-reduce's
+    hidden part is on the critical path).
+    """
+    neighbours = neighbours or []
+    gr = groups(lay)
+    to_gpu = [[placement[r] for r in grp] for grp in gr["tp"]], [[placement[r] for r in grp] for grp in gr["dp"]]
+    tp_links = _group_links(cluster, to_gpu[0], neighbours) if lay.tp > 1 else []
+    dp_links = _group_links(cluster, to_gpu[1], neighbours) if lay.dp > 1 else []
+    pp_pairs = [[placement[grp[i]], placement[grp[i + 1]]] for grp in gr["pp"] for i in range(len(grp) - 1)]
+    pp_links = _group_links(cluster, pp_pairs, neighbours) if lay.pp > 1 else []
+
+    global_batch = lay.dp * lay.m * s.micro_batch
+    flops = s.flops_per_sample * global_batch  # model FLOPs of the whole step
+    # compute: this GPU's share of the step's FLOPs at the single-GPU efficiency
+    compute = flops / lay.gpus / (cal.peak_flops * cal.efficiency)
+    # bubble: (p-1)/(v*m) of the compute time idles in the pipeline's fill and drain
+    bubble = compute * bubble_fraction(lay.pp, lay.m, lay.v)
+    act = s.seq_len * s.micro_batch * s.d_model * s.act_bytes  # one micro-batch's hidden states, b*s*h
+    # TP: Megatron-LM does 2 all-reduces of b*s*h forward and 2 backward per layer (attention and MLP)
+    worst_tp = min(tp_links, key=lambda k: k.busbw_gbps) if tp_links else None
+    tp = (4 * (s.n_layers / lay.pp) * lay.m * allreduce_s(act, lay.tp, worst_tp.busbw_gbps, worst_tp.latency_s)
+          if worst_tp else 0.0)
+    # PP: each micro-batch sends its activations forward and receives their gradient back, v times interleaved
+    worst_pp = min(pp_links, key=lambda k: k.busbw_gbps) if pp_links else None
+    pp = 2 * lay.v * lay.m * p2p_s(act / lay.tp, worst_pp.busbw_gbps, worst_pp.latency_s) if worst_pp else 0.0
+    # DP: one all-reduce of this GPU's gradient shard, params/(tp*pp) * grad_bytes, over the slowest DP group
+    worst_dp = min(dp_links, key=lambda k: k.busbw_gbps) if dp_links else None
+    dp = allreduce_s(s.params / (lay.tp * lay.pp) * s.grad_bytes, lay.dp, worst_dp.busbw_gbps,
+                     worst_dp.latency_s) if worst_dp else 0.0
+    # hidden: the overlapped share, but never more than the last micro-batch's backward (2/3 of its compute),
+    # and never the last bucket, whose all-reduce starts when backward ends
+    shard = s.params / (lay.tp * lay.pp) * s.grad_bytes
+    last = (allreduce_s(min(cal.bucket_bytes, shard), lay.dp, worst_dp.busbw_gbps, worst_dp.latency_s)
+            if worst_dp else 0.0)
+    hidden = max(0.0, min(cal.overlap * dp, 2 / 3 * compute / lay.m, dp - last))
+    step = compute + bubble + tp + pp + (dp - hidden)
+    mem = memory_bytes(s, lay)
+    links = {k: (f"{w.level}, {w.busbw_gbps:.0f} GB/s" if w else "-") for k, w in
+             (("tp", worst_tp), ("pp", worst_pp), ("dp", worst_dp))}
+    return Prediction(lay, placement, step, compute, bubble, tp, pp, dp, dp - hidden,
+                      flops / (lay.gpus * cal.peak_flops * step), global_batch * s.seq_len / step, mem / GB,
+                      mem <= 0.9 * cluster.gpu_memory_gb * GB, links)
+
+
+STRATEGIES = ("topology-aware", "in order", "round-robin", "random")
+
+
+def place(cluster: Cluster, strategy: str, lay: Layout, seed: int = 0, taken: set[int] = frozenset()) -> list[int]:
+    if strategy == "topology-aware":
+        return place_topology_aware(cluster, lay, taken)
+    if strategy == "in order":
+        return place_in_order(cluster, lay.gpus, taken)
+    if strategy == "round-robin":
+        return place_round_robin(cluster, lay.gpus, taken)
+    if strategy == "random":
+        return place_random(cluster, lay.gpus, seed, taken)
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def best_layout(cluster: Cluster, s: Shape, gpus: int, global_batch: int, cal: Calibration, tp: int = 0,
+                pp: int = 0, v: int = 1) -> Prediction | None:
+    """The fastest layout that fits in memory at this size, placed topology-aware; None if none can."""
+    best = None
+    for lay in enumerate_layouts(s, gpus, global_batch, tp, pp, v):
+        where = place_topology_aware(cluster, lay)
+        if not where:
+            continue
+        p = predict(cluster, s, lay, where, cal)
+        if p.fits and (best is None or p.step_s < best.step_s):
+            best = p
+    return best
+
+
+def sweep_sizes(cluster: Cluster) -> list[int]:
+    """1, 2, 4 ... up to the free GPUs, plus the free GPU count itself."""
+    free = cluster.n_gpus - cluster.occupied_gpus
+    sizes = [2 ** i for i in range(0, int(math.log2(free)) + 1)]
+    return sizes + ([free] if free not in sizes else [])
+
+
+def efficient_size(points: list[tuple[int, float]], threshold: float) -> tuple[int | None, list[float | None]]:
+    """The largest size whose marginal efficiency has stayed >= threshold at every step up to it.
+
+    Marginal efficiency of going from n1 to n2 GPUs: the tokens/s the added GPUs bring, per added GPU,
+    over the tokens/s per GPU at n1: ((T2 - T1) / (n2 - n1)) / (T1 / n1). 1.0 is perfect scaling.
+    ``points`` are (gpus, tokens/s), ascending. Returns the size and each point's marginal efficiency.
+    """
+    if not points:
+        return None, []
+    marg: list[float | None] = [None]
+    best = points[0][0]
+    ok = True
+    for (n1, t1), (n2, t2) in zip(points, points[1:]):
+        e = ((t2 - t1) / (n2 - n1)) / (t1 / n1)
+        marg.append(e)
+        ok = ok and e >= threshold
+        if ok:
+            best = n2
+    return best, marg
+
+
+# ------------------------------------------------------------------ several jobs sharing the cluster
+def partition_whole_racks(cluster: Cluster, n_jobs: int) -> list[list[int]]:
+    """Each job gets whole leaf switches' nodes (job k: the k-th block of switches), as evenly as possible."""
+    sw = list(cluster.switches.values())
+    per = max(1, len(sw) // n_jobs)
+    out, node = [], 0
+    for k in range(n_jobs):
+        mine = sw[k * per:(k + 1) * per] if k < n_jobs - 1 else sw[k * per:]
+        count = sum(len(x) for x in mine)
+        out.append(list(range(node, node + count)))
+        node += count
+    return out
+
+
+def partition_interleaved(cluster: Cluster, n_jobs: int) -> list[list[int]]:
+    """Nodes dealt out in turn: node i to job i mod n_jobs, so every job spans every switch."""
+    return [[nd for nd in range(len(cluster.nodes)) if nd % n_jobs == k] for k in range(n_jobs)]
+
+
+def shared_predictions(cluster: Cluster, s: Shape, lay: Layout, cal: Calibration,
+                       node_sets: list[list[int]]) -> list[Prediction] | None:
+    """Place one copy of the job on each node set (topology-aware inside it) and predict each with the
+    others' DP groups sharing the links they cross. None when a copy does not fit its nodes."""
+    places = []
+    for nodes in node_sets:
+        where = place_topology_aware(cluster, lay, nodes_allowed=nodes)
+        if not where:
+            return None
+        places.append(where)
+    dp_groups = [[[p[r] for r in grp] for grp in groups(lay)["dp"]] for p in places]
+    out = []
+    for k, where in enumerate(places):
+        others = [grp for j, gs in enumerate(dp_groups) if j != k for grp in gs]
+        out.append(predict(cluster, s, lay, where, cal, neighbours=others))
+    return out
+
+
+# ------------------------------------------------------------------ gang scheduling
+@dataclass
+class SimJob:
+    name: str
+    arrival_h: float
+    gpus: int
+    hours: float
+    start_h: float | None = None
+    end_h: float | None = None
+    first_grab_h: float | None = None  # when it first held a GPU (partial starts)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    jobs: list[SimJob]
+    idle_gpu_hours: float  # GPUs held by jobs not yet running, plus free GPUs while a job waits
+    makespan_h: float | None
+    mean_completion_h: float | None  # end - arrival, over jobs that finished
+    deadlock_h: float | None  # when nothing could progress any more (partial starts only)
+    timeline: list[tuple[float, int, int]]  # (time, running GPUs, held-but-idle GPUs)
+
+
+def simulate(queue: list[QueueEntry], total_gpus: int, policy: str, horizon_h: float | None = None) -> SimResult:
+    """Event-driven queue simulation, first come first served.
+
+    gang: a job starts only when all its GPUs are free at once (all-or-nothing).
+    greedy: pods start one GPU at a time, handed out in turn to the waiting jobs (as a scheduler without
+    gang semantics places pods of several jobs); a job holds what it got and runs once it holds all its GPUs.
+    Two jobs holding parts of the cluster can then wait on each other forever: a deadlock.
+    """
+    if policy not in ("gang", "greedy"):
+        raise ValueError("policy must be gang or greedy")
+    jobs = [SimJob(q.name, q.arrival_h, q.gpus, q.hours) for q in sorted(queue, key=lambda q: q.arrival_h)]
+    held = {j.name: 0 for j in jobs}
+    t, free, idle = 0.0, total_gpus, 0.0
+    timeline: list[tuple[float, int, int]] = []
+    deadlock = None
+    while True:
+        waiting = [j for j in jobs if j.arrival_h <= t and j.start_h is None]
+        if policy == "gang":
+            for j in waiting:  # strict FIFO: the head blocks the rest
+                if j.gpus > free:
+                    break
+                free -= j.gpus
+                held[j.name] = j.gpus
+                j.start_h = j.first_grab_h = t
+                j.end_h = t + j.hours
+        else:
+            while free and any(held[j.name] < j.gpus for j in waiting):
+                for j in waiting:
+                    if free and held[j.name] < j.gpus:
+                        held[j.name] += 1
+                        free -= 1
+                        j.first_grab_h = t if j.first_grab_h is None else j.first_grab_h
+            for j in waiting:
+                if held[j.name] == j.gpus:
+                    j.start_h, j.end_h = t, t + j.hours
+        running = [j for j in jobs if j.start_h is not None and j.end_h > t]
+        idle_held = sum(held[j.name] for j in jobs if j.start_h is None)
+        still_waiting = [j for j in jobs if j.start_h is None and j.arrival_h <= t]
+        timeline.append((t, sum(j.gpus for j in running), idle_held))
+        events = [j.end_h for j in running] + [j.arrival_h for j in jobs if j.arrival_h > t]
+        if not events:
+            if still_waiting:
+                deadlock = t
+            break
+        nxt = min(events)
+        if horizon_h is not None and nxt > horizon_h:
+            nxt = horizon_h
+        idle += (nxt - t) * (idle_held + (free if still_waiting else 0))
+        if horizon_h is not None and nxt >= horizon_h:
+            t = nxt
+            break
+        t = nxt
+        for j in running:
+            if j.end_h <= t:
+                free += held[j.name]
+                held[j.name] = 0
+    if deadlock is not None and horizon_h is not None and horizon_h > t:
+        idle += (horizon_h - t) * (sum(held.values()) + free)
+    done = [j for j in jobs if j.end_h is not None]
+    return SimResult(policy, jobs, idle, max((j.end_h for j in done), default=None) if len(done) == len(jobs) else None,
+                     sum(j.end_h - j.arrival_h for j in done) / len(done) if done else None, deadlock, timeline)
