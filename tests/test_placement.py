@@ -321,3 +321,30 @@ def test_notebook_runs_under_papermill_after_the_other_steps(full_run):
     index = (job_root / "index.html").read_text()
     assert "Step 6 · Placement" in index and 'href="06_placement/report.html"' in index
     assert_offline(index)
+
+
+def test_calibration_uses_measurements_only_from_the_clusters_gpu(tiny_job):
+    from mfu_lab.steps.placement import calibrate
+
+    c = load_cluster(CLUSTERS / "example_h100.yaml")
+    table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, 8, 300.0, 5e-6)} for b in (2 ** 20, 2 ** 24, 2 ** 28)]
+    comm = {"hook": "none", "bucket_mb": 25, "grad_as_bucket_view": False, "status": "ok", "comm_s": 0.010,
+            "exposed_s": 0.004}
+    rec = {"comm": {"hook": "none", "bucket_cap_mb": 25, "gradient_as_bucket_view": False}}
+
+    def earlier(device, backend):
+        env = {"device_name": device}
+        return {"baseline": {"environment": env, "metrics": {"mfu": {"value": 0.47}}},
+                "attention_comm": {"environment": env, "metrics": {"mfu": {"value": 0.52}}, "comm": [comm],
+                                   "comm_layout": {"world_size": 8, "backend": backend, "nnodes": 1},
+                                   "allreduce": table, "recommendation": rec}}
+
+    on_gpu, cal, rows = calibrate(tiny_job, c, earlier("NVIDIA H100 80GB HBM3", "nccl"))
+    by = {r["input"]: r for r in rows}
+    assert cal.efficiency == 0.52 and by["single-GPU efficiency (MFU)"]["source"] == "measured"  # best of steps
+    assert on_gpu.intra_node_gbps == pytest.approx(300.0) and by["intra-node bus bandwidth"]["source"] == "measured"
+    assert cal.overlap == pytest.approx(0.6)  # 1 - 4 / 10 ms
+    on_cpu, cal2, rows2 = calibrate(tiny_job, c, earlier("AMD EPYC", "gloo"))
+    by2 = {r["input"]: r for r in rows2}
+    assert cal2.efficiency == tiny_job.assumed_mfu and by2["single-GPU efficiency (MFU)"]["source"] == "modelled"
+    assert on_cpu.intra_node_gbps == c.intra_node_gbps and "not recalibrated" in by2["intra-node bus bandwidth"]["from"]
