@@ -317,7 +317,7 @@ def test_notebook_runs_under_papermill_after_the_other_steps(full_run):
     for row in d["check"]["rows"]:
         assert row["error"] == pytest.approx((row["predicted_s"] - measured) / measured)
     report = (folder / "report.html").read_text()
-    assert "The model against step 2" in report or "model check" in report
+    assert "The model against this machine" in report and "two copies at once" in report
     index = (job_root / "index.html").read_text()
     assert "Step 6 · Placement" in index and 'href="06_placement/report.html"' in index
     assert_offline(index)
