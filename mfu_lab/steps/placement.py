@@ -31,7 +31,7 @@ from ..cluster import Cluster, QueueEntry, load_cluster
 from ..job import Job, find_workbook_root
 from ..measure import stats
 from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
-from ..workload import GPT, build_loader, build_model, build_train_step
+from ..workload import build_loader, build_model, build_train_step
 from . import BY_KEY
 from .baseline import count_step_flops
 
@@ -131,11 +131,8 @@ def job_shape(job: Job, device: dev.DeviceInfo) -> tuple[pl.Shape, str]:
     fl = count_step_flops(model, build_train_step(job, model, device.type), x.to(device.torch_device),
                           y.to(device.torch_device))
     params = float(sum(p.numel() for p in model.parameters()))
-    if isinstance(model, GPT):
-        n_layers, n_heads, d_model = job.n_layers, job.n_heads, job.d_model
-    else:  # a user model: the job's shape keys describe it as far as the model needs
-        n_layers, n_heads, d_model = job.n_layers, job.n_heads, job.d_model
-    shape = pl.Shape(n_layers, n_heads, d_model, job.seq_len, job.micro_batch, params,
+    # a user model is described by the job's shape keys as far as the placement model needs
+    shape = pl.Shape(job.n_layers, job.n_heads, job.d_model, job.seq_len, job.micro_batch, params,
                      fl.model_flops_per_step / job.micro_batch, 4 if job.dtype == "float32" else 2, 4,
                      job.attention == "unfused", job.activation_checkpointing)
     return shape, f"{fl.model_flops_source} model FLOPs of one micro-batch / micro_batch; {params:.4g} parameters"
