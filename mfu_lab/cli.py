@@ -8,6 +8,9 @@
     mfu-lab keys             list every job key with its default and help
     mfu-lab report JOB_DIR   re-export HTML for executed notebooks in a job folder and refresh its index
     mfu-lab gate             pre-launch GPU health gate on this node (NVML); exit 1 names the failing GPU
+    mfu-lab history [JOB_DIR]            list the job's runs (kept under JOB_DIR/runs/) with their MFU
+    mfu-lab compare RUN_A RUN_B [--job-dir DIR] [--tolerance 0.03]
+        what changed between two runs, metric by metric, beyond the noise
 
 Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, arguments).
 """
@@ -15,6 +18,7 @@ Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, argument
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,8 +129,11 @@ def cmd_run(args) -> int:
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
     root = find_workbook_root()
+    from .history import RUN_ENV, RUNS_DIR, new_run_id
+
+    run_id = os.environ[RUN_ENV] = new_run_id()  # the notebooks' kernels inherit it: one run, one id
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
-    print(f"mfu-lab: results in {job.output_root()}")
+    print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
     for n, info in enumerate(steps, 1):
         t0 = time.perf_counter()
         print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
@@ -190,6 +197,42 @@ def cmd_report(args) -> int:
     return EXIT_OK
 
 
+def _job_dir(arg: str | None) -> Path:
+    """The job output folder named on the command line, else the default job's."""
+    if arg:
+        return Path(arg)
+    job, _ = resolve_job(None, {}, None)
+    return job.output_root()
+
+
+def cmd_history(args) -> int:
+    from .history import mfu_trend, runs
+    from .report import fmt
+
+    root = _job_dir(args.job_dir)
+    table = runs(root)
+    if not table:
+        print(f"{root}: no run recorded yet (history.jsonl is written when a step saves its result)")
+        return EXIT_OK
+    trend = dict(mfu_trend(root))
+    for rid, steps in table.items():
+        first = next(iter(steps.values()))
+        mfus = ", ".join(f"{k} {fmt(v, 'fraction')}" for k, v in trend.get(rid, {}).items())
+        print(f"{rid}  {len(steps)} step(s): {', '.join(steps)}; commit {str(first.get('git_commit'))[:12]}; "
+              f"job {first.get('job_digest')}" + (f"; MFU {mfus}" if mfus else ""))
+    return EXIT_OK
+
+
+def cmd_compare(args) -> int:
+    from .history import compare, compare_text, resolve_run
+
+    root = _job_dir(args.job_dir)
+    a, b = resolve_run(args.run_a, root), resolve_run(args.run_b, root)
+    changes, notes = compare(a, b, args.tolerance)
+    print(compare_text(a, b, changes, notes, args.all))
+    return EXIT_OK
+
+
 def cmd_gate(args) -> int:
     from .health import gate
 
@@ -231,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="re-export HTML and the index for a job's output folder")
     rep.add_argument("job_dir")
     rep.set_defaults(func=cmd_report)
+
+    h = sub.add_parser("history", help="list a job's runs (kept under JOB_DIR/runs/) with their MFU")
+    h.add_argument("job_dir", nargs="?", help="job output folder (default: the default job's)")
+    h.set_defaults(func=cmd_history)
+
+    c = sub.add_parser("compare", help="what changed between two runs of a job, metric by metric, beyond the noise")
+    c.add_argument("run_a", help="run id (or a unique prefix), latest, previous, or a folder of step results")
+    c.add_argument("run_b", help="the same forms as RUN_A")
+    c.add_argument("--job-dir", help="job output folder holding runs/ (default: the default job's)")
+    c.add_argument("--tolerance", type=float, default=0.03,
+                   help="relative noise below which a measured figure counts as the same (0.03); widened to "
+                        "half the step's p10-p90 spread when larger")
+    c.add_argument("--all", action="store_true", help="list the metrics that stayed the same too")
+    c.set_defaults(func=cmd_compare)
 
     g = sub.add_parser("gate", help="pre-launch health gate: every NVIDIA GPU on this node cool and unthrottled")
     g.add_argument("--max-temp-c", type=float, default=80.0, help="fail a GPU above this temperature (80)")

@@ -62,7 +62,22 @@ def step_times(result) -> Figure:
 def ledger_waterfall(ledger, title: str = "MFU ledger: where the peak goes") -> Figure:
     """100% of peak, minus each named loss, down to MFU."""
     fig = ReportFigure(figsize=(8, 3.8))
-    ax = fig.subplots()
+    _waterfall(fig.subplots(), ledger, title)
+    fig.tight_layout()
+    return fig
+
+
+def ledger_before_after(before, after, titles: tuple[str, str]) -> Figure:
+    """Two ledgers side by side on the same scale: the job as it came, and after a measured change."""
+    fig = ReportFigure(figsize=(11, 3.9))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, ledger, title in zip(axes, (before, after), titles):
+        _waterfall(ax, ledger, title, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _waterfall(ax, ledger, title: str, fontsize: int = 12) -> None:
     losses = [i for i in ledger.items if i.name != "mfu"]
     mfu_item = ledger.get("mfu")
     level = 1.0
@@ -85,7 +100,25 @@ def ledger_waterfall(ledger, title: str = "MFU ledger: where the peak goes") -> 
     ax.set_ylim(min(0.0, level) - 0.02, 1.1)
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_ylabel("share of peak FLOP/s x time")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=fontsize)
+
+
+def mfu_trend(trend: list[tuple[str, dict[str, float]]]) -> Figure:
+    """MFU per step across the job's runs (oldest left): one line per step that reports an MFU."""
+    fig = ReportFigure(figsize=(max(5.0, 0.9 * len(trend) + 3), 3.2))
+    ax = fig.subplots()
+    steps = sorted({k for _, pts in trend for k in pts})
+    for k in steps:
+        xs = [i for i, (_, pts) in enumerate(trend) if k in pts]
+        ax.plot(xs, [trend[i][1][k] for i in xs], marker="o", label=k)
+    ax.set_xticks(range(len(trend)), [rid[4:8] + "\n" + rid[9:15] for rid, _ in trend], fontsize=7)
+    ax.set_xlim(-0.5, len(trend) - 0.5)
+    ax.set_xlabel("run (MMDD, HHMMSS UTC)")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+    ax.set_ylim(0, max([v for _, pts in trend for v in pts.values()] + [0.01]) * 1.25)
+    ax.set_ylabel("MFU (measured)")
+    ax.set_title(f"MFU across this job's runs ({len(trend)} run{'s' if len(trend) != 1 else ''})")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 

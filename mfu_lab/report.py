@@ -658,20 +658,111 @@ def load_results(job_root: Path) -> dict[str, dict]:
     return out
 
 
+def _ledger_obj(d: dict):
+    from .ledger import Ledger, LedgerItem
+
+    return Ledger([LedgerItem(**i) for i in d["items"]])
+
+
+def changes_table(results: dict[str, dict]) -> str:
+    from .summary import changes
+
+    rows = changes(results)
+    if not rows:
+        return "<p>No step that measures a change (2, 4, 5, 6) has run yet.</p>"
+    cls = {"adopt": "act", "in the job": "ok", "keep as is": "notrun", "not measured": "notrun"}
+    body = "".join(
+        f"<tr><td>{e(c.step[:2].lstrip('0'))}</td><td>{e(c.change)}</td><td>{fmt(c.gain, c.unit)}{badge(c.source)}</td>"
+        f'<td><span class="{cls.get(c.status, "")}">{e(c.status)}</span></td><td><small>{e(c.how)}</small></td></tr>'
+        for c in rows)
+    return ("<table><tr><th>#</th><th>change</th><th>gain</th><th>status</th><th>how it was measured / how to "
+            f"adopt it</th></tr>{body}</table>")
+
+
+def recommendations_list(results: dict[str, dict]) -> str:
+    from .summary import recommendations
+
+    items = recommendations(results)
+    return "<ol>" + "".join(
+        f'<li><span class="{e(a.get("severity", ""))}">{e(a.get("severity", ""))}</span> <small>{e(folder)}</small> '
+        f'{e(a.get("message", ""))} <small>({e(a.get("because", ""))})</small></li>' for folder, a in items
+    ) + "</ol>" if items else "<p>No recommendation yet.</p>"
+
+
+def environment_html(results: dict[str, dict]) -> str:
+    """The environment of the latest step to run, and step 1's device health (NVML)."""
+    if not results:
+        return "<p>No step has run yet.</p>"
+    latest = max(results.values(), key=lambda d: d.get("environment", {}).get("created_at") or "")
+    env = "".join(f"<tr><td>{e(str(k))}</td><td>{e(str(v))}</td></tr>" for k, v in latest["environment"].items())
+    h = results.get("baseline", {}).get("health")
+    if h is None:
+        health = "<p>Device health is read in step 1 (NVML), which has not run.</p>"
+    elif h.get("sampled"):
+        health = (f"<p>Step 1 read {h['samples']} NVML samples: max {h['temperature_c_max']:.0f} C, SM clock "
+                  f"{h['sm_clock_mhz_mean']:.0f} of {h['sm_clock_mhz_max_supported']:.0f} MHz, "
+                  f"{h['power_w_mean']:.0f} W of {h.get('power_limit_w') or 0:.0f} W; clock reasons seen: "
+                  f"{e(', '.join(h.get('reasons_seen') or []) or 'none')}.</p>")
+    else:
+        health = f"<p>Device health not read: {e(h.get('skipped_reason', ''))}.</p>"
+    return f"{health}<table>{env}</table>"
+
+
+def history_html(job_root: Path) -> str:
+    """The job's MFU across runs (a trend once two runs exist) and its runs, newest first."""
+    from . import plots
+    from .history import mfu_trend, runs
+
+    table = runs(job_root)
+    if not table:
+        return "<p>No run recorded yet.</p>"
+    trend = mfu_trend(job_root)
+    img = (f'<img alt="MFU across runs" src="{plots.to_data_uri(plots.mfu_trend(trend))}">' if trend else "")
+    by_run = dict(trend)
+    rows = []
+    for rid, steps in list(table.items())[::-1][:20]:
+        first = next(iter(steps.values()))
+        mfus = ", ".join(f"{k[:2]}: {v:.1%}" for k, v in by_run.get(rid, {}).items())
+        link = (f'<a href="runs/{e(rid)}/">{e(rid)}</a>' if (job_root / "runs" / rid).is_dir() else e(rid))
+        rows.append(f"<tr><td>{link}</td><td>{e(', '.join(steps))}</td><td>{e(mfus)}</td>"
+                    f"<td><code>{e(str(first.get('job_digest')))}</code></td>"
+                    f"<td><code>{e(str(first.get('git_commit'))[:12])}</code></td></tr>")
+    more = f"<p><small>{len(table) - 20} older runs not listed.</small></p>" if len(table) > 20 else ""
+    return (f"{img}<table><tr><th>run (UTC)</th><th>steps</th><th>MFU (measured)</th><th>job parameters</th>"
+            f"<th>workbook commit</th></tr>{''.join(rows)}</table>{more}"
+            f"<p>What changed between two runs, beyond the noise: <code>mfu-lab compare previous latest --job-dir "
+            f"{e(str(job_root))}</code>. A different <i>job parameters</i> digest means the job file changed.</p>")
+
+
 def write_index(job_root: Path) -> Path:
     """(Re)write ``<job_root>/index.html`` from whatever step results exist."""
     from . import plots
+    from .summary import headline, ledger_before_after, mfu_points
 
     job_root = Path(job_root)
     results = load_results(job_root)
     rows = "".join(_step_row(job_root, info, results.get(info.key)) for info in STEPS)
-    points = [(info.folder, results[info.key]["metrics"]["mfu"]["value"]) for info in STEPS
-              if info.key in results and results[info.key]["metrics"].get("mfu", {}).get("value") is not None]
+    points = mfu_points(results)
     progression = (f'<img alt="MFU progression" src="{plots.to_data_uri(plots.mfu_progression(points))}">'
                    if points else "<p>No step has produced an MFU yet.</p>")
+    before, after = ledger_before_after(results)
+    if before and after:
+        fig = plots.ledger_before_after(_ledger_obj(before[1]), _ledger_obj(after[1]), (before[0], after[0]))
+        ledgers = (f'<img alt="ledger before and after" src="{plots.to_data_uri(fig)}">'
+                   "<p><small>Before: step 1's ledger of the measured steps (one process). After: step 3's rule "
+                   "(the trace's computing, communication, copies, data wait and idle) over the profiled steps of "
+                   "step 4's run. Both are measured; the two methods split the same time slightly differently, so "
+                   "compare the MFU bars first.</small></p>")
+    elif before:
+        fig = plots.ledger_waterfall(_ledger_obj(before[1]), before[0])
+        ledgers = (f'<img alt="ledger before" src="{plots.to_data_uri(fig)}">'
+                   "<p>After: no step has measured a changed configuration's ledger yet (step 4 does).</p>")
+    else:
+        ledgers = "<p>Step 1 measures the ledger; it has not run.</p>"
     sections = "".join(SECTIONS[k](results[k]) for k in SECTIONS if k in results)
     any_result = next(iter(results.values()), None)
     env = any_result["environment"] if any_result else {}
+    summary = "".join(f"<li>{e(line)}</li>" for line in headline(results))
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>mfu-lab · {e(job_root.name)}</title>
 <style>{CSS}</style></head><body class="mfu">
@@ -679,9 +770,17 @@ def write_index(job_root: Path) -> Path:
 <p class="sub">{e(env.get('device_name', ''))} · torch {e(str(env.get('torch', '')))} · workbook commit
 {e(str(env.get('git_commit', '')))} · labels say where each number comes from:
 {''.join(badge(s) for s in ('measured', 'counted', 'analytic', 'datasheet', 'emulated', 'modelled'))}</p>
+<h2>Summary</h2><ul>{summary}</ul>
+<h2>MFU, step by step</h2>
 {progression}
 <table><tr><th>#</th><th>step</th><th>status</th><th>MFU</th><th>tokens/s</th><th>median step</th><th>files</th></tr>
 {rows}</table>
+<h2>The ledger, before and after</h2>{ledgers}
+<h2>Changes measured</h2>{changes_table(results)}
+<h2>Recommendations, all steps</h2>{recommendations_list(results)}
+<h2>Runs of this job</h2>{history_html(job_root)}
+<h2>Environment and device health</h2>{environment_html(results)}
+<h2>Step by step, in detail</h2>
 {sections}
 </body></html>
 """

@@ -22,11 +22,13 @@ class StepInfo:
         return importlib.import_module(self.module)
 
     def save(self, job, result):
-        """Write the step's result.json atomically and refresh the job's index page."""
+        """Write the step's result.json atomically, keep a copy in the job's run history, refresh the index."""
+        from ..history import record
         from ..report import write_index
-        from ..results import RESULT_FILE, write_json_atomic
+        from ..results import RESULT_FILE, read_json, write_json_atomic
 
         path = write_json_atomic(job.step_dir(self.folder) / RESULT_FILE, result)
+        record(job.output_root(), self.folder, self.key, read_json(path))
         write_index(job.output_root())
         return path
 

@@ -88,13 +88,16 @@ class CompileResult(StepResult):
     step3: dict[str, Any]
     recommendation: dict[str, Any]
     advice: list[Advice]
+    # mode -> the MFU ledger of its profiled steps (eager included): the index's "after" waterfall
+    ledgers: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompileResult:
         return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
                    cp.ShapeAudit(**d["audit"]), [cp.RecompileRun(**r) for r in d["recompiles"]],
                    cp.GraphBreaks(**d["breaks"]), Trial(**d["eager"]), [Trial(**t) for t in d["trials"]],
-                   d["step3"], d["recommendation"], [Advice(**a) for a in d["advice"]], **cls.tail(d))
+                   d["step3"], d["recommendation"], [Advice(**a) for a in d["advice"]], d.get("ledgers", {}),
+                   **cls.tail(d))
 
 
 # ------------------------------------------------------------------ trials in fresh processes
@@ -282,8 +285,11 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     _fill(eager, d, None, 0.0, flops, peak, tolerance)
     eager_extra = cp.compile_seconds(d["wall_s"], d["warmup"], eager.step_median_s)
     ref3 = _step3_reference(job)
-    if ref3 is None and eager_trace.is_file():
+    ledgers: dict[str, Any] = {}
+    if eager_trace.is_file():
         a = tr.analyse(tr.load_trace(eager_trace), top_n=1)
+        ledgers["eager"] = _trace_ledger(a, flops, peak, device.type)
+    if ref3 is None and eager_trace.is_file():
         ref3 = {"source": "the eager run's own trace (step 3 has not run)", "ops_per_step": a.ops_per_step,
                 "kind": a.kind, "patterns": [c.pattern for c in a.fusion]}
     modes = list(job.compile_modes) + (["options"] if job.compile_options else [])
@@ -315,6 +321,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         if trace.is_file():
             a = tr.analyse(tr.load_trace(trace), top_n=1)
             t.ops_per_step, t.fusion_left, t.trace_file = a.ops_per_step, [c.pattern for c in a.fusion], trace.name
+            ledgers[mode] = _trace_ledger(a, flops, peak, device.type)
 
     # ---- 4. step 3's kernels against the compiled ones
     step3: dict[str, Any] = ref3 or {"source": "no eager trace to compare with"}
@@ -358,12 +365,20 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
     result = CompileResult("compile", job.to_dict(), environment(device.name, device.type), metrics, audit,
-                           [real, *demo], breaks, eager, trials, step3, rec, [], skipped=skipped)
+                           [real, *demo], breaks, eager, trials, step3, rec, [], ledgers, skipped=skipped)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
     return result
+
+
+def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str) -> dict[str, Any]:
+    """Step 3's ledger rule applied to one trial's profiled steps (MFU over the profiled window)."""
+    from ..results import _jsonable
+    from .kernels import _ledger
+
+    return _jsonable(_ledger(a, flops * a.steps / (peak * a.window_s), device_type)) if a.window_s else {}
 
 
 def save(job: Job, result: CompileResult) -> Path:

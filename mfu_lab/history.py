@@ -1,0 +1,279 @@
+"""Run history: every step result a job ever produced, kept; two runs compared metric by metric.
+
+Each time a step saves its result, besides ``<job>/<NN_step>/result.json`` (the latest, which the
+reports read), the same file is copied to ``<job>/runs/<run_id>/<NN_step>/result.json`` and one line is
+appended to ``<job>/history.jsonl``: the run, the step, when, the workbook commit, a digest of the job's
+parameters and every metric with its unit and label. Nothing in ``runs/`` or the history is ever
+rewritten, so a rerun never overwrites what an earlier run measured.
+
+A run is one ``mfu-lab run`` (every step it executes shares the id, passed to the notebooks' kernels in
+``MFU_LAB_RUN_ID``); a step run on its own (a notebook in JupyterLab, ``mfu-lab step``) is a run of its own.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import JobError, JobProblem
+from .results import RESULT_FILE, read_json
+from .steps import BY_KEY, STEPS
+
+HISTORY_FILE = "history.jsonl"
+RUNS_DIR = "runs"
+RUN_ENV = "MFU_LAB_RUN_ID"
+_RUN_ID = re.compile(r"^\d{8}-\d{6}(-\d+)?$")
+
+
+def new_run_id(now: _dt.datetime | None = None) -> str:
+    """A run id that sorts by time: ``YYYYMMDD-HHMMSS`` (UTC)."""
+    return (now or _dt.datetime.now(_dt.UTC)).strftime("%Y%m%d-%H%M%S")
+
+
+def current_run_id() -> str:
+    """The run this process belongs to: ``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it, else a new id."""
+    rid = os.environ.get(RUN_ENV, "")
+    return rid if _RUN_ID.match(rid) else new_run_id()
+
+
+def job_digest(job_dict: dict[str, Any]) -> str:
+    """12 hex digits identifying a job's parameters (output folder left out: moving results is no change)."""
+    d = {k: v for k, v in job_dict.items() if k != "out_dir"}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_id: str | None = None) -> str:
+    """Keep a copy of a just-saved step result under ``runs/<run_id>/`` and append its line to the history."""
+    job_root = Path(job_root)
+    rid = run_id or current_run_id()
+    src = job_root / folder / RESULT_FILE
+    dst = job_root / RUNS_DIR / rid / folder / RESULT_FILE
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst.with_suffix(".json.tmp"))
+    dst.with_suffix(".json.tmp").replace(dst)
+    env = result.get("environment", {})
+    line = {"run": rid, "step": step, "folder": folder, "saved_at": env.get("created_at"),
+            "git_commit": env.get("git_commit"), "device": env.get("device_name"),
+            "job_digest": job_digest(result.get("job", {})), "status": result.get("status", "ok"),
+            "elapsed_s": result.get("elapsed_s"),
+            "metrics": {k: {"value": m.get("value"), "unit": m.get("unit"), "source": m.get("source")}
+                        for k, m in result.get("metrics", {}).items()}}
+    text = json.dumps(line, allow_nan=False) + "\n"
+    # One write() on a file opened for appending: lines from concurrent steps never interleave.
+    fd = os.open(job_root / HISTORY_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return rid
+
+
+def load_history(job_root: Path) -> list[dict[str, Any]]:
+    """Every line of the job's history, oldest first; a line that is not JSON (a torn write) is skipped."""
+    path = Path(job_root) / HISTORY_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(d, dict) and "run" in d and "step" in d:
+            out.append(d)
+    return out
+
+
+def runs(job_root: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """run id -> step key -> its history line (the last, if a step was saved twice in one run), in time order."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for d in load_history(job_root):
+        out.setdefault(d["run"], {})[d["step"]] = d
+    return dict(sorted(out.items()))
+
+
+@dataclass
+class Run:
+    """One run's step results, read back from disk: where they are and what each step measured."""
+
+    label: str
+    where: Path
+    results: dict[str, dict[str, Any]]  # step key -> result.json
+
+
+def _read_results(folder: Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for info in STEPS:
+        p = folder / info.folder / RESULT_FILE
+        if p.is_file():
+            out[info.key] = read_json(p)
+    return out
+
+
+def resolve_run(spec: str, job_root: Path | None) -> Run:
+    """A run named on the command line: a folder holding step folders (a job's output folder, or one of its
+    ``runs/<id>``), or, inside ``job_root``, a run id, a unique prefix of one, ``latest`` or ``previous``."""
+    path = Path(spec)
+    if path.is_dir():
+        results = _read_results(path)
+        if not results:
+            raise JobError("command line (compare)", [JobProblem("RUN", spec, "this folder holds no step "
+                                                                 "result (NN_step/result.json)")])
+        return Run(str(path), path, results)
+    if job_root is None or not (Path(job_root) / RUNS_DIR).is_dir():
+        raise JobError("command line (compare)", [JobProblem(
+            "RUN", spec, f"is neither a folder nor a run of {job_root or 'a job'} (no {RUNS_DIR}/ folder there; "
+            "give --job-dir outputs/<job_name>)")])
+    ids = sorted(p.name for p in (Path(job_root) / RUNS_DIR).iterdir() if p.is_dir())
+    if spec in ("latest", "previous"):
+        need = 1 if spec == "latest" else 2
+        if len(ids) < need:
+            raise JobError("command line (compare)", [JobProblem("RUN", spec, f"{job_root} has {len(ids)} run(s)")])
+        rid = ids[-need]
+    else:
+        match = [i for i in ids if i.startswith(spec)]
+        if len(match) != 1:
+            what = "no run starts with it" if not match else f"{len(match)} runs start with it: {', '.join(match)}"
+            raise JobError("command line (compare)", [JobProblem(
+                "RUN", spec, f"{what}; runs of {job_root}: {', '.join(ids) or 'none'}, or latest / previous")])
+        rid = match[0]
+    folder = Path(job_root) / RUNS_DIR / rid
+    return Run(rid, folder, _read_results(folder))
+
+
+# ------------------------------------------------------------------ comparing two runs
+HIGHER_IS_BETTER = ("mfu", "hfu", "tokens_per_s", "speedup", "busbw", "achieved_flops", "fp8_flops_share")
+LOWER_IS_BETTER = ("step_time", "step_median", "step_s", "exposed_comm", "structure_loss", "slowdown",
+                   "data_wait", "host_fraction", "compile_cold", "compile_warm", "break_even", "check_error")
+EXACT_SOURCES = ("counted", "analytic", "datasheet")
+EXACT_TOL = 1e-6
+
+
+def direction(name: str) -> int:
+    """+1 when a higher value is better, -1 when lower is, 0 when the metric has no better side."""
+    n = name.lower()
+    if any(k in n for k in LOWER_IS_BETTER):
+        return -1
+    if any(k in n for k in HIGHER_IS_BETTER):
+        return 1
+    return 0
+
+
+def step_noise(result: dict[str, Any]) -> float | None:
+    """Half the step's p10-p90 spread relative to its median step time, when the step reports one."""
+    m = result.get("metrics", {})
+    med = (m.get("step_time_median_s") or {}).get("value")
+    p10, p90 = (m.get("step_time_p10_s") or {}).get("value"), (m.get("step_time_p90_s") or {}).get("value")
+    if med and p10 is not None and p90 is not None:
+        return (p90 - p10) / 2 / med
+    return None
+
+
+@dataclass
+class Change:
+    step: str
+    metric: str
+    unit: str
+    source_a: str | None
+    source_b: str | None
+    a: float | None
+    b: float | None
+    rel: float | None  # (b - a) / |a|
+    tolerance: float
+    verdict: str  # same | better | worse | higher | lower | only in A | only in B | no value
+
+
+def compare(a: Run, b: Run, tolerance: float = 0.03) -> tuple[list[Change], list[str]]:
+    """Metric by metric, what changed from run A to run B, and notes (parameters or device that differ).
+
+    Rule: a change counts only beyond the noise. For figures labelled counted, analytic or datasheet the
+    noise is 1e-6 (they are deterministic); for measured, modelled and emulated figures it is the larger of
+    ``tolerance`` and half of either run's p10-p90 step-time spread relative to its median (when the step
+    reports one).
+    """
+    if not 0 <= tolerance < 10:
+        raise JobError("command line (compare)", [JobProblem("--tolerance", tolerance, "must be a relative "
+                                                             "tolerance between 0 and 10, e.g. 0.03 for 3%")])
+    changes, notes = [], []
+    for info in STEPS:
+        ra, rb = a.results.get(info.key), b.results.get(info.key)
+        if ra is None and rb is None:
+            continue
+        if ra is None or rb is None:
+            notes.append(f"{info.folder}: only in {'B' if ra is None else 'A'}")
+            continue
+        ja, jb = ra.get("job", {}), rb.get("job", {})
+        diff = sorted(k for k in set(ja) | set(jb) if k != "out_dir" and ja.get(k) != jb.get(k))
+        if diff:
+            notes.append(f"{info.folder}: job parameters differ: "
+                         + ", ".join(f"{k} {ja.get(k)!r} -> {jb.get(k)!r}" for k in diff))
+        da, db = ra.get("environment", {}).get("device_name"), rb.get("environment", {}).get("device_name")
+        if da != db:
+            notes.append(f"{info.folder}: device differs: {da} -> {db}")
+        noise = max([tolerance] + [x for x in (step_noise(ra), step_noise(rb)) if x is not None])
+        ma, mb = ra.get("metrics", {}), rb.get("metrics", {})
+        for name in list(ma) + [k for k in mb if k not in ma]:
+            x, y = ma.get(name), mb.get(name)
+            unit = (x or y)["unit"]
+            va, vb = (x or {}).get("value"), (y or {}).get("value")
+            sa, sb = (x or {}).get("source"), (y or {}).get("source")
+            exact = sa in EXACT_SOURCES and sb in EXACT_SOURCES
+            tol = EXACT_TOL if exact else noise
+            rel = None
+            if x is None or y is None:
+                verdict = "only in B" if x is None else "only in A"
+            elif va is None or vb is None:
+                verdict = "same" if va is None and vb is None else "no value"
+            else:
+                rel = (vb - va) / abs(va) if va else (0.0 if vb == va else float("inf"))
+                if abs(rel) <= tol:
+                    verdict = "same"
+                else:
+                    d = direction(name)
+                    verdict = ("better" if d * rel > 0 else "worse") if d else ("higher" if rel > 0 else "lower")
+            changes.append(Change(info.key, name, unit, sa, sb, va, vb, rel if rel != float("inf") else None,
+                                  tol, verdict))
+    return changes, notes
+
+
+def compare_text(a: Run, b: Run, changes: list[Change], notes: list[str], show_all: bool = False) -> str:
+    """The comparison for a terminal: changed metrics first (or all of them), then how many stayed the same."""
+    from .report import fmt
+
+    lines = [f"A: {a.label} ({a.where})", f"B: {b.label} ({b.where})"]
+    lines += [f"note: {n}" for n in notes]
+    shown = [c for c in changes if show_all or c.verdict != "same"]
+    if shown:
+        w = max(len(f"{c.step}.{c.metric}") for c in shown)
+        lines.append(f"{'metric':<{w}}  {'A':>14}  {'B':>14}  {'change':>8}  {'noise':>6}  verdict")
+        for c in shown:
+            ch = f"{c.rel:+.1%}" if c.rel is not None else ""
+            label = c.source_b or c.source_a or ""
+            lines.append(f"{c.step + '.' + c.metric:<{w}}  {fmt(c.a, c.unit):>14}  {fmt(c.b, c.unit):>14}  "
+                         f"{ch:>8}  {c.tolerance:>6.1%}  {c.verdict} ({label})")
+    same = sum(c.verdict == "same" for c in changes)
+    lines.append(f"{same} of {len(changes)} metrics the same within noise; "
+                 f"{sum(c.verdict == 'better' for c in changes)} better, {sum(c.verdict == 'worse' for c in changes)}"
+                 f" worse, {sum(c.verdict in ('higher', 'lower') for c in changes)} moved (no better side), "
+                 f"{sum(c.verdict.startswith('only') or c.verdict == 'no value' for c in changes)} with a value in "
+                 "one run only")
+    return "\n".join(lines)
+
+
+def mfu_trend(job_root: Path) -> list[tuple[str, dict[str, float]]]:
+    """Per run (oldest first): step folder -> the MFU it measured, for the steps that report one."""
+    out = []
+    for rid, steps in runs(job_root).items():
+        pts = {BY_KEY[k].folder: d["metrics"]["mfu"]["value"] for k, d in steps.items()
+               if k in BY_KEY and (d.get("metrics", {}).get("mfu") or {}).get("value") is not None}
+        if pts:
+            out.append((rid, pts))
+    return out

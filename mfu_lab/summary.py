@@ -1,0 +1,163 @@
+"""The job's story across steps, for the summary page: where MFU started, what each step found worth
+changing and what that change measured, every recommendation in one list, the ledger before and after.
+
+Pure functions of the steps' result dicts (``report.load_results``), so they are tested on stored results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .steps import BY_KEY, STEPS
+
+SEVERITY_ORDER = {"act": 0, "look": 1, "info": 2}
+
+
+@dataclass
+class Change:
+    """One change a step measured: what, its gain, the gain's label, and whether the job already has it."""
+
+    step: str  # step folder, e.g. 02_attention_and_comm
+    change: str
+    gain: float | None  # x (speedup) or fraction, see unit
+    unit: str  # "x" | "fraction"
+    source: str  # the gain's label: measured | emulated | modelled
+    status: str  # adopt | in the job | keep as is | not measured
+    how: str  # how the gain was obtained / how to adopt it (job-file fragment)
+
+
+def _comm_row(rows: list[dict], hook: str, bucket: float, view: bool) -> dict | None:
+    return next((r for r in rows if r.get("status") == "ok" and r.get("hook") == hook
+                 and r.get("bucket_mb") == bucket and bool(r.get("grad_as_bucket_view")) == view), None)
+
+
+def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
+    """Every change the steps that ran measured, in workbook order."""
+    out: list[Change] = []
+    if "attention_comm" in results:
+        d, folder = results["attention_comm"], BY_KEY["attention_comm"].folder
+        rec, m, job = d.get("recommendation", {}), d.get("metrics", {}), d.get("job", {})
+        frag = rec.get("job_fragment") or {}
+        speed = (m.get("attention_speedup") or {}).get("value")
+        if frag:
+            have = all(job.get(k) == v for k, v in frag.items())
+            out.append(Change(folder, f"attention: {rec.get('attention')}", speed, "x", "measured",
+                              "in the job" if have else "adopt",
+                              "job file: " + ", ".join(f"{k}: {v}" for k, v in frag.items())
+                              + "; step time against the job's own attention, side by side"))
+        elif rec.get("attention_text"):
+            out.append(Change(folder, "attention: keep the job's own", speed, "x", "measured", "keep as is",
+                              rec["attention_text"]))
+        comm = rec.get("comm")
+        if comm:
+            rows = d.get("comm", [])
+            chosen = _comm_row(rows, comm.get("hook"), comm.get("bucket_cap_mb"),
+                               comm.get("gradient_as_bucket_view", False))
+            default = _comm_row(rows, "none", 25, False)
+            gain = (default["step_median_s"] / chosen["step_median_s"] if chosen and default
+                    and chosen.get("step_median_s") else None)
+            is_default = (comm.get("hook"), comm.get("bucket_cap_mb"), bool(comm.get("gradient_as_bucket_view"))) \
+                == ("none", 25, False)
+            out.append(Change(folder, f"DDP: hook {comm.get('hook')}, bucket_cap_mb {comm.get('bucket_cap_mb')}, "
+                              f"gradient_as_bucket_view {comm.get('gradient_as_bucket_view')}", gain, "x", "measured",
+                              "keep as is" if is_default else "adopt",
+                              "DDP step time of DDP's defaults / this configuration's, in one launch; "
+                              + rec.get("comm_text", "")))
+    if "compile" in results:
+        d, folder = results["compile"], BY_KEY["compile"].folder
+        rec, m = d.get("recommendation", {}), d.get("metrics", {})
+        sp = (m.get("speedup") or {}).get("value")
+        if rec.get("compile"):
+            out.append(Change(folder, f"torch.compile, mode {rec.get('mode')}", sp, "x", "measured", "adopt",
+                              rec.get("text", "")))
+        else:
+            out.append(Change(folder, "torch.compile: stay eager", sp, "x", "measured", "keep as is",
+                              rec.get("text", "")))
+    if "fp8" in results:
+        d, folder = results["fp8"], BY_KEY["fp8"].folder
+        ch, sp, job = d.get("choice") or {}, d.get("speed") or {}, d.get("job", {})
+        if ch.get("groups"):
+            have = sorted(job.get("fp8_layers") or []) == sorted(ch["groups"])
+            if sp.get("status") == "ok" and sp.get("speedup"):
+                out.append(Change(folder, f"FP8: {ch.get('policy')} ({ch.get('recipe')})", sp["speedup"], "x",
+                                  "measured", "in the job" if have else "adopt",
+                                  "bf16 step / fp8 step, both compiled (torchao); " + ch.get("fragment", "")))
+            else:
+                out.append(Change(folder, f"FP8: {ch.get('policy')} ({ch.get('recipe')})", ch.get("flops_share"),
+                                  "fraction", "emulated", "in the job" if have else "adopt",
+                                  "share of linear-layer FLOPs in FP8, loss kept in emulation; no speed measured ("
+                                  + (sp.get("reason") or "no FP8 hardware") + "); " + ch.get("fragment", "")))
+        else:
+            out.append(Change(folder, "FP8: no policy kept the loss", None, "fraction", "emulated", "keep as is",
+                              ch.get("text", "")))
+    if "placement" in results:
+        d, folder = results["placement"], BY_KEY["placement"].folder
+        c, strategies = d.get("chosen"), d.get("strategies", [])
+        if c:
+            worst = max((s.get("vs_aware") or 1.0 for s in strategies if s.get("status") == "ok"), default=None)
+            n = len(c.get("gpus") or [])
+            out.append(Change(folder, f"placement: {n} GPUs as {c.get('label', '')}, topology-aware, "
+                              f"predicted MFU {c.get('mfu', 0):.1%}",
+                              worst, "x", "modelled", "adopt",
+                              "predicted step time of the worst other placement / topology-aware's, on "
+                              f"{d.get('cluster', {}).get('name', 'the cluster file')}; see the Slurm / Kueue hints"))
+    return out
+
+
+def recommendations(results: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, str]]]:
+    """Every step's advice as (step folder, advice), the ones to act on first, then in workbook order."""
+    items = [(info.folder, a) for info in STEPS for a in results.get(info.key, {}).get("advice", [])]
+    return sorted(items, key=lambda x: SEVERITY_ORDER.get(x[1].get("severity"), 3))
+
+
+def mfu_points(results: dict[str, dict[str, Any]]) -> list[tuple[str, float, str]]:
+    """(step folder, MFU, its label) for every step that reports one, in workbook order."""
+    out = []
+    for info in STEPS:
+        m = results.get(info.key, {}).get("metrics", {}).get("mfu")
+        if m and m.get("value") is not None:
+            out.append((info.folder, m["value"], m.get("source", "")))
+    return out
+
+
+def headline(results: dict[str, dict[str, Any]]) -> list[str]:
+    """A few plain sentences: what was done and where MFU stands (each figure as stored, with its label)."""
+    if not results:
+        return ["No step has run yet: run `mfu-lab run` or open notebooks/01_baseline.ipynb."]
+    ran = [info for info in STEPS if info.key in results]
+    lines = [f"{len(ran)} of {len(STEPS)} steps have results: " + ", ".join(i.folder for i in ran) + "."]
+    pts = mfu_points(results)
+    base = results.get("baseline", {}).get("metrics", {}).get("mfu")
+    if base and base.get("value") is not None:
+        lines.append(f"The job as it came measured {base['value']:.1%} MFU (step 1, {base['source']}).")
+    if pts:
+        best = max(pts, key=lambda p: p[1])
+        if best[0] != BY_KEY["baseline"].folder:
+            lines.append(f"The best MFU measured in a later step is {best[1]:.1%} ({best[0]}, {best[2]}).")
+    to_adopt = [c for c in changes(results) if c.status == "adopt"]
+    if to_adopt:
+        lines.append(f"{len(to_adopt)} change(s) to adopt: " + "; ".join(c.change for c in to_adopt) + ".")
+    missing = [i.folder for i in STEPS if i.key not in results]
+    if missing:
+        lines.append("Not run yet: " + ", ".join(missing) + ".")
+    return lines
+
+
+def ledger_before_after(results: dict[str, dict[str, Any]]) -> tuple[tuple[str, dict] | None, tuple[str, dict] | None]:
+    """(title, ledger dict) before and after: step 1's ledger (the job as it came), and from step 4 the ledger
+    of the compile mode it recommends, measured over that mode's own profiled steps (eager's when it
+    recommends none, i.e. the job unchanged, profiled)."""
+    before = after = None
+    b = results.get("baseline", {}).get("ledger")
+    if b:
+        before = ("Before: the job as it came (step 1, one process)", b)
+    d = results.get("compile")
+    if d and d.get("ledgers"):
+        rec = d.get("recommendation", {})
+        mode = rec.get("mode") if rec.get("compile") else "eager"
+        if d["ledgers"].get(mode):
+            after = ((f"After: torch.compile mode {mode}, as step 4 recommends (its profiled steps)" if mode != "eager"
+                      else "After: eager, as step 4 recommends no compile mode (its profiled steps)"),
+                     d["ledgers"][mode])
+    return before, after
