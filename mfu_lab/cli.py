@@ -8,6 +8,7 @@
     mfu-lab keys             list every job key with its default and help
     mfu-lab report JOB_DIR   re-export HTML for executed notebooks in a job folder and refresh its index
     mfu-lab gate             pre-launch GPU health gate on this node (NVML); exit 1 names the failing GPU
+    mfu-lab check-html [JOB_DIR]         open the job's reports in headless Chromium; screenshots; exit 1 on errors
     mfu-lab history [JOB_DIR]            list the job's runs (kept under JOB_DIR/runs/) with their MFU
     mfu-lab compare RUN_A RUN_B [--job-dir DIR] [--tolerance 0.03]
         what changed between two runs, metric by metric, beyond the noise
@@ -233,6 +234,25 @@ def cmd_compare(args) -> int:
     return EXIT_OK
 
 
+def cmd_check_html(args) -> int:
+    from .browser import check_pages, ensure_chromium, job_pages
+
+    root = _job_dir(args.job_dir)
+    pages = job_pages(root)
+    if not pages:
+        raise JobError("command line", [JobProblem("JOB_DIR", str(root), "holds no index.html or step report")])
+    chromium, why = ensure_chromium(install=False)
+    if not chromium:
+        raise MfuLabError(f"{why}: install Debian's chromium package (apt-get install chromium)")
+    bad = 0
+    for c in check_pages(pages, root / "screenshots", chromium):
+        bad += not c.ok
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.page}: {c.images} images, {c.height_px} px tall -> {c.screenshot}")
+        for p in c.problems():
+            print(f"     {p}")
+    return EXIT_OK if not bad else EXIT_STEP_FAILED
+
+
 def cmd_gate(args) -> int:
     from .health import gate
 
@@ -288,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "half the step's p10-p90 spread when larger")
     c.add_argument("--all", action="store_true", help="list the metrics that stayed the same too")
     c.set_defaults(func=cmd_compare)
+
+    ch = sub.add_parser("check-html", help="open a job's index and step reports in headless Chromium: console "
+                        "errors, failed or off-machine requests, missing images; full-page screenshots")
+    ch.add_argument("job_dir", nargs="?", help="job output folder (default: the default job's)")
+    ch.set_defaults(func=cmd_check_html)
 
     g = sub.add_parser("gate", help="pre-launch health gate: every NVIDIA GPU on this node cool and unthrottled")
     g.add_argument("--max-temp-c", type=float, default=80.0, help="fail a GPU above this temperature (80)")

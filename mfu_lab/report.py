@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import RESULT_FILE, read_json
-from .steps import STEPS
+from .steps import BY_KEY, STEPS
 
 TEMPLATES = Path(__file__).parent / "templates"
 FAILURE_FILE = "failure.json"
@@ -734,6 +734,17 @@ def history_html(job_root: Path) -> str:
             f"{e(str(job_root))}</code>. A different <i>job parameters</i> digest means the job file changed.</p>")
 
 
+def _section(key: str, d: dict[str, Any]) -> str:
+    """One step's detailed section; a result this version cannot read (an older or damaged file) is named,
+    not allowed to take the whole page down."""
+    try:
+        return SECTIONS[key](d)
+    except Exception as exc:  # noqa: BLE001 - any shape problem in a stored result
+        info = BY_KEY[key]
+        return (f"<h2>Step {info.number} · {e(key)}</h2><p class=\"failed\">This step's result.json could not be "
+                f"shown by this version of mfu-lab ({e(type(exc).__name__)}: {e(str(exc))}); rerun the step.</p>")
+
+
 def write_index(job_root: Path) -> Path:
     """(Re)write ``<job_root>/index.html`` from whatever step results exist."""
     from . import plots
@@ -759,7 +770,7 @@ def write_index(job_root: Path) -> Path:
                    "<p>After: no step has measured a changed configuration's ledger yet (step 4 does).</p>")
     else:
         ledgers = "<p>Step 1 measures the ledger; it has not run.</p>"
-    sections = "".join(SECTIONS[k](results[k]) for k in SECTIONS if k in results)
+    sections = "".join(_section(k, results[k]) for k in SECTIONS if k in results)
     any_result = next(iter(results.values()), None)
     env = any_result["environment"] if any_result else {}
     summary = "".join(f"<li>{e(line)}</li>" for line in headline(results))

@@ -1,0 +1,108 @@
+"""Reports checked in a real browser: headless Chromium (Debian's package) driven by Playwright.
+
+For each page: every console error and uncaught exception, every failed request, every request that
+would leave the machine (a report must open offline), and every image that did not load, plus a
+full-page screenshot. ``mfu-lab check-html JOB_DIR`` runs it on a job's index and step reports.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Flags for a closed network: without the background-networking ones Chromium keeps trying to reach
+# Google's hosts at start, which a machine without internet refuses many times over.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def find_chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def ensure_chromium(install: bool = True) -> tuple[str | None, str]:
+    """The Chromium binary, installing Debian's ``chromium`` package when absent and this process may
+    (root with apt-get); else None and why not."""
+    path = find_chromium()
+    if path or not install:
+        return path, "" if path else "no chromium on PATH"
+    if not shutil.which("apt-get"):
+        return None, "no chromium on PATH, and no apt-get to install Debian's chromium package"
+    if hasattr(os, "geteuid") and os.geteuid() != 0:
+        return None, "no chromium on PATH; installing Debian's chromium package needs root (apt-get install chromium)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "chromium"]):
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if p.returncode != 0 and cmd[1] == "install":
+            return None, f"apt-get install chromium failed: {p.stderr.strip()[-400:]}"
+    path = find_chromium()
+    return path, "" if path else "apt-get install chromium ran, but no chromium binary is on PATH"
+
+
+@dataclass
+class PageCheck:
+    page: str
+    screenshot: str = ""
+    console_errors: list[str] = field(default_factory=list)
+    failed_requests: list[str] = field(default_factory=list)
+    external_requests: list[str] = field(default_factory=list)
+    broken_images: list[str] = field(default_factory=list)
+    images: int = 0
+    height_px: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.console_errors or self.failed_requests or self.external_requests or self.broken_images)
+
+    def problems(self) -> list[str]:
+        return ([f"console: {m}" for m in self.console_errors] + [f"failed request: {u}" for u in self.failed_requests]
+                + [f"request off the machine: {u}" for u in self.external_requests]
+                + [f"image not loaded: {i}" for i in self.broken_images])
+
+
+def check_pages(pages: list[Path], shots: Path, chromium: str, width: int = 1280) -> list[PageCheck]:
+    """Open each page from disk in headless Chromium; record what went wrong and save a full-page screenshot."""
+    from playwright.sync_api import sync_playwright
+
+    shots.mkdir(parents=True, exist_ok=True)
+    out = []
+    with sync_playwright() as pw:  # Playwright gives the browser a fresh, empty profile
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            for page_path in pages:
+                page_path = Path(page_path).resolve()
+                c = PageCheck(str(page_path))
+                page = browser.new_page(viewport={"width": width, "height": 900})
+                page.on("console", lambda m, c=c: c.console_errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda exc, c=c: c.console_errors.append(f"uncaught: {exc}"))
+                page.on("requestfailed", lambda r, c=c: c.failed_requests.append(f"{r.url} ({r.failure})"))
+                page.on("request", lambda r, c=c: c.external_requests.append(r.url)
+                        if not r.url.startswith(("file:", "data:", "about:", "blob:")) else None)
+                page.goto(page_path.as_uri(), wait_until="load")
+                imgs = page.evaluate("Array.from(document.images).map(i => [i.alt || i.src.slice(0, 60), "
+                                     "i.complete && i.naturalWidth > 0])")
+                c.images = len(imgs)
+                c.broken_images = [alt for alt, ok in imgs if not ok]
+                c.height_px = page.evaluate("document.documentElement.scrollHeight")
+                name = page_path.parent.name + "_" + page_path.stem if page_path.stem != "index" else "index"
+                c.screenshot = str(shots / f"{name}.png")
+                page.screenshot(path=c.screenshot, full_page=True)
+                page.close()
+                out.append(c)
+        finally:
+            browser.close()
+    return out
+
+
+def job_pages(job_root: Path) -> list[Path]:
+    """The index and every step report of a job's output folder."""
+    job_root = Path(job_root)
+    pages = [job_root / "index.html"] if (job_root / "index.html").is_file() else []
+    return pages + sorted(job_root.glob("[0-9][0-9]_*/report.html"))
