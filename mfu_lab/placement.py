@@ -173,6 +173,14 @@ def groups(lay: Layout) -> dict[str, list[list[int]]]:
     return {k: list(v.values()) for k, v in out.items()}
 
 
+def occupied_groups(cluster: Cluster) -> list[list[int]]:
+    """The GPUs others hold (the first ``occupied_gpus``) as one data-parallel job all-reducing along rails:
+    local GPU j of each of its nodes in one group, so it crosses switches once it spans several leaves."""
+    g, held = cluster.gpus_per_node, cluster.occupied_gpus
+    rails = [[x for x in range(held) if x % g == j] for j in range(min(g, held))]
+    return [r for r in rails if len(r) > 1]
+
+
 def free_gpus(cluster: Cluster, taken: set[int] = frozenset()) -> list[int]:
     return [g for g in range(cluster.occupied_gpus, cluster.n_gpus) if g not in taken]
 
@@ -237,7 +245,8 @@ class Link:
     level: str  # node | switch | spine
 
 
-def _group_links(cluster: Cluster, gpu_groups: list[list[int]], neighbours: list[list[int]]) -> list[Link]:
+def _group_links(cluster: Cluster, gpu_groups: list[list[int]], neighbours: list[list[int]],
+                 neighbour_weight: float = 1.0) -> list[Link]:
     """The bottleneck link of each group, with leaf uplinks shared by the groups that cross them.
 
     Inside a node: the NVLink bus bandwidth. Across nodes: each GPU drives its own share of the node's
@@ -245,7 +254,8 @@ def _group_links(cluster: Cluster, gpu_groups: list[list[int]], neighbours: list
     most k of them. Across leaf switches: every group that crosses a switch asks the uplink for its
     NIC-limited bandwidth; when the asks exceed the uplink (nodes x node_network / oversubscription)
     each gets a proportional share. ``gpu_groups`` communicate at the same time; ``neighbours`` are other
-    jobs' groups assumed to be communicating too.
+    jobs' groups, communicating ``neighbour_weight`` of the time (1: always, the worst case), so each asks
+    the uplink for that share of its bandwidth on average.
     """
     g = cluster.gpus_per_node
     sw = cluster.node_switch
@@ -258,12 +268,12 @@ def _group_links(cluster: Cluster, gpu_groups: list[list[int]], neighbours: list
         return min(cluster.intra_node_gbps, min(k * nic for k in per_node.values())), per_node
 
     asks: dict[int, float] = {}
-    for grp in gpu_groups + neighbours:
+    for grp, w in [(x, 1.0) for x in gpu_groups] + [(x, neighbour_weight) for x in neighbours]:
         bw, per_node = nic_limit(grp)
         switches = {sw[nd] for nd in per_node}
         if len(switches) > 1:
             for s_ in switches:
-                asks[s_] = asks.get(s_, 0.0) + bw
+                asks[s_] = asks.get(s_, 0.0) + w * bw
     out = []
     for grp in gpu_groups:
         bw, per_node = nic_limit(grp)
@@ -314,7 +324,7 @@ class Prediction:
 
 
 def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: Calibration,
-            neighbours: list[list[int]] | None = None) -> Prediction:
+            neighbours: list[list[int]] | None = None, neighbour_weight: float = 1.0) -> Prediction:
     """Step time of one optimizer step (global batch = dp * m * micro_batch samples) on this placement.
 
     Each term's formula is on its line; the terms add up (communication other than the DP all-reduce's
@@ -323,10 +333,10 @@ def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: 
     neighbours = neighbours or []
     gr = groups(lay)
     to_gpu = [[placement[r] for r in grp] for grp in gr["tp"]], [[placement[r] for r in grp] for grp in gr["dp"]]
-    tp_links = _group_links(cluster, to_gpu[0], neighbours) if lay.tp > 1 else []
-    dp_links = _group_links(cluster, to_gpu[1], neighbours) if lay.dp > 1 else []
+    tp_links = _group_links(cluster, to_gpu[0], neighbours, neighbour_weight) if lay.tp > 1 else []
+    dp_links = _group_links(cluster, to_gpu[1], neighbours, neighbour_weight) if lay.dp > 1 else []
     pp_pairs = [[placement[grp[i]], placement[grp[i + 1]]] for grp in gr["pp"] for i in range(len(grp) - 1)]
-    pp_links = _group_links(cluster, pp_pairs, neighbours) if lay.pp > 1 else []
+    pp_links = _group_links(cluster, pp_pairs, neighbours, neighbour_weight) if lay.pp > 1 else []
 
     global_batch = lay.dp * lay.m * s.micro_batch
     flops = s.flops_per_sample * global_batch  # model FLOPs of the whole step

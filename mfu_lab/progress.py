@@ -1,25 +1,116 @@
-"""Progress lines for long work, readable in a terminal, a notebook and a saved report alike.
+"""Progress of long work, with an estimate of the time left, in a terminal, a notebook and a saved report.
 
-Plain printed lines (not a redrawn bar) so that the executed notebook and its
-HTML keep a short, honest record of how the run went.
+Two outputs for the same progress:
+
+- printed lines (not a redrawn bar): the executed notebook and its HTML keep a short, honest record of
+  how the run went, and ``mfu-lab run`` streams them to the terminal as they come;
+- inside a Jupyter kernel, also one live progress bar (an HTML ``<progress>`` element updated in place
+  through a display id). JupyterLab redraws it as work advances; papermill applies the same updates to
+  the saved notebook, so the report shows the bar's final state, not a stale 0%.
+
+The time left is the average time per finished item so far times the items left: an estimate, said so.
 """
 
 from __future__ import annotations
 
+import html
 import sys
+import time
 
 
-def printer(label: str, every: float = 0.25, stream=None):
-    """A ``progress(done, total, elapsed_s)`` callback printing at each ``every`` fraction, with time left."""
+def in_kernel() -> bool:
+    """True inside a Jupyter (IPython) kernel, where rich output can be displayed and updated."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with ipykernel, a dependency
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def eta_text(done: int, total: int, elapsed: float) -> str:
+    """'12.0 s' when finished, else '12.0 s, about 30 s left' (mean time per finished item x items left)."""
+    if done >= total:
+        return f"{elapsed:.1f} s"
+    if done == 0:
+        return f"{elapsed:.1f} s, time left unknown until the first one finishes"
+    left = elapsed / done * (total - done)
+    return f"{elapsed:.1f} s, about {_human(left)} left"
+
+
+def _human(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+class LiveBar:
+    """An HTML progress bar displayed once and updated in place (Jupyter only; a no-op elsewhere)."""
+
+    def __init__(self, label: str, enabled: bool | None = None):
+        self.label = label
+        self.handle = None
+        self.enabled = in_kernel() if enabled is None else enabled
+        self.last = 0.0
+
+    def html(self, done: int, total: int, elapsed: float) -> str:
+        return (f'<div class="mfu-progress"><progress value="{done}" max="{max(total, 1)}" style="width:18em">'
+                f"</progress> {html.escape(self.label)}: {done}/{total} ({html.escape(eta_text(done, total, elapsed))})"
+                "</div>")
+
+    def update(self, done: int, total: int, elapsed: float) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if self.handle is not None and done < total and now - self.last < 0.5:
+            return  # at most two redraws a second, and always the last one
+        self.last = now
+        from IPython.display import HTML, display
+
+        if self.handle is None:
+            self.handle = display(HTML(self.html(done, total, elapsed)), display_id=True)
+        else:
+            self.handle.update(HTML(self.html(done, total, elapsed)))
+
+
+def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = None):
+    """A ``progress(done, total, elapsed_s)`` callback: a line at each ``every`` fraction, with time left, and
+    a live bar in a notebook."""
     marks: set[int] = set()
+    live = LiveBar(label, bar)
 
     def progress(done: int, total: int, elapsed: float) -> None:
+        live.update(done, total, elapsed)
         mark = int(done / total / every)
         if mark in marks and done != total:
             return
         marks.add(mark)
-        left = elapsed / done * (total - done) if done else 0.0
-        tail = f"{elapsed:.1f} s" if done == total else f"{elapsed:.1f} s, about {left:.0f} s left"
-        print(f"{label}: {done}/{total} ({tail})", file=stream or sys.stdout, flush=True)
+        print(f"{label}: {done}/{total} ({eta_text(done, total, elapsed)})", file=stream or sys.stdout, flush=True)
 
     return progress
+
+
+class Eta:
+    """Progress over a known number of coarse items (configurations, compile modes, trials).
+
+    ``tag(finished)`` returns the text to append to the item's own progress line and updates the live
+    bar; ``finish()`` marks the whole as done.
+    """
+
+    def __init__(self, label: str, total: int, bar: bool | None = None):
+        self.label, self.total = label, max(int(total), 0)
+        self.t0 = time.perf_counter()
+        self.live = LiveBar(label, bar)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def tag(self, finished: int) -> str:
+        e = self.elapsed()
+        self.live.update(finished, self.total, e)
+        return f" ({finished}/{self.total} done, {eta_text(finished, self.total, e)})" if finished else ""
+
+    def finish(self) -> None:
+        self.live.update(self.total, self.total, self.elapsed())

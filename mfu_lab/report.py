@@ -25,6 +25,14 @@ def export_html(notebook: Path, html_path: Path) -> Path:
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(str(notebook), as_version=4)
+    # The offline template embeds no widget manager, so a widget view could not render: every output
+    # that also carries HTML (the explorers' static fallback) shows that instead.
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "text/html" in data:
+                data.pop("application/vnd.jupyter.widget-view+json", None)
     exporter = HTMLExporter(template_name="offline", extra_template_basedirs=[str(TEMPLATES)])
     exporter.exclude_input_prompt = True
     exporter.exclude_output_prompt = True

@@ -27,6 +27,7 @@ from ..comm import config_key, run_sweep, sweep_configs
 from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import run_steps, stats
+from ..progress import Eta
 from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
 from ..workload import GPT, build_loader, build_model, build_train_step
 from . import BY_KEY
@@ -122,8 +123,9 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
     time_shape = (job.micro_batch, job.n_heads, job.seq_len, hd)
     rows = []
     impls = att.candidates(device.type, job.dtype)
+    eta = Eta("attention implementations", len(impls))
     for n, impl in enumerate(impls, 1):
-        progress(f"attention [{n}/{len(impls)}] {impl.name}")
+        progress(f"attention [{n}/{len(impls)}] {impl.name}" + eta.tag(n - 1))
         if impl.fn is None:
             rows.append(AttentionRow(impl.name, "unavailable", impl.skipped))
             continue
@@ -239,6 +241,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     configs = sweep_configs(job)
     say(f"communication: {len(configs)} configurations in one torchrun launch")
     done = {"n": 0}
+    eta = Eta("DDP configurations", len(configs))
 
     def on_event(ev):
         if ev["event"] in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
@@ -248,10 +251,11 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
                     f"({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"
                     if ev["event"] == "done" else "")
             say(f"  comm [{done['n']}/{len(configs)}] {c['hook']}, bucket {c['bucket_mb']} MB, "
-                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}{took}")
+                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}{took}" + eta.tag(done["n"]))
 
     work = job.step_dir(INFO.folder) / "ddp" / f"{platform.node() or 'node'}-{os.getpid()}"  # one per launcher
     sweep = run_sweep(job, device.type, best_att.name if best_att else None, work, on_event)
+    eta.finish()
     world = sweep.layout["world_size"]
     peak_total = peak * world if device.type == "cuda" else peak  # CPU ranks share one CPU's cores
     comm_rows = _comm_rows(configs, sweep, fps, peak_total, world)

@@ -35,6 +35,7 @@ from .. import trace as tr
 from ..advice import Advice
 from ..job import Job
 from ..measure import stats
+from ..progress import Eta
 from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
 from ..workload import build_loader, build_model, build_train_step
 from . import BY_KEY
@@ -294,6 +295,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                 "kind": a.kind, "patterns": [c.pattern for c in a.fusion]}
     modes = list(job.compile_modes) + (["options"] if job.compile_options else [])
     trials: list[Trial] = []
+    eta = Eta("compile modes", len(modes))
     for i, mode in enumerate(modes, 1):
         why = _skip_reason(mode, device.type, job)
         if why:
@@ -301,7 +303,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             skipped.append({"what": f"mode {mode}", "reason": why})
             continue
         trace = out_dir / f"trace_{mode}.json.gz"
-        say(f"[{i}/{len(modes)}] {mode}: cold compile (empty cache) and {job.steps} steps")
+        say(f"[{i}/{len(modes)}] {mode}: cold compile (empty cache) and {job.steps} steps" + eta.tag(i - 1))
         d = run_worker(base | {"mode": mode, "label": f"{mode} cold", "trace": str(trace)}, work, caches / mode,
                        job.compile_timeout_s, say)
         t = Trial(mode, d["status"], error=d.get("error", ""), traceback=d.get("traceback", ""),
@@ -322,6 +324,8 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             a = tr.analyse(tr.load_trace(trace), top_n=1)
             t.ops_per_step, t.fusion_left, t.trace_file = a.ops_per_step, [c.pattern for c in a.fusion], trace.name
             ledgers[mode] = _trace_ledger(a, flops, peak, device.type)
+
+    eta.finish()
 
     # ---- 4. step 3's kernels against the compiled ones
     step3: dict[str, Any] = ref3 or {"source": "no eager trace to compare with"}

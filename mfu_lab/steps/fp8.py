@@ -28,6 +28,7 @@ from .. import fp8 as f8
 from ..advice import Advice
 from ..errors import JobError, JobProblem
 from ..job import Job
+from ..progress import Eta
 from ..results import Metric, StepResult, environment
 from ..workload import build_loader, build_model, build_train_step
 from . import BY_KEY
@@ -219,9 +220,10 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     trials: list[PolicyTrial] = []
     reference: list[float] | None = None
     plan = _policies(job, groups, most)
+    eta = Eta("FP8 policy trials", len(plan))
     for i, (name, gs, recipe, study) in enumerate(plan, 1):
         say(f"[{i}/{len(plan)}] {name}: {job.fp8_steps} steps" + (f", FP8 on {', '.join(gs)} ({recipe})" if gs
-                                                                  else ", no FP8 (the reference)"))
+                                                                  else ", no FP8 (the reference)") + eta.tag(i - 1))
         watch = f8.Watch(reference, job.fp8_tolerance, job.fp8_window, job.fp8_spike)
         losses, norms, why, at = train_trial(job, gs, recipe, batches[:job.fp8_steps], torch_device, watch)
         t = PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "reference" if not gs else "ok", why or "",
@@ -237,6 +239,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
                 t.status, t.reason = "off", f"final loss {t.final_gap:+.1%} from the reference"
         trials.append(t)
         say(f"  {t.status}" + (f": {t.reason}" if t.reason else "") + f"; last loss {losses[-1]:.4f}")
+    eta.finish()
 
     good = [t for t in trials if t.status == "ok" and not t.study]
     best = max(good, key=lambda t: (t.flops_share, -len(t.groups)), default=None)
