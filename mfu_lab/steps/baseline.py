@@ -142,6 +142,16 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     total_wall = sum(wall)
     st = stats(wall)
     n = len(wall)
+    achieved = report.model_flops_per_step * n / total_wall
+    if peak.source == "measured" and achieved > peak.flops_per_s:
+        # The training step outran the matmul benchmark: the first reading caught the CPU busy or throttled.
+        # A measured peak is the best matmul rate seen, so measure again and keep the better reading.
+        again, _ = dev.measure_matmul_peak(getattr(torch, job.dtype), budget_s=3.0)
+        first = peak.flops_per_s
+        peak = dataclasses.replace(peak, flops_per_s=max(first, again), note=peak.note + (
+            f"; measured again after the steps because the training step ({achieved / 1e9:.1f} GFLOP/s) outran "
+            f"the first reading ({first / 1e9:.1f} GFLOP/s): best of both readings ({again / 1e9:.1f} GFLOP/s "
+            "the second time)"))
     tokens_per_s = job.tokens_per_step * n / total_wall
     mfu_value = report.model_flops_per_step * n / (peak.flops_per_s * total_wall)
     hfu_value = report.hardware_flops_per_step * n / (peak.flops_per_s * total_wall)
