@@ -1,6 +1,7 @@
 """The ``mfu-lab`` command.
 
-    mfu-lab run [JOB] [--steps baseline,...] [--out DIR] [-p key=value ...]
+    mfu-lab run [JOB] [--steps baseline,...] [--out DIR] [-p key=value ...] [--resume] [--keep-going]
+                  [--execution-timeout SECONDS]
         execute the step notebooks with papermill, export HTML, refresh the index
     mfu-lab step STEP --job JOB [-p key=value ...]
         run one step in plain Python (no Jupyter needed), write result.json and the index
@@ -90,12 +91,59 @@ class _Indented:
         self.stream.flush()
 
 
-def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False) -> Path:
-    """Run one step's notebook with papermill into the job's output folder; export its HTML."""
+def _timed_out_preview(message: str) -> str:
+    """The first line of the cell nbclient's CellTimeoutError quotes ("Here is a preview of the cell contents")."""
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        if "preview of the cell contents" in line:
+            body = [x for x in lines[i + 1:] if x.strip() and not set(x.strip()) <= {"-"}]
+            return body[0].strip() if body else ""
+    return ""
+
+
+def _mark_timeout(notebook: Path, limit: float, preview: str) -> str:
+    """Papermill marks every cell 'completed' after a cell timeout; tell the truth in the saved notebook: the cell
+    that ran out of time is marked 'timeout', the ones after it 'not run', and a banner says so at the top."""
+    import nbformat
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    hit = next((i for i, c in code if preview and c.source.strip().startswith(preview)), None)
+    if hit is None:  # no preview to match: the first cell with an error, else the first that never finished
+        hit = next((i for i, c in code if any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
+    if hit is None:
+        hit = next((i for i, c in code if not c.metadata.get("papermill", {}).get("end_time")), None)
+    where = "an unknown cell"
+    if hit is not None:
+        first = nb.cells[hit].source.strip().splitlines()
+        where = f"cell {hit + 1} ({first[0][:80] if first else 'empty'})"
+        for i, cell in enumerate(nb.cells):
+            meta = cell.metadata.setdefault("papermill", {})
+            if i == hit:
+                meta["status"] = "timeout"
+            elif i > hit:
+                meta["status"] = "not run"
+    banner = nbformat.v4.new_markdown_cell(
+        f'<span style="color:red;font-family:monospace">Execution timed out after {limit:g} s at {where}. '
+        "The cells after it did not run.</span>")
+    banner.metadata["tags"] = ["mfu-lab-timeout-banner"]
+    nb.cells.insert(0, banner)
+    nbformat.write(nb, str(notebook))
+    return where
+
+
+def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
+                 execution_timeout: float | None = None) -> Path:
+    """Run one step's notebook with papermill into the job's output folder; export its HTML.
+
+    The step folder says what state the step is in while and after it runs (``runstate``): running,
+    then either a new result, or failed / interrupted / timeout with the error, the previous result kept.
+    """
     import papermill as pm
 
-    from .report import FAILURE_FILE, export_html, write_index
-    from .results import write_json_atomic
+    from .history import current_run_id
+    from .report import export_html, write_index
+    from .runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
 
     folder = job.step_dir(info.folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,20 +152,32 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False) -
     if not src.is_file():
         raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
     params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
+    mark_running(folder, info.key, current_run_id())
+    write_index(job.output_root())
     try:
         # The kernel's printed lines (the steps' own progress, with time left) are streamed as they come.
         pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
-                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout))
-    except BaseException as exc:  # PapermillExecutionError, KeyboardInterrupt, kernel death...
-        ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
-        write_json_atomic(folder / FAILURE_FILE, {"step": info.key, "error": f"{ename}: {evalue}",
-                                                  "job_file": source, "notebook": str(out_nb)})
+                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
+                            execution_timeout=execution_timeout)
+    except BaseException as exc:  # PapermillExecutionError, CellTimeoutError, KeyboardInterrupt, kernel death...
+        ename, evalue = getattr(exc, "ename", None) or type(exc).__name__, getattr(exc, "evalue", None) or str(exc)
+        status = "failed"
+        if type(exc).__name__ == "CellTimeoutError":
+            status = "timeout"
+            where = (_mark_timeout(out_nb, execution_timeout, _timed_out_preview(str(exc))) if out_nb.is_file()
+                     else "a cell")
+            ename, evalue = "Timeout", (f"a cell ran longer than --execution-timeout {execution_timeout:g} s: "
+                                        f"{where}; the cells after it did not run")
+        elif isinstance(exc, KeyboardInterrupt):
+            status, ename, evalue = "interrupted", "Interrupted", "stopped by Ctrl-C (KeyboardInterrupt)"
+        mark_failed(folder, info.key, status, f"{ename}: {evalue}", job_file=source, notebook=str(out_nb))
         if out_nb.is_file():
             export_html(out_nb, folder / "report.html")
         write_index(job.output_root())
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise StepExecutionError(info.key, str(out_nb), ename, evalue) from None
+    clear_running(folder)
     export_html(out_nb, folder / "report.html")
     write_index(job.output_root())
     return folder / "report.html"
@@ -127,38 +187,79 @@ def cmd_run(args) -> int:
     overrides = parse_overrides(args.param)
     job, source = resolve_job(args.job, overrides, args.out)
     steps = select_steps(args.steps)
+    if args.execution_timeout is not None and not args.execution_timeout > 0:
+        raise JobError("command line", [JobProblem("--execution-timeout", args.execution_timeout,
+                                                   "must be a number of seconds > 0")])
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
     root = find_workbook_root()
     from .history import RUN_ENV, RUNS_DIR, new_run_id
+    from .runstate import resumable
 
     run_id = os.environ[RUN_ENV] = new_run_id()  # the notebooks' kernels inherit it: one run, one id
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
+    failed: list[str] = []
     for n, info in enumerate(steps, 1):
+        if args.resume:
+            keep, why = resumable(job.step_dir(info.folder), job.to_dict())
+            print(f"[{n}/{len(steps)}] {info.folder}: " + (why if keep else f"runs again ({why})"), flush=True)
+            if keep:
+                continue
         t0 = time.perf_counter()
         print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
         try:
-            html = execute_step(info, job, source, root, args.quiet)
+            html = execute_step(info, job, source, root, args.quiet, args.execution_timeout)
         except StepExecutionError as e:
             print(f"[{n}/{len(steps)}] {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
             print(f"    executed notebook (with the error): {e.notebook}", file=sys.stderr)
             print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
-            return EXIT_STEP_FAILED
+            failed.append(info.folder)
+            if not args.keep_going:
+                left = [s.folder for s in steps[n:]]
+                if left:
+                    print(f"mfu-lab: stopped; not run: {', '.join(left)} (--keep-going runs them anyway; "
+                          "--resume later keeps what finished)", file=sys.stderr)
+                return EXIT_STEP_FAILED
+            continue
         print(f"[{n}/{len(steps)}] {info.folder} done in {time.perf_counter() - t0:.0f} s -> {html}")
     print(f"mfu-lab: summary page: {job.output_root() / 'index.html'}")
+    if failed:
+        print(f"mfu-lab: {len(failed)} step(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_STEP_FAILED
     return EXIT_OK
 
 
 def cmd_step(args) -> int:
-    from .report import text_summary
+    from .history import current_run_id
+    from .report import text_summary, write_index
+    from .runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
 
     job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
     info = select_steps(args.step)[0]
+    if info.key == "placement":
+        check_cluster(job)
     print(f"mfu-lab: {info.folder} for job '{job.job_name}' from {source} (plain Python, no notebook)")
-    result = info.load().run(job)
+    folder = job.step_dir(info.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / FAILURE_FILE).unlink(missing_ok=True)
+    mark_running(folder, info.key, current_run_id())
+    try:
+        result = info.load().run(job)
+    except BaseException as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        error = "Interrupted: stopped by Ctrl-C" if interrupted else f"{type(exc).__name__}: {exc}"
+        mark_failed(folder, info.key, "interrupted" if interrupted else "failed", error, job_file=source)
+        write_index(job.output_root())
+        if interrupted or not isinstance(exc, Exception):
+            raise
+        print(f"mfu-lab: {info.folder} FAILED: {error}", file=sys.stderr)
+        print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
+        return EXIT_STEP_FAILED
+    clear_running(folder)
+    write_index(job.output_root())
     print(text_summary(result))
-    print(f"mfu-lab: wrote {job.step_dir(info.folder) / 'result.json'} and {job.output_root() / 'index.html'}")
+    print(f"mfu-lab: wrote {folder / 'result.json'} and {job.output_root() / 'index.html'}")
     return EXIT_OK
 
 
@@ -274,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="results folder (overrides out_dir)")
     r.add_argument("-p", "--param", **param)
     r.add_argument("-q", "--quiet", action="store_true", help="do not stream the notebooks' progress lines")
+    r.add_argument("--resume", action="store_true", help="keep the steps whose results exist for the same job "
+                   "parameters and workbook version; run the rest")
+    r.add_argument("--keep-going", action="store_true", help="after a step fails, run the remaining steps anyway "
+                   "(the exit code is still 1)")
+    r.add_argument("--execution-timeout", type=float, metavar="SECONDS",
+                   help="end a notebook cell that runs longer than this; the step is recorded as a timeout")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("step", help="run one step in plain Python, without Jupyter")
@@ -331,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mfu-lab: error: {e}", file=sys.stderr)
         return EXIT_STEP_FAILED
     except KeyboardInterrupt:
-        print("mfu-lab: interrupted; finished steps are kept, the interrupted one is marked failed",
+        print("mfu-lab: interrupted; finished steps are kept, the interrupted one is marked interrupted "
+              "(mfu-lab run --resume goes on from there)",
               file=sys.stderr)
         return 130
 

@@ -52,6 +52,35 @@ class Launch:
     rank_stderr: dict[str, str]
     launcher_stderr: str
     seconds: float
+    stalled: str = ""  # on a hang: which rank stopped where, from the ranks' heartbeats
+
+
+def stalled_ranks(beats_dir: Path, now: float | None = None) -> str:
+    """Name the rank(s) furthest behind from their heartbeat files (``ddp_worker.heartbeat``): the lowest
+    (configuration, step) reached, with how long ago each last moved."""
+    now = now or time.time()
+    beats = []
+    for p in sorted(Path(beats_dir).glob("rank*.json")):
+        try:
+            beats.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not beats:
+        return "no rank reported a heartbeat (stuck before its first configuration: start-up or rendezvous)"
+    low = min((b["config"], b["step"]) for b in beats)
+    behind = [b for b in beats if (b["config"], b["step"]) == low]
+    ahead = [b for b in beats if (b["config"], b["step"]) != low]
+    def point(b):
+        what = {-1: "starting it", 0: "building DDP / before its first step"}.get(b["step"], f"step {b['step']}")
+        return f"configuration {b['config'] + 1}, {what}"
+
+    text = "; ".join(f"rank {b['rank']} ({b['host']}) stopped at {point(b)}, last heard {now - b['t']:.0f} s ago"
+                     for b in sorted(behind, key=lambda b: b["rank"]))
+    if ahead:
+        text += "; " + ", ".join(f"rank {b['rank']} reached {point(b)}" for b in sorted(ahead, key=lambda b: b["rank"]))
+    elif len(beats) > 1:
+        text += " (every rank stopped at the same point: a collective that never completed)"
+    return text
 
 
 def _torchrun_cmd(job: Job, nnodes: int, nproc: int, log_dir: Path, spec: Path) -> list[str]:
@@ -95,6 +124,8 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
     spec_path.write_text(json.dumps(spec))
     progress_file = work / "progress.jsonl"
     progress_file.unlink(missing_ok=True)
+    for old in (work / "beats").glob("rank*.json"):  # this launch's heartbeats only
+        old.unlink()
     log_dir = work / f"logs_{attempt}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(work / f"error_{attempt}.json")}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -127,8 +158,9 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
         for ev in events[seen:]:
             progress(ev)
     rc = None if time.monotonic() - last_change > job.comm_timeout_s else proc.returncode
+    stalled = stalled_ranks(work / "beats") if rc is None else ""
     return Launch(rc, events, _rank_stderr(log_dir), stderr_path.read_text(errors="replace")[-3000:],
-                  time.perf_counter() - t0)
+                  time.perf_counter() - t0, stalled)
 
 
 def _read(path: Path) -> list[dict]:
@@ -185,7 +217,7 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                                 "finished": finished})
         if finished:
             break
-        why = (f"no progress (no finished step) for {job.comm_timeout_s:.0f} s: the launch was ended"
+        why = (f"no progress (no finished step) for {job.comm_timeout_s:.0f} s: the launch was ended; {run.stalled}"
                if run.returncode is None
                else f"the launch exited with code {run.returncode}")
         stderr = "\n".join(f"--- {r} ---\n{t}" for r, t in run.rank_stderr.items() if t.strip()) or run.launcher_stderr

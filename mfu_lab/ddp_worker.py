@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -41,6 +42,17 @@ def emit(out: Path, event: dict) -> None:
             f.write(json.dumps(event) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def heartbeat(out: Path, rank: int, config: int, step: int) -> None:
+    """Every rank's last reached point, one small file per rank: a hung launch can then name the rank that
+    stopped (the launcher reads them when it ends the launch)."""
+    beats = out / "beats"
+    beats.mkdir(exist_ok=True)
+    tmp = beats / f".rank{rank}.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "host": socket.gethostname(), "config": config, "step": step,
+                               "t": time.time()}))
+    os.replace(tmp, beats / f"rank{rank}.json")
 
 
 def register_hook(ddp: DDP, hook: str) -> None:
@@ -177,16 +189,22 @@ def main() -> None:
 
     steps, warm = job.comm_steps, job.comm_warmup_steps
 
+    where = {"config": -1}
+
     def beat(done, total, elapsed):  # one line per finished step: the launcher's watchdog sees progress
         emit(out, {"event": "step", "done": done, "total": total})
+        heartbeat(out, rank, where["config"], done)
 
     fault = spec.get("fault")  # tests only: {"config": index, "rank": r, "kind": "crash" | "hang"}
     for index, cfg in enumerate(spec["configs"]):
         emit(out, {"event": "start", "config": cfg})
+        where["config"] = index
+        heartbeat(out, rank, index, -1)  # -1: starting the configuration
         if fault and fault["config"] == index and fault["rank"] == rank:
             if fault["kind"] == "crash":
                 raise RuntimeError(f"injected crash on rank {rank} (test fault)")
             time.sleep(10_000)  # injected hang
+        heartbeat(out, rank, index, 0)  # 0: building DDP (its constructor waits for every rank), then the steps
         model = fresh_model()
         ddp = DDP(model, device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
                   gradient_as_bucket_view=cfg["grad_as_bucket_view"])

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import JobError, JobProblem
-from .results import RESULT_FILE, read_json
+from .results import RESULT_FILE
 from .steps import BY_KEY, STEPS
 
 HISTORY_FILE = "history.jsonl"
@@ -110,12 +110,9 @@ class Run:
 
 
 def _read_results(folder: Path) -> dict[str, dict[str, Any]]:
-    out = {}
-    for info in STEPS:
-        p = folder / info.folder / RESULT_FILE
-        if p.is_file():
-            out[info.key] = read_json(p)
-    return out
+    from .report import load_results  # the same reading the index does
+
+    return load_results(folder)
 
 
 def resolve_run(spec: str, job_root: Path | None) -> Run:

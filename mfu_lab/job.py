@@ -218,6 +218,8 @@ def _type_problem(name: str, value: Any) -> tuple[Any, str | None]:
     if t == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             return value, "must be a whole number"
+        if abs(value) >= 2 ** 53:
+            return value, "must be below 2**53 (larger whole numbers cannot be stored exactly in the result files)"
         return value, None
     if t.startswith("float"):
         if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
@@ -269,6 +271,8 @@ def _rule_problem(name: str, value: Any) -> str | None:
     if meta.get("pattern") == "job_name" and not JOB_NAME_RE.match(value):
         return ("must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit "
                 "(it names a folder, so no path separators)")
+    if name == "out_dir" and (not value.strip() or "\x00" in value):
+        return "must be a folder path (not empty, no NUL character)"
     if meta.get("pattern") == "model" and not MODEL_RE.match(value):
         return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
     return None

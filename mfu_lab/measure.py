@@ -79,9 +79,12 @@ Progress = Callable[[int, int, float], None]
 def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: int, steps: int,
               progress: Progress | None = None) -> Timings:
     """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor."""
-    if device.type == "cuda":
-        return _run_cuda(step, batches, device, warmup, steps, progress)
-    return _run_cpu(step, batches, device, warmup, steps, progress)
+    from .faults import check_losses
+
+    run = _run_cuda if device.type == "cuda" else _run_cpu
+    t = run(step, batches, device, warmup, steps, progress)
+    check_losses(t.loss)  # a NaN or infinite loss ends the measurement, naming the step
+    return t
 
 
 def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:

@@ -15,7 +15,7 @@ from .results import RESULT_FILE, read_json
 from .steps import BY_KEY, STEPS
 
 TEMPLATES = Path(__file__).parent / "templates"
-FAILURE_FILE = "failure.json"
+FAILURE_FILE = "failure.json"  # see runstate
 e = html.escape
 
 
@@ -103,13 +103,11 @@ def _step_row(job_root: Path, info, result: dict | None) -> str:
                         ("trace.json.gz", "trace")):
         if (folder / name).exists():
             links.append(f'<a href="{e(info.folder)}/{e(name)}">{label}</a>')
-    failure = read_json(folder / FAILURE_FILE) if (folder / FAILURE_FILE).exists() else None
-    if failure:
-        status = f'<span class="failed">failed</span><br><small>{e(failure.get("error", ""))}</small>'
-    elif result:
-        status = '<span class="ok">ok</span>'
-    else:
-        status = '<span class="notrun">not run</span>'
+    from .runstate import step_state
+
+    st = step_state(folder)
+    css = {"ok": "ok", "not run": "notrun", "running": "info"}.get(st.status, "failed")
+    status = f'<span class="{css}">{e(st.status)}</span>' + (f"<br><small>{e(st.detail)}</small>" if st.detail else "")
     m = (result or {}).get("metrics", {})
 
     def cell(name):

@@ -49,6 +49,9 @@ def test_a_crashing_or_hanging_rank_is_recorded_and_the_sweep_goes_on(tiny_job, 
         assert r.launches[0]["seconds"] < 30  # ended by torchrun, not by the watchdog
     else:
         assert "for 8 s" in bad["error"]
+        # the heartbeats name the rank that hung, and where the other one waited
+        assert "rank 1 (" in bad["error"] and "stopped at configuration 1, starting it" in bad["error"]
+        assert "rank 0 reached configuration 1, building DDP" in bad["error"]
     skipped = r.outcomes[config_key(configs[1])]  # same hook, smaller bucket
     assert skipped["event"] == "skipped" and "none" in skipped["error"]
     assert [r.outcomes[config_key(c)]["event"] for c in configs[2:]] == ["done", "done"]  # in a new launch

@@ -24,6 +24,7 @@ from .. import attention as att
 from .. import device as dev
 from ..advice import Advice
 from ..comm import config_key, run_sweep, sweep_configs
+from ..faults import guarded
 from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import run_steps, stats
@@ -191,6 +192,7 @@ def _ddp_ledger(row: CommRow, ev: dict, world: int) -> Ledger:
     ])
 
 
+@guarded("attention_comm")
 def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     t_start = time.perf_counter()
     say = progress or (lambda msg: print(msg, flush=True))

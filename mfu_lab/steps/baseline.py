@@ -20,6 +20,7 @@ import torch
 from .. import device as dev
 from .. import flops as fl
 from ..advice import Advice, baseline_advice
+from ..faults import guarded
 from ..health import HealthSampler, HealthSummary
 from ..job import Job
 from ..ledger import Ledger, LedgerItem, single_process_ledger
@@ -114,6 +115,7 @@ def _peak_memory(timings: Timings) -> Metric:
                   "peak resident memory of the whole process since it started (CPU run)")
 
 
+@guarded("baseline")
 def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     """Measure the job's baseline; see the module docstring."""
     t_start = time.perf_counter()

@@ -33,6 +33,7 @@ from .. import compiling as cp
 from .. import device as dev
 from .. import trace as tr
 from ..advice import Advice
+from ..faults import guarded
 from ..job import Job
 from ..measure import stats
 from ..progress import Eta
@@ -231,6 +232,7 @@ def advise(r: CompileResult) -> list[Advice]:
     return out
 
 
+@guarded("compile")
 def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     """Measure torch.compile against eager for the job; see the module docstring."""
     t_start = time.perf_counter()

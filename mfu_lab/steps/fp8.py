@@ -27,6 +27,7 @@ from .. import device as dev
 from .. import fp8 as f8
 from ..advice import Advice
 from ..errors import JobError, JobProblem
+from ..faults import guarded
 from ..job import Job
 from ..progress import Eta
 from ..results import Metric, StepResult, environment
@@ -192,6 +193,7 @@ def advise(r: Fp8Result) -> list[Advice]:
     return out
 
 
+@guarded("fp8")
 def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     """Choose an FP8 policy for the job; see the module docstring."""
     t_start = time.perf_counter()

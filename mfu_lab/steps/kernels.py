@@ -28,6 +28,7 @@ from .. import device as dev
 from .. import trace as tr
 from ..advice import Advice
 from ..comm import error_lines, launch, world_layout
+from ..faults import guarded
 from ..job import Job
 from ..ledger import Ledger, LedgerItem
 from ..measure import Timings, run_steps, stats
@@ -305,6 +306,7 @@ def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any],
     return out
 
 
+@guarded("kernels")
 def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     """Profile the job's training step; see the module docstring."""
     t_start = time.perf_counter()

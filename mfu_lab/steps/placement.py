@@ -28,6 +28,7 @@ from .. import device as dev
 from .. import placement as pl
 from ..advice import Advice
 from ..cluster import Cluster, QueueEntry, load_cluster
+from ..faults import guarded
 from ..job import Job, find_workbook_root
 from ..measure import stats
 from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
@@ -428,6 +429,7 @@ def _synthetic_queue(cluster: Cluster, seed: int) -> list[QueueEntry]:
             for i, s in enumerate(sizes)]
 
 
+@guarded("placement")
 def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     t_start = time.perf_counter()
     say = progress or (lambda msg: print(msg, flush=True))

@@ -1,0 +1,114 @@
+"""What state each step of a job is in, so that a long run can be resumed and nothing is lost.
+
+A step folder holds at most one of these markers next to its ``result.json``:
+
+- ``running.json`` while the step runs (written before it starts, removed when it ends). Found with no
+  process behind it, it means the step was interrupted by a killed process or a lost node.
+- ``failure.json`` when the step ended without a result: ``status`` is ``failed`` (an exception),
+  ``interrupted`` (Ctrl-C) or ``timeout`` (a notebook cell ran past ``--execution-timeout``).
+
+``result.json`` is only ever replaced whole (written to a temporary file, then renamed), so an interrupted
+step leaves the previous result, never half of a new one.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .history import job_digest
+from .results import RESULT_FILE, git_commit, read_json, write_json_atomic
+
+RUNNING_FILE = "running.json"
+FAILURE_FILE = "failure.json"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def mark_running(folder: Path, step: str, run_id: str) -> None:
+    write_json_atomic(folder / RUNNING_FILE, {"step": step, "run": run_id, "pid": os.getpid(),
+                                              "host": platform.node(), "started_at": _now()})
+
+
+def clear_running(folder: Path) -> None:
+    (folder / RUNNING_FILE).unlink(missing_ok=True)
+
+
+def mark_failed(folder: Path, step: str, status: str, error: str, **extra: Any) -> None:
+    """Record why a step has no new result: ``status`` is failed | interrupted | timeout."""
+    write_json_atomic(folder / FAILURE_FILE, {"step": step, "status": status, "error": error,
+                                              "at": _now(), **extra})
+    clear_running(folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's process
+        return True
+    return True
+
+
+@dataclass
+class StepState:
+    status: str  # ok | failed | interrupted | timeout | running | not run
+    detail: str = ""
+    result: dict | None = None
+
+
+def step_state(folder: Path) -> StepState:
+    """The state of one step folder, from its markers and result."""
+    folder = Path(folder)
+    result = read_json(folder / RESULT_FILE) if (folder / RESULT_FILE).is_file() else None
+    running = folder / RUNNING_FILE
+    if running.is_file():
+        try:
+            r = read_json(running)
+        except ValueError:
+            r = {}
+        same_host = r.get("host") == platform.node()
+        if same_host and isinstance(r.get("pid"), int) and _alive(r["pid"]):
+            return StepState("running", f"since {r.get('started_at')} (pid {r.get('pid')})", result)
+        where = "" if same_host else f" on {r.get('host')}"
+        return StepState("interrupted", f"started {r.get('started_at')}{where} and never finished: the process "
+                         "was killed or the node lost" + ("; the previous result is kept" if result else ""), result)
+    if (folder / FAILURE_FILE).is_file():
+        f = read_json(folder / FAILURE_FILE)
+        kept = "; the previous result is kept" if result else ""
+        return StepState(f.get("status", "failed"), f.get("error", "") + kept, result)
+    if result:
+        return StepState("ok", "", result)
+    return StepState("not run")
+
+
+def workbook_version() -> dict[str, str]:
+    return {"mfu_lab": __version__, "git_commit": git_commit().removesuffix("+dirty")}
+
+
+def resumable(folder: Path, job_dict: dict[str, Any]) -> tuple[bool, str]:
+    """(True, why) when the step's result can be kept: it finished, for the same job parameters, with the same
+    workbook version (package version and git commit); else (False, why it must run again)."""
+    st = step_state(folder)
+    if st.status != "ok" or st.result is None:
+        return False, {"not run": "no result yet"}.get(st.status, f"last attempt {st.status}: {st.detail}")
+    r = st.result
+    old, new = r.get("job", {}), job_dict
+    if job_digest(old) != job_digest(new):
+        keys = sorted(k for k in set(old) | set(new) if k != "out_dir" and old.get(k) != new.get(k))
+        return False, "job parameters changed: " + ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+    env, now = r.get("environment", {}), workbook_version()
+    if env.get("mfu_lab") != now["mfu_lab"]:
+        return False, f"workbook version changed: {env.get('mfu_lab')} -> {now['mfu_lab']}"
+    was = str(env.get("git_commit", "")).removesuffix("+dirty")
+    if was != now["git_commit"]:
+        return False, f"workbook commit changed: {was[:12]} -> {now['git_commit'][:12]}"
+    return True, f"kept: finished {env.get('created_at')} with the same parameters and workbook"
