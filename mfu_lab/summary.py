@@ -131,13 +131,20 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     base = results.get("baseline", {}).get("metrics", {}).get("mfu")
     if base and base.get("value") is not None:
         lines.append(f"The job as it came measured {base['value']:.1%} MFU (step 1, {base['source']}).")
-    if pts:
-        best = max(pts, key=lambda p: p[1])
-        if best[0] != BY_KEY["baseline"].folder:
-            lines.append(f"The best MFU measured in a later step is {best[1]:.1%} ({best[0]}, {best[2]}).")
+    later = [p for p in pts if p[0] != BY_KEY["baseline"].folder]
+    if later:
+        text = "Later steps measured MFU " + ", ".join(f"{v:.1%} ({folder[:2]})" for folder, v, _ in later)
+        m = results.get("baseline", {}).get("metrics", {})
+        med, p10, p90 = (m.get(k, {}).get("value") for k in ("step_time_median_s", "step_time_p10_s",
+                                                              "step_time_p90_s"))
+        if med and p10 is not None and p90 is not None:
+            text += (f"; step 1's step times spread ±{(p90 - p10) / 2 / med:.0%} (p10-p90), so differences within that "
+                     "are run-to-run noise, not gains: the gains are in Changes measured, each timed side by side")
+        lines.append(text + ".")
     to_adopt = [c for c in changes(results) if c.status == "adopt"]
     if to_adopt:
-        lines.append(f"{len(to_adopt)} change(s) to adopt: " + "; ".join(c.change for c in to_adopt) + ".")
+        lines.append(f"{len(to_adopt)} change(s) to adopt: "
+                     + "; ".join(f"{c.change} [{c.source}]" for c in to_adopt) + ".")
     missing = [i.folder for i in STEPS if i.key not in results]
     if missing:
         lines.append("Not run yet: " + ", ".join(missing) + ".")

@@ -18,3 +18,11 @@ def test_committed_notebooks_have_no_outputs():
     for nb in (ROOT / "notebooks").glob("*.ipynb"):
         cells = json.loads(nb.read_text())["cells"]
         assert not any(c.get("outputs") or c.get("execution_count") for c in cells if c["cell_type"] == "code"), nb
+
+
+def test_readme_images_exist():
+    readme = (ROOT / "README.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme)
+    assert images, "the README shows the report"
+    for path in images:
+        assert (ROOT / path).is_file(), path
