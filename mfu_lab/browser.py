@@ -38,8 +38,11 @@ def ensure_chromium(install: bool = True) -> tuple[str | None, str]:
     if hasattr(os, "geteuid") and os.geteuid() != 0:
         return None, "no chromium on PATH; installing Debian's chromium package needs root (apt-get install chromium)"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "chromium"]):
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    for cmd, limit in ((["apt-get", "update", "-q"], 180), (["apt-get", "install", "-y", "-q", "chromium"], 600)):
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
+        except (subprocess.TimeoutExpired, OSError) as e:
+            return None, f"{' '.join(cmd)} did not finish: {e}"
         if p.returncode != 0 and cmd[1] == "install":
             return None, f"apt-get install chromium failed: {p.stderr.strip()[-400:]}"
     path = find_chromium()
