@@ -316,7 +316,7 @@ def cmd_history(args) -> int:
     if not table:
         print(f"{root}: no run recorded yet (history.jsonl is written when a step saves its result)")
         return EXIT_OK
-    trend = dict(mfu_trend(root))
+    trend = dict(mfu_trend(root, table))
     for rid, steps in table.items():
         first = next(iter(steps.values()))
         mfus = ", ".join(f"{k} {fmt(v, 'fraction')}" for k, v in trend.get(rid, {}).items())

@@ -251,7 +251,7 @@ def what_if(job, result, gpus: int, tp: int = 0, pp: int = 0, oversubscription: 
     GPUs others hold (the first ``neighbour_gpus``) all-reduce across their nodes ``neighbour_traffic`` of
     the time, sharing the leaf uplinks with this job."""
     from .cluster import load_cluster
-    from .steps.placement import _earlier, calibrate, cluster_path
+    from .steps.placement import _earlier, calibrate, cluster_path, strategy_rows
 
     cluster = load_cluster(cluster_path(job))
     changes = {}
@@ -266,22 +266,11 @@ def what_if(job, result, gpus: int, tp: int = 0, pp: int = 0, oversubscription: 
     if best is None:
         return WhatIf("-", [], f"no layout of {gpus} GPUs fits (tp {tp or 'auto'}, pp {pp or 'auto'}, global_batch "
                       f"{job.global_batch}, {cluster.n_gpus - cluster.occupied_gpus} GPUs free)")
-    neighbours = pl.occupied_groups(cluster)
-    rows = []
-    for strat in pl.STRATEGIES:
-        where = pl.place(cluster, strat, best.layout, job.seed)
-        if not where:
-            rows.append({"strategy": strat, "status": "does not fit"})
-            continue
-        p = pl.predict(cluster, shape, best.layout, where, cal, neighbours, neighbour_traffic)
-        nodes = len({x // cluster.gpus_per_node for x in where})
-        switches = len({cluster.node_switch[x // cluster.gpus_per_node] for x in where})
-        rows.append(dataclasses.asdict(p) | {"strategy": strat, "status": "ok", "nodes": nodes, "switches": switches,
-                                             "label": p.layout.label()})
+    rows = strategy_rows(cluster, shape, best.layout, cal, job.seed, pl.occupied_groups(cluster), neighbour_traffic)
     ok = [r for r in rows if r["status"] == "ok"]
-    aware = ok[0] if ok and ok[0]["strategy"] == "topology-aware" else None
     text = "; ".join(f"{r['strategy']}: {r['step_s'] * 1e3:.2f} ms, MFU {r['mfu']:.1%}"
-                     + (f" ({r['step_s'] / aware['step_s']:.2f}x)" if aware and r is not aware else "") for r in ok)
+                     + (f" ({r['vs_aware']:.2f}x)" if r.get("vs_aware") and r["strategy"] != "topology-aware" else "")
+                     for r in ok)
     return WhatIf(best.layout.label(), rows, f"{gpus} GPUs as {best.layout.label()} on {cluster.name} "
                   f"(oversubscription {cluster.oversubscription:g}:1, {cluster.occupied_gpus} GPUs held by a "
                   f"neighbour communicating {neighbour_traffic:.0%} of the time) [modelled]: {text}")

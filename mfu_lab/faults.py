@@ -51,8 +51,8 @@ def is_oom(exc: BaseException) -> bool:
     if oom_type is not None and isinstance(exc, oom_type):
         return True
     text = str(exc)
-    return isinstance(exc, (RuntimeError, MemoryError)) and (
-        "out of memory" in text.lower() or "can't allocate memory" in text or isinstance(exc, MemoryError))
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text))
 
 
 def memory_figures() -> dict[str, Any]:

@@ -49,6 +49,12 @@ def job_digest(job_dict: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def job_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """'key old -> new' for every job parameter that differs (the output folder left out, as in the digest)."""
+    keys = sorted(k for k in set(old) | set(new) if k != "out_dir" and old.get(k) != new.get(k))
+    return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys]
+
+
 def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_id: str | None = None) -> str:
     """Keep a copy of a just-saved step result under ``runs/<run_id>/`` and append its line to the history."""
     job_root = Path(job_root)
@@ -207,11 +213,9 @@ def compare(a: Run, b: Run, tolerance: float = 0.03) -> tuple[list[Change], list
         if ra is None or rb is None:
             notes.append(f"{info.folder}: only in {'B' if ra is None else 'A'}")
             continue
-        ja, jb = ra.get("job", {}), rb.get("job", {})
-        diff = sorted(k for k in set(ja) | set(jb) if k != "out_dir" and ja.get(k) != jb.get(k))
+        diff = job_changes(ra.get("job", {}), rb.get("job", {}))
         if diff:
-            notes.append(f"{info.folder}: job parameters differ: "
-                         + ", ".join(f"{k} {ja.get(k)!r} -> {jb.get(k)!r}" for k in diff))
+            notes.append(f"{info.folder}: job parameters differ: " + ", ".join(diff))
         da, db = ra.get("environment", {}).get("device_name"), rb.get("environment", {}).get("device_name")
         if da != db:
             notes.append(f"{info.folder}: device differs: {da} -> {db}")
@@ -265,10 +269,12 @@ def compare_text(a: Run, b: Run, changes: list[Change], notes: list[str], show_a
     return "\n".join(lines)
 
 
-def mfu_trend(job_root: Path) -> list[tuple[str, dict[str, float]]]:
-    """Per run (oldest first): step folder -> the MFU it measured, for the steps that report one."""
+def mfu_trend(job_root: Path, table: dict[str, dict[str, dict[str, Any]]] | None = None
+              ) -> list[tuple[str, dict[str, float]]]:
+    """Per run (oldest first): step folder -> the MFU it measured, for the steps that report one.
+    ``table`` is :func:`runs`' answer when the caller already has it."""
     out = []
-    for rid, steps in runs(job_root).items():
+    for rid, steps in (runs(job_root) if table is None else table).items():
         pts = {BY_KEY[k].folder: d["metrics"]["mfu"]["value"] for k, d in steps.items()
                if k in BY_KEY and (d.get("metrics", {}).get("mfu") or {}).get("value") is not None}
         if pts:

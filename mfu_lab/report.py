@@ -15,7 +15,6 @@ from .results import RESULT_FILE, read_json
 from .steps import BY_KEY, STEPS
 
 TEMPLATES = Path(__file__).parent / "templates"
-FAILURE_FILE = "failure.json"  # see runstate
 e = html.escape
 
 
@@ -105,7 +104,7 @@ def _step_row(job_root: Path, info, result: dict | None) -> str:
             links.append(f'<a href="{e(info.folder)}/{e(name)}">{label}</a>')
     from .runstate import step_state
 
-    st = step_state(folder)
+    st = step_state(folder, result)
     css = {"ok": "ok", "not run": "notrun", "running": "info"}.get(st.status, "failed")
     status = f'<span class="{css}">{e(st.status)}</span>' + (f"<br><small>{e(st.detail)}</small>" if st.detail else "")
     m = (result or {}).get("metrics", {})
@@ -722,7 +721,7 @@ def history_html(job_root: Path) -> str:
     table = runs(job_root)
     if not table:
         return "<p>No run recorded yet.</p>"
-    trend = mfu_trend(job_root)
+    trend = mfu_trend(job_root, table)
     img = (f'<img alt="MFU across runs" src="{plots.to_data_uri(plots.mfu_trend(trend))}">' if trend else "")
     by_run = dict(trend)
     rows = []

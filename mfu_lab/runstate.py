@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .history import job_digest
+from .history import job_changes, job_digest
 from .results import RESULT_FILE, git_commit, read_json, write_json_atomic
 
 RUNNING_FILE = "running.json"
@@ -65,10 +65,11 @@ class StepState:
     result: dict | None = None
 
 
-def step_state(folder: Path) -> StepState:
-    """The state of one step folder, from its markers and result."""
+def step_state(folder: Path, result: dict | None = None) -> StepState:
+    """The state of one step folder, from its markers and result (``result``: already read by the caller)."""
     folder = Path(folder)
-    result = read_json(folder / RESULT_FILE) if (folder / RESULT_FILE).is_file() else None
+    if result is None and (folder / RESULT_FILE).is_file():
+        result = read_json(folder / RESULT_FILE)
     running = folder / RUNNING_FILE
     if running.is_file():
         try:
@@ -103,8 +104,7 @@ def resumable(folder: Path, job_dict: dict[str, Any]) -> tuple[bool, str]:
     r = st.result
     old, new = r.get("job", {}), job_dict
     if job_digest(old) != job_digest(new):
-        keys = sorted(k for k in set(old) | set(new) if k != "out_dir" and old.get(k) != new.get(k))
-        return False, "job parameters changed: " + ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+        return False, "job parameters changed: " + ", ".join(job_changes(old, new))
     env, now = r.get("environment", {}), workbook_version()
     if env.get("mfu_lab") != now["mfu_lab"]:
         return False, f"workbook version changed: {env.get('mfu_lab')} -> {now['mfu_lab']}"

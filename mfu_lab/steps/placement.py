@@ -414,6 +414,26 @@ def _pred_row(p: pl.Prediction, extra: dict | None = None) -> dict:
     return d | (extra or {})
 
 
+def strategy_rows(cluster: Cluster, shape: pl.Shape, layout: pl.Layout, cal: pl.Calibration, seed: int,
+                  neighbours: list[list[int]] | None = None, neighbour_weight: float = 1.0) -> list[dict]:
+    """The layout placed by every strategy and predicted there: one row each, with its slowdown against
+    topology-aware (``vs_aware``) when both fit. Step 6's table and the notebook's what-if both use it."""
+    rows = []
+    for strat in pl.STRATEGIES:
+        where = pl.place(cluster, strat, layout, seed)
+        if not where:
+            rows.append({"strategy": strat, "status": "does not fit"})
+            continue
+        p = pl.predict(cluster, shape, layout, where, cal, neighbours, neighbour_weight)
+        nodes, switches = _nodes_used(cluster, where)
+        rows.append(_pred_row(p, {"strategy": strat, "status": "ok", "nodes": nodes, "switches": switches}))
+    aware = rows[0]
+    for r in rows:
+        if r.get("status") == "ok" and aware.get("status") == "ok":
+            r["vs_aware"] = r["step_s"] / aware["step_s"]
+    return rows
+
+
 def _nodes_used(cluster: Cluster, gpus: list[int]) -> tuple[int, int]:
     nodes = {x // cluster.gpus_per_node for x in gpus}
     return len(nodes), len({cluster.node_switch[n] for n in nodes})
@@ -473,19 +493,7 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
                         f"(global_batch {job.global_batch}, micro_batch {job.micro_batch}, tp {job.tp}, pp {job.pp})"})
     else:
         say(f"placing {gpus} GPUs ({chosen.layout.label()}) four ways")
-        for strat in pl.STRATEGIES:
-            where = pl.place(cluster, strat, chosen.layout, job.seed)
-            if not where:
-                strategies.append({"strategy": strat, "status": "does not fit"})
-                continue
-            p = pl.predict(cluster, shape, chosen.layout, where, cal)
-            nodes, switches = _nodes_used(cluster, where)
-            strategies.append(_pred_row(p, {"strategy": strat, "status": "ok", "nodes": nodes,
-                                            "switches": switches}))
-        aware = strategies[0]
-        for r in strategies:
-            if r.get("status") == "ok" and aware.get("status") == "ok":
-                r["vs_aware"] = r["step_s"] / aware["step_s"]
+        strategies = strategy_rows(cluster, shape, chosen.layout, cal, job.seed)
         empty = dataclasses.replace(cluster, occupied_gpus=0)
         per_job = max((n for n in pl.sweep_sizes(empty) if n * job.placement_jobs <= empty.n_gpus), default=0)
         per_job = min(per_job, gpus)
