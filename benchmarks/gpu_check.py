@@ -26,8 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mfu_lab.job import load_job  # noqa: E402
-from mfu_lab.steps import attention_comm, baseline, compiled, fp8, kernels, placement  # noqa: E402
+from mfu_lab.core.job import load_job  # noqa: E402
+from mfu_lab.steps import attention_comm, baseline, fp8, kernels, placement  # noqa: E402
+from mfu_lab.steps import compile as compiled  # noqa: E402
 
 
 def main() -> int:

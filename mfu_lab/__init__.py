@@ -7,11 +7,10 @@ Plain-Python entry points (no Jupyter needed)::
     result = baseline.run(load_job("parameters/default.yaml"))
 """
 
-__version__ = "0.1.0"
-
-from .errors import DeviceError, JobError, MfuLabError, StepError  # noqa: E402
-from .flops import hardware_flops_per_token, mfu, transformer_flops_per_token  # noqa: E402
-from .job import Job, load_job  # noqa: E402
+from mfu_lab.core import __version__
+from mfu_lab.core.errors import DeviceError, JobError, MfuLabError, StepError  # noqa: E402
+from mfu_lab.core.flops import hardware_flops_per_token, mfu, transformer_flops_per_token  # noqa: E402
+from mfu_lab.core.job import Job, from_namespace, load_job  # noqa: E402
 
 __all__ = ["DeviceError", "Job", "JobError", "MfuLabError", "StepError", "__version__",
-           "hardware_flops_per_token", "load_job", "mfu", "transformer_flops_per_token"]
+           "from_namespace", "hardware_flops_per_token", "load_job", "mfu", "transformer_flops_per_token"]

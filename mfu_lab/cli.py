@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from .errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from .job import FIELDS, Job, find_workbook_root, load_job, validate
-from .steps import BY_KEY, STEPS
+from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
+from mfu_lab.core.job import FIELDS, Job, find_workbook_root, load_job, validate
+from mfu_lab.core.registry import BY_KEY, STEPS
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -141,9 +141,9 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     """
     import papermill as pm
 
-    from .history import current_run_id
-    from .report import export_html, write_index
-    from .runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
+    from mfu_lab.core.history import current_run_id
+    from mfu_lab.core.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
+    from mfu_lab.report import export_html, write_index
 
     folder = job.step_dir(info.folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -193,8 +193,8 @@ def cmd_run(args) -> int:
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
     root = find_workbook_root()
-    from .history import RUN_ENV, RUNS_DIR, new_run_id
-    from .runstate import resumable
+    from mfu_lab.core.history import RUN_ENV, RUNS_DIR, new_run_id
+    from mfu_lab.core.runstate import resumable
 
     run_id = os.environ[RUN_ENV] = new_run_id()  # the notebooks' kernels inherit it: one run, one id
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
@@ -231,9 +231,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_step(args) -> int:
-    from .history import current_run_id
-    from .report import text_summary, write_index
-    from .runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
+    from mfu_lab.core.history import current_run_id
+    from mfu_lab.core.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
+    from mfu_lab.report import text_summary, write_index
 
     job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
     info = select_steps(args.step)[0]
@@ -264,8 +264,8 @@ def cmd_step(args) -> int:
 
 
 def check_cluster(job: Job) -> None:
-    from .cluster import load_cluster
-    from .steps.placement import cluster_path
+    from mfu_lab.analysis.cluster_files import load_cluster
+    from mfu_lab.steps.placement import cluster_path
 
     load_cluster(cluster_path(job))
 
@@ -286,7 +286,7 @@ def cmd_keys(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import export_html, write_index
+    from mfu_lab.report import export_html, write_index
 
     root = Path(args.job_dir)
     if not root.is_dir():
@@ -308,8 +308,8 @@ def _job_dir(arg: str | None) -> Path:
 
 
 def cmd_history(args) -> int:
-    from .history import mfu_trend, runs
-    from .report import fmt
+    from mfu_lab.core.history import mfu_trend, runs
+    from mfu_lab.report import fmt
 
     root = _job_dir(args.job_dir)
     table = runs(root)
@@ -326,7 +326,7 @@ def cmd_history(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .history import compare, compare_text, resolve_run
+    from mfu_lab.core.history import compare, compare_text, resolve_run
 
     root = _job_dir(args.job_dir)
     a, b = resolve_run(args.run_a, root), resolve_run(args.run_b, root)
@@ -336,7 +336,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_check_html(args) -> int:
-    from .browser import check_pages, ensure_chromium, job_pages
+    from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
 
     root = _job_dir(args.job_dir)
     pages = job_pages(root)
@@ -355,7 +355,7 @@ def cmd_check_html(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from .health import gate
+    from mfu_lab.core.health import gate
 
     ok, lines = gate(args.max_temp_c)
     for line in lines:

@@ -18,9 +18,9 @@ import html
 from collections.abc import Callable
 from typing import Any
 
-from . import placement as pl
-from . import plots
-from .plots import ReportFigure
+from mfu_lab import plots
+from mfu_lab.analysis import placement_model as pl
+from mfu_lab.plots import ReportFigure
 
 FALLBACK_NOTE = ("Static image of the initial selection: this page has no Python kernel behind it, so the "
                  "controls cannot redraw it here. Open the notebook in JupyterLab and run the cell to explore.")
@@ -77,7 +77,7 @@ def _multi(options: list[str], value: list[str], description: str):
 # ------------------------------------------------------------------ step 1
 def draw_baseline(result, discard: int = 0) -> tuple[ReportFigure, str]:
     """Step times with ``discard`` more measured steps dropped; median and MFU over the rest, by step 1's formula."""
-    from .measure import stats
+    from mfu_lab.core.measure import stats
 
     t = result.timings
     wall = t.measured("wall_s")
@@ -250,8 +250,8 @@ def what_if(job, result, gpus: int, tp: int = 0, pp: int = 0, oversubscription: 
     """Re-run the placement model with a changed size, layout, uplink oversubscription and neighbour: the
     GPUs others hold (the first ``neighbour_gpus``) all-reduce across their nodes ``neighbour_traffic`` of
     the time, sharing the leaf uplinks with this job."""
-    from .cluster import load_cluster
-    from .steps.placement import _earlier, calibrate, cluster_path, strategy_rows
+    from mfu_lab.analysis.cluster_files import load_cluster
+    from mfu_lab.steps.placement import _earlier, calibrate, cluster_path, strategy_rows
 
     cluster = load_cluster(cluster_path(job))
     changes = {}

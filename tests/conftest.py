@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mfu_lab.job import Job, load_job
+from mfu_lab.core.job import Job, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "tiny.yaml"

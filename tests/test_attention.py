@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mfu_lab import attention as att
+from mfu_lab.analysis import attention as att
 
 CPU = torch.device("cpu")
 SHAPE = (2, 2, 32, 8)

@@ -62,7 +62,7 @@ def test_a_change_is_recommended_only_beyond_the_noise():
 
 
 def test_lossy_hooks_are_recommended_with_a_warning():
-    from mfu_lab.job import Job
+    from mfu_lab.core.job import Job
     from mfu_lab.steps.attention_comm import CommRow, _recommend
 
     row = CommRow("powersgd", 100, False, "ok", step_median_s=1.0, step_p10_s=0.9, step_p90_s=1.1,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mfu_lab.browser import check_pages, ensure_chromium, job_pages
+from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from mfu_lab.comm import config_key, run_sweep, sweep_configs
+from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
 
 pytestmark = pytest.mark.e2e
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mfu_lab.job import load_job
-from mfu_lab.steps import compiled
+from mfu_lab.core.job import load_job
+from mfu_lab.steps import compile as compiled
 
 from .conftest import TINY
 from .test_e2e import assert_offline

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from mfu_lab import compiling as cp
-from mfu_lab.errors import JobError
-from mfu_lab.job import load_job
-from mfu_lab.workload import IGNORE, bucket_lengths, build_loader, build_model
+from mfu_lab.analysis import recompiles as cp
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job import load_job
+from mfu_lab.core.workload import IGNORE, bucket_lengths, build_loader, build_model
 
 from .conftest import TINY
 

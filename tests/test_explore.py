@@ -7,19 +7,19 @@ import nbformat
 import pytest
 
 from mfu_lab import explore as ex
-from mfu_lab import placement as pl
-from mfu_lab import progress as pg
-from mfu_lab.cluster import load_cluster
-from mfu_lab.job import load_job
-from mfu_lab.results import read_json
-from mfu_lab.steps import BY_KEY
+from mfu_lab.analysis import placement_model as pl
+from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.core import progress as pg
+from mfu_lab.core.job import load_job
+from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import read_json
 
 from .conftest import ROOT, TINY
 
 CLASSES = {"baseline": ("mfu_lab.steps.baseline", "BaselineResult"),
            "attention_comm": ("mfu_lab.steps.attention_comm", "AttentionCommResult"),
            "kernels": ("mfu_lab.steps.kernels", "KernelsResult"),
-           "compile": ("mfu_lab.steps.compiled", "CompileResult"),
+           "compile": ("mfu_lab.steps.compile", "CompileResult"),
            "fp8": ("mfu_lab.steps.fp8", "Fp8Result"), "placement": ("mfu_lab.steps.placement", "PlacementResult")}
 
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mfu_lab.flops import count_flops, hardware_flops_per_token, mfu, transformer_flops_per_token
-from mfu_lab.workload import GPT
+from mfu_lab.core.flops import count_flops, hardware_flops_per_token, mfu, transformer_flops_per_token
+from mfu_lab.core.workload import GPT
 
 
 def test_palm_540b_mfu_reproduces_the_paper():
@@ -69,6 +69,6 @@ def test_cpu_fused_attention_is_counted_where_torch_alone_counts_nothing():
 def test_module_docstring_example_runs():
     import doctest
 
-    import mfu_lab.flops
+    import mfu_lab.core.flops
 
-    assert doctest.testmod(mfu_lab.flops).failed == 0
+    assert doctest.testmod(mfu_lab.core.flops).failed == 0

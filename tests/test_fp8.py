@@ -9,9 +9,9 @@ import torch
 import yaml
 from torch import nn
 
-from mfu_lab import fp8 as f8
-from mfu_lab.errors import JobError
-from mfu_lab.job import load_job
+from mfu_lab.analysis import fp8_numerics as f8
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job import load_job
 from mfu_lab.steps import fp8
 
 from .conftest import TINY

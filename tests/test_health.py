@@ -2,7 +2,7 @@ import sys
 import time
 import types
 
-from mfu_lab.health import HealthSampler, decode_reasons
+from mfu_lab.core.health import HealthSampler, decode_reasons
 
 
 def test_cpu_run_is_skipped_with_a_reason():

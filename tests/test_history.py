@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from mfu_lab import history as hi
-from mfu_lab import summary as su
 from mfu_lab.cli import main
+from mfu_lab.core import history as hi
+from mfu_lab.core.results import write_json_atomic
+from mfu_lab.report import summary as su
 from mfu_lab.report import write_index
-from mfu_lab.results import write_json_atomic
 
 from .conftest import ROOT
 

@@ -4,8 +4,8 @@ import json
 import pytest
 import yaml
 
-from mfu_lab.errors import JobError
-from mfu_lab.job import FIELDS, Job, from_namespace, load_job, validate
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job import FIELDS, Job, from_namespace, load_job, validate
 
 from .conftest import ROOT
 
@@ -142,7 +142,7 @@ def test_cross_key_checks_are_reported_with_the_other_problems(tmp_path):
 def test_papermill_sees_every_key_in_every_notebook():
     import papermill
 
-    from mfu_lab.job import FIELDS
+    from mfu_lab.core.job import FIELDS
 
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         found = papermill.inspect_notebook(str(nb))

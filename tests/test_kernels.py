@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from mfu_lab import trace as tr
-from mfu_lab.errors import JobError
-from mfu_lab.job import load_job
+from mfu_lab.analysis import trace as tr
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job import load_job
 from mfu_lab.steps import baseline, kernels
 
 from .conftest import TINY

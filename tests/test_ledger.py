@@ -1,8 +1,8 @@
 import pytest
 
-from mfu_lab.health import HealthSummary
-from mfu_lab.ledger import ORDER, single_process_ledger
-from mfu_lab.measure import Timings
+from mfu_lab.core.health import HealthSummary
+from mfu_lab.core.ledger import ORDER, single_process_ledger
+from mfu_lab.core.measure import Timings
 
 CPU = HealthSummary(False, "CPU run")
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mfu_lab.measure import percentile, run_steps, stats
+from mfu_lab.core.measure import percentile, run_steps, stats
 
 
 def test_stats_match_numpy():

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mfu_lab import placement as pl
-from mfu_lab.cluster import (
+from mfu_lab.analysis import placement_model as pl
+from mfu_lab.analysis.cluster_files import (
     ClusterError,
     QueueEntry,
     expand_hostlist,
@@ -15,8 +15,8 @@ from mfu_lab.cluster import (
     parse_nvidia_smi_topo,
     parse_topology_conf,
 )
-from mfu_lab.errors import JobError
-from mfu_lab.job import load_job
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job import load_job
 
 from .conftest import ROOT, TINY
 
@@ -247,7 +247,7 @@ def test_job_keys_for_placement_are_checked():
 
 # ------------------------------------------------------------------ the step
 def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
-    from mfu_lab import device as dev
+    from mfu_lab.core import device as dev
     from mfu_lab.steps.placement import Coloc, model_check
 
     device = dev.DeviceInfo("cpu", "SomeCPU", None, None, 2)
@@ -269,7 +269,7 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
 
 
 def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job):
-    from mfu_lab.results import read_json
+    from mfu_lab.core.results import read_json
     from mfu_lab.steps import placement
 
     job = dataclasses.replace(tiny_job, coloc_steps=3, global_batch=64)

@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from mfu_lab import results
-from mfu_lab.results import Metric, write_json_atomic
+from mfu_lab.core import results
+from mfu_lab.core.results import Metric, write_json_atomic
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp(tmp_path):

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from mfu_lab.errors import StepError
-from mfu_lab.workload import GPT, SyntheticTokens, build_loader, build_model, build_train_step
+from mfu_lab.core.errors import StepError
+from mfu_lab.core.workload import GPT, SyntheticTokens, build_loader, build_model, build_train_step
 
 SPEC = "tests.fixtures.tiny_models:"
 

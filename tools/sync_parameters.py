@@ -1,4 +1,4 @@
-"""Rewrite the tagged parameters cell of every notebook from mfu_lab.job.Job.
+"""Rewrite the tagged parameters cell of every notebook from mfu_lab.core.job.Job.
 
     python tools/sync_parameters.py
 
@@ -15,7 +15,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mfu_lab.job import FIELDS, Job  # noqa: E402
+from mfu_lab.core.job import FIELDS, Job  # noqa: E402
 
 GROUPS = {"job_name": "job", "model": "model", "data": "data", "micro_batch": "training", "peak_flops": "device",
           "nproc_per_node": "distributed (step 2)", "profile_warmup_steps": "kernels (step 3)",

@@ -20,19 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import attention as att
-from .. import device as dev
-from ..advice import Advice
-from ..comm import config_key, run_sweep, sweep_configs
-from ..faults import guarded
-from ..job import Job
-from ..ledger import Ledger, LedgerItem
-from ..measure import run_steps, stats
-from ..progress import Eta
-from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
-from ..workload import GPT, build_loader, build_model, build_train_step
-from . import BY_KEY
-from .baseline import count_step_flops
+from mfu_lab.analysis import attention as att
+from mfu_lab.core import device as dev
+from mfu_lab.core.advice import Advice
+from mfu_lab.core.faults import guarded
+from mfu_lab.core.job import Job
+from mfu_lab.core.ledger import Ledger, LedgerItem
+from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.progress import Eta
+from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
+from mfu_lab.steps.baseline import count_step_flops
+from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
 
 INFO = BY_KEY["attention_comm"]
 SYNC_TOLERANCE = 1e-6  # checksum difference above which ranks are out of sync

@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
-from .. import device as dev
-from .. import flops as fl
-from ..advice import Advice, baseline_advice
-from ..faults import guarded
-from ..health import HealthSampler, HealthSummary
-from ..job import Job
-from ..ledger import Ledger, LedgerItem, single_process_ledger
-from ..measure import Stats, Timings, run_steps, stats
-from ..progress import printer
-from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
-from ..workload import GPT, build_loader, build_model, build_train_step
-from . import BY_KEY
+from mfu_lab.core import device as dev
+from mfu_lab.core import flops as fl
+from mfu_lab.core.advice import Advice, baseline_advice
+from mfu_lab.core.faults import guarded
+from mfu_lab.core.health import HealthSampler, HealthSummary
+from mfu_lab.core.job import Job
+from mfu_lab.core.ledger import Ledger, LedgerItem, single_process_ledger
+from mfu_lab.core.measure import Stats, Timings, run_steps, stats
+from mfu_lab.core.progress import printer
+from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
 
 INFO = BY_KEY["baseline"]
 FLOP_TOLERANCE = 0.02  # counted vs analytic FLOPs above this is shown as a disagreement

@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from .. import device as dev
-from .. import fp8 as f8
-from ..advice import Advice
-from ..errors import JobError, JobProblem
-from ..faults import guarded
-from ..job import Job
-from ..progress import Eta
-from ..results import Metric, StepResult, environment
-from ..workload import build_loader, build_model, build_train_step
-from . import BY_KEY
-from .baseline import count_step_flops
+from mfu_lab.analysis import fp8_numerics as f8
+from mfu_lab.core import device as dev
+from mfu_lab.core.advice import Advice
+from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.faults import guarded
+from mfu_lab.core.job import Job
+from mfu_lab.core.progress import Eta
+from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import Metric, StepResult, environment
+from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps.baseline import count_step_flops
 
 INFO = BY_KEY["fp8"]
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
@@ -144,7 +144,7 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         return {"status": "skipped", "reason": "torchao is not installed (pip install torchao)"}
-    from ..measure import run_steps, stats
+    from mfu_lab.core.measure import run_steps, stats
 
     out: dict[str, Any] = {"status": "ok", "recipe": job.fp8_recipe}
     for label, use in (("bf16", False), ("fp8", True)):

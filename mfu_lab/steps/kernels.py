@@ -2,7 +2,7 @@
 
 ``run(job)`` times the job's training step without the profiler, then records a
 few steps with ``torch.profiler`` (shapes recorded) and reads the trace with
-:mod:`mfu_lab.trace`: the top-N kernels (GPU) or operators (CPU) by self time,
+:mod:`mfu_lab.analysis.trace`: the top-N kernels (GPU) or operators (CPU) by self time,
 a time breakdown of the profiled steps in the ledger's terms, time by category,
 and fusion candidates with their memory traffic at the device's measured
 bandwidth. The trace is kept, gzipped, as ``<out>/<job>/03_kernels/trace.json.gz``
@@ -24,19 +24,19 @@ from typing import Any
 
 import torch
 
-from .. import device as dev
-from .. import trace as tr
-from ..advice import Advice
-from ..comm import error_lines, launch, world_layout
-from ..faults import guarded
-from ..job import Job
-from ..ledger import Ledger, LedgerItem
-from ..measure import Timings, run_steps, stats
-from ..progress import printer
-from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
-from ..workload import build_loader, build_model, build_train_step
-from . import BY_KEY
-from .baseline import count_step_flops, reference_peak
+from mfu_lab.analysis import trace as tr
+from mfu_lab.core import device as dev
+from mfu_lab.core.advice import Advice
+from mfu_lab.core.faults import guarded
+from mfu_lab.core.job import Job
+from mfu_lab.core.ledger import Ledger, LedgerItem
+from mfu_lab.core.measure import Timings, run_steps, stats
+from mfu_lab.core.progress import printer
+from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps.baseline import count_step_flops, reference_peak
+from mfu_lab.workers.launch import error_lines, launch, world_layout
 
 INFO = BY_KEY["kernels"]
 TRACE_FILE = "trace.json.gz"

@@ -1,7 +1,7 @@
 """Step 6, placement: how should this job be placed on a shared cluster, at what size does it stop
 paying, and what should the scheduler be told?
 
-No cluster is at hand, so the cluster figures are ``modelled`` (mfu_lab.placement) and every one says
+No cluster is at hand, so the cluster figures are ``modelled`` (mfu_lab.analysis.placement_model) and every one says
 what it was calibrated from: the job's FLOPs (counted here), its single-GPU efficiency (measured in
 steps 1, 2 and 4 when they ran on the cluster's GPU, else the job's ``assumed_mfu``), its overlap of
 gradient all-reduce (step 2), link bandwidths (the cluster file, or step 2's all-reduce benchmark on
@@ -24,17 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import device as dev
-from .. import placement as pl
-from ..advice import Advice
-from ..cluster import Cluster, QueueEntry, load_cluster
-from ..faults import guarded
-from ..job import Job, find_workbook_root
-from ..measure import stats
-from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
-from ..workload import build_loader, build_model, build_train_step
-from . import BY_KEY
-from .baseline import count_step_flops
+from mfu_lab.analysis import placement_model as pl
+from mfu_lab.analysis.cluster_files import Cluster, QueueEntry, load_cluster
+from mfu_lab.core import device as dev
+from mfu_lab.core.advice import Advice
+from mfu_lab.core.faults import guarded
+from mfu_lab.core.job import Job, find_workbook_root
+from mfu_lab.core.measure import stats
+from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps.baseline import count_step_flops
 
 INFO = BY_KEY["placement"]
 DDP_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
@@ -248,7 +248,7 @@ def colocate(job: Job, work: Path, device_type: str, say) -> Coloc:
             path = work / f"{tag}{i}.spec.json"
             path.write_text(json.dumps(spec))
             err = open(work / f"{tag}{i}.log", "w")
-            procs.append((subprocess.Popen([sys.executable, "-m", "mfu_lab.coloc_worker", "--spec", str(path)],
+            procs.append((subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.coloc", "--spec", str(path)],
                                            stdout=err, stderr=err, env=env, cwd=os.getcwd()), err))
             specs.append(spec)
         try:

@@ -29,18 +29,18 @@ from typing import Any
 
 import torch
 
-from .. import compiling as cp
-from .. import device as dev
-from .. import trace as tr
-from ..advice import Advice
-from ..faults import guarded
-from ..job import Job
-from ..measure import stats
-from ..progress import Eta
-from ..results import RESULT_FILE, Metric, StepResult, environment, read_json
-from ..workload import build_loader, build_model, build_train_step
-from . import BY_KEY
-from .baseline import count_step_flops, reference_peak
+from mfu_lab.analysis import recompiles as cp
+from mfu_lab.analysis import trace as tr
+from mfu_lab.core import device as dev
+from mfu_lab.core.advice import Advice
+from mfu_lab.core.faults import guarded
+from mfu_lab.core.job import Job
+from mfu_lab.core.measure import stats
+from mfu_lab.core.progress import Eta
+from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps.baseline import count_step_flops, reference_peak
 
 INFO = BY_KEY["compile"]
 WARM_STEPS = 3  # measured steps of the warm-cache run (only its compile time is used)
@@ -104,7 +104,7 @@ class CompileResult(StepResult):
 
 # ------------------------------------------------------------------ trials in fresh processes
 def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, say) -> dict[str, Any]:
-    """One trial through ``python -m mfu_lab.compile_worker``; its compile caches live in ``cache``."""
+    """One trial through ``python -m mfu_lab.workers.compile_trial``; its compile caches live in ``cache``."""
     work.mkdir(parents=True, exist_ok=True)
     tag = f"{spec['label'].replace(' ', '_')}"
     spec = {**spec, "out": str(work / f"{tag}.json")}
@@ -116,7 +116,7 @@ def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, 
     log = work / f"{tag}.stderr.log"
     t0 = time.perf_counter()
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "mfu_lab.compile_worker", "--spec", str(spec_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.compile_trial", "--spec", str(spec_path)],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         timed_out = False
@@ -381,8 +381,8 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
 def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str) -> dict[str, Any]:
     """Step 3's ledger rule applied to one trial's profiled steps (MFU over the profiled window)."""
-    from ..results import _jsonable
-    from .kernels import _ledger
+    from mfu_lab.core.results import _jsonable
+    from mfu_lab.steps.kernels import _ledger
 
     return _jsonable(_ledger(a, flops * a.steps / (peak * a.window_s), device_type)) if a.window_s else {}
 

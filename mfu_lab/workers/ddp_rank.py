@@ -1,7 +1,7 @@
 """One rank of step 2's DDP sweep (and of step 3's per-rank profile); started by ``torchrun`` (see
-mfu_lab.comm), never by hand.
+mfu_lab.workers.launch), never by hand.
 
-    python -m torch.distributed.run ... -m mfu_lab.ddp_worker --spec SPEC.json
+    python -m torch.distributed.run ... -m mfu_lab.workers.ddp_rank --spec SPEC.json
 
 Local rank 0 of each node appends one JSON line per event to ``<out>/progress.jsonl``
 (``out`` belongs to that node's launcher) as soon as it happens: "start", "done",
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .job import validate
-from .measure import run_steps
-from .workload import GPT, build_loader, build_model, build_train_step
+from mfu_lab.core.job import validate
+from mfu_lab.core.measure import run_steps
+from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
 
 BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PERFORMANCE.md)
 
@@ -141,7 +141,7 @@ def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
 
 def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, beat, out: Path) -> None:
     """Step 3: a few DDP steps under torch.profiler with one configuration; every rank writes its own trace."""
-    from .steps.kernels import profile_steps
+    from mfu_lab.steps.kernels import profile_steps
 
     cfg = p["config"]
     ddp = DDP(fresh_model(), device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
@@ -173,7 +173,7 @@ def main() -> None:
     def fresh_model():
         model = build_model(job).to(device).train()  # same seed on every rank: same initial weights
         if isinstance(model, GPT) and spec.get("attention"):
-            from .attention import candidates
+            from mfu_lab.analysis.attention import candidates
 
             impl = next(i for i in candidates(device.type, job.dtype) if i.name == spec["attention"])
             model.set_attention(impl.fn)

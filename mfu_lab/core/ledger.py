@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .health import HealthSummary
-from .measure import Timings
+from mfu_lab.core.health import HealthSummary
+from mfu_lab.core.measure import Timings
 
 ORDER = ("mfu", "hardware", "structure", "software", "operations")
 

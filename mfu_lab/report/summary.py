@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .steps import BY_KEY, STEPS
+from mfu_lab.core.registry import BY_KEY, STEPS
 
 SEVERITY_ORDER = {"act": 0, "look": 1, "info": 2}
 

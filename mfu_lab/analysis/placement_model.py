@@ -15,7 +15,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from .cluster import Cluster, QueueEntry
+from mfu_lab.analysis.cluster_files import Cluster, QueueEntry
 
 GB = 1e9
 

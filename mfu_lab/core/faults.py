@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import StepError
+from mfu_lab.core.errors import StepError
 
 FAULT_ENV = "MFU_LAB_FAULT"
 GIB = 2 ** 30

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .history import job_changes, job_digest
-from .results import RESULT_FILE, git_commit, read_json, write_json_atomic
+from mfu_lab.core import __version__
+from mfu_lab.core.history import job_changes, job_digest
+from mfu_lab.core.results import RESULT_FILE, git_commit, read_json, write_json_atomic
 
 RUNNING_FILE = "running.json"
 FAILURE_FILE = "failure.json"

@@ -38,7 +38,7 @@ class ShapeAudit:
 
 def audit_shapes(loader, label: str) -> ShapeAudit:
     """Read every batch of ``loader`` (one epoch) and tally the (batch, length) shapes it yields."""
-    from .workload import IGNORE
+    from mfu_lab.core.workload import IGNORE
 
     shapes: Counter = Counter()
     pad = total = n = samples = 0

@@ -1,8 +1,8 @@
 """One trial of step 4 in a fresh process: the job's training steps, eager or compiled in one mode.
 
-    python -m mfu_lab.compile_worker --spec SPEC.json
+    python -m mfu_lab.workers.compile_trial --spec SPEC.json
 
-Started by mfu_lab.steps.compiled with TORCHINDUCTOR_CACHE_DIR (and TRITON_CACHE_DIR) pointing at
+Started by mfu_lab.steps.compile with TORCHINDUCTOR_CACHE_DIR (and TRITON_CACHE_DIR) pointing at
 the trial's own cache folder: empty for a cold compile, filled by the cold run for a warm one. A
 fresh process per trial keeps one mode's in-memory caches out of the next mode's compile time, and
 a crash in one mode out of the others. Prints one progress line per step; writes its result JSON
@@ -28,11 +28,11 @@ def main() -> int:
     try:
         import torch
 
-        from .compiling import RecompileLog, guard_lines, mode_kwargs
-        from .device import resolve_device
-        from .job import validate
-        from .measure import run_steps
-        from .workload import build_loader, build_model, build_train_step
+        from mfu_lab.analysis.recompiles import RecompileLog, guard_lines, mode_kwargs
+        from mfu_lab.core.device import resolve_device
+        from mfu_lab.core.job import validate
+        from mfu_lab.core.measure import run_steps
+        from mfu_lab.core.workload import build_loader, build_model, build_train_step
 
         job = validate(spec["job"], "step 4 worker spec")
         device = resolve_device(job.device)
@@ -58,7 +58,7 @@ def main() -> int:
                       recompiles=log.count, recompile_messages=[guard_lines(m) for m in log.messages[:20]],
                       graphs=int(counters["stats"]["unique_graphs"]), seconds=time.perf_counter() - t0)
         if spec.get("trace"):
-            from .steps.kernels import profile_steps
+            from mfu_lab.steps.kernels import profile_steps
 
             print(f"{spec['label']}: profiling 3 steps", flush=True)
             profile_steps(step, build_loader(job, 5, device.type), tdev, 2, 3, Path(spec["trace"]), load=False)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DeviceError
+from mfu_lab.core.errors import DeviceError
 
 T = 1e12
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from mfu_lab.core import __version__
 
 SOURCES = ("measured", "counted", "analytic", "datasheet", "emulated", "modelled")
 RESULT_FILE = "result.json"

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .job import Job
+from mfu_lab.core.job import Job
 
 
 def world_layout(job: Job, device_type: str) -> tuple[int, int]:
@@ -90,7 +90,7 @@ def _torchrun_cmd(job: Job, nnodes: int, nproc: int, log_dir: Path, spec: Path) 
         cmd.append("--standalone")
     else:
         cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={job.rdzv_endpoint}", f"--rdzv_id=mfu-lab-{job.job_name}"]
-    return cmd + ["-m", "mfu_lab.ddp_worker", "--spec", str(spec)]
+    return cmd + ["-m", "mfu_lab.workers.ddp_rank", "--spec", str(spec)]
 
 
 NOISE = ("[W", "W1", "I1", "USDT:")  # torch's warnings and the profiler's trace markers

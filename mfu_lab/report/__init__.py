@@ -11,8 +11,8 @@ import html
 from pathlib import Path
 from typing import Any
 
-from .results import RESULT_FILE, read_json
-from .steps import BY_KEY, STEPS
+from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.results import RESULT_FILE, read_json
 
 TEMPLATES = Path(__file__).parent / "templates"
 e = html.escape
@@ -102,7 +102,7 @@ def _step_row(job_root: Path, info, result: dict | None) -> str:
                         ("trace.json.gz", "trace")):
         if (folder / name).exists():
             links.append(f'<a href="{e(info.folder)}/{e(name)}">{label}</a>')
-    from .runstate import step_state
+    from mfu_lab.core.runstate import step_state
 
     st = step_state(folder, result)
     css = {"ok": "ok", "not run": "notrun", "running": "info"}.get(st.status, "failed")
@@ -137,8 +137,8 @@ def _advice_items(advice) -> str:
 
 
 def _baseline_section(d: dict[str, Any]) -> str:
-    from . import plots
-    from .steps.baseline import BaselineResult
+    from mfu_lab import plots
+    from mfu_lab.steps.baseline import BaselineResult
 
     r = BaselineResult.from_dict(d)
     m = d["metrics"]
@@ -202,8 +202,8 @@ def comm_table(rows) -> str:
 
 
 def _attention_comm_section(d: dict[str, Any]) -> str:
-    from . import plots
-    from .steps.attention_comm import AttentionCommResult
+    from mfu_lab import plots
+    from mfu_lab.steps.attention_comm import AttentionCommResult
 
     r = AttentionCommResult.from_dict(d)
     m = d["metrics"]
@@ -321,8 +321,8 @@ def compare_line(result) -> str:
 
 
 def _kernels_section(d: dict[str, Any]) -> str:
-    from . import plots
-    from .steps.kernels import OPEN_TRACE, KernelsResult
+    from mfu_lab import plots
+    from mfu_lab.steps.kernels import OPEN_TRACE, KernelsResult
 
     r = KernelsResult.from_dict(d)
     a, m = r.analysis, d["metrics"]
@@ -427,8 +427,8 @@ def step3_table(r) -> str:
 
 
 def _compile_section(d: dict[str, Any]) -> str:
-    from . import plots
-    from .steps.compiled import CompileResult
+    from mfu_lab import plots
+    from mfu_lab.steps.compile import CompileResult
 
     r = CompileResult.from_dict(d)
     m = d["metrics"]
@@ -478,8 +478,8 @@ def policies_table(r) -> str:
 
 
 def _fp8_section(d: dict[str, Any]) -> str:
-    from . import plots
-    from .steps.fp8 import Fp8Result
+    from mfu_lab import plots
+    from mfu_lab.steps.fp8 import Fp8Result
 
     r = Fp8Result.from_dict(d)
     m = d["metrics"]
@@ -619,8 +619,8 @@ def hints_html(r) -> str:
 
 
 def _placement_section(d: dict[str, Any]) -> str:
-    from . import plots
-    from .steps.placement import PlacementResult
+    from mfu_lab import plots
+    from mfu_lab.steps.placement import PlacementResult
 
     r = PlacementResult.from_dict(d)
     m = d["metrics"]
@@ -664,13 +664,13 @@ def load_results(job_root: Path) -> dict[str, dict]:
 
 
 def _ledger_obj(d: dict):
-    from .ledger import Ledger, LedgerItem
+    from mfu_lab.core.ledger import Ledger, LedgerItem
 
     return Ledger([LedgerItem(**i) for i in d["items"]])
 
 
 def changes_table(results: dict[str, dict]) -> str:
-    from .summary import changes
+    from mfu_lab.report.summary import changes
 
     rows = changes(results)
     if not rows:
@@ -685,7 +685,7 @@ def changes_table(results: dict[str, dict]) -> str:
 
 
 def recommendations_list(results: dict[str, dict]) -> str:
-    from .summary import recommendations
+    from mfu_lab.report.summary import recommendations
 
     items = recommendations(results)
     return "<ol>" + "".join(
@@ -715,8 +715,8 @@ def environment_html(results: dict[str, dict]) -> str:
 
 def history_html(job_root: Path) -> str:
     """The job's MFU across runs (a trend once two runs exist) and its runs, newest first."""
-    from . import plots
-    from .history import mfu_trend, runs
+    from mfu_lab import plots
+    from mfu_lab.core.history import mfu_trend, runs
 
     table = runs(job_root)
     if not table:
@@ -752,8 +752,8 @@ def _section(key: str, d: dict[str, Any]) -> str:
 
 def write_index(job_root: Path) -> Path:
     """(Re)write ``<job_root>/index.html`` from whatever step results exist."""
-    from . import plots
-    from .summary import headline, ledger_before_after, mfu_points
+    from mfu_lab import plots
+    from mfu_lab.report.summary import headline, ledger_before_after, mfu_points
 
     job_root = Path(job_root)
     results = load_results(job_root)
@@ -817,7 +817,7 @@ class Html(str):
 
 
 def _as_dict(result) -> dict[str, Any]:
-    from .results import _jsonable
+    from mfu_lab.core.results import _jsonable
 
     return result if isinstance(result, dict) else _jsonable(result)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import JobError, JobProblem
-from .results import RESULT_FILE
-from .steps import BY_KEY, STEPS
+from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.results import RESULT_FILE
 
 HISTORY_FILE = "history.jsonl"
 RUNS_DIR = "runs"
@@ -116,7 +116,7 @@ class Run:
 
 
 def _read_results(folder: Path) -> dict[str, dict[str, Any]]:
-    from .report import load_results  # the same reading the index does
+    from mfu_lab.report import load_results  # the same reading the index does
 
     return load_results(folder)
 
@@ -247,7 +247,7 @@ def compare(a: Run, b: Run, tolerance: float = 0.03) -> tuple[list[Change], list
 
 def compare_text(a: Run, b: Run, changes: list[Change], notes: list[str], show_all: bool = False) -> str:
     """The comparison for a terminal: changed metrics first (or all of them), then how many stayed the same."""
-    from .report import fmt
+    from mfu_lab.report import fmt
 
     lines = [f"A: {a.label} ({a.where})", f"B: {b.label} ({b.where})"]
     lines += [f"note: {n}" for n in notes]

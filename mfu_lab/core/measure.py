@@ -79,7 +79,7 @@ Progress = Callable[[int, int, float], None]
 def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: int, steps: int,
               progress: Progress | None = None) -> Timings:
     """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor."""
-    from .faults import check_losses
+    from mfu_lab.core.faults import check_losses
 
     run = _run_cuda if device.type == "cuda" else _run_cpu
     t = run(step, batches, device, warmup, steps, progress)

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from .errors import JobError, JobProblem
+from mfu_lab.core.errors import JobError, JobProblem
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")

@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
-from .errors import StepError
-from .job import Job, find_workbook_root
+from mfu_lab.core.errors import StepError
+from mfu_lab.core.job import Job, find_workbook_root
 
 
 # ------------------------------------------------------------------ reference GPT
@@ -40,7 +40,7 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        if callable(self.attention):  # an implementation from mfu_lab.attention (step 2 swaps them)
+        if callable(self.attention):  # an implementation from mfu_lab.analysis.attention (step 2 swaps them)
             y = self.attention(q, k, v)
         elif self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from . import device as dev
-from .errors import JobError, JobProblem
+from mfu_lab.core import device as dev
+from mfu_lab.core.errors import JobError, JobProblem
 
 
 class ClusterError(JobError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .steps.baseline import BaselineResult
+    from mfu_lab.steps.baseline import BaselineResult
 
 DATA_WAIT_LIMIT = 0.03  # above 3% of the step, the loader is worth fixing first
 HOST_LIMIT = 0.05

@@ -1,6 +1,6 @@
 """One copy of the job for step 6's co-location experiment, in its own process.
 
-    python -m mfu_lab.coloc_worker --spec SPEC.json
+    python -m mfu_lab.workers.coloc --spec SPEC.json
 
 The spec holds the job's parameters, the step counts and three paths: ``ready`` (written after the
 warm-up steps), ``go`` (waited for, so that copies start their measured steps together) and ``out``
@@ -22,11 +22,11 @@ def main() -> None:
     ap.add_argument("--spec", required=True)
     spec = json.loads(Path(ap.parse_args().spec).read_text())
 
-    from . import device as dev
-    from .job import validate
-    from .measure import run_steps
-    from .results import write_json_atomic
-    from .workload import build_loader, build_model, build_train_step
+    from mfu_lab.core import device as dev
+    from mfu_lab.core.job import validate
+    from mfu_lab.core.measure import run_steps
+    from mfu_lab.core.results import write_json_atomic
+    from mfu_lab.core.workload import build_loader, build_model, build_train_step
 
     job = validate(spec["job"], "co-location spec")
     torch.manual_seed(job.seed)

@@ -1,0 +1,48 @@
+"""The workbook's steps, in order. Each has a module with ``run(job) -> result`` and a notebook."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    key: str  # used on the command line: --steps baseline
+    number: int
+    folder: str  # output folder and notebook stem, e.g. 01_baseline
+    title: str
+    module: str
+
+    @property
+    def notebook(self) -> str:
+        return f"{self.folder}.ipynb"
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+    def save(self, job, result):
+        """Write the step's result.json atomically, keep a copy in the job's run history, refresh the index."""
+        from mfu_lab.core.history import record
+        from mfu_lab.core.results import RESULT_FILE, read_json, write_json_atomic
+        from mfu_lab.report import write_index
+
+        path = write_json_atomic(job.step_dir(self.folder) / RESULT_FILE, result)
+        record(job.output_root(), self.folder, self.key, read_json(path))
+        write_index(job.output_root())
+        return path
+
+
+STEPS: tuple[StepInfo, ...] = (
+    StepInfo("baseline", 1, "01_baseline", "Baseline: where does the step time go today?", "mfu_lab.steps.baseline"),
+    StepInfo("attention_comm", 2, "02_attention_and_comm",
+             "Attention kernels and gradient communication: what do they give back?", "mfu_lab.steps.attention_comm"),
+    StepInfo("kernels", 3, "03_kernels", "Kernels: which eat the time, and which adjacent operations could be fused?",
+             "mfu_lab.steps.kernels"),
+    StepInfo("compile", 4, "04_compile", "Compile: does torch.compile pay for itself at fixed shapes?",
+             "mfu_lab.steps.compile"),
+    StepInfo("fp8", 5, "05_fp8", "FP8: which layers can train in FP8 and keep the loss curve?", "mfu_lab.steps.fp8"),
+    StepInfo("placement", 6, "06_placement", "Placement: where should this job run on a shared cluster, and at what "
+             "size is it most efficient?", "mfu_lab.steps.placement"),
+)
+BY_KEY = {s.key: s for s in STEPS}
