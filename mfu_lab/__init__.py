@@ -5,12 +5,31 @@ Plain-Python entry points (no Jupyter needed)::
     from mfu_lab import load_job
     from mfu_lab.steps import baseline
     result = baseline.run(load_job("parameters/default.yaml"))
+
+The package is in layers, each a folder, imports only going down (``lint-imports`` checks it):
+core < analysis < workers < steps < report / plots / explore < runner < cli.
 """
 
-from mfu_lab.core import __version__
-from mfu_lab.core.errors import DeviceError, JobError, MfuLabError, StepError  # noqa: E402
-from mfu_lab.core.flops import hardware_flops_per_token, mfu, transformer_flops_per_token  # noqa: E402
-from mfu_lab.core.job import Job, from_namespace, load_job  # noqa: E402
+from pathlib import Path
+
+from mfu_lab.core import __version__, store
+from mfu_lab.core.errors import DeviceError, JobError, MfuLabError, StepError
+from mfu_lab.core.flops import hardware_flops_per_token, mfu, transformer_flops_per_token
+from mfu_lab.core.job import Job, from_namespace, load_job
+
+
+def refresh_index(job_root: Path) -> None:
+    """After each save, rewrite the job's summary page. Registered here, in the facade, so that the core never
+    imports the presentation layer; the import is lazy so that workers and plain-Python steps do not load
+    matplotlib until a result is saved."""
+    from mfu_lab.report import write_index
+
+    write_index(job_root)
+
+
+if refresh_index not in store.AFTER_SAVE:
+    store.AFTER_SAVE.append(refresh_index)
 
 __all__ = ["DeviceError", "Job", "JobError", "MfuLabError", "StepError", "__version__",
-           "from_namespace", "hardware_flops_per_token", "load_job", "mfu", "transformer_flops_per_token"]
+           "from_namespace", "hardware_flops_per_token", "load_job", "mfu", "refresh_index",
+           "transformer_flops_per_token"]

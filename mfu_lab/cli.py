@@ -326,7 +326,8 @@ def cmd_history(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from mfu_lab.core.history import compare, compare_text, resolve_run
+    from mfu_lab.core.history import compare, resolve_run
+    from mfu_lab.report.format import compare_text
 
     root = _job_dir(args.job_dir)
     a, b = resolve_run(args.run_a, root), resolve_run(args.run_b, root)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from mfu_lab.core.results import read_json
+from mfu_lab.core.files import read_json
 from mfu_lab.steps import baseline
 
 REQUIRED = {"mfu", "hfu", "step_time_median_s", "tokens_per_s", "model_flops_per_step", "counted_flops_per_step",

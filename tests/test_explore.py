@@ -10,9 +10,9 @@ from mfu_lab import explore as ex
 from mfu_lab.analysis import placement_model as pl
 from mfu_lab.analysis.cluster_files import load_cluster
 from mfu_lab.core import progress as pg
+from mfu_lab.core.files import read_json
 from mfu_lab.core.job import load_job
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import read_json
 
 from .conftest import ROOT, TINY
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from mfu_lab.core import faults
+from mfu_lab.core.files import write_json_atomic
 from mfu_lab.core.job import Job
-from mfu_lab.core.results import write_json_atomic
 from mfu_lab.core.runstate import RUNNING_FILE, mark_failed, resumable, step_state, workbook_version
 
 from .conftest import ROOT, TINY

@@ -8,9 +8,10 @@ import pytest
 
 from mfu_lab.cli import main
 from mfu_lab.core import history as hi
-from mfu_lab.core.results import write_json_atomic
+from mfu_lab.core.files import write_json_atomic
 from mfu_lab.report import summary as su
 from mfu_lab.report import write_index
+from mfu_lab.report.format import compare_text
 
 from .conftest import ROOT
 
@@ -107,7 +108,7 @@ def test_compare_marks_metrics_and_steps_present_in_one_run_only():
                                 run_of({"baseline": b_res, "fp8": {"metrics": {}, "job": {}, "environment": {}}}))
     assert by_metric(changes)[("baseline", "hfu")].verdict == "only in B"
     assert "05_fp8: only in B" in notes
-    text = hi.compare_text(run_of({}, "A"), run_of({}, "B"), changes, notes)
+    text = compare_text(run_of({}, "A"), run_of({}, "B"), changes, notes)
     assert "baseline.hfu" in text and "only in B" in text
 
 

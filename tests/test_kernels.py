@@ -11,6 +11,7 @@ from torch import nn
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.job import load_job
+from mfu_lab.core.measure import profile_steps
 from mfu_lab.steps import baseline, kernels
 
 from .conftest import TINY
@@ -37,7 +38,8 @@ def profile_model(model, tmp_path):
         return loss.detach()
 
     batches = [(torch.randn(B, D), torch.zeros(B)) for _ in range(3)]
-    timings, trace = kernels.profile_steps(step, batches, torch.device("cpu"), 1, 2, tmp_path / "t.json.gz")
+    timings = profile_steps(step, batches, torch.device("cpu"), 1, 2, tmp_path / "t.json.gz")
+    trace = tr.load_trace(tmp_path / "t.json.gz")
     assert len(timings.measured("wall_s")) == 2
     return tr.analyse(trace, bandwidth=1e10)
 

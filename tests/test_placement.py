@@ -269,7 +269,7 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
 
 
 def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job):
-    from mfu_lab.core.results import read_json
+    from mfu_lab.core.files import read_json
     from mfu_lab.steps import placement
 
     job = dataclasses.replace(tiny_job, coloc_steps=3, global_batch=64)

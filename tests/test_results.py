@@ -4,8 +4,9 @@ import stat
 
 import pytest
 
-from mfu_lab.core import results
-from mfu_lab.core.results import Metric, write_json_atomic
+from mfu_lab.core import files, results
+from mfu_lab.core.files import write_json_atomic
+from mfu_lab.core.results import Metric
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp(tmp_path):
@@ -25,7 +26,7 @@ def test_a_crash_during_the_write_keeps_the_old_file(tmp_path, monkeypatch):
     def crash(*a):
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(results.os, "replace", crash)
+    monkeypatch.setattr(files.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         write_json_atomic(p, {"new": True})
     assert json.loads(p.read_text()) == {"old": True}
@@ -41,7 +42,7 @@ def test_unserialisable_data_never_touches_the_file(tmp_path):
 
 
 def test_non_finite_numbers_become_null():
-    assert json.loads(json.dumps(results._jsonable({"x": float("nan"), "y": [float("inf")]}))) == {"x": None,
+    assert json.loads(json.dumps(results.jsonable({"x": float("nan"), "y": [float("inf")]}))) == {"x": None,
                                                                                                   "y": [None]}
 
 

@@ -17,14 +17,13 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.files import RESULT_FILE, load_results, write_atomic
 from mfu_lab.core.registry import BY_KEY, STEPS
-from mfu_lab.core.results import RESULT_FILE
 
 HISTORY_FILE = "history.jsonl"
 RUNS_DIR = "runs"
@@ -61,9 +60,7 @@ def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_i
     rid = run_id or current_run_id()
     src = job_root / folder / RESULT_FILE
     dst = job_root / RUNS_DIR / rid / folder / RESULT_FILE
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst.with_suffix(".json.tmp"))
-    dst.with_suffix(".json.tmp").replace(dst)
+    write_atomic(dst, src.read_bytes())
     env = result.get("environment", {})
     line = {"run": rid, "step": step, "folder": folder, "saved_at": env.get("created_at"),
             "git_commit": env.get("git_commit"), "device": env.get("device_name"),
@@ -115,10 +112,6 @@ class Run:
     results: dict[str, dict[str, Any]]  # step key -> result.json
 
 
-def _read_results(folder: Path) -> dict[str, dict[str, Any]]:
-    from mfu_lab.report import load_results  # the same reading the index does
-
-    return load_results(folder)
 
 
 def resolve_run(spec: str, job_root: Path | None) -> Run:
@@ -126,7 +119,7 @@ def resolve_run(spec: str, job_root: Path | None) -> Run:
     ``runs/<id>``), or, inside ``job_root``, a run id, a unique prefix of one, ``latest`` or ``previous``."""
     path = Path(spec)
     if path.is_dir():
-        results = _read_results(path)
+        results = load_results(path)
         if not results:
             raise JobError("command line (compare)", [JobProblem("RUN", spec, "this folder holds no step "
                                                                  "result (NN_step/result.json)")])
@@ -149,7 +142,7 @@ def resolve_run(spec: str, job_root: Path | None) -> Run:
                 "RUN", spec, f"{what}; runs of {job_root}: {', '.join(ids) or 'none'}, or latest / previous")])
         rid = match[0]
     folder = Path(job_root) / RUNS_DIR / rid
-    return Run(rid, folder, _read_results(folder))
+    return Run(rid, folder, load_results(folder))
 
 
 # ------------------------------------------------------------------ comparing two runs
@@ -243,30 +236,6 @@ def compare(a: Run, b: Run, tolerance: float = 0.03) -> tuple[list[Change], list
             changes.append(Change(info.key, name, unit, sa, sb, va, vb, rel if rel != float("inf") else None,
                                   tol, verdict))
     return changes, notes
-
-
-def compare_text(a: Run, b: Run, changes: list[Change], notes: list[str], show_all: bool = False) -> str:
-    """The comparison for a terminal: changed metrics first (or all of them), then how many stayed the same."""
-    from mfu_lab.report import fmt
-
-    lines = [f"A: {a.label} ({a.where})", f"B: {b.label} ({b.where})"]
-    lines += [f"note: {n}" for n in notes]
-    shown = [c for c in changes if show_all or c.verdict != "same"]
-    if shown:
-        w = max(len(f"{c.step}.{c.metric}") for c in shown)
-        lines.append(f"{'metric':<{w}}  {'A':>14}  {'B':>14}  {'change':>8}  {'noise':>6}  verdict")
-        for c in shown:
-            ch = f"{c.rel:+.1%}" if c.rel is not None else ""
-            label = c.source_b or c.source_a or ""
-            lines.append(f"{c.step + '.' + c.metric:<{w}}  {fmt(c.a, c.unit):>14}  {fmt(c.b, c.unit):>14}  "
-                         f"{ch:>8}  {c.tolerance:>6.1%}  {c.verdict} ({label})")
-    same = sum(c.verdict == "same" for c in changes)
-    lines.append(f"{same} of {len(changes)} metrics the same within noise; "
-                 f"{sum(c.verdict == 'better' for c in changes)} better, {sum(c.verdict == 'worse' for c in changes)}"
-                 f" worse, {sum(c.verdict in ('higher', 'lower') for c in changes)} moved (no better side), "
-                 f"{sum(c.verdict.startswith('only') or c.verdict == 'no value' for c in changes)} with a value in "
-                 "one run only")
-    return "\n".join(lines)
 
 
 def mfu_trend(job_root: Path, table: dict[str, dict[str, dict[str, Any]]] | None = None

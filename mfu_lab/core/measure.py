@@ -15,10 +15,15 @@ the end.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -141,3 +146,59 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     return Timings(wall, data, compute, torch.stack(losses).float().cpu().tolist(), warmup,
                    "CUDA events on the device timeline (no synchronisation inside the loop)",
                    torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated")
+
+
+def profile_steps(step, batches, device: torch.device, warmup: int, active: int, trace_path: Path,
+                  progress=None) -> Timings:
+    """Run ``warmup + active`` steps under torch.profiler, recording the last ``active`` of them.
+
+    Shapes are recorded; the trace is exported to ``trace_path`` (gzipped when it ends in .gz), under a
+    partial name first and renamed when complete. ``step(x, y)`` returns the loss. Read the trace with
+    :func:`mfu_lab.analysis.trace.load_trace`.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trace_path = Path(trace_path)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = trace_path.with_name(trace_path.name.replace(".json", ".partial.json"))
+    with _without_usdt_lines(), profile(activities=activities, record_shapes=True,
+                                        schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                                        on_trace_ready=lambda p: p.export_chrome_trace(str(tmp))) as prof:
+
+        def stepped(x, y):
+            loss = step(x, y)
+            prof.step()  # the profiler's step boundary: ProfilerStep#N spans in the trace
+            return loss
+
+        timings = run_steps(stepped, batches, device, warmup, active, progress)
+    if not tmp.is_file():
+        raise RuntimeError(f"torch.profiler exported no trace to {tmp}")
+    tmp.replace(trace_path)
+    return timings
+
+
+@contextlib.contextmanager
+def _without_usdt_lines():
+    """Some torch builds' Kineto print 'USDT: ... profiler_start/stop' on the C++ stderr at every start and
+    stop; notebooks show them as errors. Hold the process's stderr (fd 2) while profiling and pass on every
+    other line afterwards."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (some embedded interpreters): leave stderr alone
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = [ln for ln in held.read().decode("utf-8", "replace").splitlines(True) if not ln.startswith("USDT:")]
+            if rest:
+                sys.stderr.write("".join(rest))
+                sys.stderr.flush()

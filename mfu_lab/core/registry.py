@@ -1,4 +1,6 @@
-"""The workbook's steps, in order. Each has a module with ``run(job) -> result`` and a notebook."""
+"""The step registry: each step's key, number, output folder (= notebook stem), title and module.
+
+Every other module names a step by its key and asks the registry for the rest."""
 
 from __future__ import annotations
 
@@ -21,16 +23,6 @@ class StepInfo:
     def load(self):
         return importlib.import_module(self.module)
 
-    def save(self, job, result):
-        """Write the step's result.json atomically, keep a copy in the job's run history, refresh the index."""
-        from mfu_lab.core.history import record
-        from mfu_lab.core.results import RESULT_FILE, read_json, write_json_atomic
-        from mfu_lab.report import write_index
-
-        path = write_json_atomic(job.step_dir(self.folder) / RESULT_FILE, result)
-        record(job.output_root(), self.folder, self.key, read_json(path))
-        write_index(job.output_root())
-        return path
 
 
 STEPS: tuple[StepInfo, ...] = (

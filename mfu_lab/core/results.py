@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
 import math
-import os
 import platform
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,6 @@ import torch
 from mfu_lab.core import __version__
 
 SOURCES = ("measured", "counted", "analytic", "datasheet", "emulated", "modelled")
-RESULT_FILE = "result.json"
 
 
 @dataclass
@@ -100,42 +96,15 @@ def environment(device_name: str, device_type: str) -> dict[str, Any]:
     return env
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         return None  # JSON has no NaN/inf; null means "no value"
     if isinstance(obj, Path):
         return str(obj)
     return obj
-
-
-def write_json_atomic(path: Path, data: Any) -> Path:
-    """Write JSON so that ``path`` holds either the old file or the complete new one, never half.
-
-    The text goes to a temporary file in the same folder, is flushed to disk,
-    then renamed over ``path`` (``os.replace`` is atomic on POSIX and Windows).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_jsonable(data), indent=2, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))

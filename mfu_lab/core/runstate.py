@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.core import __version__
+from mfu_lab.core.files import RESULT_FILE, read_json, write_json_atomic
 from mfu_lab.core.history import job_changes, job_digest
-from mfu_lab.core.results import RESULT_FILE, git_commit, read_json, write_json_atomic
+from mfu_lab.core.results import git_commit
 
 RUNNING_FILE = "running.json"
 FAILURE_FILE = "failure.json"

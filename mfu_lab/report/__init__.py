@@ -11,8 +11,9 @@ import html
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.registry import BY_KEY, STEPS
-from mfu_lab.core.results import RESULT_FILE, read_json
+from mfu_lab.report.format import badge, fmt
 
 TEMPLATES = Path(__file__).parent / "templates"
 e = html.escape
@@ -40,33 +41,6 @@ def export_html(notebook: Path, html_path: Path) -> Path:
     tmp.write_text(body, encoding="utf-8")
     tmp.replace(html_path)
     return html_path
-
-
-def fmt(value: float | None, unit: str) -> str:
-    """A metric value for people: fractions as %, FLOP and bytes with SI prefixes."""
-    if value is None:
-        return "n/a"
-    if unit == "fraction":
-        return f"{value:.1%}"
-    if unit in ("FLOP", "FLOP/s", "tokens/s", "bytes", "bytes/s"):
-        for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-            if abs(value) >= scale:
-                u = {"bytes": "B", "bytes/s": "B/s"}.get(unit, unit)
-                return f"{value / scale:.3g} {prefix}{u}"
-        return f"{value:.3g} {unit}"
-    if unit == "x":
-        return f"{value:.2f}x"
-    if unit == "steps":
-        return f"{value:,.0f} steps"
-    if unit == "s":
-        if abs(value) < 1e-3:
-            return f"{value * 1e6:.1f} µs"
-        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
-    return f"{value:.4g} {unit}"
-
-
-def badge(source: str) -> str:
-    return f'<span class="src src-{e(source)}">{e(source)}</span>'
 
 
 PAGE_CSS = """
@@ -817,9 +791,9 @@ class Html(str):
 
 
 def _as_dict(result) -> dict[str, Any]:
-    from mfu_lab.core.results import _jsonable
+    from mfu_lab.core.results import jsonable
 
-    return result if isinstance(result, dict) else _jsonable(result)
+    return result if isinstance(result, dict) else jsonable(result)
 
 
 def metrics_view(result) -> Html:

@@ -22,14 +22,16 @@ from typing import Any
 
 from mfu_lab.analysis import attention as att
 from mfu_lab.core import device as dev
+from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, LedgerItem
 from mfu_lab.core.measure import run_steps, stats
 from mfu_lab.core.progress import Eta
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import count_step_flops
 from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
@@ -389,4 +391,4 @@ def _advice(r: AttentionCommResult) -> list[Advice]:
 
 def save(job: Job, result: AttentionCommResult) -> Path:
     """Write result.json atomically and refresh the job\'s index page."""
-    return INFO.save(job, result)
+    return store.save(job, INFO.key, result)

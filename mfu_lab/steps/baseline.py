@@ -19,15 +19,17 @@ import torch
 
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
+from mfu_lab.core import store
 from mfu_lab.core.advice import Advice, baseline_advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.health import HealthSampler, HealthSummary
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, LedgerItem, single_process_ledger
 from mfu_lab.core.measure import Stats, Timings, run_steps, stats
 from mfu_lab.core.progress import printer
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
 
 INFO = BY_KEY["baseline"]
@@ -219,4 +221,4 @@ def ledger_part(timings: Timings, name: str) -> float:
 
 def save(job: Job, result: BaselineResult) -> Path:
     """Write result.json atomically and refresh the job\'s index page."""
-    return INFO.save(job, result)
+    return store.save(job, INFO.key, result)

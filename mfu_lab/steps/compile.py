@@ -32,13 +32,15 @@ import torch
 from mfu_lab.analysis import recompiles as cp
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core import device as dev
+from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
 from mfu_lab.core.progress import Eta
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import count_step_flops, reference_peak
 
@@ -381,12 +383,12 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
 def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str) -> dict[str, Any]:
     """Step 3's ledger rule applied to one trial's profiled steps (MFU over the profiled window)."""
-    from mfu_lab.core.results import _jsonable
+    from mfu_lab.core.results import jsonable
     from mfu_lab.steps.kernels import _ledger
 
-    return _jsonable(_ledger(a, flops * a.steps / (peak * a.window_s), device_type)) if a.window_s else {}
+    return jsonable(_ledger(a, flops * a.steps / (peak * a.window_s), device_type)) if a.window_s else {}
 
 
 def save(job: Job, result: CompileResult) -> Path:
     """Write result.json atomically and refresh the job\'s index page."""
-    return INFO.save(job, result)
+    return store.save(job, INFO.key, result)

@@ -25,6 +25,7 @@ import torch
 
 from mfu_lab.analysis import fp8_numerics as f8
 from mfu_lab.core import device as dev
+from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.errors import JobError, JobProblem
 from mfu_lab.core.faults import guarded
@@ -308,4 +309,4 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
 
 def save(job: Job, result: Fp8Result) -> Path:
     """Write result.json atomically and refresh the job's index page."""
-    return INFO.save(job, result)
+    return store.save(job, INFO.key, result)

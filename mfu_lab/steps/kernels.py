@@ -11,29 +11,25 @@ next to ``result.json``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core import device as dev
+from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, LedgerItem
-from mfu_lab.core.measure import Timings, run_steps, stats
+from mfu_lab.core.measure import Timings, profile_steps, run_steps, stats
 from mfu_lab.core.progress import printer
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import count_step_flops, reference_peak
 from mfu_lab.workers.launch import error_lines, launch, world_layout
@@ -89,61 +85,6 @@ class KernelsResult(StepResult):
                    tr.TraceAnalysis(**a), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
                    Timings(**d["unprofiled"]), Timings(**d["profiled"]), d["compare"], d["trace_file"],
                    [Advice(**x) for x in d["advice"]], ddp, **cls.tail(d))
-
-
-def profile_steps(step, batches, device: torch.device, warmup: int, active: int, trace_path: Path,
-                  progress=None, load: bool = True) -> tuple[Timings, dict[str, Any] | None]:
-    """Run ``warmup + active`` steps under torch.profiler, recording the last ``active`` of them.
-
-    Shapes are recorded; the trace is exported to ``trace_path`` (gzipped when it
-    ends in .gz) and returned as loaded JSON. ``step(x, y)`` returns the loss.
-    """
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    trace_path = Path(trace_path)
-    trace_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = trace_path.with_name(trace_path.name.replace(".json", ".partial.json"))
-    with _without_usdt_lines(), profile(activities=activities, record_shapes=True,
-                                        schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
-                                        on_trace_ready=lambda p: p.export_chrome_trace(str(tmp))) as prof:
-
-        def stepped(x, y):
-            loss = step(x, y)
-            prof.step()  # the profiler's step boundary: ProfilerStep#N spans in the trace
-            return loss
-
-        timings = run_steps(stepped, batches, device, warmup, active, progress)
-    if not tmp.is_file():
-        raise RuntimeError(f"torch.profiler exported no trace to {tmp}")
-    tmp.replace(trace_path)
-    return timings, tr.load_trace(trace_path) if load else None
-
-
-@contextlib.contextmanager
-def _without_usdt_lines():
-    """Some torch builds' Kineto print 'USDT: ... profiler_start/stop' on the C++ stderr at every start and
-    stop; notebooks show them as errors. Hold the process's stderr (fd 2) while profiling and pass on every
-    other line afterwards."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no real fd 2 (some embedded interpreters): leave stderr alone
-        yield
-        return
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            rest = [ln for ln in held.read().decode("utf-8", "replace").splitlines(True) if not ln.startswith("USDT:")]
-            if rest:
-                sys.stderr.write("".join(rest))
-                sys.stderr.flush()
 
 
 def _baseline_reference(job: Job, device_name: str) -> dict[str, Any] | None:
@@ -330,9 +271,10 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     unprofiled = run_steps(train_step, build_loader(job, job.warmup_steps + job.steps, device.type), torch_device,
                            job.warmup_steps, job.steps, printer("unprofiled steps"))
     say(f"profiling {job.profile_steps} steps ({job.profile_warmup_steps} warm-up) with shapes recorded")
-    profiled, trace = profile_steps(
+    profiled = profile_steps(
         train_step, build_loader(job, job.profile_warmup_steps + job.profile_steps, device.type), torch_device,
         job.profile_warmup_steps, job.profile_steps, trace_path, printer("profiled steps"))
+    trace = tr.load_trace(trace_path)
     if job.profile_ddp:
         say("profiling the job data-parallel, one trace per rank")
         ddp = profile_ranks(job, device.type, out_dir, say)
@@ -427,4 +369,4 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
 
 def save(job: Job, result: KernelsResult) -> Path:
     """Write result.json atomically and refresh the job\'s index page."""
-    return INFO.save(job, result)
+    return store.save(job, INFO.key, result)

@@ -27,12 +27,14 @@ from typing import Any
 from mfu_lab.analysis import placement_model as pl
 from mfu_lab.analysis.cluster_files import Cluster, QueueEntry, load_cluster
 from mfu_lab.core import device as dev
+from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.job import Job, find_workbook_root
 from mfu_lab.core.measure import stats
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import RESULT_FILE, Metric, StepResult, environment, read_json
+from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import count_step_flops
 
@@ -637,6 +639,6 @@ def _advice(r: PlacementResult) -> list[Advice]:
 
 def save(job: Job, result: PlacementResult) -> Path:
     """Write result.json atomically and refresh the job's index page."""
-    return INFO.save(job, result)
+    return store.save(job, INFO.key, result)
 
 

@@ -23,9 +23,9 @@ def main() -> None:
     spec = json.loads(Path(ap.parse_args().spec).read_text())
 
     from mfu_lab.core import device as dev
+    from mfu_lab.core.files import write_json_atomic
     from mfu_lab.core.job import validate
     from mfu_lab.core.measure import run_steps
-    from mfu_lab.core.results import write_json_atomic
     from mfu_lab.core.workload import build_loader, build_model, build_train_step
 
     job = validate(spec["job"], "co-location spec")

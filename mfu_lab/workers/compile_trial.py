@@ -58,10 +58,10 @@ def main() -> int:
                       recompiles=log.count, recompile_messages=[guard_lines(m) for m in log.messages[:20]],
                       graphs=int(counters["stats"]["unique_graphs"]), seconds=time.perf_counter() - t0)
         if spec.get("trace"):
-            from mfu_lab.steps.kernels import profile_steps
+            from mfu_lab.core.measure import profile_steps
 
             print(f"{spec['label']}: profiling 3 steps", flush=True)
-            profile_steps(step, build_loader(job, 5, device.type), tdev, 2, 3, Path(spec["trace"]), load=False)
+            profile_steps(step, build_loader(job, 5, device.type), tdev, 2, 3, Path(spec["trace"]))
             result["trace"] = spec["trace"]
     except Exception as exc:  # recorded for the step; the other modes still run
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

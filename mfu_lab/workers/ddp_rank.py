@@ -141,7 +141,7 @@ def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
 
 def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, beat, out: Path) -> None:
     """Step 3: a few DDP steps under torch.profiler with one configuration; every rank writes its own trace."""
-    from mfu_lab.steps.kernels import profile_steps
+    from mfu_lab.core.measure import profile_steps
 
     cfg = p["config"]
     ddp = DDP(fresh_model(), device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
@@ -149,8 +149,8 @@ def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, 
     register_hook(ddp, cfg["hook"])
     emit(out, {"event": "start", "config": cfg, "profile": True})
     ts = build_train_step(job, ddp, device.type)
-    timings, _ = profile_steps(ts, loader(p["warmup"] + p["steps"]), device, p["warmup"], p["steps"],
-                               Path(p["dir"]) / f"trace_rank{rank}.json.gz", beat, load=False)
+    timings = profile_steps(ts, loader(p["warmup"] + p["steps"]), device, p["warmup"], p["steps"],
+                               Path(p["dir"]) / f"trace_rank{rank}.json.gz", beat)
     emit(out, {"event": "profiled", "config": cfg, "wall_s": timings.measured("wall_s")})
 
 

@@ -1,0 +1,67 @@
+"""Files of a job's output folder: one atomic write, one JSON reader, every step's result.json by key.
+
+``outputs/<job>/<NN_step>/result.json`` holds each step's latest result; ``runs/<id>/`` and
+``history.jsonl`` keep every earlier one (:mod:`mfu_lab.core.history`). Every file the workbook writes whole
+goes through :func:`write_atomic`: written aside, flushed, then renamed over the old one, so a reader sees the
+old file or the complete new one, never half.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.results import jsonable
+
+RESULT_FILE = "result.json"
+
+
+
+def write_atomic(path: Path, content: str | bytes) -> Path:
+    """Write ``content`` so that ``path`` holds either the old file or the complete new one, never half.
+
+    The content goes to a temporary file in the same folder, is flushed to disk, then renamed over ``path``
+    (``os.replace`` is atomic on POSIX and Windows).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """``data`` (dataclasses, dicts, lists; NaN and inf as null) as indented JSON, written atomically."""
+    return write_atomic(path, json.dumps(jsonable(data), indent=2, allow_nan=False) + "\n")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def result_path(job_root: Path, key: str) -> Path:
+    return Path(job_root) / BY_KEY[key].folder / RESULT_FILE
+
+
+def load_results(job_root: Path) -> dict[str, dict[str, Any]]:
+    """Every step's result.json under a job's output folder (or a run's copy of one), by step key."""
+    out = {}
+    for info in STEPS:
+        p = Path(job_root) / info.folder / RESULT_FILE
+        if p.is_file():
+            out[info.key] = read_json(p)
+    return out

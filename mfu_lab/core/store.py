@@ -1,0 +1,60 @@
+"""The result store: how a step saves its result and how a later step reads an earlier one.
+
+A save writes ``<NN_step>/result.json`` atomically and appends the run-history line
+(:mod:`mfu_lab.core.history`). Later steps read earlier ones through :func:`earlier`, by registry key,
+never by folder name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mfu_lab.core.files import RESULT_FILE, read_json, write_json_atomic
+from mfu_lab.core.history import record
+from mfu_lab.core.registry import BY_KEY
+
+# Called with the job's output folder after every save. The package facade (mfu_lab/__init__.py) registers the
+# index refresh here, so a step run from plain Python leaves an up-to-date summary page while the core never
+# imports the presentation layer.
+AFTER_SAVE: list[Callable[[Path], None]] = []
+
+
+@dataclass
+class Earlier:
+    """An earlier step's result as a later step reads it: the stored JSON, or why there is none."""
+
+    key: str
+    data: dict[str, Any] | None
+    reason: str = ""  # why ``data`` is None, in words a report can show
+
+    def __bool__(self) -> bool:
+        return self.data is not None
+
+    def typed(self):
+        """The step's own result class, rebuilt from the JSON (the registry names the module)."""
+        if self.data is None:
+            raise LookupError(self.reason)
+        return BY_KEY[self.key].load().Result.from_dict(self.data)
+
+
+def earlier(job, key: str) -> Earlier:
+    """The latest result of step ``key`` for ``job`` (anything with ``output_root()``): the one way a step
+    reads another's."""
+    info = BY_KEY[key]
+    path = Path(job.output_root()) / info.folder / RESULT_FILE
+    if not path.is_file():
+        return Earlier(key, None, f"step {info.number} ({key}) has not run for this job")
+    return Earlier(key, read_json(path))
+
+
+def save(job, key: str, result) -> Path:
+    """Write a step's result.json atomically and its run-history line, then tell the AFTER_SAVE hooks."""
+    info = BY_KEY[key]
+    path = write_json_atomic(job.step_dir(info.folder) / RESULT_FILE, result)
+    record(job.output_root(), info.folder, info.key, read_json(path))
+    for hook in AFTER_SAVE:
+        hook(job.output_root())
+    return path

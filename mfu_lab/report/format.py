@@ -1,0 +1,58 @@
+"""Values for people: units, source badges, the comparison of two runs as text."""
+
+from __future__ import annotations
+
+import html
+
+from mfu_lab.core.history import Change, Run
+
+e = html.escape
+
+
+def fmt(value: float | None, unit: str) -> str:
+    """A metric value for people: fractions as %, FLOP and bytes with SI prefixes."""
+    if value is None:
+        return "n/a"
+    if unit == "fraction":
+        return f"{value:.1%}"
+    if unit in ("FLOP", "FLOP/s", "tokens/s", "bytes", "bytes/s"):
+        for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(value) >= scale:
+                u = {"bytes": "B", "bytes/s": "B/s"}.get(unit, unit)
+                return f"{value / scale:.3g} {prefix}{u}"
+        return f"{value:.3g} {unit}"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "steps":
+        return f"{value:,.0f} steps"
+    if unit == "s":
+        if abs(value) < 1e-3:
+            return f"{value * 1e6:.1f} µs"
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+    return f"{value:.4g} {unit}"
+
+
+def badge(source: str) -> str:
+    return f'<span class="src src-{e(source)}">{e(source)}</span>'
+
+
+def compare_text(a: Run, b: Run, changes: list[Change], notes: list[str], show_all: bool = False) -> str:
+    """The comparison for a terminal: changed metrics first (or all of them), then how many stayed the same."""
+    lines = [f"A: {a.label} ({a.where})", f"B: {b.label} ({b.where})"]
+    lines += [f"note: {n}" for n in notes]
+    shown = [c for c in changes if show_all or c.verdict != "same"]
+    if shown:
+        w = max(len(f"{c.step}.{c.metric}") for c in shown)
+        lines.append(f"{'metric':<{w}}  {'A':>14}  {'B':>14}  {'change':>8}  {'noise':>6}  verdict")
+        for c in shown:
+            ch = f"{c.rel:+.1%}" if c.rel is not None else ""
+            label = c.source_b or c.source_a or ""
+            lines.append(f"{c.step + '.' + c.metric:<{w}}  {fmt(c.a, c.unit):>14}  {fmt(c.b, c.unit):>14}  "
+                         f"{ch:>8}  {c.tolerance:>6.1%}  {c.verdict} ({label})")
+    same = sum(c.verdict == "same" for c in changes)
+    lines.append(f"{same} of {len(changes)} metrics the same within noise; "
+                 f"{sum(c.verdict == 'better' for c in changes)} better, {sum(c.verdict == 'worse' for c in changes)}"
+                 f" worse, {sum(c.verdict in ('higher', 'lower') for c in changes)} moved (no better side), "
+                 f"{sum(c.verdict.startswith('only') or c.verdict == 'no value' for c in changes)} with a value in "
+                 "one run only")
+    return "\n".join(lines)
