@@ -187,6 +187,11 @@ class Job:
     def step_dir(self, step_folder: str) -> Path:
         return self.output_root() / step_folder
 
+    def cluster_path(self, workbook_root: Path | None = None) -> Path:
+        """The job's cluster file, a relative path taken from the workbook root."""
+        p = Path(self.cluster).expanduser()
+        return p if p.is_absolute() else (workbook_root or find_workbook_root()) / p
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(Job)}
 

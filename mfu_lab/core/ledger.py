@@ -1,5 +1,9 @@
 """The MFU ledger: 100% of peak split into MFU and four named losses that add up to it.
 
+One builder per way of measuring: :func:`single_process_ledger` from step 1's timed steps,
+:func:`ddp_ledger` from a data-parallel launch (step 2), :func:`trace_ledger` from a profiler trace's
+breakdown (steps 3 and 4).
+
 For one process (step 1) the split is, over the measured steps' total wall time W:
 
 - software loss   = (data wait + host time) / W: the device waits on the loader or the loop;
@@ -13,6 +17,7 @@ For one process (step 1) the split is, over the measured steps' total wall time 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from mfu_lab.core.health import HealthSummary
 from mfu_lab.core.measure import Timings
@@ -70,4 +75,48 @@ def single_process_ledger(timings: Timings, mfu_value: float, health: HealthSumm
         LedgerItem("software", data + host, "measured",
                    f"device waiting: data loading {data:.1%} + host/loop {host:.1%} of wall time"),
         LedgerItem("operations", operations, ops_source, ops_why),
+    ])
+
+
+def ddp_ledger(mfu_value: float, exposed: float, data: float, world: int) -> Ledger:
+    """A data-parallel step's ledger (step 2): ``exposed`` is the step time with DDP's all-reduce minus the same
+    steps under ``no_sync``, over the step time; ``data`` the data-wait share; hardware is the rest."""
+    hardware = 1.0 - mfu_value - exposed - data
+    return Ledger([
+        LedgerItem("mfu", mfu_value, "measured", f"{world} ranks x model FLOPs / (total peak x measured step time)"),
+        LedgerItem("hardware", hardware, "measured", "the rest: computing below peak (1 - the other parts)"),
+        LedgerItem("structure", exposed, "measured", "exposed communication: step time with DDP all-reduce minus "
+                   "the same steps under no_sync (no communication) measured right after, over step time"),
+        LedgerItem("software", data, "measured", "data wait share of the DDP step"),
+        LedgerItem("operations", 0.0, "analytic", "not sampled during the DDP launch; step 1 reads clocks"),
+    ])
+
+
+class Breakdown(Protocol):
+    """The shares of a profiled window a trace analysis gives (``mfu_lab.analysis.trace.Breakdown``)."""
+
+    computing: float
+    copying: float
+    communicating: float
+    comm_total: float
+    comm_overlapped: float
+    waiting_for_data: float
+    idle: float
+
+
+def trace_ledger(b: Breakdown, mfu_profiled: float, device_type: str) -> Ledger:
+    """A profiled window's ledger (steps 3 and 4), by the trace's own split of the time."""
+    return Ledger([
+        LedgerItem("mfu", mfu_profiled, "measured", "model FLOPs x profiled steps / (peak x profiled window)"),
+        LedgerItem("hardware", b.computing + b.copying - mfu_profiled, "measured",
+                   f"device busy below peak: computing {b.computing:.1%} + copying memory {b.copying:.1%} of the "
+                   "profiled window, minus MFU"),
+        LedgerItem("structure", b.communicating, "measured",
+                   f"communication not hidden behind compute ({b.comm_total:.1%} in all, {b.comm_overlapped:.1%} "
+                   "overlapped)" if b.comm_total else "no communication in a one-process profile"),
+        LedgerItem("software", b.waiting_for_data + b.idle, "measured",
+                   f"device idle: waiting for data {b.waiting_for_data:.1%} + idle {b.idle:.1%} ("
+                   + ("no kernel running: the host is launching, synchronising or in Python)" if device_type == "cuda"
+                      else "no operator running: Python, the autograd engine and the loop between operators)")),
+        LedgerItem("operations", 0.0, "analytic", "not separated while profiling (clocks are read in step 1)"),
     ])

@@ -9,6 +9,10 @@ Two outputs for the same progress:
   the saved notebook, so the report shows the bar's final state, not a stale 0%.
 
 The time left is the average time per finished item so far times the items left: an estimate, said so.
+
+Every step's ``run(job, progress=None, write=True)`` takes the same ``progress``: a :class:`Progress`, or any
+callable taking one line of text (``print`` will do; ``lambda msg: None`` silences a step). Counted work
+(training steps, configurations, modes, trials) is reported through it with the time left.
 """
 
 from __future__ import annotations
@@ -75,9 +79,9 @@ class LiveBar:
             self.handle.update(HTML(self.html(done, total, elapsed)))
 
 
-def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = None):
+def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = None, emit=None):
     """A ``progress(done, total, elapsed_s)`` callback: a line at each ``every`` fraction, with time left, and
-    a live bar in a notebook."""
+    a live bar in a notebook. Lines go to ``emit`` when given, else are printed to ``stream``."""
     marks: set[int] = set()
     live = LiveBar(label, bar)
 
@@ -87,7 +91,11 @@ def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = Non
         if mark in marks and done != total:
             return
         marks.add(mark)
-        print(f"{label}: {done}/{total} ({eta_text(done, total, elapsed)})", file=stream or sys.stdout, flush=True)
+        line = f"{label}: {done}/{total} ({eta_text(done, total, elapsed)})"
+        if emit is not None:
+            emit(line)
+        else:
+            print(line, file=stream or sys.stdout, flush=True)
 
     return progress
 
@@ -114,3 +122,40 @@ class Eta:
 
     def finish(self) -> None:
         self.live.update(self.total, self.total, self.elapsed())
+
+
+class Progress:
+    """Where a step reports what it is doing: lines of text (``say``), counted work with the time left
+    (``items``, ``eta``) and, inside a notebook, live bars.
+
+    ``say`` defaults to printing each line; a step called with ``progress=some_callable`` sends every line,
+    counted ones included, to that callable instead.
+    """
+
+    def __init__(self, say=None, bar: bool | None = None):
+        self._say = say
+        self.bar = bar
+
+    def say(self, msg: str) -> None:
+        if self._say is None:
+            print(msg, flush=True)
+        else:
+            self._say(msg)
+
+    __call__ = say
+
+    def items(self, label: str, every: float = 0.25):
+        """A ``(done, total, elapsed_s)`` callback for counted work, e.g. training steps."""
+        return printer(label, every, bar=self.bar, emit=self._say)
+
+    def eta(self, label: str, total: int) -> Eta:
+        """Time left over a known number of coarse items (configurations, compile modes, trials)."""
+        return Eta(label, total, self.bar)
+
+
+def as_progress(progress) -> Progress:
+    """The one progress type of every step: ``None`` prints, a :class:`Progress` is kept, any other callable
+    receives each line of text."""
+    if isinstance(progress, Progress):
+        return progress
+    return Progress(progress)

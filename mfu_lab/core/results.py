@@ -1,4 +1,4 @@
-"""Results: labelled metrics, the environment they were measured in, atomic JSON files.
+"""Results: labelled metrics, the environment they were measured in, and the round trip through JSON.
 
 Every number carries its source (DESIGN.md, "Honesty of every number"):
 measured | counted | analytic | datasheet | emulated | modelled.
@@ -11,13 +11,16 @@ import datetime as _dt
 import math
 import platform
 import subprocess
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from mfu_lab.core import __version__
+from mfu_lab.core.errors import MfuLabError
 
 SOURCES = ("measured", "counted", "analytic", "datasheet", "emulated", "modelled")
 
@@ -36,23 +39,74 @@ class Metric:
             raise ValueError(f"metric value must be finite or None, got {self.value!r}")
 
 
+class ResultFormatError(MfuLabError):
+    """A stored result this version of mfu-lab cannot read: another result format, or a missing field."""
+
+
 @dataclass
 class StepResult:
-    """What every step's result ends with: what was skipped and why, how long the step took, its status.
-    Keyword-only, so each step's own fields come first and positionally."""
+    """What every step's result ends with: what was skipped and why, how long the step took, its status, and
+    the format it is stored in. Keyword-only, so each step's own fields come first.
 
+    ``FORMAT`` is the version of a step's result.json layout: raise it when a field changes meaning or goes
+    away, so that an older file is named and refused rather than misread. A file without ``result_format``
+    predates the field and is format 1.
+    """
+
+    FORMAT: ClassVar[int] = 1
     _: dataclasses.KW_ONLY
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
     elapsed_s: float = 0.0
     status: str = "ok"
+    result_format: int = 1
+
+    def __post_init__(self):
+        self.result_format = type(self).FORMAT
 
     def metric(self, name: str) -> float | None:
         return self.metrics[name].value
 
-    @staticmethod
-    def tail(d: dict[str, Any]) -> dict[str, Any]:
-        """The shared fields of a result read back from JSON."""
-        return {"skipped": d.get("skipped", []), "elapsed_s": d.get("elapsed_s", 0.0), "status": d.get("status", "ok")}
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        """The typed result from its result.json, field by field by name (see :func:`rebuild`)."""
+        found = d.get("result_format", 1)
+        if found != cls.FORMAT:
+            raise ResultFormatError(f"{cls.__name__}: stored in result format {found}, this version of mfu-lab "
+                                    f"reads format {cls.FORMAT}; rerun the step to replace it")
+        return rebuild(cls, d)
+
+
+def rebuild(cls, data: dict[str, Any]):
+    """A dataclass, and every dataclass its type hints name inside it, from JSON: each field by its name,
+    never by position. A field absent from ``data`` takes its default; one without a default is an error."""
+    if not isinstance(data, dict):
+        raise ResultFormatError(f"{cls.__name__}: expected a JSON object, found {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _value(hints.get(f.name, Any), data[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ResultFormatError(f"{cls.__name__}: field {f.name!r} is missing")
+    return cls(**kwargs)
+
+
+def _value(tp, v):
+    if v is None:
+        return None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _value(inner[0], v) if len(inner) == 1 else v
+    if dataclasses.is_dataclass(tp) and isinstance(v, dict):
+        return rebuild(tp, v)
+    if origin is list and args:
+        return [_value(args[0], x) for x in v]
+    if origin is dict and len(args) == 2:
+        return {k: _value(args[1], x) for k, x in v.items()}
+    if origin is tuple and isinstance(v, list):
+        return tuple(v)
+    return v
 
 
 def git_commit(path: Path | None = None) -> str:

@@ -29,6 +29,7 @@ class Earlier:
     key: str
     data: dict[str, Any] | None
     reason: str = ""  # why ``data`` is None, in words a report can show
+    path: Path | None = None  # the result.json read
 
     def __bool__(self) -> bool:
         return self.data is not None
@@ -46,8 +47,8 @@ def earlier(job, key: str) -> Earlier:
     info = BY_KEY[key]
     path = Path(job.output_root()) / info.folder / RESULT_FILE
     if not path.is_file():
-        return Earlier(key, None, f"step {info.number} ({key}) has not run for this job")
-    return Earlier(key, read_json(path))
+        return Earlier(key, None, f"step {info.number} ({key}) has not run for this job", path)
+    return Earlier(key, read_json(path), "", path)
 
 
 def save(job, key: str, result) -> Path:

@@ -22,18 +22,18 @@ from typing import Any
 
 from mfu_lab.analysis import attention as att
 from mfu_lab.core import device as dev
+from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
-from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.job import Job
-from mfu_lab.core.ledger import Ledger, LedgerItem
+from mfu_lab.core.ledger import Ledger, ddp_ledger
 from mfu_lab.core.measure import run_steps, stats
-from mfu_lab.core.progress import Eta
+from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
-from mfu_lab.steps.baseline import count_step_flops
+from mfu_lab.steps.baseline import count_step_flops, step1_reference
 from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
 
 INFO = BY_KEY["attention_comm"]
@@ -97,27 +97,16 @@ class AttentionCommResult(StepResult):
     recommendation: dict[str, Any]
     advice: list[Advice]
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AttentionCommResult:
-        return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
-                   d["baseline"], [AttentionRow(**r) for r in d["attention"]], d["comm_layout"],
-                   [CommRow(**r) for r in d["comm"]], d["allreduce"],
-                   Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]) if d.get("ledger") else None,
-                   d["recommendation"], [Advice(**a) for a in d["advice"]], **cls.tail(d))
+
+Result = AttentionCommResult  # the step contract: every step module names its result class Result
+
 
 
 def _baseline_reference(job: Job, device_name: str) -> dict | None:
-    path = job.step_dir("01_baseline") / RESULT_FILE
-    if not path.is_file():
-        return None
-    r = read_json(path)
-    if r["environment"].get("device_name") != device_name:
-        return None  # measured on another device: not a fair comparison
-    m = r["metrics"]
-    wall = r["timings"]["wall_s"][r["timings"]["warmup_steps"]:]
-    return {"source": f"step 1 result ({path})", "mfu": m["mfu"]["value"], "step_mean_s": statistics.fmean(wall),
-            "step_median_s": m["step_time_median_s"]["value"], "peak": m["peak_flops_per_s"]["value"],
-            "peak_source": m["peak_flops_per_s"]["source"], "peak_note": m["peak_flops_per_s"]["note"]}
+    """Step 1's figures this step compares with, when it ran on this device."""
+    ref = step1_reference(job, device_name)
+    keys = ("source", "mfu", "step_mean_s", "step_median_s", "peak", "peak_source", "peak_note")
+    return {k: ref[k] for k in keys} if ref else None
 
 
 def _attention_section(job, device, torch_device, flops_per_step, peak, progress) -> list[AttentionRow]:
@@ -126,7 +115,7 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
     time_shape = (job.micro_batch, job.n_heads, job.seq_len, hd)
     rows = []
     impls = att.candidates(device.type, job.dtype)
-    eta = Eta("attention implementations", len(impls))
+    eta = progress.eta("attention implementations", len(impls))
     for n, impl in enumerate(impls, 1):
         progress(f"attention [{n}/{len(impls)}] {impl.name}" + eta.tag(n - 1))
         if impl.fn is None:
@@ -150,7 +139,7 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
         wall = t.measured("wall_s")
         s = stats(wall)
         rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, s.median,
-                                 s.p10, s.p90, flops_per_step * len(wall) / (peak * sum(wall)), None,
+                                 s.p10, s.p90, fl.mfu(flops_per_step, len(wall) / sum(wall), peak), None,
                                  job.n_layers * a.median / s.median, kernel))
     return rows
 
@@ -173,7 +162,7 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
             row.comm_s, row.no_sync_step_s, row.exposed_s, row.param_diff = ev["comm_s"], local, exposed, diff
             row.comm_share = min(1.0, ev["comm_s"] / ev["profiled_step_s"])  # both from the profiled step
             row.exposed_share = exposed / s.median
-            row.mfu = world * flops_per_step * len(ev["wall_s"]) / (peak_total * sum(ev["wall_s"]))
+            row.mfu = fl.mfu(world * flops_per_step, len(ev["wall_s"]) / sum(ev["wall_s"]), peak_total)
         rows.append(row)
     return rows
 
@@ -182,22 +171,13 @@ def _ddp_ledger(row: CommRow, ev: dict, world: int) -> Ledger:
     wall = statistics.fmean(ev["wall_s"])
     data = statistics.fmean(ev["data_s"]) / wall
     exposed = max(0.0, wall - statistics.fmean(ev["no_sync_wall_s"])) / wall
-    mfu_v = row.mfu
-    hardware = 1.0 - mfu_v - exposed - data
-    return Ledger([
-        LedgerItem("mfu", mfu_v, "measured", f"{world} ranks x model FLOPs / (total peak x measured step time)"),
-        LedgerItem("hardware", hardware, "measured", "the rest: computing below peak (1 - the other parts)"),
-        LedgerItem("structure", exposed, "measured", "exposed communication: step time with DDP all-reduce minus "
-                   "the same steps under no_sync (no communication) measured right after, over step time"),
-        LedgerItem("software", data, "measured", "data wait share of the DDP step"),
-        LedgerItem("operations", 0.0, "analytic", "not sampled during the DDP launch; step 1 reads clocks"),
-    ])
+    return ddp_ledger(row.mfu, exposed, data, world)
 
 
 @guarded("attention_comm")
 def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     t_start = time.perf_counter()
-    say = progress or (lambda msg: print(msg, flush=True))
+    say = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
@@ -245,7 +225,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     configs = sweep_configs(job)
     say(f"communication: {len(configs)} configurations in one torchrun launch")
     done = {"n": 0}
-    eta = Eta("DDP configurations", len(configs))
+    eta = say.eta("DDP configurations", len(configs))
 
     def on_event(ev):
         if ev["event"] in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
@@ -276,7 +256,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
                                  rows, sweep.layout | {"launches": sweep.launches}, comm_rows, sweep.allreduce, ledger,
                                  rec, [], skipped=skipped)
-    result.advice = _advice(result)
+    result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
@@ -353,7 +333,7 @@ def _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label
     }
 
 
-def _advice(r: AttentionCommResult) -> list[Advice]:
+def advise(r: AttentionCommResult) -> list[Advice]:
     out = []
     if r.recommendation.get("attention_text"):
         out.append(Advice("act", r.recommendation["attention_text"], "correct implementations timed side by side"))

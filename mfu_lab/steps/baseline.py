@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import resource
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,20 +21,19 @@ import torch
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
-from mfu_lab.core.advice import Advice, baseline_advice
+from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
-from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.health import HealthSampler, HealthSummary
 from mfu_lab.core.job import Job
-from mfu_lab.core.ledger import Ledger, LedgerItem, single_process_ledger
+from mfu_lab.core.ledger import Ledger, single_process_ledger
 from mfu_lab.core.measure import Stats, Timings, run_steps, stats
-from mfu_lab.core.progress import printer
+from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
+from mfu_lab.core.thresholds import CLOCK_LOW, CV_LIMIT, DATA_WAIT_LIMIT, FLOP_TOLERANCE, HOST_LIMIT, HOT_C
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
 
 INFO = BY_KEY["baseline"]
-FLOP_TOLERANCE = 0.02  # counted vs analytic FLOPs above this is shown as a disagreement
 
 
 @dataclass
@@ -67,14 +67,9 @@ class BaselineResult(StepResult):
     peak: dict[str, Any]
     advice: list[Advice]
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BaselineResult:
-        return cls(
-            d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
-            Timings(**d["timings"]), Stats(**d["step_stats"]), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
-            HealthSummary(**d["health"]), FlopReport(**d["flops"]), d["peak"], [Advice(**a) for a in d["advice"]],
-            **cls.tail(d),
-        )
+
+Result = BaselineResult  # the step contract: every step module names its result class Result
+
 
 
 def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
@@ -121,7 +116,7 @@ def _peak_memory(timings: Timings) -> Metric:
 def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     """Measure the job's baseline; see the module docstring."""
     t_start = time.perf_counter()
-    progress = progress or printer("baseline steps")
+    p = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped = []
@@ -137,7 +132,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     report = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device))
 
     with HealthSampler(device.type, device.name, device.index) as sampler:
-        timings = run_steps(train_step, loader, torch_device, job.warmup_steps, job.steps, progress)
+        timings = run_steps(train_step, loader, torch_device, job.warmup_steps, job.steps, p.items("baseline steps"))
     health = sampler.summary()
     if not health.sampled:
         skipped.append({"what": "device health (NVML)", "reason": health.skipped_reason})
@@ -157,8 +152,8 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
             f"the first reading ({first / 1e9:.1f} GFLOP/s): best of both readings ({again / 1e9:.1f} GFLOP/s "
             "the second time)"))
     tokens_per_s = job.tokens_per_step * n / total_wall
-    mfu_value = report.model_flops_per_step * n / (peak.flops_per_s * total_wall)
-    hfu_value = report.hardware_flops_per_step * n / (peak.flops_per_s * total_wall)
+    mfu_value = fl.mfu(report.model_flops_per_step, n / total_wall, peak.flops_per_s)
+    hfu_value = fl.mfu(report.hardware_flops_per_step, n / total_wall, peak.flops_per_s)  # HFU: the same, hardware
     ledger = single_process_ledger(timings, mfu_value, health)
     data_f, compute_f = ledger_part(timings, "data_s"), ledger_part(timings, "compute_s")
     window = f"over {n} measured steps ({job.warmup_steps} warm-up discarded)"
@@ -195,22 +190,107 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
         report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], skipped=skipped)
-    result.advice = baseline_advice(result, FLOP_TOLERANCE)
+    result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
     return result
 
 
+def advise(r: BaselineResult) -> list[Advice]:
+    """Step 1's advice from its figures: data waits, host time, spread, hardware loss, FLOP agreement, heat."""
+    job, m = r.job, r.metrics
+    out: list[Advice] = []
+    data, host, cv = m["data_wait_fraction"].value, m["host_fraction"].value, m["step_time_cv"].value
+    mfu_v, hw = m["mfu"].value, r.ledger.get("hardware").fraction
+    on_gpu = r.peak["device_type"] == "cuda"
+
+    if data > DATA_WAIT_LIMIT:
+        if job["num_workers"] == 0:
+            fix = "load batches in background processes: set num_workers to 2 or more (one per free core)"
+        else:
+            fix = (f"raise num_workers (now {job['num_workers']}) or prefetch_factor (now {job['prefetch_factor']}); "
+                   "store data as large sequential shards")
+        out.append(Advice("act", f"The device waits on data: {fix}.",
+                          f"data wait is {data:.1%} of wall time (limit {DATA_WAIT_LIMIT:.0%})"))
+    if host > HOST_LIMIT:
+        out.append(Advice("look", "Host-side overhead is visible between steps: larger micro-batches, "
+                          "torch.compile (step 4) or CUDA graphs reduce per-step host work.",
+                          f"host time is {host:.1%} of wall time"))
+    if cv > CV_LIMIT:
+        out.append(Advice("look", "Step times are unsteady: look for neighbours on the machine, throttling or "
+                          "garbage collection, and measure more steps before trusting small differences.",
+                          f"coefficient of variation of step time is {cv:.1%} (limit {CV_LIMIT:.0%})"))
+    if hw < 0:
+        out.append(Advice("act", "MFU exceeds the share of time spent computing, so the peak is too low: "
+                          "set peak_flops in the job to the device's true dense peak.",
+                          f"MFU {mfu_v:.1%} > compute share {m['compute_fraction'].value:.1%}"))
+    elif hw > 0.5:
+        levers = []
+        if on_gpu and job["dtype"] == "float32":
+            levers.append("train in bfloat16 (dtype: bfloat16) so matmuls use tensor cores")
+        if job["attention"] == "unfused":
+            levers.append("use fused attention (attention: sdpa; step 2 measures it)")
+        levers.append(f"raise micro_batch (now {job['micro_batch']}) while memory allows, for larger matmuls")
+        levers.append("fuse memory-bound ops (step 3 finds them, step 4 compiles them)")
+        out.append(Advice("act", "Most of the peak is lost while the device is busy: " + "; ".join(levers) + ".",
+                          f"hardware loss is {hw:.1%} of peak at MFU {mfu_v:.1%}"))
+    dis = r.flops.disagreement
+    if dis is not None and dis > FLOP_TOLERANCE:
+        out.append(Advice("look", "Counted and analytic FLOPs disagree: MFU rests on the analytic figure; "
+                          "check which operators the count includes (flops.counted_by_op).",
+                          f"|counted - analytic| / analytic = {dis:.1%} (tolerance {FLOP_TOLERANCE:.0%})"))
+    h = r.health
+    if h.sampled:
+        if h.temperature_c_max is not None and h.temperature_c_max > HOT_C:
+            out.append(Advice("act", "The GPU ran hot: check cooling and airflow; sustained heat lowers clocks.",
+                              f"maximum temperature {h.temperature_c_max:.0f} C (limit {HOT_C:.0f} C)"))
+        ratio = h.clock_ratio
+        if ratio is not None and ratio < CLOCK_LOW and (h.throttled_fraction or 0) > 0:
+            out.append(Advice("act", "Clocks were held down by power or heat (" + ", ".join(h.reasons_seen) + "): "
+                              "this is operations loss no code change recovers.",
+                              f"mean SM clock {ratio:.0%} of maximum"))
+    if job["activation_checkpointing"]:
+        out.append(Advice("info", "Activation checkpointing recomputes each block's forward: HFU exceeds MFU by "
+                          "that work. Keep it only if the memory it frees buys a larger micro-batch.",
+                          f"HFU {m['hfu'].value:.1%} vs MFU {mfu_v:.1%}"))
+    if not on_gpu:
+        out.append(Advice("info", "On a CPU the peak is this CPU's measured matmul rate, so MFU here says how "
+                          "close the training step comes to the CPU's best matmul, not to a GPU's.",
+                          f"peak {m['peak_flops_per_s'].value / 1e9:.1f} GFLOP/s, measured"))
+    return out
+
+
+def step1_on(job: Job, device_name: str) -> dict[str, Any] | None:
+    """Step 1's stored result when it was measured on this device, else None (another device is no fair
+    reference). Later steps compare against it."""
+    e = store.earlier(job, INFO.key)
+    if not e or e.data["environment"].get("device_name") != device_name:
+        return None
+    return e.data | {"_path": str(e.path)}
+
+
+def step1_reference(job: Job, device_name: str) -> dict[str, Any] | None:
+    """Step 1's figures that later steps compare with, when step 1 ran on this device."""
+    r = step1_on(job, device_name)
+    if r is None:
+        return None
+    m = r["metrics"]
+    wall = r["timings"]["wall_s"][r["timings"]["warmup_steps"]:]
+    return {"source": f"step 1 result ({r['_path']})", "mfu": m["mfu"]["value"], "step_mean_s": statistics.fmean(wall),
+            "step_median_s": m["step_time_median_s"]["value"], "median_s": m["step_time_median_s"]["value"],
+            "p10_s": m["step_time_p10_s"]["value"], "p90_s": m["step_time_p90_s"]["value"],
+            "peak": m["peak_flops_per_s"]["value"], "peak_source": m["peak_flops_per_s"]["source"],
+            "peak_note": m["peak_flops_per_s"]["note"]}
+
+
 def reference_peak(job: Job, device: dev.DeviceInfo) -> tuple[float, str, str, bool]:
     """The peak step 1 measured MFU against on this device, so later steps compare like with like:
     (FLOP/s, source label, note, taken from step 1). Without a step-1 result on this device: resolved here."""
-    path = job.step_dir(INFO.folder) / RESULT_FILE
-    if path.is_file():
-        r = read_json(path)
-        if r["environment"].get("device_name") == device.name:
-            pk = r["metrics"]["peak_flops_per_s"]
-            return pk["value"], pk["source"], pk["note"] + " (as in step 1)", True
+    r = step1_on(job, device.name)
+    if r:
+        pk = r["metrics"]["peak_flops_per_s"]
+        return pk["value"], pk["source"], pk["note"] + " (as in step 1)", True
     p = dev.resolve_peak(device, job.dtype, job.peak_flops)
     return p.flops_per_s, p.source, p.note, False
 

@@ -32,15 +32,16 @@ import torch
 from mfu_lab.analysis import recompiles as cp
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core import device as dev
+from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
-from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.job import Job
+from mfu_lab.core.ledger import trace_ledger
 from mfu_lab.core.measure import stats
-from mfu_lab.core.progress import Eta
+from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import Metric, StepResult, environment
+from mfu_lab.core.results import Metric, StepResult, environment, jsonable
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import count_step_flops, reference_peak
 
@@ -95,13 +96,9 @@ class CompileResult(StepResult):
     # mode -> the MFU ledger of its profiled steps (eager included): the index's "after" waterfall
     ledgers: dict[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CompileResult:
-        return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
-                   cp.ShapeAudit(**d["audit"]), [cp.RecompileRun(**r) for r in d["recompiles"]],
-                   cp.GraphBreaks(**d["breaks"]), Trial(**d["eager"]), [Trial(**t) for t in d["trials"]],
-                   d["step3"], d["recommendation"], [Advice(**a) for a in d["advice"]], d.get("ledgers", {}),
-                   **cls.tail(d))
+
+Result = CompileResult  # the step contract: every step module names its result class Result
+
 
 
 # ------------------------------------------------------------------ trials in fresh processes
@@ -155,7 +152,7 @@ def _fill(t: Trial, d: dict[str, Any], eager: Trial | None, eager_extra: float, 
     st = stats(walls[warm:])
     t.step_median_s, t.step_p10_s, t.step_p90_s = st.median, st.p10, st.p90
     t.first_steps_s = walls[:warm]
-    t.mfu = flops * len(walls[warm:]) / (peak * sum(walls[warm:]))
+    t.mfu = fl.mfu(flops, len(walls[warm:]) / sum(walls[warm:]), peak)
     t.recompiles, t.recompile_messages, t.graphs = d["recompiles"], d["recompile_messages"], d["graphs"]
     t.loss = d["loss"]
     if eager is None:
@@ -178,12 +175,11 @@ def _skip_reason(mode: str, device_type: str, job: Job) -> str:
 
 # ------------------------------------------------------------------ the step
 def _step3_reference(job: Job) -> dict[str, Any] | None:
-    path = job.step_dir("03_kernels") / RESULT_FILE
-    if not path.is_file():
+    step3 = store.earlier(job, "kernels")
+    if not step3:
         return None
-    d = read_json(path)
-    a = d["analysis"]
-    return {"source": f"step 3 result ({path})", "ops_per_step": a.get("ops_per_step"), "kind": a["kind"],
+    a = step3.data["analysis"]
+    return {"source": f"step 3 result ({step3.path})", "ops_per_step": a.get("ops_per_step"), "kind": a["kind"],
             "patterns": [c["pattern"] for c in a["fusion"]]}
 
 
@@ -238,7 +234,7 @@ def advise(r: CompileResult) -> list[Advice]:
 def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     """Measure torch.compile against eager for the job; see the module docstring."""
     t_start = time.perf_counter()
-    say = progress or (lambda msg: print(msg, flush=True))
+    say = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
@@ -299,7 +295,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                 "kind": a.kind, "patterns": [c.pattern for c in a.fusion]}
     modes = list(job.compile_modes) + (["options"] if job.compile_options else [])
     trials: list[Trial] = []
-    eta = Eta("compile modes", len(modes))
+    eta = say.eta("compile modes", len(modes))
     for i, mode in enumerate(modes, 1):
         why = _skip_reason(mode, device.type, job)
         if why:
@@ -383,10 +379,8 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
 def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str) -> dict[str, Any]:
     """Step 3's ledger rule applied to one trial's profiled steps (MFU over the profiled window)."""
-    from mfu_lab.core.results import jsonable
-    from mfu_lab.steps.kernels import _ledger
-
-    return jsonable(_ledger(a, flops * a.steps / (peak * a.window_s), device_type)) if a.window_s else {}
+    return jsonable(trace_ledger(a.breakdown, fl.mfu(flops, a.steps / a.window_s, peak), device_type)) \
+        if a.window_s else {}
 
 
 def save(job: Job, result: CompileResult) -> Path:

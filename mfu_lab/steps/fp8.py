@@ -25,12 +25,14 @@ import torch
 
 from mfu_lab.analysis import fp8_numerics as f8
 from mfu_lab.core import device as dev
+from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.errors import JobError, JobProblem
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.job import Job
-from mfu_lab.core.progress import Eta
+from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
@@ -68,12 +70,9 @@ class Fp8Result(StepResult):
     speed: dict[str, Any]
     advice: list[Advice]
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Fp8Result:
-        return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
-                   d["path"], {k: [f8.GroupSensitivity(**g) for g in v] for k, v in d["sensitivity"].items()},
-                   [PolicyTrial(**t) for t in d["trials"]], d["choice"], d["speed"],
-                   [Advice(**a) for a in d["advice"]], **cls.tail(d))
+
+Result = Fp8Result  # the step contract: every step module names its result class Result
+
 
 
 def fp8_hardware(device: dev.DeviceInfo) -> str:
@@ -145,8 +144,6 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         return {"status": "skipped", "reason": "torchao is not installed (pip install torchao)"}
-    from mfu_lab.core.measure import run_steps, stats
-
     out: dict[str, Any] = {"status": "ok", "recipe": job.fp8_recipe}
     for label, use in (("bf16", False), ("fp8", True)):
         model = build_model(dataclasses.replace(job, dtype="bfloat16")).to(device).train()
@@ -198,7 +195,7 @@ def advise(r: Fp8Result) -> list[Advice]:
 def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     """Choose an FP8 policy for the job; see the module docstring."""
     t_start = time.perf_counter()
-    say = progress or (lambda msg: print(msg, flush=True))
+    say = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
@@ -223,7 +220,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     trials: list[PolicyTrial] = []
     reference: list[float] | None = None
     plan = _policies(job, groups, most)
-    eta = Eta("FP8 policy trials", len(plan))
+    eta = say.eta("FP8 policy trials", len(plan))
     for i, (name, gs, recipe, study) in enumerate(plan, 1):
         say(f"[{i}/{len(plan)}] {name}: {job.fp8_steps} steps" + (f", FP8 on {', '.join(gs)} ({recipe})" if gs
                                                                   else ", no FP8 (the reference)") + eta.tag(i - 1))
@@ -291,12 +288,12 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
         chip = dev.lookup_chip(device.name)
         m0 = build_model(job).to(torch_device).train()
         x0, y0 = batches[0]
-        fl = count_step_flops(m0, build_train_step(job, m0, device.type), x0.to(torch_device),
-                              y0.to(torch_device)).model_flops_per_step
+        flops = count_step_flops(m0, build_train_step(job, m0, device.type), x0.to(torch_device),
+                                 y0.to(torch_device)).model_flops_per_step
         for peak_name in ("bf16", "fp8"):
             pk = getattr(chip, peak_name) if chip else None
             metrics[f"mfu_vs_{peak_name}_peak"] = Metric(
-                fl / (pk * speed["fp8_step_s"]) if pk else None, "fraction", "measured",
+                fl.mfu(flops, 1 / speed["fp8_step_s"], pk) if pk else None, "fraction", "measured",
                 f"model FLOPs / ({peak_name.upper()} datasheet peak x FP8 step): MFU under FP8 is ambiguous, so both")
     result = Fp8Result("fp8", job.to_dict(), environment(device.name, device.type), metrics, path, sens, trials,
                        choice, speed, [], skipped=skipped)

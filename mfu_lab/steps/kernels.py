@@ -20,29 +20,31 @@ from typing import Any
 
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core import device as dev
+from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
-from mfu_lab.core.files import RESULT_FILE, read_json
 from mfu_lab.core.job import Job
-from mfu_lab.core.ledger import Ledger, LedgerItem
+from mfu_lab.core.ledger import Ledger, trace_ledger
 from mfu_lab.core.measure import Timings, profile_steps, run_steps, stats
-from mfu_lab.core.progress import printer
+from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.results import Metric, StepResult, environment
+from mfu_lab.core.results import Metric, StepResult, environment, rebuild
+from mfu_lab.core.thresholds import (
+    COMM_LIMIT,
+    DATA_WAIT_LIMIT,
+    FUSION_LIMIT,
+    IDLE_LIMIT,
+    MEMORY_BOUND_LIMIT,
+    OPTIMIZER_LIMIT,
+    PROFILER_OVERHEAD_LIMIT,
+)
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
-from mfu_lab.steps.baseline import count_step_flops, reference_peak
+from mfu_lab.steps.baseline import count_step_flops, reference_peak, step1_reference
 from mfu_lab.workers.launch import error_lines, launch, world_layout
 
 INFO = BY_KEY["kernels"]
 TRACE_FILE = "trace.json.gz"
-OVERHEAD_LIMIT = 0.10  # profiling slowed the step by more than this: say the shares are of a slower step
-IDLE_LIMIT = 0.20  # device idle (host-bound) above this share of the step
-DATA_LIMIT = 0.03  # as step 1: the loader is worth fixing first above 3%
-COMM_LIMIT = 0.15  # FIELD-NOTES: aim for communication under 15% of step time
-FUSION_LIMIT = 0.02  # a fusion candidate whose runs take 2% of the step is worth acting on
-MEMORY_BOUND_LIMIT = 0.30
-OPTIMIZER_LIMIT = 0.10
 OPEN_TRACE = ("open it in https://ui.perfetto.dev (Open trace file; the file stays on your machine) or in "
               "chrome://tracing; both read the .gz as it is")
 
@@ -74,36 +76,19 @@ class KernelsResult(StepResult):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelsResult:
-        a = dict(d["analysis"])
-        a["top"] = [tr.TopRow(**r) for r in a["top"]]
-        a["breakdown"] = tr.Breakdown(**a["breakdown"])
-        a["fusion"] = [tr.FusionCandidate(**c) for c in a["fusion"]]
-        ddp = dict(d.get("ddp") or {})
-        ddp["ranks"] = [RankProfile(**{**r, "breakdown": tr.Breakdown(**r["breakdown"])})
-                        for r in ddp.get("ranks", [])]
-        return cls(d["step"], d["job"], d["environment"], {k: Metric(**v) for k, v in d["metrics"].items()},
-                   tr.TraceAnalysis(**a), Ledger([LedgerItem(**i) for i in d["ledger"]["items"]]),
-                   Timings(**d["unprofiled"]), Timings(**d["profiled"]), d["compare"], d["trace_file"],
-                   [Advice(**x) for x in d["advice"]], ddp, **cls.tail(d))
+        """As every result, by field name; the per-rank profiles inside ``ddp`` (a free-form dict) too."""
+        r = super().from_dict(d)
+        r.ddp = {**r.ddp, "ranks": [rebuild(RankProfile, x) for x in r.ddp.get("ranks", [])]}
+        return r
 
 
-def _baseline_reference(job: Job, device_name: str) -> dict[str, Any] | None:
-    path = job.step_dir("01_baseline") / RESULT_FILE
-    if not path.is_file():
-        return None
-    r = read_json(path)
-    if r["environment"].get("device_name") != device_name:
-        return None
-    m = r["metrics"]
-    return {"source": f"step 1 result ({path})", "median_s": m["step_time_median_s"]["value"],
-            "p10_s": m["step_time_p10_s"]["value"], "p90_s": m["step_time_p90_s"]["value"],
-            "mfu": m["mfu"]["value"]}
+Result = KernelsResult  # the step contract: every step module names its result class Result
 
 
 def _comm_config(job: Job) -> tuple[dict[str, Any], str]:
     """Step 2's recommended DDP configuration when it has one, else DDP's own defaults."""
-    path = job.step_dir("02_attention_and_comm") / RESULT_FILE
-    rec = (read_json(path).get("recommendation") or {}).get("comm") if path.is_file() else None
+    step2 = store.earlier(job, "attention_comm")
+    rec = (step2.data.get("recommendation") or {}).get("comm") if step2 else None
     if rec:
         return ({"hook": rec["hook"], "bucket_mb": rec["bucket_cap_mb"],
                  "grad_as_bucket_view": rec["gradient_as_bucket_view"]}, "step 2's recommendation")
@@ -153,30 +138,14 @@ def profile_ranks(job: Job, device_type: str, out_dir: Path, say) -> dict[str, A
     return result | {"status": "ok", "seconds": got.seconds}
 
 
-def _ledger(a: tr.TraceAnalysis, mfu_profiled: float, device_type: str) -> Ledger:
-    b = a.breakdown
-    return Ledger([
-        LedgerItem("mfu", mfu_profiled, "measured", "model FLOPs x profiled steps / (peak x profiled window)"),
-        LedgerItem("hardware", b.computing + b.copying - mfu_profiled, "measured",
-                   f"device busy below peak: computing {b.computing:.1%} + copying memory {b.copying:.1%} of the "
-                   "profiled window, minus MFU"),
-        LedgerItem("structure", b.communicating, "measured",
-                   f"communication not hidden behind compute ({b.comm_total:.1%} in all, {b.comm_overlapped:.1%} "
-                   "overlapped)" if b.comm_total else "no communication in a one-process profile"),
-        LedgerItem("software", b.waiting_for_data + b.idle, "measured",
-                   f"device idle: waiting for data {b.waiting_for_data:.1%} + idle {b.idle:.1%} ("
-                   + ("no kernel running: the host is launching, synchronising or in Python)" if device_type == "cuda"
-                      else "no operator running: Python, the autograd engine and the loop between operators)")),
-        LedgerItem("operations", 0.0, "analytic", "not separated while profiling (clocks are read in step 1)"),
-    ])
-
-
 FIRST_BUCKET_MB = 1.0  # DDP puts the last-produced gradients into a small first bucket (1 MiB)
 
 
-def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any], device_type: str,
-           ranks: list[RankProfile] = (), ddp: dict[str, Any] | None = None, grad_bytes: int = 0) -> list[Advice]:
+def advise(r: KernelsResult) -> list[Advice]:
     """Advice from the trace's own figures; each item says which figures triggered it."""
+    a, overhead, compare = r.analysis, r.metric("profiler_overhead"), r.compare
+    device_type, ddp = r.environment["device_type"], r.ddp
+    ranks, grad_bytes = ddp.get("ranks", []), ddp.get("gradient_bytes", 0)
     out: list[Advice] = []
     comm = sum(r.breakdown.comm_total for r in ranks)
     hidden = sum(r.breakdown.comm_overlapped for r in ranks) / comm if comm else None
@@ -199,7 +168,7 @@ def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any],
                           f"({b.comm_total:.1%} in all, aim under {COMM_LIMIT:.0%})"))
     b = a.breakdown
     unit = "kernels" if a.kind == "gpu" else "operators"
-    if overhead is not None and overhead > OVERHEAD_LIMIT:
+    if overhead is not None and overhead > PROFILER_OVERHEAD_LIMIT:
         out.append(Advice("look", "The profiler slowed the step down; the shares below are of the profiled step, "
                           "in which per-operator overheads weigh more than in the real one",
                           f"profiled step {overhead:+.1%} against the unprofiled steps of this run"))
@@ -209,7 +178,7 @@ def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any],
                           f"unprofiled median {compare['this_median_s'] * 1e3:.1f} ms vs step 1 "
                           f"{compare['median_s'] * 1e3:.1f} ms (p10-p90 {compare['p10_s'] * 1e3:.1f}-"
                           f"{compare['p90_s'] * 1e3:.1f} ms)"))
-    if b.waiting_for_data > DATA_LIMIT:
+    if b.waiting_for_data > DATA_WAIT_LIMIT:
         out.append(Advice("act", "The device waits for the next batch: load in background workers (num_workers, "
                           "prefetch_factor, pin_memory on GPU)", f"waiting for data {b.waiting_for_data:.1%}"))
     if b.communicating > COMM_LIMIT:
@@ -251,7 +220,7 @@ def advise(a: tr.TraceAnalysis, overhead: float | None, compare: dict[str, Any],
 def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     """Profile the job's training step; see the module docstring."""
     t_start = time.perf_counter()
-    say = progress or (lambda msg: print(msg, flush=True))
+    say = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
@@ -262,18 +231,18 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     train_step = build_train_step(job, model, device.type)
     x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
     flops = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device))
-    ref = _baseline_reference(job, device.name)
+    ref = step1_reference(job, device.name)
     peak, *peak_label, _ = reference_peak(job, device)
     if not ref:
         skipped.append({"what": "comparison with step 1", "reason": "step 1 has no result on this device yet"})
 
     say(f"timing {job.steps} steps without the profiler ({job.warmup_steps} warm-up)")
     unprofiled = run_steps(train_step, build_loader(job, job.warmup_steps + job.steps, device.type), torch_device,
-                           job.warmup_steps, job.steps, printer("unprofiled steps"))
+                           job.warmup_steps, job.steps, say.items("unprofiled steps"))
     say(f"profiling {job.profile_steps} steps ({job.profile_warmup_steps} warm-up) with shapes recorded")
     profiled = profile_steps(
         train_step, build_loader(job, job.profile_warmup_steps + job.profile_steps, device.type), torch_device,
-        job.profile_warmup_steps, job.profile_steps, trace_path, printer("profiled steps"))
+        job.profile_warmup_steps, job.profile_steps, trace_path, say.items("profiled steps"))
     trace = tr.load_trace(trace_path)
     if job.profile_ddp:
         say("profiling the job data-parallel, one trace per rank")
@@ -300,9 +269,9 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
             plain.median / ref["median_s"] - 1) <= 0.05
         compare["difference"] = plain.median / ref["median_s"] - 1
     n = len(unprofiled.measured("wall_s"))
-    mfu_plain = flops.model_flops_per_step * n / (peak * sum(unprofiled.measured("wall_s")))
-    mfu_profiled = flops.model_flops_per_step * a.steps / (peak * a.window_s)
-    ledger = _ledger(a, mfu_profiled, device.type)
+    mfu_plain = fl.mfu(flops.model_flops_per_step, n / sum(unprofiled.measured("wall_s")), peak)
+    mfu_profiled = fl.mfu(flops.model_flops_per_step, a.steps / a.window_s, peak)
+    ledger = trace_ledger(a.breakdown, mfu_profiled, device.type)
     b = a.breakdown
     best = a.fusion[0] if a.fusion else None
     est_total = sum(c.est_saving_per_step_s or 0.0 for c in a.fusion)
@@ -359,8 +328,9 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
                                             "profiled window / steps, slowest rank")
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
                            unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped=skipped)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    result.advice = advise(a, overhead, compare, device.type, ranks, ddp, grad_bytes)
+    if ranks:  # advice sizes DDP's buckets against the gradients
+        ddp["gradient_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
