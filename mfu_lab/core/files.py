@@ -21,11 +21,12 @@ RESULT_FILE = "result.json"
 
 
 
-def write_atomic(path: Path, content: str | bytes) -> Path:
+def write_atomic(path: Path, content: str | bytes, durable: bool = True) -> Path:
     """Write ``content`` so that ``path`` holds either the old file or the complete new one, never half.
 
     The content goes to a temporary file in the same folder, is flushed to disk, then renamed over ``path``
-    (``os.replace`` is atomic on POSIX and Windows).
+    (``os.replace`` is atomic on POSIX and Windows). ``durable=False`` skips the flush to disk, for small status
+    files rewritten inside a timed loop (a crash may then lose the latest one, never leave half of it).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,7 +36,8 @@ def write_atomic(path: Path, content: str | bytes) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:

@@ -66,7 +66,7 @@ def main() -> int:
     except Exception as exc:  # recorded for the step; the other modes still run
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         result["traceback"] = traceback.format_exc()[-4000:]
-    out.write_text(json.dumps(result))
+    out.write_text(json.dumps(result))  # read by the parent once this process has exited
     return 0 if result["status"] == "ok" else 1
 
 

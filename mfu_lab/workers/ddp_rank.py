@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mfu_lab.core.files import write_atomic
 from mfu_lab.core.job import validate
 from mfu_lab.core.measure import run_steps
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
@@ -47,12 +48,9 @@ def emit(out: Path, event: dict) -> None:
 def heartbeat(out: Path, rank: int, config: int, step: int) -> None:
     """Every rank's last reached point, one small file per rank: a hung launch can then name the rank that
     stopped (the launcher reads them when it ends the launch)."""
-    beats = out / "beats"
-    beats.mkdir(exist_ok=True)
-    tmp = beats / f".rank{rank}.tmp"
-    tmp.write_text(json.dumps({"rank": rank, "host": socket.gethostname(), "config": config, "step": step,
-                               "t": time.time()}))
-    os.replace(tmp, beats / f"rank{rank}.json")
+    write_atomic(out / "beats" / f"rank{rank}.json", json.dumps(
+        {"rank": rank, "host": socket.gethostname(), "config": config, "step": step, "t": time.time()}),
+        durable=False)
 
 
 def register_hook(ddp: DDP, hook: str) -> None:

@@ -1,0 +1,103 @@
+"""The house's shape, enforced: layers only import downward (import-linter), no import cycles, no module of more
+than 450 lines, every step module keeps the same contract, and no step folder name outside the registry."""
+
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+from mfu_lab.core.registry import STEPS
+
+from .conftest import ROOT
+
+PACKAGE = ROOT / "mfu_lab"
+MAX_LINES = 450
+
+
+def test_import_linter_contracts_are_kept():
+    exe = Path(sys.executable).with_name("lint-imports")
+    p = subprocess.run([str(exe) if exe.exists() else "lint-imports", "--no-cache"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "0 broken" in p.stdout
+
+
+def _cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each an import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    sys.setrecursionlimit(10000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.find_modules_directly_imported_by(v) & modules:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for m in sorted(modules):
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_no_import_cycles():
+    graph = grimp.build_graph("mfu_lab")
+    modules = {m for m in graph.modules if m.startswith("mfu_lab.")}
+    assert _cycles(graph, modules) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    graph = grimp.ImportGraph()
+    for m in ("p.a", "p.b", "p.c"):
+        graph.add_module(m)
+    graph.add_import(importer="p.a", imported="p.b")
+    graph.add_import(importer="p.b", imported="p.a")
+    graph.add_import(importer="p.c", imported="p.a")
+    assert _cycles(graph, {"p.a", "p.b", "p.c"}) == [["p.a", "p.b"]]
+
+
+def test_no_module_is_a_big_room():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
+             for p in PACKAGE.rglob("*.py")}
+    assert {k: v for k, v in sizes.items() if v > MAX_LINES} == {}
+
+
+@pytest.mark.parametrize("info", STEPS, ids=[s.key for s in STEPS])
+def test_every_step_module_keeps_the_contract(info):
+    mod = importlib.import_module(info.module)
+    params = inspect.signature(mod.run).parameters
+    assert list(params)[:3] == ["job", "progress", "write"]
+    assert params["progress"].default is None and params["write"].default is True
+    assert len(inspect.signature(mod.advise).parameters) == 1  # advise(result)
+    assert callable(mod.Result.from_dict) and isinstance(mod.Result.FORMAT, int)
+    assert (ROOT / "notebooks" / info.notebook).is_file()
+
+
+def test_step_folders_are_named_only_by_the_registry():
+    folder = re.compile("|".join(re.escape(f'"{s.folder}"') for s in STEPS))
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in PACKAGE.rglob("*.py") if p.name != "registry.py"
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if folder.search(line)]
+    assert found == []
