@@ -57,3 +57,34 @@ def test_environment_names_versions_and_commit():
     env = results.environment("cpu name", "cpu")
     assert env["device_name"] == "cpu name" and env["torch"] and env["python"]
     assert env["git_commit"] == "unknown" or len(env["git_commit"].split("+")[0]) == 40
+
+
+def test_results_are_rebuilt_by_field_name_and_a_foreign_format_is_named(tmp_path):
+    from dataclasses import dataclass
+
+    from mfu_lab.core.results import ResultFormatError, StepResult, rebuild
+
+    @dataclass
+    class Inner:
+        a: int
+        b: str = "x"
+
+    @dataclass
+    class R(StepResult):
+        step: str
+        metrics: dict[str, Metric]
+        inner: list[Inner]
+        maybe: Inner | None = None
+
+    r = R("s", {"mfu": Metric(0.5, "fraction", "measured")}, [Inner(1), Inner(2, "y")], Inner(3))
+    p = write_json_atomic(tmp_path / "result.json", r)
+    d = json.loads(p.read_text())
+    assert d["result_format"] == 1
+    shuffled = dict(reversed(list(d.items())))  # field order in the file does not matter, only names
+    again = R.from_dict(shuffled)
+    assert again == r and isinstance(again.inner[1], Inner) and isinstance(again.metrics["mfu"], Metric)
+    assert R.from_dict({k: v for k, v in d.items() if k != "result_format"}) == r  # written before the field: 1
+    with pytest.raises(ResultFormatError, match="result format 2, this version of mfu-lab reads format 1"):
+        R.from_dict(d | {"result_format": 2})
+    with pytest.raises(ResultFormatError, match="field 'inner' is missing"):
+        rebuild(R, {k: v for k, v in d.items() if k != "inner"})

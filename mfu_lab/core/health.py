@@ -11,6 +11,8 @@ import statistics
 import threading
 from dataclasses import dataclass, field
 
+from mfu_lab.core.thresholds import HOT_C
+
 # Clock-event ("throttle") reason bits, from NVML's nvml.h (nvmlClocksEventReason*).
 CLOCK_EVENT_REASONS = {
     0x1: "GPU idle",
@@ -148,7 +150,7 @@ class HealthSampler:
         )
 
 
-def gate(max_temp_c: float = 80.0) -> tuple[bool, list[str]]:
+def gate(max_temp_c: float = HOT_C) -> tuple[bool, list[str]]:
     """A pre-launch health gate over every NVIDIA GPU of this node, through NVML.
 
     Fails a GPU above ``max_temp_c`` or with a power/thermal/hardware slowdown reason set

@@ -1,6 +1,6 @@
 """Results: labelled metrics, the environment they were measured in, and the round trip through JSON.
 
-Every number carries its source (DESIGN.md, "Honesty of every number"):
+Every number carries its source (README, "What the numbers mean"):
 measured | counted | analytic | datasheet | emulated | modelled.
 """
 

@@ -1,11 +1,11 @@
 """Every threshold the workbook's advice and checks use, named once.
 
-Figures come from ../shared/FIELD-NOTES.md where it gives one (throttling above 80 °C, communication under
-15% of the step...); the rest are the workbook's own choices, said so.
+Some are practitioners' rules of thumb (throttling above 80 °C, communication under 15% of the step), said so
+on their line; the rest are the workbook's own choices for when a figure is worth a line of advice.
 """
 
 # --- the device
-HOT_C = 80.0  # sustained GPU temperatures above 80 °C mean throttling (FIELD-NOTES, "Heat"); the gate's default
+HOT_C = 80.0  # practitioners' rule: sustained GPU temperatures above 80 °C mean throttling; the gate's default
 CLOCK_LOW = 0.90  # mean SM clock below 90% of its maximum, with a power or thermal reason: operations loss
 
 # --- where the step time goes (steps 1 and 3)
@@ -13,7 +13,7 @@ DATA_WAIT_LIMIT = 0.03  # above 3% of the step, the loader is worth fixing first
 HOST_LIMIT = 0.05  # host time above 5% of the step: per-step host work is visible
 CV_LIMIT = 0.10  # step times spread more than 10% (coefficient of variation): results are noisy
 IDLE_LIMIT = 0.20  # device idle (host-bound) above this share of the profiled step
-COMM_LIMIT = 0.15  # FIELD-NOTES: aim for communication under 15% of step time
+COMM_LIMIT = 0.15  # practitioners' rule: aim for communication under 15% of step time
 FUSION_LIMIT = 0.02  # a fusion candidate whose runs take 2% of the step is worth acting on
 MEMORY_BOUND_LIMIT = 0.30  # memory-bound kernels above 30% of the step: fusing or compiling pays
 OPTIMIZER_LIMIT = 0.10  # the optimizer above 10% of the step: a fused or foreach optimizer pays
