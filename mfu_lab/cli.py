@@ -20,16 +20,21 @@ Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, argument
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from mfu_lab.core.job import FIELDS, Job, find_workbook_root, load_job, validate
+from mfu_lab.core.health import gate
+from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
+from mfu_lab.core.job import FIELDS, Job, load_job
 from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.thresholds import HOT_C
+from mfu_lab.report import export_html, fmt, text_summary, write_index
+from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
+from mfu_lab.report.format import compare_text
+from mfu_lab.runner import check_cluster, resolve_job, run_one_step, run_steps, select_steps
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -51,138 +56,6 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
-def resolve_job(path: str | None, overrides: dict, out: str | None) -> tuple[Job, str]:
-    """The job to run and where it came from: a file, or the embedded default job."""
-    if out:
-        overrides = {**overrides, "out_dir": str(Path(out).resolve())}
-    if path:
-        return load_job(path, overrides), path
-    default = find_workbook_root() / "parameters" / "default.yaml"
-    if default.is_file():
-        return load_job(default, overrides), str(default)
-    return validate(overrides, "embedded default job"), "embedded default job"
-
-
-def select_steps(spec: str | None) -> list:
-    if not spec:
-        return list(STEPS)
-    keys = [k.strip() for k in spec.split(",") if k.strip()]
-    bad = [k for k in keys if k not in BY_KEY]
-    if bad:
-        raise JobError("command line (--steps)", [JobProblem("--steps", k, f"unknown step; choose from "
-                                                             f"{', '.join(BY_KEY)}") for k in bad])
-    return [s for s in STEPS if s.key in keys]
-
-
-class _Indented:
-    """A text stream that indents every line written through it (notebook output inside CLI output)."""
-
-    def __init__(self, stream):
-        self.stream, self.at_line_start = stream, True
-
-    def write(self, text: str) -> None:
-        for ch in text:
-            if self.at_line_start and ch != "\n":
-                self.stream.write("    ")
-            self.stream.write(ch)
-            self.at_line_start = ch == "\n"
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def _timed_out_preview(message: str) -> str:
-    """The first line of the cell nbclient's CellTimeoutError quotes ("Here is a preview of the cell contents")."""
-    lines = message.splitlines()
-    for i, line in enumerate(lines):
-        if "preview of the cell contents" in line:
-            body = [x for x in lines[i + 1:] if x.strip() and not set(x.strip()) <= {"-"}]
-            return body[0].strip() if body else ""
-    return ""
-
-
-def _mark_timeout(notebook: Path, limit: float, preview: str) -> str:
-    """Papermill marks every cell 'completed' after a cell timeout; tell the truth in the saved notebook: the cell
-    that ran out of time is marked 'timeout', the ones after it 'not run', and a banner says so at the top."""
-    import nbformat
-
-    nb = nbformat.read(str(notebook), as_version=4)
-    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    hit = next((i for i, c in code if preview and c.source.strip().startswith(preview)), None)
-    if hit is None:  # no preview to match: the first cell with an error, else the first that never finished
-        hit = next((i for i, c in code if any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
-    if hit is None:
-        hit = next((i for i, c in code if not c.metadata.get("papermill", {}).get("end_time")), None)
-    where = "an unknown cell"
-    if hit is not None:
-        first = nb.cells[hit].source.strip().splitlines()
-        where = f"cell {hit + 1} ({first[0][:80] if first else 'empty'})"
-        for i, cell in enumerate(nb.cells):
-            meta = cell.metadata.setdefault("papermill", {})
-            if i == hit:
-                meta["status"] = "timeout"
-            elif i > hit:
-                meta["status"] = "not run"
-    banner = nbformat.v4.new_markdown_cell(
-        f'<span style="color:red;font-family:monospace">Execution timed out after {limit:g} s at {where}. '
-        "The cells after it did not run.</span>")
-    banner.metadata["tags"] = ["mfu-lab-timeout-banner"]
-    nb.cells.insert(0, banner)
-    nbformat.write(nb, str(notebook))
-    return where
-
-
-def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
-                 execution_timeout: float | None = None) -> Path:
-    """Run one step's notebook with papermill into the job's output folder; export its HTML.
-
-    The step folder says what state the step is in while and after it runs (``runstate``): running,
-    then either a new result, or failed / interrupted / timeout with the error, the previous result kept.
-    """
-    import papermill as pm
-
-    from mfu_lab.core.history import current_run_id
-    from mfu_lab.core.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
-    from mfu_lab.report import export_html, write_index
-
-    folder = job.step_dir(info.folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / FAILURE_FILE).unlink(missing_ok=True)
-    src, out_nb = root / "notebooks" / info.notebook, folder / info.notebook
-    if not src.is_file():
-        raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
-    params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
-    mark_running(folder, info.key, current_run_id())
-    write_index(job.output_root())
-    try:
-        # The kernel's printed lines (the steps' own progress, with time left) are streamed as they come.
-        pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
-                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
-                            execution_timeout=execution_timeout)
-    except BaseException as exc:  # PapermillExecutionError, CellTimeoutError, KeyboardInterrupt, kernel death...
-        ename, evalue = getattr(exc, "ename", None) or type(exc).__name__, getattr(exc, "evalue", None) or str(exc)
-        status = "failed"
-        if type(exc).__name__ == "CellTimeoutError":
-            status = "timeout"
-            where = (_mark_timeout(out_nb, execution_timeout, _timed_out_preview(str(exc))) if out_nb.is_file()
-                     else "a cell")
-            ename, evalue = "Timeout", (f"a cell ran longer than --execution-timeout {execution_timeout:g} s: "
-                                        f"{where}; the cells after it did not run")
-        elif isinstance(exc, KeyboardInterrupt):
-            status, ename, evalue = "interrupted", "Interrupted", "stopped by Ctrl-C (KeyboardInterrupt)"
-        mark_failed(folder, info.key, status, f"{ename}: {evalue}", job_file=source, notebook=str(out_nb))
-        if out_nb.is_file():
-            export_html(out_nb, folder / "report.html")
-        write_index(job.output_root())
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        raise StepExecutionError(info.key, str(out_nb), ename, evalue) from None
-    clear_running(folder)
-    export_html(out_nb, folder / "report.html")
-    write_index(job.output_root())
-    return folder / "report.html"
-
-
 def cmd_run(args) -> int:
     overrides = parse_overrides(args.param)
     job, source = resolve_job(args.job, overrides, args.out)
@@ -192,82 +65,26 @@ def cmd_run(args) -> int:
                                                    "must be a number of seconds > 0")])
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
-    root = find_workbook_root()
-    from mfu_lab.core.history import RUN_ENV, RUNS_DIR, new_run_id
-    from mfu_lab.core.runstate import resumable
-
-    run_id = os.environ[RUN_ENV] = new_run_id()  # the notebooks' kernels inherit it: one run, one id
-    print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
-    print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
-    failed: list[str] = []
-    for n, info in enumerate(steps, 1):
-        if args.resume:
-            keep, why = resumable(job.step_dir(info.folder), job.to_dict())
-            print(f"[{n}/{len(steps)}] {info.folder}: " + (why if keep else f"runs again ({why})"), flush=True)
-            if keep:
-                continue
-        t0 = time.perf_counter()
-        print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
-        try:
-            html = execute_step(info, job, source, root, args.quiet, args.execution_timeout)
-        except StepExecutionError as e:
-            print(f"[{n}/{len(steps)}] {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
-            print(f"    executed notebook (with the error): {e.notebook}", file=sys.stderr)
-            print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
-            failed.append(info.folder)
-            if not args.keep_going:
-                left = [s.folder for s in steps[n:]]
-                if left:
-                    print(f"mfu-lab: stopped; not run: {', '.join(left)} (--keep-going runs them anyway; "
-                          "--resume later keeps what finished)", file=sys.stderr)
-                return EXIT_STEP_FAILED
-            continue
-        print(f"[{n}/{len(steps)}] {info.folder} done in {time.perf_counter() - t0:.0f} s -> {html}")
-    print(f"mfu-lab: summary page: {job.output_root() / 'index.html'}")
-    if failed:
-        print(f"mfu-lab: {len(failed)} step(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return EXIT_STEP_FAILED
-    return EXIT_OK
+    failed = run_steps(job, source, steps, quiet=args.quiet, resume=args.resume, keep_going=args.keep_going,
+                       execution_timeout=args.execution_timeout)
+    return EXIT_STEP_FAILED if failed else EXIT_OK
 
 
 def cmd_step(args) -> int:
-    from mfu_lab.core.history import current_run_id
-    from mfu_lab.core.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
-    from mfu_lab.report import text_summary, write_index
-
     job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
     info = select_steps(args.step)[0]
     if info.key == "placement":
         check_cluster(job)
     print(f"mfu-lab: {info.folder} for job '{job.job_name}' from {source} (plain Python, no notebook)")
-    folder = job.step_dir(info.folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / FAILURE_FILE).unlink(missing_ok=True)
-    mark_running(folder, info.key, current_run_id())
     try:
-        result = info.load().run(job)
-    except BaseException as exc:
-        interrupted = isinstance(exc, KeyboardInterrupt)
-        error = "Interrupted: stopped by Ctrl-C" if interrupted else f"{type(exc).__name__}: {exc}"
-        mark_failed(folder, info.key, "interrupted" if interrupted else "failed", error, job_file=source)
-        write_index(job.output_root())
-        if interrupted or not isinstance(exc, Exception):
-            raise
-        print(f"mfu-lab: {info.folder} FAILED: {error}", file=sys.stderr)
+        result = run_one_step(info, job, source)
+    except StepExecutionError as e:
+        print(f"mfu-lab: {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
         print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
         return EXIT_STEP_FAILED
-    clear_running(folder)
-    write_index(job.output_root())
     print(text_summary(result))
-    print(f"mfu-lab: wrote {folder / 'result.json'} and {job.output_root() / 'index.html'}")
+    print(f"mfu-lab: wrote {job.step_dir(info.folder) / 'result.json'} and {job.output_root() / 'index.html'}")
     return EXIT_OK
-
-
-def check_cluster(job: Job) -> None:
-    from mfu_lab.analysis.cluster_files import load_cluster
-    from mfu_lab.steps.placement import cluster_path
-
-    load_cluster(cluster_path(job))
 
 
 def cmd_validate(args) -> int:
@@ -286,8 +103,6 @@ def cmd_keys(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from mfu_lab.report import export_html, write_index
-
     root = Path(args.job_dir)
     if not root.is_dir():
         raise JobError("command line", [JobProblem("JOB_DIR", str(root), "no such folder")])
@@ -308,9 +123,6 @@ def _job_dir(arg: str | None) -> Path:
 
 
 def cmd_history(args) -> int:
-    from mfu_lab.core.history import mfu_trend, runs
-    from mfu_lab.report import fmt
-
     root = _job_dir(args.job_dir)
     table = runs(root)
     if not table:
@@ -326,9 +138,6 @@ def cmd_history(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from mfu_lab.core.history import compare, resolve_run
-    from mfu_lab.report.format import compare_text
-
     root = _job_dir(args.job_dir)
     a, b = resolve_run(args.run_a, root), resolve_run(args.run_b, root)
     changes, notes = compare(a, b, args.tolerance)
@@ -337,8 +146,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_check_html(args) -> int:
-    from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
-
     root = _job_dir(args.job_dir)
     pages = job_pages(root)
     if not pages:
@@ -356,8 +163,6 @@ def cmd_check_html(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from mfu_lab.core.health import gate
-
     ok, lines = gate(args.max_temp_c)
     for line in lines:
         print(line)
@@ -423,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.set_defaults(func=cmd_check_html)
 
     g = sub.add_parser("gate", help="pre-launch health gate: every NVIDIA GPU on this node cool and unthrottled")
-    g.add_argument("--max-temp-c", type=float, default=80.0, help="fail a GPU above this temperature (80)")
+    g.add_argument("--max-temp-c", type=float, default=HOT_C, help=f"fail a GPU above this temperature ({HOT_C:g})")
     g.set_defaults(func=cmd_gate)
     return p
 

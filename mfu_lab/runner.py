@@ -1,0 +1,232 @@
+"""Running steps: which job and steps, the bracket around one step, papermill execution, the run loop.
+
+Every step, whether its notebook runs under papermill (``mfu-lab run``) or its code runs in plain Python
+(``mfu-lab step``), goes through :func:`step_bracket`: the step folder says ``running`` while it runs,
+then either holds a new result, or ``failure.json`` (failed / interrupted / timeout) with the previous result
+kept; the job's index page is refreshed either way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
+from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id
+from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
+from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running, resumable
+from mfu_lab.report import export_html, write_index
+
+
+def resolve_job(path: str | None, overrides: dict, out: str | None) -> tuple[Job, str]:
+    """The job to run and where it came from: a file, or the embedded default job."""
+    if out:
+        overrides = {**overrides, "out_dir": str(Path(out).resolve())}
+    if path:
+        return load_job(path, overrides), path
+    default = find_workbook_root() / "parameters" / "default.yaml"
+    if default.is_file():
+        return load_job(default, overrides), str(default)
+    return validate(overrides, "embedded default job"), "embedded default job"
+
+
+def select_steps(spec: str | None) -> list:
+    if not spec:
+        return list(STEPS)
+    keys = [k.strip() for k in spec.split(",") if k.strip()]
+    bad = [k for k in keys if k not in BY_KEY]
+    if bad:
+        raise JobError("command line (--steps)", [JobProblem("--steps", k, f"unknown step; choose from "
+                                                             f"{', '.join(BY_KEY)}") for k in bad])
+    return [s for s in STEPS if s.key in keys]
+
+
+def check_cluster(job: Job) -> None:
+    """Raise JobError when the job's cluster file is missing or invalid."""
+    load_cluster(job.cluster_path())
+
+
+class _Indented:
+    """A text stream that indents every line written through it (notebook output inside CLI output)."""
+
+    def __init__(self, stream):
+        self.stream, self.at_line_start = stream, True
+
+    def write(self, text: str) -> None:
+        for ch in text:
+            if self.at_line_start and ch != "\n":
+                self.stream.write("    ")
+            self.stream.write(ch)
+            self.at_line_start = ch == "\n"
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _timed_out_preview(message: str) -> str:
+    """The first line of the cell nbclient's CellTimeoutError quotes ("Here is a preview of the cell contents")."""
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        if "preview of the cell contents" in line:
+            body = [x for x in lines[i + 1:] if x.strip() and not set(x.strip()) <= {"-"}]
+            return body[0].strip() if body else ""
+    return ""
+
+
+def _mark_timeout(notebook: Path, limit: float, preview: str) -> str:
+    """Papermill marks every cell 'completed' after a cell timeout; tell the truth in the saved notebook: the cell
+    that ran out of time is marked 'timeout', the ones after it 'not run', and a banner says so at the top."""
+    import nbformat  # lazy: only a timed-out run needs it, and it costs about a second to import
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    hit = next((i for i, c in code if preview and c.source.strip().startswith(preview)), None)
+    if hit is None:  # no preview to match: the first cell with an error, else the first that never finished
+        hit = next((i for i, c in code if any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
+    if hit is None:
+        hit = next((i for i, c in code if not c.metadata.get("papermill", {}).get("end_time")), None)
+    where = "an unknown cell"
+    if hit is not None:
+        first = nb.cells[hit].source.strip().splitlines()
+        where = f"cell {hit + 1} ({first[0][:80] if first else 'empty'})"
+        for i, cell in enumerate(nb.cells):
+            meta = cell.metadata.setdefault("papermill", {})
+            if i == hit:
+                meta["status"] = "timeout"
+            elif i > hit:
+                meta["status"] = "not run"
+    banner = nbformat.v4.new_markdown_cell(
+        f'<span style="color:red;font-family:monospace">Execution timed out after {limit:g} s at {where}. '
+        "The cells after it did not run.</span>")
+    banner.metadata["tags"] = ["mfu-lab-timeout-banner"]
+    nb.cells.insert(0, banner)
+    nbformat.write(nb, str(notebook))
+    return where
+
+
+def _failure(exc: BaseException, notebook: Path | None, limit: float | None) -> tuple[str, str, str]:
+    """``(status, ename, evalue)`` recorded for a step that raised ``exc``, in each path's own words: papermill
+    reports the failing cell's error name and value; a plain-Python step its exception's type and message."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", "Interrupted", "stopped by Ctrl-C" + (" (KeyboardInterrupt)" if notebook else "")
+    if notebook is None:
+        return "failed", type(exc).__name__, str(exc)
+    if type(exc).__name__ == "CellTimeoutError":
+        where = _mark_timeout(notebook, limit, _timed_out_preview(str(exc))) if notebook.is_file() else "a cell"
+        return "timeout", "Timeout", (f"a cell ran longer than --execution-timeout {limit:g} s: "
+                                      f"{where}; the cells after it did not run")
+    return "failed", getattr(exc, "ename", None) or type(exc).__name__, getattr(exc, "evalue", None) or str(exc)
+
+
+def fresh_step_folder(job: Job, info) -> Path:
+    """The step's folder, created, without the failure record of an earlier attempt."""
+    folder = job.step_dir(info.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / FAILURE_FILE).unlink(missing_ok=True)
+    return folder
+
+
+@contextmanager
+def step_bracket(job: Job, info, source: str, run_id: str, notebook: Path | None = None,
+                 limit: float | None = None) -> Iterator[Path]:
+    """Around one step's run: mark the step folder running; on the way out either clear that mark, or record
+    why no new result came (``failure.json``: failed / interrupted / timeout); then refresh the job's index.
+
+    ``notebook``: the executed notebook papermill writes (exported to ``report.html`` on the way out, named in
+    ``failure.json``); ``None`` for a plain-Python step. ``limit``: papermill's cell timeout, for its message.
+    A failure leaves as :class:`StepExecutionError`; Ctrl-C (and, for a plain-Python step, any other
+    non-``Exception`` such as ``SystemExit``) is re-raised as it came.
+    """
+    folder = fresh_step_folder(job, info)
+    mark_running(folder, info.key, run_id)
+    if notebook is not None:  # a notebook runs for minutes: the index shows it running meanwhile
+        write_index(job.output_root())
+    try:
+        yield folder
+    except BaseException as exc:  # PapermillExecutionError, CellTimeoutError, KeyboardInterrupt, kernel death...
+        status, ename, evalue = _failure(exc, notebook, limit)
+        where = {"notebook": str(notebook)} if notebook is not None else {}
+        mark_failed(folder, info.key, status, f"{ename}: {evalue}", job_file=source, **where)
+        if notebook is not None and notebook.is_file():
+            export_html(notebook, folder / "report.html")
+        write_index(job.output_root())
+        if isinstance(exc, KeyboardInterrupt) or (notebook is None and not isinstance(exc, Exception)):
+            raise
+        raise StepExecutionError(info.key, str(notebook or folder), ename, evalue) from None
+    clear_running(folder)
+    if notebook is not None:
+        export_html(notebook, folder / "report.html")
+    write_index(job.output_root())
+
+
+def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
+                 execution_timeout: float | None = None) -> Path:
+    """Run one step's notebook with papermill into the job's output folder; export its HTML.
+
+    The step folder says what state the step is in while and after it runs (``runstate``): running,
+    then either a new result, or failed / interrupted / timeout with the error, the previous result kept.
+    """
+    import papermill as pm  # lazy: over a second to import; `mfu-lab --help`, `validate`, `step` do without it
+
+    folder = fresh_step_folder(job, info)
+    src, out_nb = root / "notebooks" / info.notebook, folder / info.notebook
+    if not src.is_file():
+        raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
+    params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
+    with step_bracket(job, info, source, current_run_id(), notebook=out_nb, limit=execution_timeout):
+        # The kernel's printed lines (the steps' own progress, with time left) are streamed as they come.
+        pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
+                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
+                            execution_timeout=execution_timeout)
+    return folder / "report.html"
+
+
+def run_one_step(info, job: Job, source: str):
+    """One step in plain Python (no notebook) inside the bracket; its result. A failure raises
+    :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
+    with step_bracket(job, info, source, current_run_id()):
+        return info.load().run(job)
+
+
+def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume: bool = False,
+              keep_going: bool = False, execution_timeout: float | None = None) -> list[str]:
+    """Execute the steps' notebooks in order as one run, printing progress; the folders of the steps that failed
+    (after the first failure the rest are skipped unless ``keep_going``)."""
+    root = find_workbook_root()
+    run_id = os.environ[RUN_ENV] = new_run_id()  # the notebooks' kernels inherit it: one run, one id
+    print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
+    print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
+    failed: list[str] = []
+    for n, info in enumerate(steps, 1):
+        if resume:
+            keep, why = resumable(job.step_dir(info.folder), job.to_dict())
+            print(f"[{n}/{len(steps)}] {info.folder}: " + (why if keep else f"runs again ({why})"), flush=True)
+            if keep:
+                continue
+        t0 = time.perf_counter()
+        print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
+        try:
+            html = execute_step(info, job, source, root, quiet, execution_timeout)
+        except StepExecutionError as e:
+            print(f"[{n}/{len(steps)}] {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
+            print(f"    executed notebook (with the error): {e.notebook}", file=sys.stderr)
+            print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
+            failed.append(info.folder)
+            if not keep_going:
+                left = [s.folder for s in steps[n:]]
+                if left:
+                    print(f"mfu-lab: stopped; not run: {', '.join(left)} (--keep-going runs them anyway; "
+                          "--resume later keeps what finished)", file=sys.stderr)
+                return failed
+            continue
+        print(f"[{n}/{len(steps)}] {info.folder} done in {time.perf_counter() - t0:.0f} s -> {html}")
+    print(f"mfu-lab: summary page: {job.output_root() / 'index.html'}")
+    if failed:
+        print(f"mfu-lab: {len(failed)} step(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return failed
