@@ -19,7 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 from mfu_lab import plots
-from mfu_lab.analysis import placement_model as pl
+from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.analysis.placement_calibration import calibrate
+from mfu_lab.analysis.placement_model import Shape, occupied_groups
+from mfu_lab.analysis.placement_strategies import best_layout, strategy_rows
+from mfu_lab.core.flops import mfu as model_flops_utilisation
+from mfu_lab.core.measure import stats
 from mfu_lab.plots import ReportFigure
 
 FALLBACK_NOTE = ("Static image of the initial selection: this page has no Python kernel behind it, so the "
@@ -77,14 +82,12 @@ def _multi(options: list[str], value: list[str], description: str):
 # ------------------------------------------------------------------ step 1
 def draw_baseline(result, discard: int = 0) -> tuple[ReportFigure, str]:
     """Step times with ``discard`` more measured steps dropped; median and MFU over the rest, by step 1's formula."""
-    from mfu_lab.core.measure import stats
-
     t = result.timings
     wall = t.measured("wall_s")
     discard = max(0, min(discard, len(wall) - 1))
     kept = wall[discard:]
     flops, peak = result.metrics["model_flops_per_step"].value, result.metrics["peak_flops_per_s"].value
-    mfu = flops * len(kept) / (peak * sum(kept))
+    mfu = model_flops_utilisation(flops, len(kept) / sum(kept), peak)  # model FLOPs x steps / (peak x wall)
     st = stats(kept)
     fig = ReportFigure(figsize=(9, 3.2))
     ax = fig.subplots()
@@ -250,23 +253,22 @@ def what_if(job, result, gpus: int, tp: int = 0, pp: int = 0, oversubscription: 
     """Re-run the placement model with a changed size, layout, uplink oversubscription and neighbour: the
     GPUs others hold (the first ``neighbour_gpus``) all-reduce across their nodes ``neighbour_traffic`` of
     the time, sharing the leaf uplinks with this job."""
-    from mfu_lab.analysis.cluster_files import load_cluster
-    from mfu_lab.steps.placement import _earlier, calibrate, cluster_path, strategy_rows
+    from mfu_lab.steps.placement import earlier_results
 
-    cluster = load_cluster(cluster_path(job))
+    cluster = load_cluster(job.cluster_path())
     changes = {}
     if oversubscription is not None:
         changes["oversubscription"] = float(oversubscription)
     if neighbour_gpus is not None:
         changes["occupied_gpus"] = int(neighbour_gpus)
     cluster = dataclasses.replace(cluster, **changes)
-    cluster, cal, _ = calibrate(job, cluster, _earlier(job))
-    shape = pl.Shape(**{k: v for k, v in result.shape.items() if k != "from"})
-    best = pl.best_layout(cluster, shape, gpus, job.global_batch, cal, tp, pp, job.interleave)
+    cluster, cal, _ = calibrate(job, cluster, earlier_results(job))
+    shape = Shape(**{k: v for k, v in result.shape.items() if k != "from"})
+    best = best_layout(cluster, shape, gpus, job.global_batch, cal, tp, pp, job.interleave)
     if best is None:
         return WhatIf("-", [], f"no layout of {gpus} GPUs fits (tp {tp or 'auto'}, pp {pp or 'auto'}, global_batch "
                       f"{job.global_batch}, {cluster.n_gpus - cluster.occupied_gpus} GPUs free)")
-    rows = strategy_rows(cluster, shape, best.layout, cal, job.seed, pl.occupied_groups(cluster), neighbour_traffic)
+    rows = strategy_rows(cluster, shape, best.layout, cal, job.seed, occupied_groups(cluster), neighbour_traffic)
     ok = [r for r in rows if r["status"] == "ok"]
     text = "; ".join(f"{r['strategy']}: {r['step_s'] * 1e3:.2f} ms, MFU {r['mfu']:.1%}"
                      + (f" ({r['vs_aware']:.2f}x)" if r.get("vs_aware") and r["strategy"] != "topology-aware" else "")

@@ -7,6 +7,8 @@ import math
 import pytest
 
 from mfu_lab.analysis import placement_model as pl
+from mfu_lab.analysis import placement_strategies as ps
+from mfu_lab.analysis import scheduler_sim as sim
 from mfu_lab.analysis.cluster_files import (
     ClusterError,
     QueueEntry,
@@ -54,7 +56,7 @@ def test_alpha_beta_fit_recovers_the_latency_and_bandwidth_it_was_built_from():
 
 def test_efficient_size_is_the_last_size_before_marginal_efficiency_drops():
     pts = [(1, 100.0), (2, 200.0), (4, 380.0), (8, 600.0), (16, 1300.0)]
-    size, marg = pl.efficient_size(pts, 0.8)
+    size, marg = ps.efficient_size(pts, 0.8)
     # 1->2: (100/1)/100 = 1.0; 2->4: (180/2)/100 = 0.9; 4->8: (220/4)/95 = 0.58 stops the run, even if 16 recovers
     assert marg[1] == pytest.approx(1.0) and marg[2] == pytest.approx(0.9)
     assert marg[3] == pytest.approx((220 / 4) / (380 / 4))
@@ -89,7 +91,7 @@ def test_predicted_step_adds_up_its_terms_and_mfu_follows():
     s = _shape()
     cal = pl.Calibration(989e12, 0.5, 0.0)
     lay = pl.Layout(tp=2, pp=2, dp=4, m=8)
-    p = pl.predict(c, s, lay, pl.place_topology_aware(c, lay), cal)
+    p = pl.predict(c, s, lay, ps.place_topology_aware(c, lay), cal)
     assert p.step_s == pytest.approx(p.compute_s + p.bubble_s + p.tp_s + p.pp_s + p.dp_exposed_s)
     assert p.compute_s == pytest.approx(s.flops_per_sample * 4 * 8 * 4 / 16 / (989e12 * 0.5))
     assert p.bubble_s == pytest.approx(p.compute_s * 1 / 8)
@@ -111,11 +113,11 @@ def test_topology_aware_is_never_slower_than_in_order_when_in_order_stretches_tp
     cal = pl.Calibration(989e12, 0.5, 1.0)
     for dp in (1, 2, 4):
         lay = pl.Layout(tp=tp, pp=1, dp=dp, m=4)
-        naive = pl.place_in_order(c, lay.gpus)
+        naive = ps.place_in_order(c, lay.gpus)
         tp_nodes = [{naive[r] // c.gpus_per_node for r in grp} for grp in pl.groups(lay)["tp"]]
         if not any(len(n) > 1 for n in tp_nodes):
             continue
-        aware = pl.place_topology_aware(c, lay)
+        aware = ps.place_topology_aware(c, lay)
         assert all(len({aware[r] // c.gpus_per_node for r in grp}) == 1 for grp in pl.groups(lay)["tp"])
         assert pl.predict(c, s, lay, aware, cal).step_s <= pl.predict(c, s, lay, naive, cal).step_s
         assert pl.predict(c, s, lay, naive, cal).links["tp"].startswith("switch")
@@ -124,11 +126,11 @@ def test_topology_aware_is_never_slower_than_in_order_when_in_order_stretches_tp
 def test_placements_use_free_gpus_once_and_respect_occupied_ones():
     c = _cluster(4)
     lay = pl.Layout(tp=8, pp=1, dp=4, m=1)
-    for strat in pl.STRATEGIES:
-        where = pl.place(c, strat, lay, seed=1)
+    for strat in ps.STRATEGIES:
+        where = ps.place(c, strat, lay, seed=1)
         assert len(where) == 32 and len(set(where)) == 32 and min(where) >= 4
     too_big = pl.Layout(tp=1, pp=1, dp=c.n_gpus, m=1)
-    assert pl.place_in_order(c, too_big.gpus) == [] and pl.place_topology_aware(c, too_big) == []
+    assert ps.place_in_order(c, too_big.gpus) == [] and ps.place_topology_aware(c, too_big) == []
 
 
 def test_groups_crossing_an_oversubscribed_uplink_split_it():
@@ -136,19 +138,19 @@ def test_groups_crossing_an_oversubscribed_uplink_split_it():
     s = _shape()
     cal = pl.Calibration(989e12, 0.5, 0.0)
     lay = pl.Layout(tp=8, pp=1, dp=8, m=1)  # 8 DP groups, one GPU per node each, over 8 nodes in 2 switches
-    racks = pl.shared_predictions(c, s, lay, cal, pl.partition_whole_racks(c, 2))
-    inter = pl.shared_predictions(c, s, lay, cal, pl.partition_interleaved(c, 2))
+    racks = ps.shared_predictions(c, s, lay, cal, ps.partition_whole_racks(c, 2))
+    inter = ps.shared_predictions(c, s, lay, cal, ps.partition_interleaved(c, 2))
     assert all(p.step_s <= q.step_s for p, q in zip(racks, inter))
     assert inter[0].dp_s > racks[0].dp_s
 
 
 def test_gang_and_greedy_simulation_by_hand():
     q = [QueueEntry("a", 0.0, 3, 1.0), QueueEntry("b", 0.0, 3, 1.0)]
-    gang = pl.simulate(q, 4, "gang")
+    gang = sim.simulate(q, 4, "gang")
     assert [(j.start_h, j.end_h) for j in gang.jobs] == [(0.0, 1.0), (1.0, 2.0)]
     assert gang.idle_gpu_hours == pytest.approx(1.0)  # one GPU free for an hour while b waits
     assert gang.makespan_h == 2.0 and gang.deadlock_h is None
-    greedy = pl.simulate(q, 4, "greedy", horizon_h=2.0)
+    greedy = sim.simulate(q, 4, "greedy", horizon_h=2.0)
     assert greedy.deadlock_h == 0.0  # each holds 2 of 4, both need 3
     assert greedy.idle_gpu_hours == pytest.approx(8.0) and greedy.makespan_h is None
 
@@ -247,8 +249,8 @@ def test_job_keys_for_placement_are_checked():
 
 # ------------------------------------------------------------------ the step
 def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
+    from mfu_lab.analysis.placement_check import Coloc, model_check
     from mfu_lab.core import device as dev
-    from mfu_lab.steps.placement import Coloc, model_check
 
     device = dev.DeviceInfo("cpu", "SomeCPU", None, None, 2)
     table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, 2, 2.0, 1e-4)} for b in (2 ** 12, 2 ** 18, 2 ** 24)]
@@ -285,7 +287,7 @@ def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job)
     ok = [x for x in r.sweep if x["status"] == "ok"]
     assert [x["gpus_n"] for x in ok] == sorted(x["gpus_n"] for x in ok)
     assert r.efficient_size in [x["gpus_n"] for x in ok]
-    assert {s["strategy"] for s in r.strategies} == set(pl.STRATEGIES)
+    assert {s["strategy"] for s in r.strategies} == set(ps.STRATEGIES)
     assert "#SBATCH --switches=" in r.hints["slurm"] and "podset-required-topology" in r.hints["kueue"]
     assert {g["policy"] for g in r.gang} == {"gang", "greedy"}
     json.dumps(d)  # serialisable as written
@@ -324,7 +326,7 @@ def test_notebook_runs_under_papermill_after_the_other_steps(full_run):
 
 
 def test_calibration_uses_measurements_only_from_the_clusters_gpu(tiny_job):
-    from mfu_lab.steps.placement import calibrate
+    from mfu_lab.analysis.placement_calibration import calibrate
 
     c = load_cluster(CLUSTERS / "example_h100.yaml")
     table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, 8, 300.0, 5e-6)} for b in (2 ** 20, 2 ** 24, 2 ** 28)]

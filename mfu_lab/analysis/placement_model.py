@@ -1,6 +1,7 @@
 """The placement model: a training step's time on a cluster, from the job's shape, its layout and where
 its ranks sit. Every figure it returns is ``modelled``; the step that calls it says what each input was
-calibrated from.
+calibrated from. Where ranks go (the placement strategies, the size sweep, jobs sharing the cluster) is
+:mod:`mfu_lab.analysis.placement_strategies`; the queue simulation is :mod:`mfu_lab.analysis.scheduler_sim`.
 
 Ranks are numbered Megatron-style with tensor parallelism innermost:
 ``rank = pp_index * (dp * tp) + dp_index * tp + tp_index``. A placement maps rank -> global GPU
@@ -12,10 +13,10 @@ uplink among the groups that leave the switch (other jobs' groups included).
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 
-from mfu_lab.analysis.cluster_files import Cluster, QueueEntry
+from mfu_lab.analysis.cluster_files import Cluster
+from mfu_lab.core.flops import mfu
 
 GB = 1e9
 
@@ -156,7 +157,7 @@ def enumerate_layouts(s: Shape, gpus: int, global_batch: int, tp: int = 0, pp: i
     return out
 
 
-# ------------------------------------------------------------------ placements
+# ------------------------------------------------------------------ ranks and their groups
 def rank_coords(rank: int, lay: Layout) -> tuple[int, int, int]:
     """rank -> (tp index, dp index, pp index)."""
     return rank % lay.tp, (rank // lay.tp) % lay.dp, rank // (lay.tp * lay.dp)
@@ -179,62 +180,6 @@ def occupied_groups(cluster: Cluster) -> list[list[int]]:
     g, held = cluster.gpus_per_node, cluster.occupied_gpus
     rails = [[x for x in range(held) if x % g == j] for j in range(min(g, held))]
     return [r for r in rails if len(r) > 1]
-
-
-def free_gpus(cluster: Cluster, taken: set[int] = frozenset()) -> list[int]:
-    return [g for g in range(cluster.occupied_gpus, cluster.n_gpus) if g not in taken]
-
-
-def place_in_order(cluster: Cluster, n: int, taken: set[int] = frozenset()) -> list[int]:
-    """Naive: ranks onto the first free GPUs in node order, wherever the free list starts."""
-    free = free_gpus(cluster, taken)
-    return free[:n] if len(free) >= n else []
-
-
-def place_round_robin(cluster: Cluster, n: int, taken: set[int] = frozenset()) -> list[int]:
-    """Spread: rank i onto the next free GPU of node i mod nodes (a scheduler that balances nodes)."""
-    g = cluster.gpus_per_node
-    per_node = [[x for x in free_gpus(cluster, taken) if x // g == node] for node in range(len(cluster.nodes))]
-    out, node = [], 0
-    while len(out) < n and any(per_node):
-        if per_node[node]:
-            out.append(per_node[node].pop(0))
-        node = (node + 1) % len(per_node)
-    return out if len(out) == n else []
-
-
-def place_random(cluster: Cluster, n: int, seed: int, taken: set[int] = frozenset()) -> list[int]:
-    free = free_gpus(cluster, taken)
-    if len(free) < n:
-        return []
-    return random.Random(seed).sample(free, n)
-
-
-def place_topology_aware(cluster: Cluster, lay: Layout, taken: set[int] = frozenset(),
-                         nodes_allowed: list[int] | None = None) -> list[int]:
-    """Each TP group inside one node; whole free nodes first, under the fewest leaf switches.
-
-    Nodes are ranked by switch (the switches with the most wholly free nodes first), then filled with
-    whole TP groups in rank order (TP innermost, then DP, then PP), so DP replicas and pipeline
-    stages pack under as few switches as the job's size allows.
-    """
-    g = cluster.gpus_per_node
-    free = set(free_gpus(cluster, taken))
-    sw = cluster.node_switch
-    nodes = nodes_allowed if nodes_allowed is not None else list(range(len(cluster.nodes)))
-    free_of = {nd: [x for x in range(nd * g, nd * g + g) if x in free] for nd in nodes}
-    whole = {s: sum(1 for nd in nodes if sw[nd] == s and len(free_of[nd]) == g) for s in set(sw.values())}
-    order = sorted(nodes, key=lambda nd: (-whole[sw[nd]], sw[nd], -len(free_of[nd]), nd))
-    out: list[int] = []
-    tp = lay.tp
-    for nd in order:
-        slots = free_of[nd]
-        usable = len(slots) - len(slots) % tp if tp <= g else len(slots)
-        take = min(usable, lay.gpus - len(out))
-        out += slots[:take]
-        if len(out) == lay.gpus:
-            return out
-    return []
 
 
 # ------------------------------------------------------------------ links
@@ -367,185 +312,5 @@ def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: 
     links = {k: (f"{w.level}, {w.busbw_gbps:.0f} GB/s" if w else "-") for k, w in
              (("tp", worst_tp), ("pp", worst_pp), ("dp", worst_dp))}
     return Prediction(lay, placement, step, compute, bubble, tp, pp, dp, dp - hidden,
-                      flops / (lay.gpus * cal.peak_flops * step), global_batch * s.seq_len / step, mem / GB,
+                      mfu(flops, 1 / step, lay.gpus * cal.peak_flops), global_batch * s.seq_len / step, mem / GB,
                       mem <= 0.9 * cluster.gpu_memory_gb * GB, links)
-
-
-STRATEGIES = ("topology-aware", "in order", "round-robin", "random")
-
-
-def place(cluster: Cluster, strategy: str, lay: Layout, seed: int = 0, taken: set[int] = frozenset()) -> list[int]:
-    if strategy == "topology-aware":
-        return place_topology_aware(cluster, lay, taken)
-    if strategy == "in order":
-        return place_in_order(cluster, lay.gpus, taken)
-    if strategy == "round-robin":
-        return place_round_robin(cluster, lay.gpus, taken)
-    if strategy == "random":
-        return place_random(cluster, lay.gpus, seed, taken)
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-
-
-def best_layout(cluster: Cluster, s: Shape, gpus: int, global_batch: int, cal: Calibration, tp: int = 0,
-                pp: int = 0, v: int = 1) -> Prediction | None:
-    """The fastest layout that fits in memory at this size, placed topology-aware; None if none can."""
-    best = None
-    for lay in enumerate_layouts(s, gpus, global_batch, tp, pp, v):
-        where = place_topology_aware(cluster, lay)
-        if not where:
-            continue
-        p = predict(cluster, s, lay, where, cal)
-        if p.fits and (best is None or p.step_s < best.step_s):
-            best = p
-    return best
-
-
-def sweep_sizes(cluster: Cluster) -> list[int]:
-    """1, 2, 4 ... up to the free GPUs, plus the free GPU count itself."""
-    free = cluster.n_gpus - cluster.occupied_gpus
-    sizes = [2 ** i for i in range(0, int(math.log2(free)) + 1)]
-    return sizes + ([free] if free not in sizes else [])
-
-
-def efficient_size(points: list[tuple[int, float]], threshold: float) -> tuple[int | None, list[float | None]]:
-    """The largest size whose marginal efficiency has stayed >= threshold at every step up to it.
-
-    Marginal efficiency of going from n1 to n2 GPUs: the tokens/s the added GPUs bring, per added GPU,
-    over the tokens/s per GPU at n1: ((T2 - T1) / (n2 - n1)) / (T1 / n1). 1.0 is perfect scaling.
-    ``points`` are (gpus, tokens/s), ascending. Returns the size and each point's marginal efficiency.
-    """
-    if not points:
-        return None, []
-    marg: list[float | None] = [None]
-    best = points[0][0]
-    ok = True
-    for (n1, t1), (n2, t2) in zip(points, points[1:]):
-        e = ((t2 - t1) / (n2 - n1)) / (t1 / n1)
-        marg.append(e)
-        ok = ok and e >= threshold
-        if ok:
-            best = n2
-    return best, marg
-
-
-# ------------------------------------------------------------------ several jobs sharing the cluster
-def partition_whole_racks(cluster: Cluster, n_jobs: int) -> list[list[int]]:
-    """Each job gets whole leaf switches' nodes (job k: the k-th block of switches), as evenly as possible."""
-    sw = list(cluster.switches.values())
-    per = max(1, len(sw) // n_jobs)
-    out, node = [], 0
-    for k in range(n_jobs):
-        mine = sw[k * per:(k + 1) * per] if k < n_jobs - 1 else sw[k * per:]
-        count = sum(len(x) for x in mine)
-        out.append(list(range(node, node + count)))
-        node += count
-    return out
-
-
-def partition_interleaved(cluster: Cluster, n_jobs: int) -> list[list[int]]:
-    """Nodes dealt out in turn: node i to job i mod n_jobs, so every job spans every switch."""
-    return [[nd for nd in range(len(cluster.nodes)) if nd % n_jobs == k] for k in range(n_jobs)]
-
-
-def shared_predictions(cluster: Cluster, s: Shape, lay: Layout, cal: Calibration,
-                       node_sets: list[list[int]]) -> list[Prediction] | None:
-    """Place one copy of the job on each node set (topology-aware inside it) and predict each with the
-    others' DP groups sharing the links they cross. None when a copy does not fit its nodes."""
-    places = []
-    for nodes in node_sets:
-        where = place_topology_aware(cluster, lay, nodes_allowed=nodes)
-        if not where:
-            return None
-        places.append(where)
-    dp_groups = [[[p[r] for r in grp] for grp in groups(lay)["dp"]] for p in places]
-    out = []
-    for k, where in enumerate(places):
-        others = [grp for j, gs in enumerate(dp_groups) if j != k for grp in gs]
-        out.append(predict(cluster, s, lay, where, cal, neighbours=others))
-    return out
-
-
-# ------------------------------------------------------------------ gang scheduling
-@dataclass
-class SimJob:
-    name: str
-    arrival_h: float
-    gpus: int
-    hours: float
-    start_h: float | None = None
-    end_h: float | None = None
-    first_grab_h: float | None = None  # when it first held a GPU (partial starts)
-
-
-@dataclass
-class SimResult:
-    policy: str
-    jobs: list[SimJob]
-    idle_gpu_hours: float  # GPUs held by jobs not yet running, plus free GPUs while a job waits
-    makespan_h: float | None
-    mean_completion_h: float | None  # end - arrival, over jobs that finished
-    deadlock_h: float | None  # when nothing could progress any more (partial starts only)
-    timeline: list[tuple[float, int, int]]  # (time, running GPUs, held-but-idle GPUs)
-
-
-def simulate(queue: list[QueueEntry], total_gpus: int, policy: str, horizon_h: float | None = None) -> SimResult:
-    """Event-driven queue simulation, first come first served.
-
-    gang: a job starts only when all its GPUs are free at once (all-or-nothing).
-    greedy: pods start one GPU at a time, handed out in turn to the waiting jobs (as a scheduler without
-    gang semantics places pods of several jobs); a job holds what it got and runs once it holds all its GPUs.
-    Two jobs holding parts of the cluster can then wait on each other forever: a deadlock.
-    """
-    if policy not in ("gang", "greedy"):
-        raise ValueError("policy must be gang or greedy")
-    jobs = [SimJob(q.name, q.arrival_h, q.gpus, q.hours) for q in sorted(queue, key=lambda q: q.arrival_h)]
-    held = {j.name: 0 for j in jobs}
-    t, free, idle = 0.0, total_gpus, 0.0
-    timeline: list[tuple[float, int, int]] = []
-    deadlock = None
-    while True:
-        waiting = [j for j in jobs if j.arrival_h <= t and j.start_h is None]
-        if policy == "gang":
-            for j in waiting:  # strict FIFO: the head blocks the rest
-                if j.gpus > free:
-                    break
-                free -= j.gpus
-                held[j.name] = j.gpus
-                j.start_h = j.first_grab_h = t
-                j.end_h = t + j.hours
-        else:
-            while free and any(held[j.name] < j.gpus for j in waiting):
-                for j in waiting:
-                    if free and held[j.name] < j.gpus:
-                        held[j.name] += 1
-                        free -= 1
-                        j.first_grab_h = t if j.first_grab_h is None else j.first_grab_h
-            for j in waiting:
-                if held[j.name] == j.gpus:
-                    j.start_h, j.end_h = t, t + j.hours
-        running = [j for j in jobs if j.start_h is not None and j.end_h > t]
-        idle_held = sum(held[j.name] for j in jobs if j.start_h is None)
-        still_waiting = [j for j in jobs if j.start_h is None and j.arrival_h <= t]
-        timeline.append((t, sum(j.gpus for j in running), idle_held))
-        events = [j.end_h for j in running] + [j.arrival_h for j in jobs if j.arrival_h > t]
-        if not events:
-            if still_waiting:
-                deadlock = t
-            break
-        nxt = min(events)
-        if horizon_h is not None and nxt > horizon_h:
-            nxt = horizon_h
-        idle += (nxt - t) * (idle_held + (free if still_waiting else 0))
-        if horizon_h is not None and nxt >= horizon_h:
-            t = nxt
-            break
-        t = nxt
-        for j in running:
-            if j.end_h <= t:
-                free += held[j.name]
-                held[j.name] = 0
-    if deadlock is not None and horizon_h is not None and horizon_h > t:
-        idle += (horizon_h - t) * (sum(held.values()) + free)
-    done = [j for j in jobs if j.end_h is not None]
-    return SimResult(policy, jobs, idle, max((j.end_h for j in done), default=None) if len(done) == len(jobs) else None,
-                     sum(j.end_h - j.arrival_h for j in done) / len(done) if done else None, deadlock, timeline)
