@@ -284,7 +284,7 @@ def draw_placement(job, result, **kw) -> tuple[ReportFigure, str]:
     fig = ReportFigure(figsize=(9, 0.6 * max(len(ok), 1) + 1.6))
     ax = fig.subplots()
     if ok:
-        plots._term_bars(ax, ok, [f"{r['strategy']} ({r['nodes']} nodes, {r['switches']} sw)" for r in ok])
+        plots.term_bars(ax, ok, [f"{r['strategy']} ({r['nodes']} nodes, {r['switches']} sw)" for r in ok])
     ax.set_title(f"What if: {kw.get('gpus')} GPUs, {wi.layout} [modelled]")
     fig.tight_layout()
     return fig, wi.text

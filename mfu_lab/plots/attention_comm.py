@@ -1,0 +1,78 @@
+"""Step 2 (attention and communication): attention implementations, the DDP bucket/hook sweep,
+all-reduce bandwidth."""
+
+from __future__ import annotations
+
+import matplotlib.ticker
+
+from mfu_lab.plots.base import COLORS, ReportFigure
+
+HOOK_COLORS = {"none": "#495057", "allreduce": "#3b6fb6", "fp16_compress": "#2f9e44", "bf16_compress": "#e8912d",
+               "powersgd": "#c2255c"}
+
+
+def attention_times(result) -> ReportFigure:
+    """Attention forward+backward alone, and the whole step, per implementation that ran correctly."""
+    rows = [r for r in result.attention if r.status == "ok"]
+    others = [r for r in result.attention if r.status != "ok"]
+    fig = ReportFigure(figsize=(11, 0.5 * max(len(rows), 2) + 1.6))
+    ax, ax2 = fig.subplots(1, 2, sharey=True)
+    names = [r.name for r in rows]
+    ax.barh(names, [r.attn_median_s * 1e3 for r in rows], color=COLORS["compute"],
+            xerr=[[max(0, (r.attn_median_s - r.attn_p10_s) * 1e3) for r in rows],
+                  [max(0, (r.attn_p90_s - r.attn_median_s) * 1e3) for r in rows]])
+    ax.set_xlabel("attention forward + backward, one layer (ms, median, p10-p90)")
+    ax2.barh(names, [r.step_median_s * 1e3 for r in rows], color=COLORS["mfu"],
+             xerr=[[max(0, (r.step_median_s - r.step_p10_s) * 1e3) for r in rows],
+                   [max(0, (r.step_p90_s - r.step_median_s) * 1e3) for r in rows]])
+    for i, r in enumerate(rows):
+        ax2.text(r.step_median_s * 1e3, i, f"  MFU {r.mfu:.1%}", va="center", fontsize=8)
+    ax2.set_xlabel("whole training step (ms, median, p10-p90)")
+    if others:
+        fig.text(0.01, 0.01, "not timed: " + "; ".join(f"{r.name} ({r.status})" for r in others), fontsize=7)
+    fig.suptitle("Attention implementations, measured")
+    fig.tight_layout(rect=(0, 0.05 if others else 0, 1, 1))
+    return fig
+
+
+def comm_sweep(result) -> ReportFigure:
+    """Step time and exposed-communication share against bucket size, one line per hook."""
+    fig = ReportFigure(figsize=(11, 3.8))
+    ax, ax2 = fig.subplots(1, 2)
+    for hook in dict.fromkeys(r.hook for r in result.comm):
+        for gabv, style in ((False, "-"), (True, "--")):
+            pts = sorted((r.bucket_mb, r) for r in result.comm
+                         if r.hook == hook and r.grad_as_bucket_view == gabv and r.status == "ok")
+            if not pts:
+                continue
+            xs = [b for b, _ in pts]
+            label = f"{hook}{' (bucket view)' if gabv else ''}"
+            ax.plot(xs, [r.step_median_s * 1e3 for _, r in pts], style, marker="o", color=HOOK_COLORS.get(hook),
+                    label=label)
+            ax2.plot(xs, [r.exposed_share for _, r in pts], style, marker="o", color=HOOK_COLORS.get(hook))
+    for a in (ax, ax2):
+        a.set_xscale("log")
+        a.set_xlabel("bucket_cap_mb")
+    ax.set_ylabel("DDP step time (ms, median)")
+    ax2.set_ylabel("exposed communication / step")
+    ax2.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.legend(fontsize=7)
+    ax.set_title(f"Step time ({result.comm_layout.get('world_size')} ranks, {result.comm_layout.get('backend')})")
+    ax2.set_title("Exposed communication share")
+    fig.tight_layout()
+    return fig
+
+
+def allreduce_bandwidth(result) -> ReportFigure:
+    fig = ReportFigure(figsize=(6, 3.4))
+    ax = fig.subplots()
+    rows = result.allreduce
+    ax.plot([r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker="o", label="bus bandwidth")
+    ax.plot([r["bytes"] for r in rows], [r["algbw_gbps"] for r in rows], marker=".", ls=":", label="algorithm bw")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("All-reduce bandwidth (nccl-tests definitions)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,114 @@
+"""Shared pieces of the plots: the figure class, colours, PNG data URIs, and the cross-step figures
+(the MFU ledger waterfall, before/after ledgers, MFU step by step and across runs)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import matplotlib.ticker
+from matplotlib.figure import Figure
+
+# Figures are built without pyplot: nothing is registered globally, so headless runs
+# need no backend choice, and a notebook shows each returned figure exactly once,
+# through the figure's own _repr_png_.
+
+
+class ReportFigure(Figure):
+    """A Figure that Jupyter displays as PNG when a cell returns it."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=110)
+        return buf.getvalue()
+
+
+COLORS = {"compute": "#3b6fb6", "data": "#e8912d", "host": "#9a9a9a",
+          "mfu": "#2f9e44", "hardware": "#c92a2a", "structure": "#7048e8", "software": "#e8912d",
+          "operations": "#868e96", "peak": "#495057"}
+
+
+def ledger_waterfall(ledger, title: str = "MFU ledger: where the peak goes") -> Figure:
+    """100% of peak, minus each named loss, down to MFU."""
+    fig = ReportFigure(figsize=(8, 3.8))
+    _waterfall(fig.subplots(), ledger, title)
+    fig.tight_layout()
+    return fig
+
+
+def ledger_before_after(before, after, titles: tuple[str, str]) -> Figure:
+    """Two ledgers side by side on the same scale: the job as it came, and after a measured change."""
+    fig = ReportFigure(figsize=(11, 3.9))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, ledger, title in zip(axes, (before, after), titles):
+        _waterfall(ax, ledger, title, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _waterfall(ax, ledger, title: str, fontsize: int = 12) -> None:
+    losses = [i for i in ledger.items if i.name != "mfu"]
+    mfu_item = ledger.get("mfu")
+    level = 1.0
+    labels, x = ["peak"], 0
+    ax.bar(x, 1.0, color=COLORS["peak"])
+    ax.text(x, 1.0, "100%", ha="center", va="bottom", fontsize=8)
+    for item in losses:
+        x += 1
+        bottom = level - item.fraction
+        ax.bar(x, item.fraction, bottom=bottom, color=COLORS[item.name])
+        label = f"-{item.fraction:.1%}" if abs(item.fraction) >= 0.0005 else "0%"
+        ax.text(x, max(level, bottom), label, ha="center", va="bottom", fontsize=8)
+        labels.append(f"{item.name}\nloss")
+        level = bottom
+    x += 1
+    ax.bar(x, mfu_item.fraction, color=COLORS["mfu"])
+    ax.text(x, mfu_item.fraction, f"{mfu_item.fraction:.1%}", ha="center", va="bottom", fontsize=9, weight="bold")
+    labels.append("MFU")
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylim(min(0.0, level) - 0.02, 1.1)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_ylabel("share of peak FLOP/s x time")
+    ax.set_title(title, fontsize=fontsize)
+
+
+def mfu_trend(trend: list[tuple[str, dict[str, float]]]) -> Figure:
+    """MFU per step across the job's runs (oldest left): one line per step that reports an MFU."""
+    fig = ReportFigure(figsize=(max(5.0, 0.9 * len(trend) + 3), 3.2))
+    ax = fig.subplots()
+    steps = sorted({k for _, pts in trend for k in pts})
+    for k in steps:
+        xs = [i for i, (_, pts) in enumerate(trend) if k in pts]
+        ax.plot(xs, [trend[i][1][k] for i in xs], marker="o", label=k)
+    ax.set_xticks(range(len(trend)), [rid[4:8] + "\n" + rid[9:15] for rid, _ in trend], fontsize=7)
+    ax.set_xlim(-0.5, len(trend) - 0.5)
+    ax.set_xlabel("run (MMDD, HHMMSS UTC)")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+    ax.set_ylim(0, max([v for _, pts in trend for v in pts.values()] + [0.01]) * 1.25)
+    ax.set_ylabel("MFU (measured)")
+    ax.set_title(f"MFU across this job's runs ({len(trend)} run{'s' if len(trend) != 1 else ''})")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def mfu_progression(points: list[tuple[str, float]]) -> Figure:
+    """MFU after each step that has run, in workbook order."""
+    fig = ReportFigure(figsize=(max(4, 1.3 * len(points) + 2), 3.2))
+    ax = fig.subplots()
+    names = [p[0] for p in points]
+    values = [p[1] for p in points]
+    ax.bar(names, values, color=COLORS["mfu"])
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.1%}", ha="center", va="bottom", fontsize=9)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_ylim(0, max(values + [0.01]) * 1.25)
+    ax.set_ylabel("MFU")
+    ax.set_title("MFU, step by step")
+    fig.tight_layout()
+    return fig
+
+
+def to_data_uri(fig: ReportFigure) -> str:
+    """PNG data URI for embedding in an offline HTML page."""
+    return "data:image/png;base64," + base64.b64encode(fig._repr_png_()).decode("ascii")
