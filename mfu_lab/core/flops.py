@@ -1,4 +1,4 @@
-"""FLOP accounting: analytic formulas, counted FLOPs, MFU and HFU.
+"""FLOP accounting: analytic formulas, counted FLOPs (one training step's, as every step counts them), MFU and HFU.
 
 Public functions, usable on their own to reproduce a published MFU figure::
 
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from mfu_lab.core.workload import GPT
 
 CONVENTIONS = ("palm", "causal")
 
@@ -62,7 +64,12 @@ def hardware_flops_per_token(n_params: float, n_layers: int, d_model: int, seq_l
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_s: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (a fraction, not %)."""
+    """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (a fraction, not %).
+
+    The one MFU function of the workbook: every step calls it. Any unit of work will do in place of a token,
+    as long as both arguments use it: a step's FLOPs and steps per second (measured steps / their wall time)
+    give the same ratio.
+    """
     if peak_flops_per_s <= 0:
         raise ValueError("peak_flops_per_s must be positive")
     return flops_per_token * tokens_per_s / peak_flops_per_s
@@ -113,3 +120,53 @@ def count_flops(fn: Callable[[], object]) -> FlopCount:
         fn()
     counts = mode.get_flop_counts().get("Global", {})
     return FlopCount(mode.get_total_flops(), {str(op): int(n) for op, n in counts.items()})
+
+
+# ------------------------------------------------------------------ one training step's FLOPs
+@dataclass
+class FlopReport:
+    """FLOPs of one training step (forward + backward), analytic and counted."""
+
+    model_flops_per_step: float
+    model_flops_source: str  # analytic (reference model) or counted (user model)
+    hardware_flops_per_step: float
+    analytic_flops_per_step: float | None
+    counted_flops_per_step: float
+    counted_hardware_flops_per_step: float
+    disagreement: float | None  # |counted - analytic| / analytic
+    convention: str
+    formula: str
+    counted_by_op: dict[str, int]
+    matmul_params: int | None
+
+
+def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
+    """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward."""
+
+    def fwd_bwd():
+        train_step.loss(x, y).backward()
+        model.zero_grad(set_to_none=True)
+
+    tokens = x.numel()
+    ckpt = isinstance(model, GPT) and model.activation_checkpointing
+    if ckpt:  # model FLOPs are counted without the recompute, hardware FLOPs with it
+        model.activation_checkpointing = False
+        counted = count_flops(fwd_bwd)
+        model.activation_checkpointing = True
+        counted_hw = count_flops(fwd_bwd).total
+    else:
+        counted = count_flops(fwd_bwd)
+        counted_hw = counted.total
+    if isinstance(model, GPT):
+        n = model.matmul_params()
+        analytic = transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
+        hardware = hardware_flops_per_token(
+            n, model.n_layers, model.d_model, x.size(1),
+            recomputed_params=model.recomputed_matmul_params() if ckpt else 0,
+            recomputed_layers=model.n_layers if ckpt else 0) * tokens
+        return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw,
+                          abs(counted.total - analytic) / analytic, "palm",
+                          "6N + 12*L*d*T per token (PaLM, appendix B); N = matmul parameters", counted.by_op, n)
+    return FlopReport(float(counted.total), "counted", float(counted_hw), None, counted.total, counted_hw, None,
+                      "counted", "FlopCounterMode over one forward+backward (no formula knows a user model)",
+                      counted.by_op, None)

@@ -26,6 +26,7 @@ from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, ddp_ledger
 from mfu_lab.core.measure import run_steps, stats
@@ -33,7 +34,7 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
-from mfu_lab.steps.baseline import count_step_flops, step1_reference
+from mfu_lab.steps.baseline import step1_reference
 from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
 
 INFO = BY_KEY["attention_comm"]

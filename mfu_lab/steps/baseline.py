@@ -23,6 +23,7 @@ from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.flops import FlopReport, count_step_flops
 from mfu_lab.core.health import HealthSampler, HealthSummary
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, single_process_ledger
@@ -31,26 +32,9 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.thresholds import CLOCK_LOW, CV_LIMIT, DATA_WAIT_LIMIT, FLOP_TOLERANCE, HOST_LIMIT, HOT_C
-from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
+from mfu_lab.core.workload import build_loader, build_model, build_train_step
 
 INFO = BY_KEY["baseline"]
-
-
-@dataclass
-class FlopReport:
-    """FLOPs of one training step (forward + backward), analytic and counted."""
-
-    model_flops_per_step: float
-    model_flops_source: str  # analytic (reference model) or counted (user model)
-    hardware_flops_per_step: float
-    analytic_flops_per_step: float | None
-    counted_flops_per_step: float
-    counted_hardware_flops_per_step: float
-    disagreement: float | None  # |counted - analytic| / analytic
-    convention: str
-    formula: str
-    counted_by_op: dict[str, int]
-    matmul_params: int | None
 
 
 @dataclass
@@ -70,38 +54,6 @@ class BaselineResult(StepResult):
 
 Result = BaselineResult  # the step contract: every step module names its result class Result
 
-
-
-def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
-    """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward."""
-
-    def fwd_bwd():
-        train_step.loss(x, y).backward()
-        model.zero_grad(set_to_none=True)
-
-    tokens = x.numel()
-    ckpt = isinstance(model, GPT) and model.activation_checkpointing
-    if ckpt:  # model FLOPs are counted without the recompute, hardware FLOPs with it
-        model.activation_checkpointing = False
-        counted = fl.count_flops(fwd_bwd)
-        model.activation_checkpointing = True
-        counted_hw = fl.count_flops(fwd_bwd).total
-    else:
-        counted = fl.count_flops(fwd_bwd)
-        counted_hw = counted.total
-    if isinstance(model, GPT):
-        n = model.matmul_params()
-        analytic = fl.transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
-        hardware = fl.hardware_flops_per_token(
-            n, model.n_layers, model.d_model, x.size(1),
-            recomputed_params=model.recomputed_matmul_params() if ckpt else 0,
-            recomputed_layers=model.n_layers if ckpt else 0) * tokens
-        return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw,
-                          abs(counted.total - analytic) / analytic, "palm",
-                          "6N + 12*L*d*T per token (PaLM, appendix B); N = matmul parameters", counted.by_op, n)
-    return FlopReport(float(counted.total), "counted", float(counted_hw), None, counted.total, counted_hw, None,
-                      "counted", "FlopCounterMode over one forward+backward (no formula knows a user model)",
-                      counted.by_op, None)
 
 
 def _peak_memory(timings: Timings) -> Metric:

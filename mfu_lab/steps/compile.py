@@ -36,6 +36,7 @@ from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import trace_ledger
 from mfu_lab.core.measure import stats
@@ -43,7 +44,7 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment, jsonable
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
-from mfu_lab.steps.baseline import count_step_flops, reference_peak
+from mfu_lab.steps.baseline import reference_peak
 
 INFO = BY_KEY["compile"]
 WARM_STEPS = 3  # measured steps of the warm-cache run (only its compile time is used)

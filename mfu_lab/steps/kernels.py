@@ -24,6 +24,7 @@ from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, trace_ledger
 from mfu_lab.core.measure import Timings, profile_steps, run_steps, stats
@@ -40,7 +41,7 @@ from mfu_lab.core.thresholds import (
     PROFILER_OVERHEAD_LIMIT,
 )
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
-from mfu_lab.steps.baseline import count_step_flops, reference_peak, step1_reference
+from mfu_lab.steps.baseline import reference_peak, step1_reference
 from mfu_lab.workers.launch import error_lines, launch, world_layout
 
 INFO = BY_KEY["kernels"]

@@ -36,12 +36,12 @@ from mfu_lab.core import device as dev
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
+from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
-from mfu_lab.steps.baseline import count_step_flops
 from mfu_lab.steps.placement_coloc import colocate
 
 INFO = BY_KEY["placement"]
