@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
+from typing import Any
+
+from markupsafe import Markup
 
 from mfu_lab.core.history import Change, Run
 
@@ -32,8 +36,36 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value:.4g} {unit}"
 
 
-def badge(source: str) -> str:
-    return f'<span class="src src-{e(source)}">{e(source)}</span>'
+def badge(source: str) -> Markup:
+    """A number's source label (measured, counted, analytic, ...) as a coloured HTML tag."""
+    return Markup(f'<span class="src src-{e(source)}">{e(source)}</span>')
+
+
+def ms(v: float | None) -> str:
+    """A duration in seconds for people (µs, ms or s); empty when there is none."""
+    return "" if v is None else fmt(v, "s")
+
+
+def ms0(v: float | None) -> str:
+    """A duration, or ``-`` when it is zero or absent (a term the layout does not have)."""
+    return "-" if not v else ms(v)
+
+
+def num(v: Any, spec: str = "", scale: float = 1, suffix: str = "") -> str:
+    """``format(v * scale, spec) + suffix``, or empty when ``v`` is None."""
+    return "" if v is None else format(v * scale if scale != 1 else v, spec) + suffix
+
+
+def opt(v: Any, f: Callable[[Any], str], none: str = "") -> str:
+    """``f(v)``, or ``none`` when ``v`` is None."""
+    return none if v is None else f(v)
+
+
+def compile_s(v: float | None) -> str:
+    """A compile time; at or below zero the first steps were no slower than eager's: within the noise."""
+    if v is None:
+        return ""
+    return f"{v:.1f} s" if v > 0 else f"≈0 ({v:+.1f} s, within noise)"
 
 
 def compare_text(a: Run, b: Run, changes: list[Change], notes: list[str], show_all: bool = False) -> str:

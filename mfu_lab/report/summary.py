@@ -1,7 +1,7 @@
 """The job's story across steps, for the summary page: where MFU started, what each step found worth
 changing and what that change measured, every recommendation in one list, the ledger before and after.
 
-Pure functions of the steps' result dicts (``report.load_results``), so they are tested on stored results.
+Pure functions of the steps' result dicts (``mfu_lab.core.files.load_results``), so they are tested on stored results.
 """
 
 from __future__ import annotations

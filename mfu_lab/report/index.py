@@ -1,0 +1,126 @@
+"""A job's index page (``<job_root>/index.html``): every step's status and headline figures, the job's story
+across steps (MFU progression, ledger before and after, changes measured, every recommendation, its runs),
+the environment, then each step's section in detail.
+
+It opens with no network: CSS inline, plots as PNG data URIs. Every value from results or job files is escaped
+by the templates (``templates/job_index.html.j2``, ``templates/index_parts.html.j2``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from markupsafe import Markup
+
+from mfu_lab import plots
+from mfu_lab.core.files import RESULT_FILE, load_results, write_atomic
+from mfu_lab.core.history import mfu_trend, runs
+from mfu_lab.core.ledger import Ledger, LedgerItem
+from mfu_lab.core.registry import BY_KEY, STEPS, StepInfo
+from mfu_lab.core.runstate import step_state
+from mfu_lab.report.summary import changes, headline, ledger_before_after, mfu_points, recommendations
+from mfu_lab.report.tables_attention_comm import attention_comm_section
+from mfu_lab.report.tables_baseline import baseline_section
+from mfu_lab.report.tables_compile import compile_section
+from mfu_lab.report.tables_fp8 import fp8_section
+from mfu_lab.report.tables_kernels import kernels_section
+from mfu_lab.report.tables_placement import placement_section
+from mfu_lab.report.templating import macros, render
+
+PARTS = "index_parts.html.j2"
+RUNS_LISTED = 20
+
+# Each step's detailed section, in workbook order.
+SECTIONS: dict[str, Callable[[dict[str, Any]], Markup]] = {
+    "baseline": baseline_section, "attention_comm": attention_comm_section, "kernels": kernels_section,
+    "compile": compile_section, "fp8": fp8_section, "placement": placement_section}
+
+STATUS_CSS = {"ok": "ok", "not run": "notrun", "running": "info"}
+
+
+def _step_row(job_root: Path, info: StepInfo, result: dict | None) -> dict[str, Any]:
+    """One row of the steps' table: status, headline metrics and links to the step's files that exist."""
+    folder = job_root / info.folder
+    links = [(info.folder, name, label)
+             for name, label in (("report.html", "report"), (info.notebook, "notebook"), (RESULT_FILE, "result.json"),
+                                 ("trace.json.gz", "trace"))
+             if (folder / name).exists()]
+    st = step_state(folder, result)
+    return {"number": info.number, "title": info.title, "status": st.status, "detail": st.detail,
+            "css": STATUS_CSS.get(st.status, "failed"), "metrics": (result or {}).get("metrics", {}), "links": links}
+
+
+def _ledger_obj(d: dict) -> Ledger:
+    return Ledger([LedgerItem(**i) for i in d["items"]])
+
+
+def changes_table(results: dict[str, dict]) -> Markup:
+    """Every change a step measured, its gain and whether the job has it (:func:`summary.changes`)."""
+    return macros(PARTS).changes_table(changes(results))
+
+
+def recommendations_list(results: dict[str, dict]) -> Markup:
+    """Every step's advice in one list, the ones to act on first."""
+    return macros(PARTS).recommendations_list(recommendations(results))
+
+
+def environment_html(results: dict[str, dict]) -> Markup:
+    """The environment of the latest step to run, and step 1's device health (NVML)."""
+    latest = max(results.values(), key=lambda d: d.get("environment", {}).get("created_at") or "", default=None)
+    env = latest["environment"] if latest else {}
+    return macros(PARTS).environment_html(env, results.get("baseline", {}).get("health"), bool(results))
+
+
+def history_html(job_root: Path) -> Markup:
+    """The job's MFU across runs (a trend once two runs exist) and its runs, newest first."""
+    table = runs(job_root)
+    trend = mfu_trend(job_root, table) if table else []
+    by_run = dict(trend)
+    rows = []
+    for rid, steps in list(table.items())[::-1][:RUNS_LISTED]:
+        first = next(iter(steps.values()))
+        rows.append({"id": rid, "is_dir": (job_root / "runs" / rid).is_dir(), "steps": list(steps),
+                     "mfus": ", ".join(f"{k[:2]}: {v:.1%}" for k, v in by_run.get(rid, {}).items()),
+                     "digest": str(first.get("job_digest")), "commit": str(first.get("git_commit"))})
+    uri = plots.to_data_uri(plots.mfu_trend(trend)) if trend else None
+    more = len(table) - RUNS_LISTED if len(table) > RUNS_LISTED else 0
+    return macros(PARTS).history_html(rows, more, str(job_root), uri)
+
+
+def _section(key: str, d: dict[str, Any]) -> Markup:
+    """One step's detailed section; a result this version cannot read (an older or damaged file) is named,
+    not allowed to take the whole page down."""
+    try:
+        return SECTIONS[key](d)
+    except Exception as exc:  # noqa: BLE001 - any shape problem in a stored result
+        return macros(PARTS).unreadable_section(BY_KEY[key].number, key, type(exc).__name__, str(exc))
+
+
+def _ledgers(results: dict[str, dict]) -> dict[str, Any]:
+    """The ledger before (step 1) and after (step 4's recommendation), as one plot, or what is missing."""
+    before, after = ledger_before_after(results)
+    if before and after:
+        fig = plots.ledger_before_after(_ledger_obj(before[1]), _ledger_obj(after[1]), (before[0], after[0]))
+        return {"kind": "both", "uri": plots.to_data_uri(fig)}
+    if before:
+        return {"kind": "before", "uri": plots.to_data_uri(plots.ledger_waterfall(_ledger_obj(before[1]), before[0]))}
+    return {"kind": "none", "uri": None}
+
+
+def write_index(job_root: Path) -> Path:
+    """(Re)write ``<job_root>/index.html`` from whatever step results exist."""
+    job_root = Path(job_root)
+    results = load_results(job_root)
+    points = mfu_points(results)
+    any_result = next(iter(results.values()), None)
+    page = render(
+        "job_index.html.j2", name=job_root.name, env=any_result["environment"] if any_result else {},
+        summary=headline(results),
+        progression_uri=plots.to_data_uri(plots.mfu_progression(points)) if points else None,
+        rows=[_step_row(job_root, info, results.get(info.key)) for info in STEPS],
+        ledgers=_ledgers(results), changes=changes_table(results), recommendations=recommendations_list(results),
+        history=history_html(job_root), environment=environment_html(results),
+        sections=[_section(k, results[k]) for k in SECTIONS if k in results])
+    return write_atomic(job_root / "index.html", page)

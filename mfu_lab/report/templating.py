@@ -1,0 +1,53 @@
+"""The Jinja2 environment every HTML page and fragment of the report is rendered with.
+
+Templates live in ``mfu_lab/report/templates/`` (``*.html.j2``; ``offline/`` is nbconvert's notebook template).
+Autoescaping is on: every value a template prints is escaped unless it is :class:`markupsafe.Markup` (a nested
+fragment, a badge, a plot's ``<img>``). Escaping goes through :func:`html.escape`, as the report always has,
+so a page's text does not change with the templating (``'`` as ``&#x27;``, ``"`` as ``&quot;``).
+"""
+
+from __future__ import annotations
+
+import html
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+from mfu_lab.report.format import badge, compile_s, fmt, ms, ms0, num
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def _finalize(value: Any) -> Any:
+    """Escape what a template prints with :func:`html.escape` (Markup passes through as it is)."""
+    if hasattr(value, "__html__"):
+        return value
+    return Markup(html.escape(str(value)))
+
+
+def _pct(v: float | None, spec: str = ".1%") -> str:
+    return "" if v is None else format(v, spec)
+
+
+@cache
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
+                             undefined=jinja2.StrictUndefined, finalize=_finalize, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True)
+    env.globals.update(badge=badge, fmt=fmt)
+    env.filters.update(ms=ms, ms0=ms0, num=num, pct=_pct, compile_s=compile_s)
+    return env
+
+
+def render(template: str, **context: Any) -> Markup:
+    """A whole template rendered with ``context``, as safe HTML."""
+    return Markup(environment().get_template(template).render(**context))
+
+
+def macros(template: str) -> Any:
+    """A template's macros, callable from Python: ``macros("tables_kernels.html.j2").top_table(a)``."""
+    return environment().get_template(template).module
+
