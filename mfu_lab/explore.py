@@ -26,6 +26,7 @@ from mfu_lab.analysis.placement_strategies import best_layout, strategy_rows
 from mfu_lab.core.flops import mfu as model_flops_utilisation
 from mfu_lab.core.measure import stats
 from mfu_lab.plots import ReportFigure
+from mfu_lab.steps.placement import earlier_results
 
 FALLBACK_NOTE = ("Static image of the initial selection: this page has no Python kernel behind it, so the "
                  "controls cannot redraw it here. Open the notebook in JupyterLab and run the cell to explore.")
@@ -253,8 +254,6 @@ def what_if(job, result, gpus: int, tp: int = 0, pp: int = 0, oversubscription: 
     """Re-run the placement model with a changed size, layout, uplink oversubscription and neighbour: the
     GPUs others hold (the first ``neighbour_gpus``) all-reduce across their nodes ``neighbour_traffic`` of
     the time, sharing the leaf uplinks with this job."""
-    from mfu_lab.steps.placement import earlier_results
-
     cluster = load_cluster(job.cluster_path())
     changes = {}
     if oversubscription is not None:

@@ -34,56 +34,31 @@ the breakdown and :func:`analyse`, and re-exports the parts' names.
 
 from __future__ import annotations
 
-import gzip  # noqa: F401 - the module's namespace is kept as it was before the split
-import json  # noqa: F401
-import math  # noqa: F401
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path  # noqa: F401
 from typing import Any
 
-from mfu_lab.analysis.trace_events import (  # noqa: F401 - re-exported: callers use trace.load_trace, trace.union...
-    _DTYPE_BYTES,
-    _FACTORY,
-    _REDUCES,
-    _RULES,
+from mfu_lab.analysis.trace_events import (
     CATEGORIES,
-    DATA_PREFIX,
-    DEVICE_CATS,
-    EPS_US,
-    MEMORY_BOUND,
-    OPTIMIZER_PREFIX,
-    STEP_PREFIX,
-    VIEW_OPS,
+    MEMORY_BOUND,  # noqa: F401 - re-exported (callers use trace.MEMORY_BOUND)
     Event,
-    _events,
-    _inside,
-    _nest,
-    _self_spans,
-    _shape_text,
-    _subtree,
-    categorise,
+    categorise,  # noqa: F401 - re-exported (callers use trace.categorise)
+    inside,
     intersect,
-    is_view,
-    load_trace,
+    load_trace,  # noqa: F401 - re-exported (callers use trace.load_trace)
     measure,
-    short_name,
+    self_spans,
+    shape_text,
+    short_name,  # noqa: F401 - re-exported (callers use trace.short_name)
     subtract,
-    tensor_bytes,
     union,
 )
-from mfu_lab.analysis.trace_fusion import (  # noqa: F401 - re-exported
-    REMEDIES,
+from mfu_lab.analysis.trace_fusion import (
     FusionCandidate,
-    _cpu_units,
-    _fusion,
-    _gpu_units,
-    _out_bytes,
-    _Unit,
-    remedy_for,
+    find_fusion,
 )
-from mfu_lab.analysis.trace_index import _Trace
+from mfu_lab.analysis.trace_index import IndexedTrace
 
 
 # ------------------------------------------------------------------ results
@@ -138,7 +113,7 @@ class TraceAnalysis:
 
 
 # ------------------------------------------------------------------ analysis
-def _table(tr: _Trace, window_total_us: float) -> list[TopRow]:
+def _table(tr: IndexedTrace, window_total_us: float) -> list[TopRow]:
     """Every kernel (GPU) or operator (CPU) with its self time, largest first."""
     groups: dict[tuple[str, str], list[Event]] = defaultdict(list)
     if tr.kind == "gpu":
@@ -155,7 +130,7 @@ def _table(tr: _Trace, window_total_us: float) -> list[TopRow]:
     for (name, cat), evs in groups.items():
         total = sum(self_us(e) for e in evs) / 1e6
         shape_src = [(tr.linked_op(e) if tr.kind == "gpu" else e) for e in evs]
-        shapes = Counter(_shape_text(o.args) for o in shape_src if o is not None)
+        shapes = Counter(shape_text(o.args) for o in shape_src if o is not None)
         shapes.pop("", None)
         launched = Counter(o.name for o in shape_src if o is not None) if tr.kind == "gpu" else Counter()
         rows.append(TopRow(name, cat, len(evs), total, total / len(evs), total * 1e6 / window_total_us,
@@ -165,7 +140,7 @@ def _table(tr: _Trace, window_total_us: float) -> list[TopRow]:
     return rows
 
 
-def _breakdown(tr: _Trace) -> Breakdown:
+def _breakdown(tr: IndexedTrace) -> Breakdown:
     w0, w1 = tr.window
     window = [(w0, w1)]
     segs: dict[str, list] = defaultdict(list)
@@ -174,7 +149,7 @@ def _breakdown(tr: _Trace) -> Breakdown:
             segs[d.category].append((d.ts, d.end))
     else:
         for op in tr.ops:
-            for s in _self_spans(op):
+            for s in self_spans(op):
                 segs[op.category].append(s)
         for c in tr.host_comm:  # gloo's own work events (its threads' all-reduce)
             segs["communication"].append((c.ts, c.end))
@@ -195,11 +170,11 @@ def _breakdown(tr: _Trace) -> Breakdown:
 
 
 
-def _optimizer(tr: _Trace, step_time_s: float) -> dict[str, Any]:
+def _optimizer(tr: IndexedTrace, step_time_s: float) -> dict[str, Any]:
     """How the optimiser step runs: its time, how many operations it issues, foreach/fused or not."""
     if not tr.opt_spans:
         return {"found": False}
-    names = [op.name for op in tr.roots if tr.in_window(op) and _inside(op.ts, tr.opt_spans)]
+    names = [op.name for op in tr.roots if tr.in_window(op) and inside(op.ts, tr.opt_spans)]
     kernels = [d for d in tr.device if tr.in_window(d) and d.category == "optimizer"]
     fused = any(re.search(r"foreach|fused|multi_tensor", n) for n in names + [k.name for k in kernels])
     span_s = measure(intersect(tr.opt_spans, [tr.window])) / 1e6 / tr.n_steps
@@ -215,7 +190,7 @@ def analyse(trace: dict[str, Any], top_n: int = 20, bandwidth: float | None = No
     ``bandwidth`` (bytes/s, measured on the device) turns each candidate's saved
     traffic into time; without it only the bytes are given.
     """
-    tr = _Trace(trace)
+    tr = IndexedTrace(trace)
     w0, w1 = tr.window
     window_us = w1 - w0
     all_rows = _table(tr, window_us)
@@ -230,7 +205,7 @@ def analyse(trace: dict[str, Any], top_n: int = 20, bandwidth: float | None = No
         notes.append("no ProfilerStep# spans in the trace: the whole trace is taken as one step")
     if tr.kind == "cpu" and not any(o.args.get("Input Dims") for o in tr.ops):
         notes.append("recorded without shapes (record_shapes=False): no shapes, and no traffic estimates")
-    fusion = _fusion(tr, step_time, bandwidth)
+    fusion = find_fusion(tr, step_time, bandwidth)
     if any(c.saved_bytes_per_step for c in fusion):  # shapes were recorded: drop runs that pass nothing along
         passless = [c for c in fusion if not c.saved_bytes_per_step]
         fusion = [c for c in fusion if c.saved_bytes_per_step]

@@ -53,9 +53,9 @@ _RULES: tuple[tuple[str, re.Pattern], ...] = tuple((cat, re.compile(rx, re.I)) f
                     r"threshold|sign|erf|sin|cos|maximum|minimum|triu|tril|reciprocal|square|eq|ne|lt|gt|le|ge|"
                     r"logical_and|logical_or|bitwise_and|softplus|hardtanh|leaky_relu|elu|mish)(_|$)"),
 ))
-_FACTORY = re.compile(dict(_RULES)["other"].pattern)
+FACTORY_RE = re.compile(dict(_RULES)["other"].pattern)
 # Reductions whose output is much smaller than their input (a fused kernel saves ~nothing writing it).
-_REDUCES = re.compile(r"^(sum|mean|amax|amin|max|min|argmax|argmin|norm|var|std|logsumexp|nll_loss|nll_loss_nd|"
+REDUCES_RE = re.compile(r"^(sum|mean|amax|amin|max|min|argmax|argmin|norm|var|std|logsumexp|nll_loss|nll_loss_nd|"
                       r"cross_entropy_loss|mse_loss|prod)$")
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::half": 2, "c10::bfloat16": 2, "half": 2, "bfloat16": 2,
                 "long int": 8, "int": 4, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1,
@@ -139,7 +139,7 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _events(trace: dict[str, Any]) -> list[Event]:
+def events_of(trace: dict[str, Any]) -> list[Event]:
     out = []
     for e in trace["traceEvents"]:
         if e.get("ph") != "X" or not isinstance(e.get("dur"), (int, float)) or e["dur"] < 0:
@@ -195,7 +195,7 @@ def subtract(a, b) -> list[tuple[float, float]]:
     return out
 
 
-def _nest(ops: list[Event]) -> list[Event]:
+def nest(ops: list[Event]) -> list[Event]:
     """Nest operators per thread (parents contain children); fill self time. Returns the roots."""
     roots = []
     by_thread: dict[Any, list[Event]] = defaultdict(list)
@@ -214,21 +214,21 @@ def _nest(ops: list[Event]) -> list[Event]:
     return roots
 
 
-def _self_spans(op: Event) -> list[tuple[float, float]]:
+def self_spans(op: Event) -> list[tuple[float, float]]:
     return subtract([(op.ts, op.end)], [(c.ts, c.end) for c in op.children])
 
 
-def _inside(t: float, spans: list[tuple[float, float]]) -> bool:
+def inside(t: float, spans: list[tuple[float, float]]) -> bool:
     return any(s - EPS_US <= t < e for s, e in spans)
 
 
-def _subtree(op: Event):
+def subtree(op: Event):
     yield op
     for c in op.children:
-        yield from _subtree(c)
+        yield from subtree(c)
 
 
-def _shape_text(args: dict[str, Any]) -> str:
+def shape_text(args: dict[str, Any]) -> str:
     dims, types = args.get("Input Dims") or [], args.get("Input type") or []
     parts = []
     for d, t in zip(dims, types):

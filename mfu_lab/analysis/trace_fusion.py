@@ -18,19 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from mfu_lab.analysis.trace_events import (
-    _FACTORY,
-    _REDUCES,
     EPS_US,
+    FACTORY_RE,
     MEMORY_BOUND,
+    REDUCES_RE,
     Event,
-    _shape_text,
-    _subtree,
     categorise,
     is_view,
+    shape_text,
     short_name,
+    subtree,
     tensor_bytes,
 )
-from mfu_lab.analysis.trace_index import _Trace
+from mfu_lab.analysis.trace_index import IndexedTrace
 
 
 @dataclass
@@ -64,14 +64,14 @@ class _Unit:
 
 
 
-def _cpu_units(tr: _Trace) -> dict[Any, list[_Unit]]:
+def _cpu_units(tr: IndexedTrace) -> dict[Any, list[_Unit]]:
     lanes: dict[Any, list[_Unit]] = defaultdict(list)
     for root in tr.roots:
         if not tr.in_window(root):
             continue
         backward = root.name.startswith("autograd::engine::evaluate_function")
         for op in (root.children if backward else [root]):
-            real = [o for o in _subtree(op) if not is_view(o.name) and not re.search(r"Backward\d*$|AccumulateGrad",
+            real = [o for o in subtree(op) if not is_view(o.name) and not re.search(r"Backward\d*$|AccumulateGrad",
                                                                                     o.name)]
             name = short_name(op.name)
             if not real:
@@ -80,21 +80,21 @@ def _cpu_units(tr: _Trace) -> dict[Any, list[_Unit]]:
             heaviest = max(real, key=lambda o: o.self_us)
             own = categorise(op.name)
             cat = (op.category if op.category in ("data loading", "optimizer", "communication")
-                   else own if own != "other" or _FACTORY.match(name) else heaviest.category)
+                   else own if own != "other" or FACTORY_RE.match(name) else heaviest.category)
             # a backward node's own input is the incoming gradient; the work's tensors are on its operators
             args = heaviest.args if backward or not tensor_bytes(op.args) else op.args
             phase = "optimizer" if cat == "optimizer" else "backward" if backward else "forward"
             lanes[(op.pid, op.tid)].append(_Unit(name, cat, op.ts, op.dur, _out_bytes(name, args),
-                                                 _shape_text(args), False, phase))
+                                                 shape_text(args), False, phase))
     return lanes
 
 
 def _out_bytes(name: str, args: dict[str, Any]) -> int:
     """Bytes an operation writes: its largest tensor input's size, or none for a full reduction."""
-    return 0 if _REDUCES.match(name) else max(tensor_bytes(args), default=0)
+    return 0 if REDUCES_RE.match(name) else max(tensor_bytes(args), default=0)
 
 
-def _gpu_units(tr: _Trace) -> dict[Any, list[_Unit]]:
+def _gpu_units(tr: IndexedTrace) -> dict[Any, list[_Unit]]:
     lanes: dict[Any, list[_Unit]] = defaultdict(list)
     by_stream: dict[Any, list[Event]] = defaultdict(list)
     for d in tr.device:
@@ -114,7 +114,7 @@ def _gpu_units(tr: _Trace) -> dict[Any, list[_Unit]]:
             args = op.args if op is not None else {}
             name = short_name(op.name) if op is not None else d.name[:60]
             phase = tr.phase.get(id(op), "forward") if op is not None else "forward"
-            lanes[lane].append(_Unit(name, d.category, d.ts, d.dur, _out_bytes(name, args), _shape_text(args),
+            lanes[lane].append(_Unit(name, d.category, d.ts, d.dur, _out_bytes(name, args), shape_text(args),
                                      False, "optimizer" if d.category == "optimizer" else phase))
     return lanes
 
@@ -134,7 +134,7 @@ def remedy_for(pattern: str) -> str:
     return next(text for key, text in REMEDIES if re.search(key, pattern))
 
 
-def _fusion(tr: _Trace, step_time_s: float, bandwidth: float | None) -> list[FusionCandidate]:
+def find_fusion(tr: IndexedTrace, step_time_s: float, bandwidth: float | None) -> list[FusionCandidate]:
     lanes = _gpu_units(tr) if tr.kind == "gpu" else _cpu_units(tr)
     step_bounds = [s.ts for s in tr.steps]
     runs: list[list[_Unit]] = []

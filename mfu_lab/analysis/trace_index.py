@@ -12,25 +12,25 @@ from mfu_lab.analysis.trace_events import (
     OPTIMIZER_PREFIX,
     STEP_PREFIX,
     Event,
-    _events,
-    _inside,
-    _nest,
-    _subtree,
     categorise,
+    events_of,
+    inside,
+    nest,
+    subtree,
     union,
 )
 
 
-class _Trace:
+class IndexedTrace:
     def __init__(self, trace: dict[str, Any]):
-        ev = _events(trace)
+        ev = events_of(trace)
         self.annotations = [e for e in ev if e.cat == "user_annotation"]
         self.steps = sorted((e for e in self.annotations if e.name.startswith(STEP_PREFIX)), key=lambda e: e.ts)
         self.device = [e for e in ev if e.cat in DEVICE_CATS]
         self.kind = "gpu" if any(e.cat == "kernel" for e in self.device) else "cpu"
         self.ops = [e for e in ev if e.cat == "cpu_op"]
         self.host_comm = [e for e in ev if e.cat in ("cpu_op", "user_annotation") and e.name.startswith("gloo:")]
-        self.roots = _nest(self.ops)
+        self.roots = nest(self.ops)
         self.data_spans = union((e.ts, e.end) for e in self.annotations if e.name.startswith(DATA_PREFIX))
         self.opt_spans = union((e.ts, e.end) for e in self.annotations if e.name.startswith(OPTIMIZER_PREFIX))
         if self.steps:
@@ -54,8 +54,8 @@ class _Trace:
         self.phase: dict[int, str] = {}  # id(op) -> forward | backward | optimizer
         for root in self.roots:
             phase = ("backward" if root.name.startswith("autograd::engine::evaluate_function")
-                     else "optimizer" if _inside(root.ts, self.opt_spans) else "forward")
-            for op in _subtree(root):
+                     else "optimizer" if inside(root.ts, self.opt_spans) else "forward")
+            for op in subtree(root):
                 self.phase[id(op)] = phase
         for d in self.device:
             d.category = self._device_category(d)
@@ -67,9 +67,9 @@ class _Trace:
         cat = categorise(op.name)
         if cat == "communication":
             return cat
-        if _inside(op.ts, self.data_spans):
+        if inside(op.ts, self.data_spans):
             return "data loading"
-        if _inside(op.ts, self.opt_spans):
+        if inside(op.ts, self.opt_spans):
             return "optimizer"
         return cat
 
