@@ -19,9 +19,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from mfu_lab.analysis.trace import load_trace  # noqa: E402
 from mfu_lab.core.job import Job  # noqa: E402
+from mfu_lab.core.measure import profile_steps  # noqa: E402
 from mfu_lab.core.workload import build_loader, build_model, build_train_step  # noqa: E402
-from mfu_lab.steps.kernels import profile_steps  # noqa: E402
 
 KEEP_ARGS = ("Input Dims", "Input type")  # External id only matters for GPU kernels
 
@@ -33,8 +34,8 @@ def main() -> None:
     model = build_model(job).train()
     step = build_train_step(job, model, "cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        _, trace = profile_steps(step, build_loader(job, 2, "cpu"), torch.device("cpu"), 1, 1,
-                                 Path(tmp) / "t.json.gz")
+        profile_steps(step, build_loader(job, 2, "cpu"), torch.device("cpu"), 1, 1, Path(tmp) / "t.json.gz")
+        trace = load_trace(Path(tmp) / "t.json.gz")
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
     t0 = min(e["ts"] for e in events)
     out = []
