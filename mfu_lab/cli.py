@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
@@ -48,8 +49,8 @@ def parse_overrides(pairs: list[str]) -> dict:
             problems.append(JobProblem(pair, pair, "expected key=value, e.g. -p micro_batch=4"))
             continue
         try:
-            out[key.strip()] = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError as e:
+            out[key.strip()] = yamlfile.loads(text) if text.strip() else ""
+        except yamlfile.YamlProblem as e:
             problems.append(JobProblem(key, text, f"is not a valid value: {e}"))
     if problems:
         raise JobError("command line (-p)", problems)
@@ -91,6 +92,11 @@ def cmd_validate(args) -> int:
     job = load_job(args.job, parse_overrides(args.param))
     check_cluster(job)
     print(f"{args.job}: valid (cluster file {job.cluster}: valid)")
+    if not job.uses_reference_model:
+        module, func = job.model.split(":")
+        print(f"note: this job names code. Every step will import the module '{module}' (from the workbook root, "
+              f"the current folder or the installed packages) and call {func}(**model_kwargs): a job file that "
+              "names code runs that code, so run only job files you trust. validate did not import it.")
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
     return EXIT_OK
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mfu_lab.core import device as dev
+from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem
 
 
@@ -325,9 +324,9 @@ def load_cluster(path: str | Path) -> Cluster:
     if not path.is_file():
         raise ClusterError(source, [JobProblem("(file)", source, "no such cluster file")])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ClusterError(source, [JobProblem("(file)", path.name, f"is not valid YAML: {e}")]) from None
+        data = yamlfile.load(path)
+    except yamlfile.YamlProblem as e:
+        raise ClusterError(source, [JobProblem("(file)", path.name, str(e))]) from None
     if not isinstance(data, dict):
         raise ClusterError(source, [JobProblem("(file)", type(data).__name__, "must be a mapping of key: value lines")])
     problems = []

@@ -22,6 +22,13 @@ class JobError(MfuLabError):
         super().__init__("\n".join(lines))
 
 
+def short_repr(value: object, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters with the full length said: a bad value is shown, never echoed
+    whole (a value can be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 class JobProblem:
     """One invalid key: what was given and what is allowed."""
 
@@ -29,7 +36,7 @@ class JobProblem:
         self.key, self.value, self.expected = key, value, expected
 
     def __str__(self) -> str:
-        return f"key '{self.key}' = {self.value!r}: {self.expected}"
+        return f"key '{self.key}' = {short_repr(self.value)}: {self.expected}"
 
     def __repr__(self) -> str:
         return f"JobProblem({self.key!r}, {self.value!r}, {self.expected!r})"

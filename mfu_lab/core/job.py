@@ -15,12 +15,12 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -273,13 +273,18 @@ def _rule_problem(name: str, value: Any) -> str | None:
         return f"must be >= {meta['min']}"
     if "min_exclusive" in meta and value <= meta["min_exclusive"]:
         return f"must be > {meta['min_exclusive']}"
-    if meta.get("pattern") == "job_name" and not JOB_NAME_RE.match(value):
+    if meta.get("pattern") == "job_name" and not JOB_NAME_RE.fullmatch(value):
         return ("must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit "
                 "(it names a folder, so no path separators)")
     if name == "out_dir" and (not value.strip() or "\x00" in value):
         return "must be a folder path (not empty, no NUL character)"
-    if meta.get("pattern") == "model" and not MODEL_RE.match(value):
+    if meta.get("pattern") == "model" and not MODEL_RE.fullmatch(value):
         return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
+    if meta.get("pattern") == "model" and value != "gpt":
+        top = value.split(":")[0].split(".")[0]
+        if top in sys.stdlib_module_names or top == "builtins":
+            return (f"names a function of Python's standard library ({top}): it cannot return a model, and a "
+                    "job file that names code runs that code; name your own model factory")
     return None
 
 
@@ -312,7 +317,7 @@ def validate(values: dict[str, Any], source: str) -> Job:
         if job.nnodes > 1 and not job.rdzv_endpoint:
             problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint,
                                        f"must be host:port when nnodes is {job.nnodes}"))
-        if job.rdzv_endpoint and not re.match(r"^[\w.\-\[\]:]+:\d+$", job.rdzv_endpoint):
+        if job.rdzv_endpoint and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", job.rdzv_endpoint):
             problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint, "must be host:port, e.g. node01:29500"))
     if not bad & {"min_seq_len", "seq_len"} and job.min_seq_len > job.seq_len:
         problems.append(JobProblem("min_seq_len", job.min_seq_len, f"must be <= seq_len ({job.seq_len})"))
@@ -341,9 +346,9 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> Job:
     if not path.is_file():
         raise JobError(str(path), [JobProblem("(file)", str(path), "no such job file")])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise JobError(str(path), [JobProblem("(file)", path.name, f"is not valid YAML: {e}")]) from None
+        data = yamlfile.load(path)
+    except yamlfile.YamlProblem as e:
+        raise JobError(str(path), [JobProblem("(file)", path.name, str(e))]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

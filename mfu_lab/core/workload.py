@@ -130,6 +130,10 @@ def load_user_model(spec: str, kwargs: dict) -> nn.Module:
     kept beside the job (e.g. ``my_models.py``) works without packaging.
     """
     module_name, func_name = spec.split(":")
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top == "builtins":  # validate refuses it too; a Job built by hand may not
+        raise StepError(f"job key 'model' = {spec!r}: names a function of Python's standard library ({top}), which "
+                        "cannot return a model; it is not imported")
     for path in (str(Path.cwd()), str(find_workbook_root())):
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -1,0 +1,114 @@
+"""Attacks a hostile or careless user could make through a job or cluster file, each reproduced (issue 19)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mfu_lab.analysis.cluster_files import ClusterError, load_cluster
+from mfu_lab.core import yamlfile
+from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.job import Job, load_job, validate
+from mfu_lab.core.workload import build_model
+
+from .conftest import ROOT, TINY
+
+
+def mfu_lab(*args, cwd=ROOT, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mfu_lab", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_job_file_cannot_run_a_shell_command_through_the_standard_library(tmp_path):
+    for model in ("subprocess:getoutput", "os:system", "builtins:exec"):
+        job = tmp_path / "evil.yaml"
+        job.write_text(TINY.read_text() + f"model: '{model}'\nmodel_kwargs: {{cmd: 'touch {tmp_path}/pwned'}}\n")
+        p = mfu_lab("validate", str(job), cwd=tmp_path)
+        assert p.returncode == 2, p.stdout
+        assert "standard library" in p.stderr and "valid" not in p.stdout
+        p = mfu_lab("run", str(job), "--steps", "baseline", "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
+        assert p.returncode == 2
+        assert not (tmp_path / "pwned").exists()
+    with pytest.raises(Exception, match="standard library"):  # a Job built by hand is refused at import time too
+        build_model(Job(model="subprocess:getoutput", model_kwargs={"cmd": "true"}))
+
+
+def test_validate_says_which_code_a_job_names_and_does_not_import_it(tmp_path):
+    (tmp_path / "sideeffect.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n"
+                                            "def make():\n    return None\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(TINY.read_text() + "model: sideeffect:make\n"
+                   f"cluster: {ROOT / 'parameters' / 'clusters' / 'example_h100.yaml'}\n")
+    p = mfu_lab("validate", str(job), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "import the module 'sideeffect'" in p.stdout and "make(**model_kwargs)" in p.stdout
+    assert "did not import it" in p.stdout
+    assert not (tmp_path / "imported").exists()
+    assert mfu_lab("keys", cwd=tmp_path).returncode == 0 and not (tmp_path / "imported").exists()
+
+
+def alias_bomb(levels: int) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
+    job = tmp_path / "bomb.yaml"
+    body = alias_bomb(9).replace("\n", "\n  ")
+    job.write_text(TINY.read_text() + "model_kwargs:\n  " + body)
+    t0 = time.perf_counter()
+    p = mfu_lab("validate", str(job), cwd=tmp_path, timeout=60)
+    took = time.perf_counter() - t0
+    assert p.returncode == 2
+    assert "expands to more than 100,000 values" in p.stderr and "bomb.yaml" in p.stderr
+    assert len(p.stdout) + len(p.stderr) < 4000, "the value is never echoed whole"
+    assert took < 60
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(alias_bomb(9))
+    with pytest.raises(ClusterError, match="expands to more than"):
+        load_cluster(cluster)
+
+
+def test_a_recursive_alias_and_an_oversized_file_are_refused(tmp_path):
+    with pytest.raises(yamlfile.YamlProblem, match="recursive alias"):
+        yamlfile.loads("a: &a [1, *a]\n")
+    big = tmp_path / "big.yaml"
+    big.write_text("seed: 0\n" + "# padding\n" * 120_000)
+    with pytest.raises(JobError, match="may hold at most 1,000,000"):
+        load_job(big)
+
+
+def test_a_bad_value_is_never_echoed_whole():
+    text = str(JobProblem("seed", "x" * 10_000, "must be a whole number"))
+    assert len(text) < 250 and "(10,002 characters)" in text
+
+
+def test_a_name_ending_in_a_newline_is_refused():
+    with pytest.raises(JobError, match="job_name"):
+        validate({"job_name": "tiny\n"}, "test")
+    with pytest.raises(JobError, match="model"):
+        validate({"model": "gpt\n"}, "test")
+    with pytest.raises(JobError, match="rdzv_endpoint"):
+        validate({"nnodes": 2, "rdzv_endpoint": "node01:29500\n"}, "test")
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    job = tmp_path / "twice.yaml"
+    job.write_text("job_name: tiny\nmicro_batch: 4\nsteps: 4\nmicro_batch: 8\n")
+    with pytest.raises(JobError, match="key 'micro_batch' is given twice, on lines 2 and 4"):
+        load_job(job)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("gpu: H100 SXM\ngpu: A100\n")
+    with pytest.raises(ClusterError, match="given twice, on lines 1 and 2"):
+        load_cluster(cluster)
+
+
+def test_a_job_file_that_is_not_utf8_is_named(tmp_path):
+    job = tmp_path / "latin1.yaml"
+    job.write_bytes("job_name: caf\xe9\n".encode("latin-1"))
+    p = mfu_lab("validate", str(job), cwd=tmp_path)
+    assert p.returncode == 2
+    assert "latin1.yaml" in p.stderr and "is not UTF-8 text" in p.stderr
