@@ -31,6 +31,7 @@ from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
 from mfu_lab.core.job import FIELDS, Job, load_job
 from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.runstate import JobBusy
 from mfu_lab.core.thresholds import HOT_C
 from mfu_lab.report import export_html, fmt, text_summary, write_index
 from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
@@ -67,7 +68,7 @@ def cmd_run(args) -> int:
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
     failed = run_steps(job, source, steps, quiet=args.quiet, resume=args.resume, keep_going=args.keep_going,
-                       execution_timeout=args.execution_timeout)
+                       execution_timeout=args.execution_timeout, wait=args.wait)
     return EXIT_STEP_FAILED if failed else EXIT_OK
 
 
@@ -78,7 +79,7 @@ def cmd_step(args) -> int:
         check_cluster(job)
     print(f"mfu-lab: {info.folder} for job '{job.job_name}' from {source} (plain Python, no notebook)")
     try:
-        result = run_one_step(info, job, source)
+        result = run_one_step(info, job, source, wait=args.wait)
     except StepExecutionError as e:
         print(f"mfu-lab: {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
         print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the exit code is still 1)")
     r.add_argument("--execution-timeout", type=float, metavar="SECONDS",
                    help="end a notebook cell that runs longer than this; the step is recorded as a timeout")
+    r.add_argument("--wait", action="store_true", help="when another run holds the job's output folder, wait for "
+                   "it to end instead of refusing")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("step", help="run one step in plain Python, without Jupyter")
@@ -200,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--job", help="job file (default: parameters/default.yaml)")
     s.add_argument("--out", help="results folder (overrides out_dir)")
     s.add_argument("-p", "--param", **param)
+    s.add_argument("--wait", action="store_true", help="when another run holds the job's output folder, wait for "
+                   "it to end instead of refusing")
     s.set_defaults(func=cmd_step)
 
     v = sub.add_parser("validate", help="check a job file")
@@ -244,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except JobError as e:
+        print(f"mfu-lab: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except JobBusy as e:
         print(f"mfu-lab: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except MfuLabError as e:

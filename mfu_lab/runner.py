@@ -17,10 +17,10 @@ from pathlib import Path
 
 from mfu_lab.analysis.cluster_files import load_cluster
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id
+from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.registry import BY_KEY, STEPS
-from mfu_lab.core.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running, resumable
+from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_failed, mark_running, resumable
 from mfu_lab.report import export_html, write_index
 
 
@@ -187,19 +187,30 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     return folder / "report.html"
 
 
-def run_one_step(info, job: Job, source: str):
-    """One step in plain Python (no notebook) inside the bracket; its result. A failure raises
-    :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
-    with step_bracket(job, info, source, current_run_id()):
+def run_one_step(info, job: Job, source: str, wait: bool = False):
+    """One step in plain Python (no notebook) inside the bracket, holding the job's folder; its result. A failure
+    raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
+    run_id = current_run_id()
+    with job_lock(job.output_root(), run_id, wait), step_bracket(job, info, source, run_id):
         return info.load().run(job)
 
 
 def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume: bool = False,
-              keep_going: bool = False, execution_timeout: float | None = None) -> list[str]:
-    """Execute the steps' notebooks in order as one run, printing progress; the folders of the steps that failed
-    (after the first failure the rest are skipped unless ``keep_going``)."""
+              keep_going: bool = False, execution_timeout: float | None = None, wait: bool = False) -> list[str]:
+    """Execute the steps' notebooks in order as one run, holding the job's output folder, printing progress;
+    the folders of the steps that failed (after the first failure the rest are skipped unless ``keep_going``).
+    A resumed run keeps the id of the run it goes on with."""
+    job_root = job.output_root()
+    with job_lock(job_root, "(starting)", wait) as holder:
+        run_id = (resumed_run_id(job_root, job.to_dict()) if resume else None) or new_run_id(job_root=job_root)
+        holder(run_id)
+        os.environ[RUN_ENV] = run_id  # the notebooks' kernels inherit it: one run, one id
+        return _run_steps(job, source, steps, run_id, quiet, resume, keep_going, execution_timeout)
+
+
+def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, resume: bool, keep_going: bool,
+               execution_timeout: float | None) -> list[str]:
     root = find_workbook_root()
-    run_id = os.environ[RUN_ENV] = new_run_id()  # the notebooks' kernels inherit it: one run, one id
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
     failed: list[str] = []

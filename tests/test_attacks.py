@@ -112,3 +112,79 @@ def test_a_job_file_that_is_not_utf8_is_named(tmp_path):
     p = mfu_lab("validate", str(job), cwd=tmp_path)
     assert p.returncode == 2
     assert "latin1.yaml" in p.stderr and "is not UTF-8 text" in p.stderr
+
+
+def test_a_second_run_of_the_same_job_is_refused_naming_the_holder_or_waits(tmp_path):
+    import os
+    import threading
+
+    from mfu_lab.core.runstate import job_lock
+
+    root = tmp_path / "tiny"
+    with job_lock(root, "20261130-120000"):
+        p = mfu_lab("step", "baseline", "--job", str(TINY), "--out", str(tmp_path))
+        assert p.returncode == 2
+        assert f"in use by run 20261130-120000 (pid {os.getpid()}" in p.stderr and "--wait" in p.stderr
+        assert not (root / "01_baseline").exists()  # nothing measured, nothing written
+    release = threading.Event()
+
+    def hold():
+        with job_lock(root, "20261130-120001"):
+            release.wait(120)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        waiter = subprocess.Popen([sys.executable, "-m", "mfu_lab", "step", "baseline", "--job", str(TINY), "--out",
+                                   str(tmp_path), "--wait"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        seen = []
+        for line in waiter.stdout:  # the waiting line comes before any work
+            seen.append(line)
+            if "waiting for it to finish (--wait)" in line:
+                break
+        assert "in use by run 20261130-120001" in seen[-1], seen
+        assert waiter.poll() is None and not (root / "01_baseline").exists()
+    finally:
+        release.set()
+        holder.join()
+    out, err = waiter.communicate(timeout=300)
+    assert waiter.returncode == 0, err
+    assert (root / "01_baseline" / "result.json").is_file()
+
+
+def test_two_runs_in_one_second_get_different_ids(tmp_path):
+    import datetime as dt
+
+    from mfu_lab.core.history import new_run_id
+
+    now = dt.datetime(2026, 11, 30, 12, 0, 0, tzinfo=dt.UTC)
+    ids = [new_run_id(now, job_root=tmp_path) for _ in range(3)]
+    assert ids == ["20261130-120000", "20261130-120000-2", "20261130-120000-3"]
+
+
+def test_a_resumed_run_goes_on_with_the_run_that_made_the_same_job(tmp_path):
+    import json
+
+    from mfu_lab.core.history import HISTORY_FILE, job_digest, resumed_run_id
+
+    job = {"job_name": "tiny", "seed": 0}
+    lines = [{"run": "20261130-100000", "step": "baseline", "job_digest": job_digest(job)},
+             {"run": "20261130-110000", "step": "baseline", "job_digest": job_digest({**job, "seed": 1})}]
+    (tmp_path / HISTORY_FILE).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert resumed_run_id(tmp_path, job) == "20261130-100000"
+    assert resumed_run_id(tmp_path, {**job, "seed": 2}) is None
+
+
+def test_resume_does_not_keep_a_result_made_by_edited_code(tmp_path):
+    from mfu_lab.core.files import write_json_atomic
+    from mfu_lab.core.runstate import resumable, workbook_version
+
+    job = Job().to_dict()
+    env = {**workbook_version(), "created_at": "t0"}
+    write_json_atomic(tmp_path / "result.json", {"status": "ok", "job": job, "environment": env})
+    assert resumable(tmp_path, job)[0]
+    write_json_atomic(tmp_path / "result.json", {"status": "ok", "job": job,
+                                                 "environment": {**env, "source_digest": "0" * 12}})
+    keep, why = resumable(tmp_path, job)
+    assert not keep and why.startswith("workbook source changed since it ran (edited files, same commit)")

@@ -135,6 +135,10 @@ def test_keep_going_runs_the_other_steps_and_resume_keeps_what_finished(tmp_path
     assert "01_baseline: runs again (last attempt failed" in p.stdout
     assert fp8.stat().st_mtime_ns == stamp
     assert (tmp_path / "tiny" / "01_baseline" / "result.json").is_file()
+    # the resumed run kept the id of the run it went on with: one run in the history, not two
+    lines = [json.loads(x) for x in (tmp_path / "tiny" / "history.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == ["fp8", "baseline"]
+    assert lines[0]["run"] == lines[1]["run"]
     # a changed parameter would rerun it, saying why (checked without running it: resumable's unit test)
     from mfu_lab.core.job import load_job
 

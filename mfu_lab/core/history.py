@@ -28,18 +28,42 @@ from mfu_lab.core.registry import BY_KEY, STEPS
 HISTORY_FILE = "history.jsonl"
 RUNS_DIR = "runs"
 RUN_ENV = "MFU_LAB_RUN_ID"
-_RUN_ID = re.compile(r"^\d{8}-\d{6}(-\d+)?$")
+_RUN_ID = re.compile(r"\d{8}-\d{6}(-\d+)?")
 
 
-def new_run_id(now: _dt.datetime | None = None) -> str:
-    """A run id that sorts by time: ``YYYYMMDD-HHMMSS`` (UTC)."""
-    return (now or _dt.datetime.now(_dt.UTC)).strftime("%Y%m%d-%H%M%S")
+def new_run_id(now: _dt.datetime | None = None, job_root: Path | None = None) -> str:
+    """A run id that sorts by time: ``YYYYMMDD-HHMMSS`` (UTC). Given the job's folder, the id is reserved there
+    (``runs/<id>/`` made with an exclusive mkdir), with ``-2``, ``-3``... when another run took it in the same
+    second, so two runs never share an id."""
+    base = (now or _dt.datetime.now(_dt.UTC)).strftime("%Y%m%d-%H%M%S")
+    if job_root is None:
+        return base
+    runs_dir = Path(job_root) / RUNS_DIR
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        rid = base if n == 1 else f"{base}-{n}"
+        try:
+            (runs_dir / rid).mkdir()
+            return rid
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run id under {runs_dir} for {base}")  # pragma: no cover - 10,000 in a second
+
+
+def resumed_run_id(job_root: Path, job_dict: dict[str, Any]) -> str | None:
+    """The run a ``--resume`` goes on with: the latest run in the job's history made with the same parameters,
+    so that a resumed run keeps its id (and ``compare previous latest`` and ``history`` see one run)."""
+    digest = job_digest(job_dict)
+    for line in reversed(load_history(job_root)):
+        if line.get("job_digest") == digest and _RUN_ID.fullmatch(str(line.get("run", ""))):
+            return line["run"]
+    return None
 
 
 def current_run_id() -> str:
     """The run this process belongs to: ``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it, else a new id."""
     rid = os.environ.get(RUN_ENV, "")
-    return rid if _RUN_ID.match(rid) else new_run_id()
+    return rid if _RUN_ID.fullmatch(rid) else new_run_id()
 
 
 def job_digest(job_dict: dict[str, Any]) -> str:

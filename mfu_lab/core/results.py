@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
+import hashlib
 import math
 import platform
 import subprocess
@@ -122,12 +124,27 @@ def git_commit(path: Path | None = None) -> str:
         return "unknown"
 
 
+@functools.cache
+def source_digest() -> str:
+    """12 hex digits of the workbook's own source: every file of the package (code and templates) and the step
+    notebooks. Two checkouts with the same digest run the same code, committed or not."""
+    package = Path(__file__).resolve().parents[1]
+    files = sorted(p for p in package.rglob("*") if p.is_file() and p.suffix in (".py", ".j2", ".css", ".json"))
+    notebooks = package.parent / "notebooks"
+    files += sorted(notebooks.glob("*.ipynb")) if notebooks.is_dir() else []
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.relative_to(package.parent).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def environment(device_name: str, device_type: str) -> dict[str, Any]:
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "mfu_lab": __version__,
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
         "platform": platform.platform(),
         "hostname": platform.node(),
         "device_type": device_type,

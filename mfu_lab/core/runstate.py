@@ -13,7 +13,10 @@ step leaves the previous result, never half of a new one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
+import json
 import os
 import platform
 from dataclasses import dataclass
@@ -21,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.core import __version__
+from mfu_lab.core.errors import MfuLabError
 from mfu_lab.core.files import RESULT_FILE, read_json, write_json_atomic
 from mfu_lab.core.history import job_changes, job_digest
-from mfu_lab.core.results import git_commit
+from mfu_lab.core.results import git_commit, source_digest
 
 RUNNING_FILE = "running.json"
 FAILURE_FILE = "failure.json"
@@ -92,8 +96,64 @@ def step_state(folder: Path, result: dict | None = None) -> StepState:
     return StepState("not run")
 
 
+LOCK_FILE = ".lock"
+
+
+class JobBusy(MfuLabError):
+    """Another run holds the job's output folder."""
+
+
+@contextlib.contextmanager
+def job_lock(job_root: Path, run_id: str, wait: bool = False, say=None):
+    """Hold the job's output folder for the length of a run (an exclusive ``flock`` on ``<job>/.lock``); yields
+    ``holder(run_id)``, which rewrites the run named in the lock once it is known.
+
+    Two runs of one job at once would overwrite each other's results and spoil each other's measurements on a
+    shared device: a second run is refused, naming the run and pid that hold the folder, or waits (``wait``).
+    The lock goes with the process: a killed run leaves no stale lock behind.
+    """
+    job_root = Path(job_root)
+    job_root.mkdir(parents=True, exist_ok=True)
+    f = open(job_root / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the with-block
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            try:
+                holder = json.loads(f.read() or "{}")
+            except ValueError:
+                holder = {}
+            who = (f"run {holder.get('run', '?')} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+                   f"since {holder.get('since', '?')})")
+            if not wait:
+                raise JobBusy(f"{job_root} is in use by {who}: two runs of one job at once would overwrite each "
+                              "other's results and spoil each other's measurements. Wait for it to finish, stop "
+                              "it, or add --wait to start when it ends.") from None
+            msg = f"{job_root} is in use by {who}; waiting for it to finish (--wait)"
+            if say is None:
+                print(f"mfu-lab: {msg}", flush=True)
+            else:
+                say(msg)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        since = _now()
+
+        def holder(rid: str) -> None:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps({"run": rid, "pid": os.getpid(), "host": platform.node(), "since": since}))
+            f.flush()
+
+        holder(run_id)
+        yield holder
+    finally:
+        f.close()  # releases the lock
+
+
 def workbook_version() -> dict[str, str]:
-    return {"mfu_lab": __version__, "git_commit": git_commit().removesuffix("+dirty")}
+    """The workbook's identity: its version, its commit, and a digest of its source (so that an edited checkout,
+    whose commit is the same, is a different workbook)."""
+    return {"mfu_lab": __version__, "git_commit": git_commit().removesuffix("+dirty"), "source_digest": source_digest()}
 
 
 def resumable(folder: Path, job_dict: dict[str, Any]) -> tuple[bool, str]:
@@ -112,4 +172,7 @@ def resumable(folder: Path, job_dict: dict[str, Any]) -> tuple[bool, str]:
     was = str(env.get("git_commit", "")).removesuffix("+dirty")
     if was != now["git_commit"]:
         return False, f"workbook commit changed: {was[:12]} -> {now['git_commit'][:12]}"
+    if env.get("source_digest") != now["source_digest"]:
+        return False, ("workbook source changed since it ran (edited files, same commit): source digest "
+                       f"{env.get('source_digest') or 'not recorded'} -> {now['source_digest']}")
     return True, f"kept: finished {env.get('created_at')} with the same parameters and workbook"
