@@ -27,6 +27,7 @@ import yaml
 
 from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
+from mfu_lab.core.files import JOB_MARKER, is_job_root
 from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
 from mfu_lab.core.job import FIELDS, Job, load_job
@@ -113,6 +114,11 @@ def cmd_report(args) -> int:
     root = Path(args.job_dir)
     if not root.is_dir():
         raise JobError("command line", [JobProblem("JOB_DIR", str(root), "no such folder")])
+    if not is_job_root(root):
+        raise JobError("command line", [JobProblem("JOB_DIR", str(root), "holds no mfu-lab results (no "
+                                                   f"{JOB_MARKER} marker, no run history, no step result): "
+                                                   "mfu-lab report rewrites index.html only in a folder a run "
+                                                   "made, e.g. outputs/<job_name>")])
     for info in STEPS:
         nb = root / info.folder / info.notebook
         if nb.is_file():

@@ -188,3 +188,17 @@ def test_resume_does_not_keep_a_result_made_by_edited_code(tmp_path):
                                                  "environment": {**env, "source_digest": "0" * 12}})
     keep, why = resumable(tmp_path, job)
     assert not keep and why.startswith("workbook source changed since it ran (edited files, same commit)")
+
+
+def test_report_rewrites_no_index_in_a_folder_no_run_made(tmp_path):
+    page = tmp_path / "index.html"
+    page.write_text("<p>someone else's page</p>")
+    p = mfu_lab("report", str(tmp_path))
+    assert p.returncode == 2
+    assert "holds no mfu-lab results" in p.stderr and ".mfu-lab marker" in p.stderr
+    assert page.read_text() == "<p>someone else's page</p>"
+    from mfu_lab.core.files import JOB_MARKER, is_job_root, mark_job_root
+
+    assert not is_job_root(tmp_path)
+    mark_job_root(tmp_path / "job")
+    assert (tmp_path / "job" / JOB_MARKER).is_file() and is_job_root(tmp_path / "job")

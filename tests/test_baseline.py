@@ -39,7 +39,9 @@ def test_baseline_result_is_complete_and_consistent(tiny_job):
 def test_slow_loader_shows_as_software_loss_and_advice(tiny_job):
     job = dataclasses.replace(tiny_job, synthetic_load_ms=40.0)
     r = baseline.run(job, progress=lambda *a: None, write=False)
-    assert r.metric("data_wait_fraction") > 0.2
+    # the injected 40 ms sleep against the measured wait: true however busy the machine is (a share is not)
+    assert min(r.timings.measured("data_s")) >= 0.040
+    assert r.metric("data_wait_fraction") > 0.03  # above the advice's limit unless a step took over 1.3 s
     assert r.ledger.get("software").fraction >= r.metric("data_wait_fraction")
     act = [a for a in r.advice if a.severity == "act" and "num_workers" in a.message]
     assert act and "data wait" in act[0].because

@@ -55,6 +55,28 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+JOB_MARKER = ".mfu-lab"  # in every job output folder the workbook made; commands that rewrite a folder check it
+
+
+def mark_job_root(job_root: Path) -> Path:
+    """Make the job's output folder (if needed) and mark it as the workbook's."""
+    job_root = Path(job_root)
+    marker = job_root / JOB_MARKER
+    if not marker.is_file():
+        write_atomic(marker, "This folder holds mfu-lab results; mfu-lab report may rewrite its HTML.\n")
+    return job_root
+
+
+def is_job_root(folder: Path) -> bool:
+    """Whether the workbook made ``folder``: its marker, or (made before the marker existed) a run history or a
+    step folder with a result or a run marker in it."""
+    folder = Path(folder)
+    if (folder / JOB_MARKER).is_file() or (folder / "history.jsonl").is_file():
+        return True
+    return any((folder / info.folder / name).is_file() for info in STEPS
+               for name in (RESULT_FILE, "failure.json", "running.json"))
+
+
 def result_path(job_root: Path, key: str) -> Path:
     return Path(job_root) / BY_KEY[key].folder / RESULT_FILE
 

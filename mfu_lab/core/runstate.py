@@ -25,7 +25,7 @@ from typing import Any
 
 from mfu_lab.core import __version__
 from mfu_lab.core.errors import MfuLabError
-from mfu_lab.core.files import RESULT_FILE, read_json, write_json_atomic
+from mfu_lab.core.files import RESULT_FILE, mark_job_root, read_json, write_json_atomic
 from mfu_lab.core.history import job_changes, job_digest
 from mfu_lab.core.results import git_commit, source_digest
 
@@ -112,8 +112,7 @@ def job_lock(job_root: Path, run_id: str, wait: bool = False, say=None):
     shared device: a second run is refused, naming the run and pid that hold the folder, or waits (``wait``).
     The lock goes with the process: a killed run leaves no stale lock behind.
     """
-    job_root = Path(job_root)
-    job_root.mkdir(parents=True, exist_ok=True)
+    job_root = mark_job_root(job_root)
     f = open(job_root / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the with-block
     try:
         try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.files import RESULT_FILE, read_json, write_json_atomic
+from mfu_lab.core.files import RESULT_FILE, mark_job_root, read_json, write_json_atomic
 from mfu_lab.core.history import record
 from mfu_lab.core.registry import BY_KEY
 
@@ -54,6 +54,7 @@ def earlier(job, key: str) -> Earlier:
 def save(job, key: str, result) -> Path:
     """Write a step's result.json atomically and its run-history line, then tell the AFTER_SAVE hooks."""
     info = BY_KEY[key]
+    mark_job_root(job.output_root())
     path = write_json_atomic(job.step_dir(info.folder) / RESULT_FILE, result)
     record(job.output_root(), info.folder, info.key, read_json(path))
     for hook in AFTER_SAVE:
