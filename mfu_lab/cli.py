@@ -37,7 +37,15 @@ from mfu_lab.core.thresholds import HOT_C
 from mfu_lab.report import export_html, fmt, text_summary, write_index
 from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
 from mfu_lab.report.format import compare_text
-from mfu_lab.runner import check_cluster, resolve_job, run_one_step, run_steps, select_steps
+from mfu_lab.runner import (
+    check_cluster,
+    check_output_folder,
+    filesystem_problem,
+    resolve_job,
+    run_one_step,
+    run_steps,
+    select_steps,
+)
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -93,7 +101,8 @@ def cmd_step(args) -> int:
 def cmd_validate(args) -> int:
     job = load_job(args.job, parse_overrides(args.param))
     check_cluster(job)
-    print(f"{args.job}: valid (cluster file {job.cluster}: valid)")
+    check_output_folder(job, args.job)
+    print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable)")
     if not job.uses_reference_model:
         module, func = job.model.split(":")
         print(f"note: this job names code. Every step will import the module '{module}' (from the workbook root, "
@@ -263,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     except MfuLabError as e:
         print(f"mfu-lab: error: {e}", file=sys.stderr)
         return EXIT_STEP_FAILED
+    except OSError as e:  # a folder or file the command needed could not be read or written
+        print(f"mfu-lab: {filesystem_problem(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("mfu-lab: interrupted; finished steps are kept, the interrupted one is marked interrupted "
               "(mfu-lab run --resume goes on from there)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from mfu_lab.analysis.cluster_files import load_cluster
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
+from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
+from mfu_lab.core.files import load_results
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.registry import BY_KEY, STEPS
@@ -24,16 +27,46 @@ from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_fa
 from mfu_lab.report import export_html, write_index
 
 
+def filesystem_problem(e: OSError) -> str:
+    """An operating-system error in words: the path, what went wrong, what to do."""
+    where = f"{e.filename}: " if e.filename else ""
+    return (f"{where}{e.strerror or e} ({type(e).__name__}): check that the folder can be written (permissions, "
+            "free space, a file standing where a folder should be), or choose another out_dir (--out DIR)")
+
+
+def check_output_folder(job: Job, source: str) -> None:
+    """Refuse, before any work, an output folder that cannot be made or written: a file where a folder of the
+    path should be, or a folder where no file can be created (a read-only disk). Nothing is left behind."""
+    target = job.output_root()
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    why = ""
+    if not probe.is_dir():
+        why = f"{probe} is a file, not a folder, so {target} cannot be made"
+    else:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".mfu-lab-probe-", dir=probe)
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as e:
+            why = f"nothing can be written in {probe} ({e.strerror})"
+    if why:
+        raise JobError(source, [JobProblem("out_dir", job.out_dir, f"{why}; choose another out_dir (--out DIR)")])
+
+
 def resolve_job(path: str | None, overrides: dict, out: str | None) -> tuple[Job, str]:
     """The job to run and where it came from: a file, or the embedded default job."""
     if out:
         overrides = {**overrides, "out_dir": str(Path(out).resolve())}
     if path:
-        return load_job(path, overrides), path
-    default = find_workbook_root() / "parameters" / "default.yaml"
-    if default.is_file():
-        return load_job(default, overrides), str(default)
-    return validate(overrides, "embedded default job"), "embedded default job"
+        job, source = load_job(path, overrides), path
+    elif (default := find_workbook_root() / "parameters" / "default.yaml").is_file():
+        job, source = load_job(default, overrides), str(default)
+    else:
+        job, source = validate(overrides, "embedded default job"), "embedded default job"
+    check_output_folder(job, source)
+    return job, source
 
 
 def select_steps(spec: str | None) -> list:
@@ -110,7 +143,7 @@ def _mark_timeout(notebook: Path, limit: float, preview: str) -> str:
     return where
 
 
-def _failure(exc: BaseException, notebook: Path | None, limit: float | None) -> tuple[str, str, str]:
+def _failure(exc: BaseException, notebook: Path | None, limit: float | None, job: Job) -> tuple[str, str, str]:
     """``(status, ename, evalue)`` recorded for a step that raised ``exc``, in each path's own words: papermill
     reports the failing cell's error name and value; a plain-Python step its exception's type and message."""
     if isinstance(exc, KeyboardInterrupt):
@@ -121,7 +154,14 @@ def _failure(exc: BaseException, notebook: Path | None, limit: float | None) -> 
         where = _mark_timeout(notebook, limit, _timed_out_preview(str(exc))) if notebook.is_file() else "a cell"
         return "timeout", "Timeout", (f"a cell ran longer than --execution-timeout {limit:g} s: "
                                       f"{where}; the cells after it did not run")
-    return "failed", getattr(exc, "ename", None) or type(exc).__name__, getattr(exc, "evalue", None) or str(exc)
+    ename = getattr(exc, "ename", None) or type(exc).__name__
+    evalue = getattr(exc, "evalue", None) or str(exc)
+    if ename == "DeadKernelError" or "Kernel died" in evalue:
+        figs = memory_figures()
+        evalue += (" -- the notebook's kernel process died without an error of its own; the usual cause is the "
+                   "machine running out of memory (the kernel's OOM killer ends the largest process). Memory now: "
+                   f"{format_memory(figs)}. Try: " + "; ".join(oom_advice(job) or ["a smaller job"]))
+    return "failed", ename, evalue
 
 
 def fresh_step_folder(job: Job, info) -> Path:
@@ -150,7 +190,7 @@ def step_bracket(job: Job, info, source: str, run_id: str, notebook: Path | None
     try:
         yield folder
     except BaseException as exc:  # PapermillExecutionError, CellTimeoutError, KeyboardInterrupt, kernel death...
-        status, ename, evalue = _failure(exc, notebook, limit)
+        status, ename, evalue = _failure(exc, notebook, limit, job)
         where = {"notebook": str(notebook)} if notebook is not None else {}
         mark_failed(folder, info.key, status, f"{ename}: {evalue}", job_file=source, **where)
         if notebook is not None and notebook.is_file():
@@ -187,11 +227,23 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     return folder / "report.html"
 
 
+def warn_damaged(job: Job) -> list[str]:
+    """Name every damaged result of the job before work starts (the run goes on: a later step treats a damaged
+    result as one that has not run); the warnings, as printed."""
+    damaged: dict = {}
+    load_results(job.output_root(), damaged)
+    lines = [f"mfu-lab: warning: {e}; going on without it" for e in damaged.values()]
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return lines
+
+
 def run_one_step(info, job: Job, source: str, wait: bool = False):
     """One step in plain Python (no notebook) inside the bracket, holding the job's folder; its result. A failure
     raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
     run_id = current_run_id()
     with job_lock(job.output_root(), run_id, wait), step_bracket(job, info, source, run_id):
+        warn_damaged(job)
         return info.load().run(job)
 
 
@@ -204,6 +256,7 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
     with job_lock(job_root, "(starting)", wait) as holder:
         run_id = (resumed_run_id(job_root, job.to_dict()) if resume else None) or new_run_id(job_root=job_root)
         holder(run_id)
+        warn_damaged(job)
         os.environ[RUN_ENV] = run_id  # the notebooks' kernels inherit it: one run, one id
         return _run_steps(job, source, steps, run_id, quiet, resume, keep_going, execution_timeout)
 
@@ -224,9 +277,12 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
         print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
         try:
             html = execute_step(info, job, source, root, quiet, execution_timeout)
-        except StepExecutionError as e:
-            print(f"[{n}/{len(steps)}] {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
-            print(f"    executed notebook (with the error): {e.notebook}", file=sys.stderr)
+        except (StepExecutionError, OSError) as e:
+            if isinstance(e, StepExecutionError):
+                print(f"[{n}/{len(steps)}] {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
+                print(f"    executed notebook (with the error): {e.notebook}", file=sys.stderr)
+            else:  # the step's folder or files could not be written: nothing of the step ran
+                print(f"[{n}/{len(steps)}] {info.folder} FAILED: {filesystem_problem(e)}", file=sys.stderr)
             print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
             failed.append(info.folder)
             if not keep_going:

@@ -1,5 +1,6 @@
 """Attacks a hostile or careless user could make through a job or cluster file, each reproduced (issue 19)."""
 
+import json
 import subprocess
 import sys
 import time
@@ -202,3 +203,81 @@ def test_report_rewrites_no_index_in_a_folder_no_run_made(tmp_path):
     assert not is_job_root(tmp_path)
     mark_job_root(tmp_path / "job")
     assert (tmp_path / "job" / JOB_MARKER).is_file() and is_job_root(tmp_path / "job")
+
+
+def test_a_damaged_file_is_named_and_blocks_nothing_that_does_not_depend_on_it(tmp_path):
+    out, root = str(tmp_path), tmp_path / "tiny"
+    assert mfu_lab("step", "baseline", "--job", str(TINY), "--out", out).returncode == 0
+    result = root / "01_baseline" / "result.json"
+    result.write_text(result.read_text()[:200])  # truncated, as by a full disk
+    (root / "02_attention_and_comm").mkdir()
+    (root / "02_attention_and_comm" / "failure.json").write_text('{"status": "fai')
+    with open(root / "history.jsonl", "ab") as f:  # a line in another encoding, one with fields of the wrong type
+        f.write('{"run": "caf\xe9", "step": "x"}\n'.encode("latin-1"))
+        f.write(b'{"run": 1, "step": ["baseline"], "metrics": "mfu"}\n')
+
+    p = mfu_lab("report", out + "/tiny")
+    assert p.returncode == 0, p.stderr
+    index = (root / "index.html").read_text()
+    assert "damaged" in index and "rerun step 1 (baseline)" in index
+    assert "failure record is damaged" in index
+    p = mfu_lab("history", out + "/tiny")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+
+    p = mfu_lab("step", "kernels", "--job", str(TINY), "--out", out, "-p", "profile_ddp=false")
+    assert p.returncode == 0, p.stderr
+    assert f"warning: {result} is damaged (not complete JSON" in p.stderr and "going on without it" in p.stderr
+    assert (root / "03_kernels" / "result.json").is_file()
+
+    p = mfu_lab("run", str(TINY), "--steps", "baseline", "--out", out, "-q", "--resume")
+    assert p.returncode == 0, p.stderr
+    assert "01_baseline: runs again" in p.stdout and "is damaged" in p.stdout
+    assert json.loads(result.read_text())["metrics"]["mfu"]["value"] > 0
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    p = mfu_lab("validate", str(TINY), "-p", f"out_dir={blocker}")
+    assert p.returncode == 2
+    assert "key 'out_dir'" in p.stderr and "is a file, not a folder" in p.stderr
+    p = mfu_lab("run", str(TINY), "--steps", "baseline", "--out", str(blocker), "-q")
+    assert p.returncode == 2 and "is a file, not a folder" in p.stderr and "Traceback" not in p.stderr
+
+    from mfu_lab import runner
+
+    def read_only(*a, **k):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(runner.tempfile, "mkstemp", read_only)
+    with pytest.raises(JobError, match="nothing can be written in .*Read-only file system"):
+        runner.check_output_folder(Job(out_dir=str(tmp_path / "new" / "deeper")), "job.yaml")
+    assert not (tmp_path / "new").exists()
+
+
+def test_keep_going_goes_past_a_step_whose_folder_cannot_be_written(tmp_path):
+    root = tmp_path / "tiny"
+    root.mkdir()
+    (root / "01_baseline").write_text("a file where the step's folder should be")
+    p = mfu_lab("run", str(TINY), "--steps", "baseline,kernels", "--out", str(tmp_path), "-q", "--keep-going",
+                "-p", "profile_ddp=false")
+    assert p.returncode == 1, p.stderr
+    assert "01_baseline FAILED:" in p.stderr and "choose another out_dir" in p.stderr and "Traceback" not in p.stderr
+    assert (root / "03_kernels" / "result.json").is_file()
+
+
+def test_smaller_ones_nan_wording_infinite_buckets_and_a_dead_kernel(tmp_path):
+    from mfu_lab.core.faults import NonFiniteLoss
+    from mfu_lab.runner import _failure
+
+    text = str(NonFiniteLoss(3, float("nan")))
+    assert "training step 3" in text and "stopped" not in text  # all steps may have run before the check
+    with pytest.raises(JobError, match="finite number > 0"):
+        validate({"comm_bucket_mb": [float("inf")]}, "test")
+
+    class DeadKernelError(RuntimeError):
+        pass
+
+    status, ename, evalue = _failure(DeadKernelError("Kernel died"), tmp_path / "nb.ipynb", None, Job(micro_batch=8))
+    assert status == "failed" and ename == "DeadKernelError"
+    assert "running out of memory" in evalue and "Memory now: host: total" in evalue and "micro_batch: 4" in evalue

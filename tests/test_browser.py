@@ -32,6 +32,8 @@ def test_a_broken_page_is_caught(tmp_path, chromium):
     assert any("boom" in m for m in c.console_errors) and any("undefined_function" in m for m in c.console_errors)
     assert any("nope.png" in u for u in c.failed_requests)
     assert any("example.invalid" in u for u in c.external_requests)
+    # the page's own request off the machine never left it: aborted by the checker, not failed by the network
+    assert any("example.invalid" in u and "ERR_BLOCKED_BY_CLIENT" in u for u in c.failed_requests), c.failed_requests
     assert set(c.broken_images) == {"missing", "remote"}
     assert Path(c.screenshot).stat().st_size > 0
 

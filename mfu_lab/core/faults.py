@@ -34,9 +34,9 @@ class OutOfMemory(StepError):
 class NonFiniteLoss(StepError):
     def __init__(self, step_index: int, value: float, where: str = ""):
         self.step_index, self.value = step_index, value
-        super().__init__(f"the loss became {value} at training step {step_index}{where}: the measurement stopped "
-                         "there. Usual causes: a learning rate too high for this precision, float16 without loss "
-                         "scaling (use bfloat16), or bad data; rerun the step after fixing it.")
+        super().__init__(f"the loss became {value} at training step {step_index}{where}, so no figure measured "
+                         "from these steps is kept. Usual causes: a learning rate too high for this precision, "
+                         "float16 without loss scaling (use bfloat16), or bad data; rerun the step after fixing it.")
 
 
 def check_losses(losses: list[float], where: str = "") -> None:
@@ -96,7 +96,7 @@ def oom_advice(job) -> list[str]:
     return out
 
 
-def _format(figs: dict[str, Any]) -> str:
+def format_memory(figs: dict[str, Any]) -> str:
     parts = []
     for dev, f in figs.items():
         parts.append(dev + ": " + ", ".join(f"{k.removesuffix('_gib')} {v:.2f} GiB" for k, v in f.items()))
@@ -134,7 +134,7 @@ def guarded(step: str):
                 figs = memory_figures()
                 advice = oom_advice(job)
                 msg = (f"step {step} ran out of memory ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
-                       f"Memory at the time: {_format(figs)}. Try, in the job file: " + "; ".join(advice or [
+                       f"Memory at the time: {format_memory(figs)}. Try, in the job file: " + "; ".join(advice or [
                            "a smaller model or a device with more memory"]))
                 raise OutOfMemory(msg, figs) from exc
 

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core.errors import MfuLabError
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import jsonable
 
@@ -51,8 +52,35 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     return write_atomic(path, json.dumps(jsonable(data), indent=2, allow_nan=False) + "\n")
 
 
+class DamagedFile(MfuLabError, ValueError):
+    """A stored file that cannot be read back (truncated, another encoding, not a JSON object). Names the file;
+    ``what_to_do`` says how to get a good one back."""
+
+    def __init__(self, path: Path, why: str, what_to_do: str = ""):
+        self.path, self.why = Path(path), why
+        self.what_to_do = what_to_do or _what_to_do(self.path)
+        super().__init__(f"{self.path} is damaged ({why}): {self.what_to_do}")
+
+
+def _what_to_do(path: Path) -> str:
+    info = next((s for s in STEPS if s.folder == path.parent.name), None)
+    if info is None:
+        return "delete or restore it"
+    return f"step {info.number}'s {path.name} is damaged: rerun step {info.number} ({info.key})"
+
+
 def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """A stored JSON object; a file that cannot be read as one raises :class:`DamagedFile` naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DamagedFile(path, f"not UTF-8 text at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise DamagedFile(path, f"not complete JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise DamagedFile(path, f"a JSON {type(data).__name__}, not an object")
+    return data
 
 
 JOB_MARKER = ".mfu-lab"  # in every job output folder the workbook made; commands that rewrite a folder check it
@@ -81,11 +109,16 @@ def result_path(job_root: Path, key: str) -> Path:
     return Path(job_root) / BY_KEY[key].folder / RESULT_FILE
 
 
-def load_results(job_root: Path) -> dict[str, dict[str, Any]]:
-    """Every step's result.json under a job's output folder (or a run's copy of one), by step key."""
+def load_results(job_root: Path, damaged: dict[str, DamagedFile] | None = None) -> dict[str, dict[str, Any]]:
+    """Every step's result.json under a job's output folder (or a run's copy of one), by step key. A damaged one
+    is left out (and put in ``damaged`` when given): the other steps' results do not depend on it."""
     out = {}
     for info in STEPS:
         p = Path(job_root) / info.folder / RESULT_FILE
         if p.is_file():
-            out[info.key] = read_json(p)
+            try:
+                out[info.key] = read_json(p)
+            except DamagedFile as e:
+                if damaged is not None:
+                    damaged[info.key] = e
     return out

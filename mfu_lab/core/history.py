@@ -104,19 +104,29 @@ def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_i
 
 
 def load_history(job_root: Path) -> list[dict[str, Any]]:
-    """Every line of the job's history, oldest first; a line that is not JSON (a torn write) is skipped."""
+    """Every line of the job's history, oldest first. A line that is not a history line (a torn write, another
+    encoding, fields of the wrong type) is skipped: the others do not depend on it."""
     path = Path(job_root) / HISTORY_FILE
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for raw in path.read_bytes().splitlines():
         try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
+            d = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if isinstance(d, dict) and "run" in d and "step" in d:
+        if _is_history_line(d):
             out.append(d)
     return out
+
+
+def _is_history_line(d: Any) -> bool:
+    if not (isinstance(d, dict) and isinstance(d.get("run"), str) and isinstance(d.get("step"), str)):
+        return False
+    metrics = d.get("metrics", {})
+    return isinstance(metrics, dict) and all(
+        isinstance(m, dict) and (m.get("value") is None or isinstance(m.get("value"), (int, float)))
+        for m in metrics.values())
 
 
 def runs(job_root: Path) -> dict[str, dict[str, dict[str, Any]]]:
@@ -152,7 +162,8 @@ def resolve_run(spec: str, job_root: Path | None) -> Run:
         raise JobError("command line (compare)", [JobProblem(
             "RUN", spec, f"is neither a folder nor a run of {job_root or 'a job'} (no {RUNS_DIR}/ folder there; "
             "give --job-dir outputs/<job_name>)")])
-    ids = sorted(p.name for p in (Path(job_root) / RUNS_DIR).iterdir() if p.is_dir())
+    ids = sorted(p.name for p in (Path(job_root) / RUNS_DIR).iterdir()  # runs that kept a result
+                 if p.is_dir() and any(p.glob(f"*/{RESULT_FILE}")))
     if spec in ("latest", "previous"):
         need = 1 if spec == "latest" else 2
         if len(ids) < need:

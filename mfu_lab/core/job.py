@@ -248,8 +248,9 @@ def _type_problem(name: str, value: Any) -> tuple[Any, str | None]:
 
 def _items_problem(kind: str, items: list) -> str | None:
     for v in items:
-        if kind == "positive_number" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-            return f"item {v!r}: every item must be a number > 0"
+        if kind == "positive_number" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                                          or not math.isfinite(v)):
+            return f"item {v!r}: every item must be a finite number > 0"
         if kind == "hook" and v not in COMM_HOOKS:
             return f"item {v!r}: every item must be one of {', '.join(COMM_HOOKS)}"
         if kind == "name" and (not isinstance(v, str) or not v):

@@ -25,7 +25,7 @@ from typing import Any
 
 from mfu_lab.core import __version__
 from mfu_lab.core.errors import MfuLabError
-from mfu_lab.core.files import RESULT_FILE, mark_job_root, read_json, write_json_atomic
+from mfu_lab.core.files import RESULT_FILE, DamagedFile, mark_job_root, read_json, write_json_atomic
 from mfu_lab.core.history import job_changes, job_digest
 from mfu_lab.core.results import git_commit, source_digest
 
@@ -65,7 +65,7 @@ def _alive(pid: int) -> bool:
 
 @dataclass
 class StepState:
-    status: str  # ok | failed | interrupted | timeout | running | not run
+    status: str  # ok | failed | interrupted | timeout | running | damaged | not run
     detail: str = ""
     result: dict | None = None
 
@@ -73,8 +73,12 @@ class StepState:
 def step_state(folder: Path, result: dict | None = None) -> StepState:
     """The state of one step folder, from its markers and result (``result``: already read by the caller)."""
     folder = Path(folder)
+    damaged = ""
     if result is None and (folder / RESULT_FILE).is_file():
-        result = read_json(folder / RESULT_FILE)
+        try:
+            result = read_json(folder / RESULT_FILE)
+        except DamagedFile as e:
+            damaged = str(e)
     running = folder / RUNNING_FILE
     if running.is_file():
         try:
@@ -88,9 +92,14 @@ def step_state(folder: Path, result: dict | None = None) -> StepState:
         return StepState("interrupted", f"started {r.get('started_at')}{where} and never finished: the process "
                          "was killed or the node lost" + ("; the previous result is kept" if result else ""), result)
     if (folder / FAILURE_FILE).is_file():
-        f = read_json(folder / FAILURE_FILE)
+        try:
+            f = read_json(folder / FAILURE_FILE)
+        except DamagedFile as e:
+            f = {"status": "failed", "error": f"the step failed, and its failure record is damaged ({e.why})"}
         kept = "; the previous result is kept" if result else ""
-        return StepState(f.get("status", "failed"), f.get("error", "") + kept, result)
+        return StepState(str(f.get("status", "failed")), str(f.get("error", "")) + kept, result)
+    if damaged:
+        return StepState("damaged", damaged)
     if result:
         return StepState("ok", "", result)
     return StepState("not run")
@@ -159,6 +168,8 @@ def resumable(folder: Path, job_dict: dict[str, Any]) -> tuple[bool, str]:
     """(True, why) when the step's result can be kept: it finished, for the same job parameters, with the same
     workbook version (package version and git commit); else (False, why it must run again)."""
     st = step_state(folder)
+    if st.status == "damaged":
+        return False, st.detail
     if st.status != "ok" or st.result is None:
         return False, {"not run": "no result yet"}.get(st.status, f"last attempt {st.status}: {st.detail}")
     r = st.result

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.files import RESULT_FILE, mark_job_root, read_json, write_json_atomic
+from mfu_lab.core.files import RESULT_FILE, DamagedFile, mark_job_root, read_json, write_json_atomic
 from mfu_lab.core.history import record
 from mfu_lab.core.registry import BY_KEY
 
@@ -48,7 +48,10 @@ def earlier(job, key: str) -> Earlier:
     path = Path(job.output_root()) / info.folder / RESULT_FILE
     if not path.is_file():
         return Earlier(key, None, f"step {info.number} ({key}) has not run for this job", path)
-    return Earlier(key, read_json(path), "", path)
+    try:
+        return Earlier(key, read_json(path), "", path)
+    except DamagedFile as e:  # later steps go on as if it had not run, and say why
+        return Earlier(key, None, str(e), path)
 
 
 def save(job, key: str, result) -> Path:
