@@ -9,6 +9,7 @@ kept; the job's index page is refreshed either way.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -25,6 +26,24 @@ from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_failed, mark_running, resumable
 from mfu_lab.report import export_html, write_index
+
+KERNEL_FILES = ".kernels"
+
+
+@contextmanager
+def kernel_files_in(folder: Path) -> Iterator[Path]:
+    """Keep the notebook kernel's connection file (its ports and key, which jupyter_client writes with
+    ``tempfile.mkstemp``) in the job's own folder rather than the machine's temp folder, and remove it after.
+    A killed run leaves its file there; the next run of the job (holding the job's lock, so no other kernel of
+    this job is alive) removes it first."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    before, tempfile.tempdir = tempfile.tempdir, str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def filesystem_problem(e: OSError) -> str:
@@ -219,7 +238,8 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     if not src.is_file():
         raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
     params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
-    with step_bracket(job, info, source, current_run_id(), notebook=out_nb, limit=execution_timeout):
+    with step_bracket(job, info, source, current_run_id(), notebook=out_nb, limit=execution_timeout), \
+            kernel_files_in(job.output_root() / KERNEL_FILES):
         # The kernel's printed lines (the steps' own progress, with time left) are streamed as they come.
         pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
                             kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),

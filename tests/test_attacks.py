@@ -1,9 +1,11 @@
 """Attacks a hostile or careless user could make through a job or cluster file, each reproduced (issue 19)."""
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -281,3 +283,19 @@ def test_smaller_ones_nan_wording_infinite_buckets_and_a_dead_kernel(tmp_path):
     status, ename, evalue = _failure(DeadKernelError("Kernel died"), tmp_path / "nb.ipynb", None, Job(micro_batch=8))
     assert status == "failed" and ename == "DeadKernelError"
     assert "running out of memory" in evalue and "Memory now: host: total" in evalue and "micro_batch: 4" in evalue
+
+
+def test_kernel_connection_files_stay_in_the_job_folder_and_are_removed(tmp_path):
+    import tempfile
+
+    from mfu_lab.runner import kernel_files_in
+
+    folder = tmp_path / ".kernels"
+    folder.mkdir()
+    (folder / "tmpstale.json").write_text("{}")  # left by a killed run
+    before = tempfile.tempdir
+    with kernel_files_in(folder):
+        fd, name = tempfile.mkstemp(".json")  # as jupyter_client writes a connection file
+        os.close(fd)
+        assert Path(name).parent == folder and not (folder / "tmpstale.json").exists()
+    assert tempfile.tempdir == before and not folder.exists()

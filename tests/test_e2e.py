@@ -38,6 +38,7 @@ def test_mfu_lab_run_builds_result_notebook_report_and_index(tmp_path):
     index = (tmp_path / "tiny" / "index.html").read_text()
     assert 'href="01_baseline/report.html"' in index
     assert_offline(index)
+    assert not (tmp_path / "tiny" / ".kernels").exists()  # the kernel's connection file went with it
 
 
 def test_papermill_with_the_same_yaml_and_a_single_value_override(tmp_path):
