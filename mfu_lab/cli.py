@@ -140,7 +140,7 @@ def _job_dir(arg: str | None) -> Path:
     """The job output folder named on the command line, else the default job's."""
     if arg:
         return Path(arg)
-    job, _ = resolve_job(None, {}, None)
+    job, _ = resolve_job(None, {}, None, writable=False)
     return job.output_root()
 
 

@@ -24,6 +24,7 @@ from mfu_lab.core.files import load_results
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.results import source_digest
 from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_failed, mark_running, resumable
 from mfu_lab.report import export_html, write_index
 
@@ -74,8 +75,9 @@ def check_output_folder(job: Job, source: str) -> None:
         raise JobError(source, [JobProblem("out_dir", job.out_dir, f"{why}; choose another out_dir (--out DIR)")])
 
 
-def resolve_job(path: str | None, overrides: dict, out: str | None) -> tuple[Job, str]:
-    """The job to run and where it came from: a file, or the embedded default job."""
+def resolve_job(path: str | None, overrides: dict, out: str | None, writable: bool = True) -> tuple[Job, str]:
+    """The job to run and where it came from: a file, or the embedded default job. ``writable``: refuse an
+    output folder that cannot be written (commands that only read results pass False)."""
     if out:
         overrides = {**overrides, "out_dir": str(Path(out).resolve())}
     if path:
@@ -84,7 +86,8 @@ def resolve_job(path: str | None, overrides: dict, out: str | None) -> tuple[Job
         job, source = load_job(default, overrides), str(default)
     else:
         job, source = validate(overrides, "embedded default job"), "embedded default job"
-    check_output_folder(job, source)
+    if writable:
+        check_output_folder(job, source)
     return job, source
 
 
@@ -176,10 +179,15 @@ def _failure(exc: BaseException, notebook: Path | None, limit: float | None, job
     ename = getattr(exc, "ename", None) or type(exc).__name__
     evalue = getattr(exc, "evalue", None) or str(exc)
     if ename == "DeadKernelError" or "Kernel died" in evalue:
-        figs = memory_figures()
+        try:  # host memory only: this is the parent, the kernel is gone
+            host = {"host": {k: v for k, v in memory_figures(devices=False).get("host", {}).items()
+                             if k != "process_peak_rss_gib"}}
+            now = format_memory(host)
+        except Exception as e:  # noqa: BLE001 - a failure report must not fail
+            now = f"not readable ({type(e).__name__})"
         evalue += (" -- the notebook's kernel process died without an error of its own; the usual cause is the "
-                   "machine running out of memory (the kernel's OOM killer ends the largest process). Memory now: "
-                   f"{format_memory(figs)}. Try: " + "; ".join(oom_advice(job) or ["a smaller job"]))
+                   f"machine running out of memory (the kernel's OOM killer ends the largest process). Host memory "
+                   f"now: {now}. Try: " + "; ".join(oom_advice(job) or ["a smaller job"]))
     return "failed", ename, evalue
 
 
@@ -261,10 +269,14 @@ def warn_damaged(job: Job) -> list[str]:
 def run_one_step(info, job: Job, source: str, wait: bool = False):
     """One step in plain Python (no notebook) inside the bracket, holding the job's folder; its result. A failure
     raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
-    run_id = current_run_id()
-    with job_lock(job.output_root(), run_id, wait), step_bracket(job, info, source, run_id):
-        warn_damaged(job)
-        return info.load().run(job)
+    with job_lock(job.output_root(), "(starting)", wait) as holder:
+        # one reserved id for the lock, the running marker and the history line (record reads it from RUN_ENV)
+        run_id = os.environ.get(RUN_ENV) or new_run_id(job_root=job.output_root())
+        os.environ[RUN_ENV] = run_id
+        holder(run_id)
+        with step_bracket(job, info, source, run_id):
+            warn_damaged(job)
+            return info.load().run(job)
 
 
 def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume: bool = False,
@@ -274,7 +286,9 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
     A resumed run keeps the id of the run it goes on with."""
     job_root = job.output_root()
     with job_lock(job_root, "(starting)", wait) as holder:
-        run_id = (resumed_run_id(job_root, job.to_dict()) if resume else None) or new_run_id(job_root=job_root)
+        same_code = {"source_digest": source_digest()}
+        run_id = (resumed_run_id(job_root, job.to_dict(), same_code) if resume else None) \
+            or new_run_id(job_root=job_root)
         holder(run_id)
         warn_damaged(job)
         os.environ[RUN_ENV] = run_id  # the notebooks' kernels inherit it: one run, one id

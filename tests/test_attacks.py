@@ -172,11 +172,15 @@ def test_a_resumed_run_goes_on_with_the_run_that_made_the_same_job(tmp_path):
     from mfu_lab.core.history import HISTORY_FILE, job_digest, resumed_run_id
 
     job = {"job_name": "tiny", "seed": 0}
-    lines = [{"run": "20261130-100000", "step": "baseline", "job_digest": job_digest(job)},
-             {"run": "20261130-110000", "step": "baseline", "job_digest": job_digest({**job, "seed": 1})}]
-    (tmp_path / HISTORY_FILE).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert resumed_run_id(tmp_path, job) == "20261130-100000"
+    a = {"run": "20261130-100000", "step": "baseline", "job_digest": job_digest(job), "source_digest": "aaa"}
+    b = {"run": "20261130-110000", "step": "baseline", "job_digest": job_digest({**job, "seed": 1})}
+    history = tmp_path / HISTORY_FILE
+    history.write_text(json.dumps(a) + "\n")
+    assert resumed_run_id(tmp_path, job) == "20261130-100000"  # the interrupted run goes on
+    assert resumed_run_id(tmp_path, job, {"source_digest": "bbb"}) is None  # edited code: a new run
     assert resumed_run_id(tmp_path, {**job, "seed": 2}) is None
+    history.write_text(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    assert resumed_run_id(tmp_path, job) is None  # another run came in between: run A's record is not reopened
 
 
 def test_resume_does_not_keep_a_result_made_by_edited_code(tmp_path):
@@ -282,7 +286,7 @@ def test_smaller_ones_nan_wording_infinite_buckets_and_a_dead_kernel(tmp_path):
 
     status, ename, evalue = _failure(DeadKernelError("Kernel died"), tmp_path / "nb.ipynb", None, Job(micro_batch=8))
     assert status == "failed" and ename == "DeadKernelError"
-    assert "running out of memory" in evalue and "Memory now: host: total" in evalue and "micro_batch: 4" in evalue
+    assert "running out of memory" in evalue and "Host memory now: host: total" in evalue and "micro_batch: 4" in evalue
 
 
 def test_kernel_connection_files_stay_in_the_job_folder_and_are_removed(tmp_path):
@@ -299,3 +303,28 @@ def test_kernel_connection_files_stay_in_the_job_folder_and_are_removed(tmp_path
         os.close(fd)
         assert Path(name).parent == folder and not (folder / "tmpstale.json").exists()
     assert tempfile.tempdir == before and not folder.exists()
+
+
+def test_merge_keys_stay_allowed_and_a_local_module_may_share_a_stdlib_name(tmp_path, monkeypatch):
+    import yaml
+
+    for text in ("base: &b {x: 1, y: 2}\nc: {<<: *b, y: 3}\n",
+                 "defs:\n  base: &base {a: 1}\n  mid: &mid {<<: *base, a: 2}\ntop: {<<: *mid}\n",
+                 "a: &a {x: 1}\nb: &b {y: 2}\nc: {<<: [*a, *b], z: 3}\n"):
+        assert yamlfile.loads(text) == yaml.safe_load(text)
+    with pytest.raises(yamlfile.YamlProblem, match="given twice"):
+        yamlfile.loads("d:\n  m: &m\n    y: 1\n    y: 2\nt: {<<: *m}\n")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert validate({"model": "code.models:build"}, "test").model == "code.models:build"
+    with pytest.raises(JobError, match="standard library"):
+        validate({"model": "subprocess:getoutput"}, "test")
+
+
+def test_a_plain_python_step_saves_under_the_id_it_reserved_and_locked(tmp_path):
+    p = mfu_lab("step", "baseline", "--job", str(TINY), "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    (line,) = [json.loads(x) for x in (tmp_path / "tiny" / "history.jsonl").read_text().splitlines()]
+    assert (tmp_path / "tiny" / "runs" / line["run"] / "01_baseline" / "result.json").is_file()
+    assert sorted(x.name for x in (tmp_path / "tiny" / "runs").iterdir()) == [line["run"]]

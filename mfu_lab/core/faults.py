@@ -55,10 +55,12 @@ def is_oom(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text))
 
 
-def memory_figures() -> dict[str, Any]:
-    """Memory readings now: per CUDA device allocated / reserved / peak / free / total, or the host's RAM."""
+def memory_figures(devices: bool = True) -> dict[str, Any]:
+    """Memory readings now: per CUDA device allocated / reserved / peak / free / total (``devices``), and the
+    host's RAM. A parent process reporting on a dead child passes ``devices=False``: touching CUDA there would
+    open a context on every GPU for the rest of the run, and its own counters say nothing of the child."""
     out: dict[str, Any] = {}
-    if torch.cuda.is_available():  # pragma: no cover - GPU only
+    if devices and torch.cuda.is_available():  # pragma: no cover - GPU only
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
             out[f"cuda:{i}"] = {"allocated_gib": torch.cuda.memory_allocated(i) / GIB,

@@ -50,14 +50,19 @@ def new_run_id(now: _dt.datetime | None = None, job_root: Path | None = None) ->
     raise RuntimeError(f"no free run id under {runs_dir} for {base}")  # pragma: no cover - 10,000 in a second
 
 
-def resumed_run_id(job_root: Path, job_dict: dict[str, Any]) -> str | None:
-    """The run a ``--resume`` goes on with: the latest run in the job's history made with the same parameters,
-    so that a resumed run keeps its id (and ``compare previous latest`` and ``history`` see one run)."""
-    digest = job_digest(job_dict)
-    for line in reversed(load_history(job_root)):
-        if line.get("job_digest") == digest and _RUN_ID.fullmatch(str(line.get("run", ""))):
-            return line["run"]
-    return None
+def resumed_run_id(job_root: Path, job_dict: dict[str, Any], workbook: dict[str, str] | None = None) -> str | None:
+    """The run a ``--resume`` goes on with, so that it keeps its id (``compare previous latest`` and ``history``
+    then see one run): the job's latest run, when it was made with the same parameters (and, given ``workbook``,
+    the same workbook identity). Otherwise None, and the resumed run is a new one: a run of other parameters or
+    other code came in between, and its record must not be overwritten."""
+    lines = load_history(job_root)
+    if not lines:
+        return None
+    last = lines[-1]
+    same = last.get("job_digest") == job_digest(job_dict) and _RUN_ID.fullmatch(str(last.get("run", "")))
+    if same and workbook is not None:
+        same = all(last.get(k) == v for k, v in workbook.items() if k in last)
+    return last["run"] if same else None
 
 
 def current_run_id() -> str:
@@ -87,7 +92,8 @@ def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_i
     write_atomic(dst, src.read_bytes())
     env = result.get("environment", {})
     line = {"run": rid, "step": step, "folder": folder, "saved_at": env.get("created_at"),
-            "git_commit": env.get("git_commit"), "device": env.get("device_name"),
+            "git_commit": env.get("git_commit"), "source_digest": env.get("source_digest"),
+            "device": env.get("device_name"),
             "job_digest": job_digest(result.get("job", {})), "status": result.get("status", "ok"),
             "elapsed_s": result.get("elapsed_s"),
             "metrics": {k: {"value": m.get("value"), "unit": m.get("unit"), "source": m.get("source")}

@@ -281,12 +281,24 @@ def _rule_problem(name: str, value: Any) -> str | None:
         return "must be a folder path (not empty, no NUL character)"
     if meta.get("pattern") == "model" and not MODEL_RE.fullmatch(value):
         return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
-    if meta.get("pattern") == "model" and value != "gpt":
-        top = value.split(":")[0].split(".")[0]
-        if top in sys.stdlib_module_names or top == "builtins":
-            return (f"names a function of Python's standard library ({top}): it cannot return a model, and a "
-                    "job file that names code runs that code; name your own model factory")
+    if meta.get("pattern") == "model" and value != "gpt" and (top := stdlib_factory(value)):
+        return (f"names a function of Python's standard library ({top}): it cannot return a model, and a "
+                "job file that names code runs that code; name your own model factory")
     return None
+
+
+def stdlib_factory(spec: str) -> str | None:
+    """The top-level module of a ``module:function`` model spec when it is Python's standard library (or
+    builtins), which cannot return a model; None otherwise. A module of the user's own that shares a standard
+    library name (``code/``, ``trace.py`` in the current folder or the workbook root) is the user's."""
+    top = spec.split(":")[0].split(".")[0]
+    if top == "builtins":
+        return top
+    if top not in sys.stdlib_module_names:
+        return None
+    roots = (Path.cwd(), find_workbook_root())
+    local = any((d / f"{top}.py").is_file() or (d / top / "__init__.py").is_file() for d in roots)
+    return None if local else top
 
 
 def validate(values: dict[str, Any], source: str) -> Job:

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.job import Job, find_workbook_root
+from mfu_lab.core.job import Job, find_workbook_root, stdlib_factory
 
 
 # ------------------------------------------------------------------ reference GPT
@@ -130,8 +130,8 @@ def load_user_model(spec: str, kwargs: dict) -> nn.Module:
     kept beside the job (e.g. ``my_models.py``) works without packaging.
     """
     module_name, func_name = spec.split(":")
-    top = module_name.split(".")[0]
-    if top in sys.stdlib_module_names or top == "builtins":  # validate refuses it too; a Job built by hand may not
+    top = stdlib_factory(spec)
+    if top:  # validate refuses it too; a Job built by hand may not have been validated
         raise StepError(f"job key 'model' = {spec!r}: names a function of Python's standard library ({top}), which "
                         "cannot return a model; it is not imported")
     for path in (str(Path.cwd()), str(find_workbook_root())):

@@ -25,22 +25,34 @@ class YamlProblem(ValueError):
     """Why a YAML text was refused, in words (the caller names the file)."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """The safe loader, refusing a mapping that repeats a key."""
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                hash(key)
-            except TypeError:
-                continue  # the base class reports unhashable keys itself
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise YamlProblem(f"key {_short(key)} is given twice, on lines {seen[key]} and {line}; keep one")
-            seen[key] = line
-        return super().construct_mapping(node, deep)
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a mapping that repeats a key. Merge keys (``<<: *base``) stay allowed: each
+    mapping's own keys are checked once, before PyYAML merges the base's keys into it."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node):
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the base class reports unhashable keys itself
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise YamlProblem(f"key {_short(key)} is given twice, on lines {seen[key]} and {line}; keep one")
+                seen[key] = line
+        super().flatten_mapping(node)
 
 
 def _expanded_size(root: yaml.Node) -> int:
