@@ -28,6 +28,22 @@ from mfu_lab.core.results import source_digest
 from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_failed, mark_running, resumable
 from mfu_lab.report import export_html, write_index
 
+
+@contextmanager
+def run_id_set(run_id: str) -> Iterator[str]:
+    """``MFU_LAB_RUN_ID`` set for the length of a run (saves and the notebooks' kernels read it), then restored,
+    so that a later run in the same process (a notebook, a test) draws an id of its own."""
+    before = os.environ.get(RUN_ENV)
+    os.environ[RUN_ENV] = run_id
+    try:
+        yield run_id
+    finally:
+        if before is None:
+            os.environ.pop(RUN_ENV, None)
+        else:
+            os.environ[RUN_ENV] = before
+
+
 KERNEL_FILES = ".kernels"
 
 
@@ -272,9 +288,8 @@ def run_one_step(info, job: Job, source: str, wait: bool = False):
     with job_lock(job.output_root(), "(starting)", wait) as holder:
         # one reserved id for the lock, the running marker and the history line (record reads it from RUN_ENV)
         run_id = os.environ.get(RUN_ENV) or new_run_id(job_root=job.output_root())
-        os.environ[RUN_ENV] = run_id
         holder(run_id)
-        with step_bracket(job, info, source, run_id):
+        with run_id_set(run_id), step_bracket(job, info, source, run_id):
             warn_damaged(job)
             return info.load().run(job)
 
@@ -291,8 +306,8 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
             or new_run_id(job_root=job_root)
         holder(run_id)
         warn_damaged(job)
-        os.environ[RUN_ENV] = run_id  # the notebooks' kernels inherit it: one run, one id
-        return _run_steps(job, source, steps, run_id, quiet, resume, keep_going, execution_timeout)
+        with run_id_set(run_id):  # the notebooks' kernels inherit it: one run, one id
+            return _run_steps(job, source, steps, run_id, quiet, resume, keep_going, execution_timeout)
 
 
 def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, resume: bool, keep_going: bool,
