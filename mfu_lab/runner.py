@@ -21,7 +21,7 @@ from mfu_lab.analysis.cluster_files import load_cluster
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
 from mfu_lab.core.files import load_results
-from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id
+from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import source_digest
@@ -287,7 +287,7 @@ def run_one_step(info, job: Job, source: str, wait: bool = False):
     raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
     with job_lock(job.output_root(), "(starting)", wait) as holder:
         # one reserved id for the lock, the running marker and the history line (record reads it from RUN_ENV)
-        run_id = os.environ.get(RUN_ENV) or new_run_id(job_root=job.output_root())
+        run_id = run_id_from_env() or new_run_id(job_root=job.output_root())
         holder(run_id)
         with run_id_set(run_id), step_bracket(job, info, source, run_id):
             warn_damaged(job)

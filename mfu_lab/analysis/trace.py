@@ -18,14 +18,8 @@ while the device is idle) and idle. The parts add up to the window exactly.
 HolisticTraceAnalysis computes a similar breakdown for GPU traces but fails on
 CPU-only ones, so this module does both the same way.
 
-Fusion candidates are runs of adjacent memory-bound operations (elementwise,
-normalisation, reduction, memory copy) between compute-bound ones on the same
-thread (CPU) or stream (GPU), grouped by their sequence of operator names. For
-each run a fused kernel would not write every intermediate result to memory and
-read it back: estimated saving = 2 x (output bytes of every operation but the
-last), an operation's output taken as the size of its largest tensor input
-(true for elementwise, normalisation, softmax and dropout). At the device's
-measured memory bandwidth that traffic costs ``bytes / bandwidth`` seconds.
+Fusion candidates (runs of adjacent memory-bound operations, with the traffic a fused kernel would save)
+are found by :mod:`.trace_fusion`, whose docstring gives the formula.
 
 The parts: :mod:`.trace_events` (reading, categorising, intervals), :mod:`.trace_index`
 (one trace indexed), :mod:`.trace_fusion` (fusion candidates); this module holds the table,

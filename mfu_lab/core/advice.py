@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SEVERITIES = ("act", "look", "info")
-
 
 @dataclass
 class Advice:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.core.errors import MfuLabError
-from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.registry import STEPS
 from mfu_lab.core.results import jsonable
 
 RESULT_FILE = "result.json"
@@ -103,10 +103,6 @@ def is_job_root(folder: Path) -> bool:
         return True
     return any((folder / info.folder / name).is_file() for info in STEPS
                for name in (RESULT_FILE, "failure.json", "running.json"))
-
-
-def result_path(job_root: Path, key: str) -> Path:
-    return Path(job_root) / BY_KEY[key].folder / RESULT_FILE
 
 
 def load_results(job_root: Path, damaged: dict[str, DamagedFile] | None = None) -> dict[str, dict[str, Any]]:

@@ -65,10 +65,15 @@ def resumed_run_id(job_root: Path, job_dict: dict[str, Any], workbook: dict[str,
     return last["run"] if same else None
 
 
+def run_id_from_env() -> str | None:
+    """``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it to a well-formed id (anything else could name a path)."""
+    rid = os.environ.get(RUN_ENV, "")
+    return rid if _RUN_ID.fullmatch(rid) else None
+
+
 def current_run_id() -> str:
     """The run this process belongs to: ``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it, else a new id."""
-    rid = os.environ.get(RUN_ENV, "")
-    return rid if _RUN_ID.fullmatch(rid) else new_run_id()
+    return run_id_from_env() or new_run_id()
 
 
 def job_digest(job_dict: dict[str, Any]) -> str:

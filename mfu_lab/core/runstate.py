@@ -113,7 +113,7 @@ class JobBusy(MfuLabError):
 
 
 @contextlib.contextmanager
-def job_lock(job_root: Path, run_id: str, wait: bool = False, say=None):
+def job_lock(job_root: Path, run_id: str, wait: bool = False):
     """Hold the job's output folder for the length of a run (an exclusive ``flock`` on ``<job>/.lock``); yields
     ``holder(run_id)``, which rewrites the run named in the lock once it is known.
 
@@ -138,11 +138,7 @@ def job_lock(job_root: Path, run_id: str, wait: bool = False, say=None):
                 raise JobBusy(f"{job_root} is in use by {who}: two runs of one job at once would overwrite each "
                               "other's results and spoil each other's measurements. Wait for it to finish, stop "
                               "it, or add --wait to start when it ends.") from None
-            msg = f"{job_root} is in use by {who}; waiting for it to finish (--wait)"
-            if say is None:
-                print(f"mfu-lab: {msg}", flush=True)
-            else:
-                say(msg)
+            print(f"mfu-lab: {job_root} is in use by {who}; waiting for it to finish (--wait)", flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
         since = _now()
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from mfu_lab.core.errors import short_repr
+
 MAX_BYTES = 1_000_000  # a job or cluster file is a page of settings
 MAX_NODES = 100_000  # values in the document with aliases expanded
 
@@ -50,7 +52,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     continue  # the base class reports unhashable keys itself
                 line = key_node.start_mark.line + 1
                 if key in seen:
-                    raise YamlProblem(f"key {_short(key)} is given twice, on lines {seen[key]} and {line}; keep one")
+                    raise YamlProblem(f"key {short_repr(key, 60)} is given twice, on lines {seen[key]} and {line}; "
+                                      "keep one")
                 seen[key] = line
         super().flatten_mapping(node)
 
@@ -80,11 +83,6 @@ def _expanded_size(root: yaml.Node) -> int:
         return n
 
     return size(root)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 def loads(text: str) -> Any:
