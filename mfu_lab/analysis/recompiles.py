@@ -14,11 +14,11 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-DYNAMIC = {"auto": None, "static": False, "dynamic": True}
+from mfu_lab.core.workload import DYNAMIC, compile_kwargs
+
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 DRIFT_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}  # relative, per step
 
@@ -179,11 +179,4 @@ def loss_drift(eager: list[float], compiled: list[float]) -> float:
     return worst
 
 
-def mode_kwargs(mode: str, backend: str, dynamic: str, options: dict[str, Any]) -> dict[str, Any]:
-    """torch.compile keyword arguments for one trial ('options' compiles with the job's options)."""
-    kw: dict[str, Any] = {"backend": backend, "dynamic": DYNAMIC[dynamic]}
-    if mode == "options":
-        kw["options"] = dict(options)
-    elif mode != "default":
-        kw["mode"] = mode
-    return kw
+mode_kwargs = compile_kwargs  # one home: mfu_lab.core.workload.compile_kwargs

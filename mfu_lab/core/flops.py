@@ -144,7 +144,7 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
     """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward."""
 
     def fwd_bwd():
-        train_step.loss(x, y).backward()
+        train_step.loss(x, y, eager=True).backward()
         model.zero_grad(set_to_none=True)
 
     tokens = x.numel()

@@ -33,6 +33,9 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "ma
 COMPILE_DYNAMIC = ("auto", "static", "dynamic")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
+COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
+MATMUL_PRECISIONS = ("highest", "high")
+PRECISION_RUNGS = ("tf32", "bfloat16", "float16")
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -56,6 +59,8 @@ class Job:
     device: str = _key("auto", "auto | cpu | cuda", choices=DEVICES)
     out_dir: str = _key("outputs", "results folder; relative paths are taken from the workbook root")
     seed: int = _key(0, "seed for weights and synthetic data", min=0)
+    keep: list = _key([], "job keys the tuned job (outputs/<job>/tuned.yaml) keeps at this file's values, whatever "
+                      "the steps recommend, e.g. [dtype, compile_mode]", items="key", empty=True)
     # --- model ---
     model: str = _key("gpt", "'gpt' (the reference decoder) or 'package.module:function'", pattern="model")
     model_kwargs: dict = _key({}, "keyword arguments passed to a module:function model")
@@ -89,7 +94,14 @@ class Job:
     steps: int = _key(20, "measured training steps (at least 2, so a spread exists)", min=2)
     warmup_steps: int = _key(3, "training steps run first and discarded", min=0)
     dtype: str = _key("float32", "float32 | bfloat16 | float16 (the latter two through autocast)", choices=DTYPES)
+    matmul_precision: str = _key("highest", "float32 matmuls: highest (true float32) | high (TF32 on GPUs that have "
+                                 "it; no effect on CPUs)", choices=MATMUL_PRECISIONS)
+    compile_mode: str = _key("off", "the job trains under torch.compile in this mode: off (eager) | "
+                             + " | ".join(COMPILE_MODES) + " | options (compile_options)", choices=COMPILE_CHOICES)
     lr: float = _key(3e-4, "AdamW learning rate", min_exclusive=0.0)
+    loss_tolerance: float = _key(0.02, "relative final-loss gap to the original job that a lossy change (lower "
+                                 "precision, gradient compression) may reach and still be adopted",
+                                 min_exclusive=0.0)
     # --- device ---
     peak_flops: float | None = _key(None, "peak FLOP/s for the training dtype; overrides the table / measurement",
                                    min_exclusive=0.0, optional=True)
@@ -97,6 +109,9 @@ class Job:
     nproc_per_node: int = _key(0, "processes per node for DDP (0: one per visible GPU, or 2 on CPU)", min=0)
     nnodes: int = _key(1, "nodes in the DDP launch (more than 1 needs rdzv_endpoint)", min=1)
     rdzv_endpoint: str = _key("", "host:port of the rendezvous for multi-node launches ('' on one node)")
+    ddp_bucket_mb: float = _key(25.0, "the job's DDP bucket_cap_mb (25: DDP's default)", min_exclusive=0.0)
+    ddp_hook: str = _key("none", "the job's DDP communication hook: " + " | ".join(COMM_HOOKS), choices=COMM_HOOKS)
+    ddp_grad_as_bucket_view: bool = _key(False, "the job's DDP gradient_as_bucket_view")
     comm_bucket_mb: list = _key([1, 8, 25, 100], "DDP bucket_cap_mb values to sweep", items="positive_number")
     comm_hooks: list = _key(list(COMM_HOOKS), "DDP communication hooks to sweep: " + " | ".join(COMM_HOOKS),
                             items="hook")
@@ -125,6 +140,9 @@ class Job:
     compile_timeout_s: float = _key(900.0, "a compile trial running longer than this is ended and recorded",
                                     min_exclusive=0.0)
     # --- FP8 (step 5) ---
+    precision_rungs: list = _key(list(PRECISION_RUNGS), "lower precisions step 5 tries against float32 before FP8: "
+                                 + " | ".join(PRECISION_RUNGS) + " (tf32 on GPUs only)", items="precision", empty=True)
+    precision_rounds: int = _key(3, "interleaved timing rounds of each precision (step 5)", min=1)
     fp8_recipe: str = _key("tensorwise", "FP8 scaling recipe (torchao's names): " + " | ".join(FP8_RECIPES),
                            choices=FP8_RECIPES)
     fp8_layers: list = _key([], "layer groups that train in FP8 in this job (step 5 writes this line for you); "
@@ -154,6 +172,11 @@ class Job:
                                min=1)
     coloc_steps: int = _key(8, "measured steps of the co-location experiment (the job alone, then two copies at once)",
                             min=2)
+    # --- verify (step 7) ---
+    verify_rounds: int = _key(5, "interleaved rounds of the verify step's staircase (each rung runs once per round)",
+                              min=2)
+    verify_steps: int = _key(4, "measured steps of each rung per round (step 7)", min=1)
+    verify_warmup_steps: int = _key(3, "steps each rung runs first and discards (compilation happens here)", min=0)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -257,6 +280,11 @@ def _items_problem(kind: str, items: list) -> str | None:
             return f"item {v!r}: every item must be a non-empty name"
         if kind == "compile_mode" and v not in COMPILE_MODES:
             return f"item {v!r}: every item must be one of {', '.join(COMPILE_MODES)}"
+        if kind == "precision" and v not in PRECISION_RUNGS:
+            return f"item {v!r}: every item must be one of {', '.join(PRECISION_RUNGS)}"
+        if kind == "key" and v not in FIELDS:
+            near = difflib.get_close_matches(str(v), FIELDS, n=1)
+            return f"item {v!r}: not a job key" + (f" (did you mean '{near[0]}'?)" if near else "")
         if kind == "bool" and not isinstance(v, bool):
             return f"item {v!r}: every item must be true or false"
     if len(set(map(repr, items))) != len(items):

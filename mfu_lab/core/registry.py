@@ -33,8 +33,11 @@ STEPS: tuple[StepInfo, ...] = (
              "mfu_lab.steps.kernels"),
     StepInfo("compile", 4, "04_compile", "Compile: does torch.compile pay for itself at fixed shapes?",
              "mfu_lab.steps.compile"),
-    StepInfo("fp8", 5, "05_fp8", "FP8: which layers can train in FP8 and keep the loss curve?", "mfu_lab.steps.fp8"),
+    StepInfo("fp8", 5, "05_fp8", "Precision: which of TF32, bf16/fp16 and FP8 is faster here and keeps the loss "
+             "curve?", "mfu_lab.steps.fp8"),
     StepInfo("placement", 6, "06_placement", "Placement: where should this job run on a shared cluster, and at what "
              "size is it most efficient?", "mfu_lab.steps.placement"),
+    StepInfo("verify", 7, "07_verify", "Verify: how much did the workflow give back on this job, measured side by side?",
+             "mfu_lab.steps.verify"),
 )
 BY_KEY = {s.key: s for s in STEPS}

@@ -11,12 +11,14 @@ Face causal LM whose output has ``.logits``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -314,6 +316,7 @@ class TrainStep:
     device_type: str
     dtype: str
     vocab_size: int
+    compiled: nn.Module | None = None  # torch.compile(model) when the job compiles; shares model's parameters
 
     def __post_init__(self):
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
@@ -323,9 +326,11 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype))
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, y: torch.Tensor, eager: bool = False) -> torch.Tensor:
+        """The step's loss; ``eager`` runs the uncompiled model (FLOP counting traces eager operators)."""
+        forward = self.model if eager or self.compiled is None else self.compiled
         with self.autocast():
-            logits = logits_of(self.model(x))
+            logits = logits_of(forward(x))
         if logits.shape[:2] != x.shape or logits.size(-1) != self.vocab_size:
             raise StepError(f"the model's logits have shape {tuple(logits.shape)}; expected "
                             f"({x.size(0)}, {x.size(1)}, vocab_size={self.vocab_size}). "
@@ -341,6 +346,35 @@ class TrainStep:
         return loss.detach()
 
 
+DYNAMIC = {"auto": None, "static": False, "dynamic": True}
+
+
+def compile_kwargs(mode: str, backend: str, dynamic: str, options: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile keyword arguments for a mode ('options' compiles with the job's compile_options)."""
+    kw: dict[str, Any] = {"backend": backend, "dynamic": DYNAMIC[dynamic]}
+    if mode == "options":
+        kw["options"] = dict(options)
+    elif mode != "default":
+        kw["mode"] = mode
+    return kw
+
+
+def eager(job: Job) -> Job:
+    """The job without torch.compile: for experiments that compare or instrument the eager model."""
+    return dataclasses.replace(job, compile_mode="off")
+
+
 def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
+    """The job's training step: its dtype (autocast), float32 matmul precision and compile mode.
+
+    ``matmul_precision`` is process-wide in torch (``torch.set_float32_matmul_precision``): the process
+    that builds the step trains with it. A job with ``compile_mode`` other than ``off`` runs its forward
+    through ``torch.compile(model, ...)``; the first steps compile (the warm-up steps absorb that).
+    """
+    torch.set_float32_matmul_precision(job.matmul_precision)
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
-    return TrainStep(model, opt, device_type, job.dtype, job.vocab_size)
+    compiled = None
+    if job.compile_mode != "off":
+        compiled = torch.compile(model, **compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic,
+                                                         job.compile_options))
+    return TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled)

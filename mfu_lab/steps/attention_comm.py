@@ -33,7 +33,7 @@ from mfu_lab.core.measure import run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
-from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
+from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
 from mfu_lab.steps.baseline import step1_reference
 from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
 
@@ -135,7 +135,7 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
         kernel = att.kernel_signature(impl.fn, check_shape, job.dtype, torch_device)
         model = build_model(job).to(torch_device).train()
         model.set_attention(impl.fn)
-        t = run_steps(build_train_step(job, model, device.type), build_loader(job, job.warmup_steps + job.steps,
+        t = run_steps(build_train_step(eager(job), model, device.type), build_loader(job, job.warmup_steps + job.steps,
                       device.type), torch_device, job.warmup_steps, job.steps)
         wall = t.measured("wall_s")
         s = stats(wall)

@@ -36,7 +36,7 @@ from mfu_lab.core.measure import run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
-from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 
 INFO = BY_KEY["fp8"]
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
@@ -124,7 +124,7 @@ def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch
     """Train a fresh model (the job's seed) on ``batches`` with ``groups`` in emulated FP8; stop on the watch."""
     model = build_model(job).to(device).train()
     f8.apply_policy(model, groups, recipe)
-    ts = build_train_step(job, model, device.type)
+    ts = build_train_step(eager(job), model, device.type)  # emulation hooks run eager
     for i, (x, y) in enumerate(batches):
         loss = ts.loss(x.to(device), y.to(device))
         loss.backward()

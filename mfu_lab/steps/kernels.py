@@ -87,13 +87,14 @@ Result = KernelsResult  # the step contract: every step module names its result 
 
 
 def _comm_config(job: Job) -> tuple[dict[str, Any], str]:
-    """Step 2's recommended DDP configuration when it has one, else DDP's own defaults."""
+    """Step 2's recommended DDP configuration when it has one, else the job's own (ddp_* keys)."""
     step2 = store.earlier(job, "attention_comm")
     rec = (step2.data.get("recommendation") or {}).get("comm") if step2 else None
     if rec:
         return ({"hook": rec["hook"], "bucket_mb": rec["bucket_cap_mb"],
                  "grad_as_bucket_view": rec["gradient_as_bucket_view"]}, "step 2's recommendation")
-    return {"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}, "DDP's defaults (step 2 has no result)"
+    return ({"hook": job.ddp_hook, "bucket_mb": job.ddp_bucket_mb, "grad_as_bucket_view": job.ddp_grad_as_bucket_view},
+            "the job's own (ddp_* keys; step 2 has no result)")
 
 
 def profile_ranks(job: Job, device_type: str, out_dir: Path, say) -> dict[str, Any]:

@@ -26,9 +26,9 @@ def main() -> None:
     from mfu_lab.core.files import write_json_atomic
     from mfu_lab.core.job import validate
     from mfu_lab.core.measure import run_steps
-    from mfu_lab.core.workload import build_loader, build_model, build_train_step
+    from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 
-    job = validate(spec["job"], "co-location spec")
+    job = eager(validate(spec["job"], "co-location spec"))
     torch.manual_seed(job.seed)
     device = dev.resolve_device(job.device)
     model = build_model(job).to(device.torch_device).train()

@@ -32,9 +32,9 @@ def main() -> int:
         from mfu_lab.core.device import resolve_device
         from mfu_lab.core.job import validate
         from mfu_lab.core.measure import run_steps
-        from mfu_lab.core.workload import build_loader, build_model, build_train_step
+        from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 
-        job = validate(spec["job"], "step 4 worker spec")
+        job = eager(validate(spec["job"], "step 4 worker spec"))  # the trial compiles, not the job
         device = resolve_device(job.device)
         tdev = device.torch_device
         model = build_model(job).to(tdev).train()

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.job import validate
 from mfu_lab.core.measure import run_steps
-from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
+from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
 
 BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PERFORMANCE.md)
 
@@ -165,7 +165,7 @@ def main() -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    job = validate(spec["job"], "step 2 worker spec")
+    job = eager(validate(spec["job"], "step 2 worker spec"))  # DDP is measured eager
     emit(out, {"event": "launch", "world_size": world, "backend": backend, "threads": torch.get_num_threads()})
 
     def fresh_model():
