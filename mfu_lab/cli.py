@@ -30,7 +30,7 @@ from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecution
 from mfu_lab.core.files import JOB_MARKER, is_job_root
 from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
-from mfu_lab.core.job import FIELDS, Job, load_job
+from mfu_lab.core.job import FIELDS, Job, load_job, validate
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.runstate import JobBusy
 from mfu_lab.core.thresholds import HOT_C
@@ -67,9 +67,18 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
+def with_keep(job, keep: list[str] | None):
+    """The job with ``--keep`` keys added to its ``keep:`` list (checked like any job key)."""
+    keys = [k.strip() for arg in keep or [] for k in arg.split(",") if k.strip()]
+    if not keys:
+        return job
+    return validate(job.to_dict() | {"keep": list(dict.fromkeys([*job.keep, *keys]))}, "command line (--keep)")
+
+
 def cmd_run(args) -> int:
     overrides = parse_overrides(args.param)
     job, source = resolve_job(args.job, overrides, args.out)
+    job = with_keep(job, args.keep)
     steps = select_steps(args.steps)
     if args.execution_timeout is not None and not args.execution_timeout > 0:
         raise JobError("command line", [JobProblem("--execution-timeout", args.execution_timeout,
@@ -83,6 +92,7 @@ def cmd_run(args) -> int:
 
 def cmd_step(args) -> int:
     job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
+    job = with_keep(job, args.keep)
     info = select_steps(args.step)[0]
     if info.key == "placement":
         check_cluster(job)
@@ -202,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", help=f"comma-separated subset of: {', '.join(BY_KEY)}")
     r.add_argument("--out", help="results folder (overrides out_dir)")
     r.add_argument("-p", "--param", **param)
+    keep = {"action": "append", "metavar": "KEY", "help": "job key the tuned job (tuned.yaml) keeps at its "
+            "original value, whatever the steps recommend; repeatable or comma-separated"}
+    r.add_argument("--keep", **keep)
     r.add_argument("-q", "--quiet", action="store_true", help="do not stream the notebooks' progress lines")
     r.add_argument("--resume", action="store_true", help="keep the steps whose results exist for the same job "
                    "parameters and workbook version; run the rest")
@@ -218,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--job", help="job file (default: parameters/default.yaml)")
     s.add_argument("--out", help="results folder (overrides out_dir)")
     s.add_argument("-p", "--param", **param)
+    s.add_argument("--keep", **keep)
     s.add_argument("--wait", action="store_true", help="when another run holds the job's output folder, wait for "
                    "it to end instead of refusing")
     s.set_defaults(func=cmd_step)

@@ -343,6 +343,22 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
             continue
         print(f"[{n}/{len(steps)}] {info.folder} done in {time.perf_counter() - t0:.0f} s -> {html}")
     print(f"mfu-lab: summary page: {job.output_root() / 'index.html'}")
+    _tuned(job, source, run_id)
     if failed:
         print(f"mfu-lab: {len(failed)} step(s) failed: {', '.join(failed)}", file=sys.stderr)
     return failed
+
+
+def _tuned(job: Job, source: str, run_id: str) -> None:
+    """Write ``tuned.yaml`` from the results as they now stand, and say how many changes it adopts."""
+    from mfu_lab.steps.verify import write_tuned
+
+    try:
+        path, chosen = write_tuned(job, (), source, run_id)
+    except OSError as e:
+        print(f"mfu-lab: tuned job not written: {filesystem_problem(e)}", file=sys.stderr)
+        return
+    adopted = sum(c.adopted for c in chosen)
+    print(f"mfu-lab: tuned job: {path} ({adopted} change(s) adopted of {len(chosen)} recommended; "
+          f"mfu-lab run {path} runs it)")
+

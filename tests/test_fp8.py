@@ -1,4 +1,5 @@
-"""Step 5: FP8 emulation, per-layer sensitivity, the divergence watch and the step's result."""
+"""Step 5: FP8 emulation, per-layer sensitivity, the divergence watch and the step's result (the precision ladder
+before FP8 has its own tests in test_precision.py)."""
 
 import dataclasses
 import json
@@ -128,6 +129,27 @@ def test_policies_run_from_one_reference_and_the_choice_is_a_valid_job_fragment(
     assert chosen.flops_share == max(t.flops_share for t in r.trials if t.status == "ok" and not t.study)
     d = json.loads((job.step_dir("05_fp8") / "result.json").read_text())
     assert fp8.Fp8Result.from_dict(d).choice == r.choice
+
+
+def test_the_precision_ladder_comes_first_from_the_same_seed_and_batches(ran):
+    job, r = ran
+    p = r.precision
+    names = [g["name"] for g in p["rungs"]]
+    assert names == ["float32", "tf32", "bfloat16", "float16"]
+    by = dict(zip(names, p["rungs"]))
+    assert by["float32"]["status"] == "reference" and by["tf32"]["status"] == "skipped"  # a CPU has no TF32
+    assert {g["status"] for g in p["rungs"]} <= {"reference", "adopted", "ok", "not faster", "slower", "off",
+                                                 "diverged", "skipped", "failed"}
+    ref = by["float32"]["loss"]
+    assert len(ref) == job.fp8_steps and ref == pytest.approx(r.trials[0].loss, rel=1e-4)  # same run as FP8's
+    for name in ("bfloat16", "float16"):
+        assert by[name]["loss"][0] == pytest.approx(ref[0], rel=1e-2), name  # same weights, same first batch
+        assert by[name]["speedup_low"] <= by[name]["speedup"] <= by[name]["speedup_high"]
+    assert [n for _, n in p["order"]] == ["float32", "bfloat16", "float16"] * job.precision_rounds
+    c = p["choice"]
+    assert c["label"] == "measured" and c["text"] and r.advice[0].message == c["text"]
+    assert c["adopted"] == any(g["status"] == "adopted" for g in p["rungs"])
+    assert r.metrics["precision_speedup"].source == "measured"
 
 
 def test_unknown_layer_groups_are_named_with_the_allowed_ones(tiny_job):

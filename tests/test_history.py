@@ -181,14 +181,16 @@ def test_recommendations_put_act_first_and_keep_step_order():
     assert [a["message"] for _, a in items] == ["b-act", "s2-look", "b-info"]
 
 
-def test_ledger_after_is_the_recommended_compile_mode_or_eager():
+def test_ledger_after_is_step_7s_tuned_job_and_absent_without_it():
     led = {"items": [{"name": "mfu", "fraction": 0.7, "source": "measured", "explanation": ""}]}
+    orig = {"items": [{"name": "mfu", "fraction": 0.5, "source": "measured", "explanation": ""}]}
     d = {"recommendation": {"compile": True, "mode": "default"}, "ledgers": {"eager": {"items": []}, "default": led}}
     before, after = su.ledger_before_after({"baseline": baseline(), "compile": d})
-    assert before[1] == baseline()["ledger"] and after[1] == led and "mode default" in after[0]
-    d["recommendation"] = {"compile": False}
-    d["ledgers"]["eager"] = led
-    assert "eager" in su.ledger_before_after({"compile": d})[1][0]
+    assert before[1] == baseline()["ledger"] and after is None  # step 4's eager profile is not "after"
+    v = {"ledgers": {"before": orig, "after": led}, "headline": {"text": "MFU 50.0% -> 70.0%", "carried": ["compile"]}}
+    before, after = su.ledger_before_after({"baseline": baseline(), "compile": d, "verify": v})
+    assert before[1] == orig and after[1] == led and "step 7" in before[0] and "tuned" in after[0]
+    assert su.headline({"baseline": baseline(), "verify": v})[0].startswith("Verified: MFU 50.0% -> 70.0%")
 
 
 def test_index_shows_summary_changes_recommendations_and_the_trend(tmp_path):
@@ -217,11 +219,11 @@ def test_a_full_run_is_one_run_in_the_history(full_run):
     table = hi.runs(job_root)
     assert len(table) == 1, table.keys()  # every step of one `mfu-lab run` shares its run id
     (steps,) = table.values()
-    assert list(steps) == ["baseline", "attention_comm", "kernels", "compile", "fp8", "placement"]
+    assert list(steps) == ["baseline", "attention_comm", "kernels", "compile", "fp8", "placement", "verify"]
     assert len({d["job_digest"] for d in steps.values()}) == 1
     c = subprocess.run([sys.executable, "-m", "mfu_lab", "compare", "latest", str(job_root), "--job-dir",
                         str(job_root), "--all"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert c.returncode == 0, c.stderr
     assert " 0 better, 0 worse, 0 moved" in c.stdout  # a run against its own files: all the same
     index = (job_root / "index.html").read_text()
-    assert 'alt="ledger before and after"' in index and 'alt="MFU across runs"' in index
+    assert 'alt="ledger before' in index and 'alt="MFU across runs"' in index

@@ -37,7 +37,7 @@ STEPS: tuple[StepInfo, ...] = (
              "curve?", "mfu_lab.steps.fp8"),
     StepInfo("placement", 6, "06_placement", "Placement: where should this job run on a shared cluster, and at what "
              "size is it most efficient?", "mfu_lab.steps.placement"),
-    StepInfo("verify", 7, "07_verify", "Verify: how much did the workflow give back on this job, measured side by side?",
-             "mfu_lab.steps.verify"),
+    StepInfo("verify", 7, "07_verify", "Verify: how much did the workflow give back on this job, measured side by "
+             "side?", "mfu_lab.steps.verify"),
 )
 BY_KEY = {s.key: s for s in STEPS}

@@ -24,7 +24,7 @@ from mfu_lab.plots.base import (  # noqa: F401 - re-exported
 )
 from mfu_lab.plots.baseline import step_times  # noqa: F401
 from mfu_lab.plots.compile import MODE_COLORS, break_even, compile_modes  # noqa: F401
-from mfu_lab.plots.fp8 import fp8_losses, fp8_sensitivity  # noqa: F401
+from mfu_lab.plots.fp8 import fp8_losses, fp8_sensitivity, precision  # noqa: F401
 from mfu_lab.plots.kernels import (  # noqa: F401 - re-exported
     BREAKDOWN_COLORS,
     CATEGORY_COLORS,
@@ -42,3 +42,4 @@ from mfu_lab.plots.placement import (  # noqa: F401 - re-exported
     size_sweep,
     term_bars,
 )
+from mfu_lab.plots.verify import RUNG_COLORS, staircase, verify_loss  # noqa: F401

@@ -1,4 +1,4 @@
-"""Step 5 (FP8): per-layer sensitivity and the loss curves of each policy."""
+"""Step 5 (precision and FP8): the precision ladder, per-layer FP8 sensitivity and the loss curves of each policy."""
 
 from __future__ import annotations
 
@@ -58,5 +58,59 @@ def fp8_losses(result) -> ReportFigure:
     ax2.set_xlabel("step")
     ax2.set_title("Loss relative to the reference")
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+STATUS_COLORS = {"reference": "#495057", "adopted": "#2f9e44", "ok": "#74b816", "not faster": "#868e96",
+                 "slower": "#e8912d", "off": "#c92a2a", "diverged": "#c92a2a", "skipped": "#dee2e6",
+                 "failed": "#dee2e6"}
+RUNG_COLORS = {"tf32": "#e8912d", "bfloat16": "#3b6fb6", "float16": "#7048e8"}
+
+
+def precision(result) -> ReportFigure:
+    """The precision ladder: each rung's step time (median, p10-p90 whiskers) with its speedup over float32
+    and 95% interval, and each rung's loss relative to float32's over the same steps (both measured)."""
+    rungs = result.precision.get("rungs", [])
+    fig = ReportFigure(figsize=(11, 4.2))
+    ax, ax2 = fig.subplots(1, 2)
+    timed = [r for r in rungs if r.get("step_median_s") is not None]
+    top = max((r["step_p90_s"] for r in timed), default=1.0) * 1e3
+    for i, r in enumerate(rungs):
+        color = STATUS_COLORS.get(r["status"], "#868e96")
+        if r.get("step_median_s") is None:
+            ax.bar(i, top * 0.05, color="none", edgecolor="#868e96", hatch="//")
+            ax.text(i, top * 0.07, r["status"], ha="center", va="bottom", fontsize=8)
+            continue
+        med, lo, hi = (r[k] * 1e3 for k in ("step_median_s", "step_p10_s", "step_p90_s"))
+        ax.bar(i, med, color=color, yerr=[[med - lo], [hi - med]], capsize=4)
+        note = "reference" if r["status"] == "reference" else (
+            f"{r['speedup']:.2f}x\n[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]\n{r['status']}"
+            if r.get("speedup_low") is not None else r["status"])
+        ax.text(i, hi, note, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rungs)))
+    ax.set_xticklabels([r["name"] + (" (job)" if r.get("own") else "") for r in rungs], fontsize=8)
+    ax.set_ylim(0, top * 1.35)
+    ax.set_ylabel("ms per step (median, p10-p90)")
+    ax.set_title("Step time by precision, interleaved rounds (measured)")
+    ref = next((r for r in rungs if r["status"] == "reference"), None)
+    base = [v if v is not None else math.nan for v in (ref or {}).get("loss", [])]
+    for r in rungs:
+        if r is ref or not r.get("loss") or not base:
+            continue
+        n = min(len(r["loss"]), len(base))
+        ys = [(v / base[j] - 1) if v is not None and base[j] else math.nan for j, v in enumerate(r["loss"][:n])]
+        ax2.plot(range(n), ys, label=f"{r['name']} ({r['status']})", color=RUNG_COLORS.get(r["name"]))
+        if r.get("stopped_at") is not None:
+            ax2.plot([r["stopped_at"]], [ys[-1] if ys and math.isfinite(ys[-1]) else 0.0], "x", ms=10,
+                     color="#c92a2a")
+    tol = result.job.get("loss_tolerance", 0.02)
+    ax2.axhline(tol, color="#c92a2a", lw=1, ls=":", label=f"tolerance {tol:.0%}")
+    ax2.axhline(0, color="#495057", lw=0.8)
+    ax2.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax2.set_xlabel("step")
+    ax2.set_title("Loss relative to float32, same seed and batches")
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -41,9 +41,11 @@ from mfu_lab.report.tables_placement import (
     strategies_table,
     sweep_table,
 )
+from mfu_lab.report.tables_verify import adopted_table, staircase_table
 from mfu_lab.report.templating import TEMPLATES
 from mfu_lab.report.views import (
     Html,
+    adopted_view,
     advice_view,
     attention_view,
     audit_view,
@@ -53,6 +55,7 @@ from mfu_lab.report.views import (
     comm_view,
     fusion_view,
     gang_view,
+    headline_view,
     hints_view,
     ledger_view,
     metrics_view,
@@ -61,12 +64,14 @@ from mfu_lab.report.views import (
     recompile_view,
     sensitivity_view,
     shared_view,
+    staircase_view,
     step3_view,
     strategies_view,
     sweep_view,
     text_summary,
     top_view,
     trials_view,
+    tuned_file_view,
 )
 
 __all__ = [
@@ -78,4 +83,5 @@ __all__ = [
     "recommendations_list", "recompile_table", "recompile_view", "sensitivity_table", "sensitivity_view",
     "shared_table", "shared_view", "step3_table", "step3_view", "strategies_table", "strategies_view", "sweep_table",
     "sweep_view", "text_summary", "top_table", "top_view", "trials_table", "trials_view", "write_index",
+    "adopted_table", "adopted_view", "headline_view", "staircase_table", "staircase_view", "tuned_file_view",
 ]

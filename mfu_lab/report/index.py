@@ -27,6 +27,7 @@ from mfu_lab.report.tables_compile import compile_section
 from mfu_lab.report.tables_fp8 import fp8_section
 from mfu_lab.report.tables_kernels import kernels_section
 from mfu_lab.report.tables_placement import placement_section
+from mfu_lab.report.tables_verify import verify_section
 from mfu_lab.report.templating import macros, render
 
 PARTS = "index_parts.html.j2"
@@ -35,7 +36,8 @@ RUNS_LISTED = 20
 # Each step's detailed section, in workbook order.
 SECTIONS: dict[str, Callable[[dict[str, Any]], Markup]] = {
     "baseline": baseline_section, "attention_comm": attention_comm_section, "kernels": kernels_section,
-    "compile": compile_section, "fp8": fp8_section, "placement": placement_section}
+    "compile": compile_section, "fp8": fp8_section, "placement": placement_section,
+    "verify": verify_section}
 
 STATUS_CSS = {"ok": "ok", "not run": "notrun", "running": "info"}
 
@@ -109,6 +111,20 @@ def _ledgers(results: dict[str, dict]) -> dict[str, Any]:
     return {"kind": "none", "uri": None}
 
 
+def _staircase_uri(results: dict[str, dict]) -> str | None:
+    """Step 7's staircase chart for the top of the page, when step 7 measured one."""
+    d = results.get("verify")
+    if not d:
+        return None
+    try:
+        from mfu_lab.steps.verify import VerifyResult
+
+        fig = plots.staircase(VerifyResult.from_dict(d))
+    except Exception:  # noqa: BLE001 - an unreadable result is named in its own section below
+        return None
+    return plots.to_data_uri(fig) if fig is not None else None
+
+
 def write_index(job_root: Path) -> Path:
     """(Re)write ``<job_root>/index.html`` from whatever step results exist."""
     job_root = Path(job_root)
@@ -117,7 +133,7 @@ def write_index(job_root: Path) -> Path:
     any_result = next(iter(results.values()), None)
     page = render(
         "job_index.html.j2", name=job_root.name, env=any_result["environment"] if any_result else {},
-        summary=headline(results),
+        summary=headline(results), staircase_uri=_staircase_uri(results),
         progression_uri=plots.to_data_uri(plots.mfu_progression(points)) if points else None,
         rows=[_step_row(job_root, info, results.get(info.key)) for info in STEPS],
         ledgers=_ledgers(results), changes=changes_table(results), recommendations=recommendations_list(results),

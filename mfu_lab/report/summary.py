@@ -127,6 +127,10 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
         return ["No step has run yet: run `mfu-lab run` or open notebooks/01_baseline.ipynb."]
     ran = [info for info in STEPS if info.key in results]
     lines = [f"{len(ran)} of {len(STEPS)} steps have results: " + ", ".join(i.folder for i in ran) + "."]
+    verified = (results.get("verify") or {}).get("headline") or {}
+    if verified.get("text"):
+        carried = ", ".join(verified.get("carried") or []) or "none beyond the noise"
+        lines.insert(0, f"Verified: {verified['text']}. Changes that carried the gain: {carried} (step 7).")
     pts = mfu_points(results)
     base = results.get("baseline", {}).get("metrics", {}).get("mfu")
     if base and base.get("value") is not None:
@@ -152,19 +156,12 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def ledger_before_after(results: dict[str, dict[str, Any]]) -> tuple[tuple[str, dict] | None, tuple[str, dict] | None]:
-    """(title, ledger dict) before and after: step 1's ledger (the job as it came), and from step 4 the ledger
-    of the compile mode it recommends, measured over that mode's own profiled steps (eager's when it
-    recommends none, i.e. the job unchanged, profiled)."""
-    before = after = None
+    """(title, ledger dict) before and after. Both come from step 7 (verify) when it measured the tuned job: the
+    original and the tuned job in the same interleaved rounds, by the same method, so the bars compare like
+    with like. Without step 7: step 1's ledger before, and no "after" (no step measured the tuned job)."""
+    ledgers = (results.get("verify") or {}).get("ledgers") or {}
+    if ledgers.get("before") and ledgers.get("after"):
+        return (("Before: the original job (step 7, interleaved rounds)", ledgers["before"]),
+                ("After: the tuned job (step 7, the same rounds)", ledgers["after"]))
     b = results.get("baseline", {}).get("ledger")
-    if b:
-        before = ("Before: the job as it came (step 1, one process)", b)
-    d = results.get("compile")
-    if d and d.get("ledgers"):
-        rec = d.get("recommendation", {})
-        mode = rec.get("mode") if rec.get("compile") else "eager"
-        if d["ledgers"].get(mode):
-            after = ((f"After: torch.compile mode {mode}, as step 4 recommends (its profiled steps)" if mode != "eager"
-                      else "After: eager, as step 4 recommends no compile mode (its profiled steps)"),
-                     d["ledgers"][mode])
-    return before, after
+    return (("Before: the job as it came (step 1, one process)", b) if b else None), None

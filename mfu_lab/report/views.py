@@ -26,6 +26,7 @@ from mfu_lab.report.tables_placement import (
     strategies_table,
     sweep_table,
 )
+from mfu_lab.report.tables_verify import adopted_table, staircase_table
 from mfu_lab.report.templating import macros
 
 VIEWS = "views.html.j2"
@@ -178,3 +179,29 @@ def gang_view(result) -> Html:
 def hints_view(result) -> Html:
     """Step 6: Slurm and Kueue hints for the chosen layout (:func:`hints_html`)."""
     return _part(hints_html(result))
+
+
+# ------------------------------------------------------------------ step 7
+def headline_view(result) -> Html:
+    """Step 7: the headline, MFU before and after with the speedup and its interval, in one line."""
+    return _part(Markup("<p><b>{}</b></p>").format(result.headline["text"]))
+
+
+def staircase_view(result) -> Html:
+    """Step 7: each rung of the staircase (:func:`staircase_table`)."""
+    return _part(staircase_table(result))
+
+
+def adopted_view(result) -> Html:
+    """Step 7: every recommended change, adopted or not (:func:`adopted_table`)."""
+    return _part(adopted_table(result))
+
+
+def tuned_file_view(result) -> Html:
+    """Step 7: the tuned job file as written."""
+    from pathlib import Path
+
+    p = Path(result.tuned_file)
+    text = p.read_text() if p.is_file() else f"(not written: {p} does not exist; run with write=True)"
+    return _part(Markup("<pre>{}</pre>").format(text))
+

@@ -1,21 +1,28 @@
-"""Step 5, FP8: which layers of this job can train in FP8 and keep the loss curve, and what does it buy?
+"""Step 5, precision: which precision can this job train in, layer by layer, and keep the loss curve?
 
-``run(job)`` (1) records every linear layer's input and output gradient on real batches and measures
-each layer group's FP8 error against float32 (signal-to-noise in dB, underflow and saturation) under
-tensorwise, rowwise and no scaling; (2) trains the job's model from the same seed on the same batches
-for ``fp8_steps`` steps under each policy (the reference precision; FP8 on the MLP; on every group but
-the most sensitive; everywhere; everywhere without scaling; plus the job's own), with a divergence
-watch; (3) picks the policy that puts the most matmul FLOPs into FP8 while its loss stays within
+``run(job)`` climbs a ladder of precisions before FP8 (:mod:`.precision_ladder`): float32 (highest matmul
+precision, the reference) -> TF32 matmuls (GPUs of capability 8.0 and up; skipped with the reason elsewhere)
+-> bfloat16 autocast -> float16 autocast with a loss scaler. Each rung is timed side by side with float32 in
+interleaved rounds (speedup with a 95% bootstrap interval) and trains from the same seed on the same batches
+under the divergence watch; the fastest rung proven faster whose loss stays within ``loss_tolerance`` is
+adopted (:func:`mfu_lab.analysis.precision.judge`), else the job keeps its precision. On a CPU the step
+records whether it has native bf16 (``/proc/cpuinfo`` flags): without it, bf16 autocast runs in software.
+
+Then FP8 layer groups: (1) it records every linear layer's input and output gradient on real batches and
+measures each layer group's FP8 error against float32 (signal-to-noise in dB, underflow and saturation)
+under tensorwise, rowwise and no scaling; (2) it trains the job's model from the same seed on the same
+batches for ``fp8_steps`` steps under each policy (the reference precision; FP8 on the MLP; on every group
+but the most sensitive; everywhere; everywhere without scaling; plus the job's own), with the divergence
+watch; (3) it picks the policy that puts the most matmul FLOPs into FP8 while its loss stays within
 ``fp8_tolerance`` of the reference, and writes it as a job-file fragment. On a GPU with FP8 units and
-torchao installed it also times the chosen policy for real (torchao float8 training under
-torch.compile) against the same model without it. Everything from the emulated path is labelled
-``emulated`` and makes no speed claim.
+torchao installed it also times the chosen policy for real (torchao float8 training under torch.compile)
+against the same model without it. Everything from the emulated path is labelled ``emulated`` and makes no
+speed claim; the precision ladder's figures are ``measured``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +43,8 @@ from mfu_lab.core.measure import run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
-from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
+from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps.precision_ladder import ladder, train_trial
 
 INFO = BY_KEY["fp8"]
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
@@ -69,10 +77,10 @@ class Fp8Result(StepResult):
     choice: dict[str, Any]
     speed: dict[str, Any]
     advice: list[Advice]
+    precision: dict[str, Any] = field(default_factory=dict)  # the precision ladder (absent from older results)
 
 
 Result = Fp8Result  # the step contract: every step module names its result class Result
-
 
 
 def fp8_hardware(device: dev.DeviceInfo) -> str:
@@ -119,24 +127,6 @@ def _check_groups(job: Job, groups: list[str]) -> None:
         raise JobError("the job", problems)
 
 
-def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch.device,
-                watch: f8.Watch) -> tuple[list[float], list[float], str | None, int | None]:
-    """Train a fresh model (the job's seed) on ``batches`` with ``groups`` in emulated FP8; stop on the watch."""
-    model = build_model(job).to(device).train()
-    f8.apply_policy(model, groups, recipe)
-    ts = build_train_step(eager(job), model, device.type)  # emulation hooks run eager
-    for i, (x, y) in enumerate(batches):
-        loss = ts.loss(x.to(device), y.to(device))
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
-        ts.optimizer.step()
-        ts.optimizer.zero_grad(set_to_none=True)
-        why = watch.check(float(loss.detach()), norm)
-        if why:
-            return watch.losses, watch.grad_norms, why, i
-    return watch.losses, watch.grad_norms, None, None
-
-
 def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[str, Any]:  # pragma: no cover
     """On FP8 hardware: the chosen policy through torchao float8 training under torch.compile, against the same
     compiled model without it. GPU only."""
@@ -162,9 +152,34 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
     return out
 
 
+def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: list[dict[str, str]]) -> dict[str, Any]:
+    """The precision ladder; an error outside any one rung is recorded, and the FP8 part still runs."""
+    try:
+        out = ladder(job, batches, device, say)
+    except Exception as err:  # noqa: BLE001 - the FP8 part does not depend on the ladder
+        why = f"{type(err).__name__}: {err}"[:400]
+        skipped.append({"what": "precision ladder", "reason": why})
+        out = {"rungs": [], "order": [], "native_bf16": None,
+               "choice": {"dtype": job.dtype, "matmul_precision": job.matmul_precision, "rung": job.dtype,
+                          "adopted": False, "text": f"Keep the job's precision ({job.dtype}, matmul "
+                          f"{job.matmul_precision}): the precision ladder failed ({why})", "speedup": None,
+                          "speedup_low": None, "speedup_high": None, "final_gap": None, "label": "measured"}}
+    for r in out["rungs"]:
+        if r["status"] in ("skipped", "failed"):
+            skipped.append({"what": f"precision {r['name']}", "reason": r["reason"]})
+    return out
+
+
 def advise(r: Fp8Result) -> list[Advice]:
-    out = [Advice("act" if r.choice.get("groups") else "info", r.choice["text"],
-                  "loss curves from the same seed and batches, under the divergence watch")]
+    out = []
+    pc = r.precision.get("choice")
+    if pc:
+        change = pc["adopted"] and (pc["dtype"], pc["matmul_precision"]) != (r.job["dtype"], r.job["matmul_precision"])
+        out.append(Advice("act" if change else "info", pc["text"], "step times of each precision in interleaved "
+                          "rounds against float32 (speedup with a 95% bootstrap interval, measured) and loss curves "
+                          "from the same seed and batches under the divergence watch"))
+    out += [Advice("act" if r.choice.get("groups") else "info", r.choice["text"],
+                   "loss curves from the same seed and batches, under the divergence watch")]
     sens = r.sensitivity.get(r.job["fp8_recipe"] if r.job["fp8_recipe"] != "rowwise_with_gw_hp" else "rowwise", [])
     if sens:
         worst = min(sens, key=lambda g: g.worst_snr_db)
@@ -193,7 +208,7 @@ def advise(r: Fp8Result) -> list[Advice]:
 
 @guarded("fp8")
 def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
-    """Choose an FP8 policy for the job; see the module docstring."""
+    """Choose a precision (the ladder up to 16 bits) and an FP8 policy for the job; see the module docstring."""
     t_start = time.perf_counter()
     say = as_progress(progress)
     device = dev.resolve_device(job.device)
@@ -216,6 +231,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     scaling = f8.RECIPES[job.fp8_recipe][0]  # the sensitivity column that matches the job's recipe
     most = min(sens[scaling], key=lambda g: g.worst_snr_db).group
     del model
+    precision = _precision(job, batches, device, say, skipped)
 
     trials: list[PolicyTrial] = []
     reference: list[float] | None = None
@@ -264,7 +280,12 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     else:
         speed = {"status": "skipped", "reason": "no policy chosen"}
     ref_t = trials[0]
+    pc = precision["choice"]
     metrics = {
+        "precision_speedup": Metric(pc["speedup"] if pc["adopted"] else None, "x", "measured",
+                                    f"float32 step / {pc['rung']} step, median of interleaved rounds (95% interval "
+                                    f"{pc['speedup_low'] or 0:.2f}-{pc['speedup_high'] or 0:.2f})" if pc["adopted"]
+                                    else "no lower precision was adopted"),
         "fp8_flops_share": Metric(choice["flops_share"], "fraction", "analytic",
                                   "linear-layer FLOPs of the chosen groups / all linear-layer FLOPs (in x out)"),
         "policies_kept": Metric(float(len(good)), "policies", "counted", "policies whose loss stayed within "
@@ -296,7 +317,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
                 fl.mfu(flops, 1 / speed["fp8_step_s"], pk) if pk else None, "fraction", "measured",
                 f"model FLOPs / ({peak_name.upper()} datasheet peak x FP8 step): MFU under FP8 is ambiguous, so both")
     result = Fp8Result("fp8", job.to_dict(), environment(device.name, device.type), metrics, path, sens, trials,
-                       choice, speed, [], skipped=skipped)
+                       choice, speed, [], precision, skipped=skipped)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

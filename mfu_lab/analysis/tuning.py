@@ -1,0 +1,233 @@
+"""The tuned job: every change the steps recommend, as job keys, applied to the original job.
+
+Each step that recommends a change says it in its result; this module reads those results (plain
+dicts, as stored) and turns each recommendation into :class:`Change` rows, one per job key, in the
+workflow's order (the staircase the verify step measures):
+
+    attention -> communication -> data -> compile -> precision -> fp8
+
+A change is ``adopted`` (applied to the tuned job), or not, with the reason:
+
+- ``pinned``: the user keeps the key (``keep:`` in the job, ``--keep KEY``);
+- ``lossy-unchecked``: it changes the numbers (a compressing DDP hook) and no loss curve was measured
+  for it, so it is not adopted (step 2 times hooks, it does not train with them long enough);
+- a step that said "keep as is", or a lossy trial that diverged or left the tolerance, produces no
+  change at all: there is nothing to adopt.
+
+Placement stays a hint (it is modelled): it is not a key of the tuned job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import yaml
+
+from mfu_lab.core.job import FIELDS, Job, validate
+from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
+
+RUNGS = ("attention", "communication", "data", "compile", "precision", "fp8")
+LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
+TUNED_SUFFIX = "-tuned"
+
+
+@dataclass
+class Change:
+    rung: str  # one of RUNGS: where it sits on the staircase
+    step: str  # the registry key of the step that recommended it
+    key: str
+    old: Any
+    new: Any
+    evidence: str  # the figure behind it, in words, with its label
+    label: str  # measured | proposed | emulated
+    lossy: bool = False
+    adopted: bool = True
+    reason: str = ""  # why not adopted, or what to know when adopted
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _speed(v: float | None) -> str:
+    return f"{v:.2f}x" if v else "speedup not recorded"
+
+
+def _attention(job: Job, r: dict) -> list[Change]:
+    rec = r.get("recommendation") or {}
+    new = (rec.get("job_fragment") or {}).get("attention")
+    if not new or new == job.attention:
+        return []
+    row = next((x for x in r.get("attention", []) if x.get("name") == rec.get("attention")), {})
+    return [Change("attention", "attention_comm", "attention", job.attention, new,
+                   f"step 2: {rec.get('attention')} {_speed(row.get('speedup'))} the job's attention, side by side "
+                   "(measured)", "measured")]
+
+
+def _communication(job: Job, r: dict) -> list[Change]:
+    comm = (r.get("recommendation") or {}).get("comm")
+    if not comm:
+        return []
+    wanted = {"ddp_hook": comm["hook"], "ddp_bucket_mb": float(comm["bucket_cap_mb"]),
+              "ddp_grad_as_bucket_view": bool(comm["gradient_as_bucket_view"])}
+    rows = {(x.get("hook"), float(x.get("bucket_mb", 0)), x.get("grad_as_bucket_view")): x for x in r.get("comm", [])}
+    row = rows.get((comm["hook"], float(comm["bucket_cap_mb"]), comm["gradient_as_bucket_view"]), {})
+    step_ms = f"{row['step_median_s'] * 1e3:.1f} ms DDP step" if row.get("step_median_s") else "DDP step"
+    out = []
+    for key, new in wanted.items():
+        if new == getattr(job, key):
+            continue
+        lossy = key == "ddp_hook" and new in LOSSY_HOOKS
+        c = Change("communication", "attention_comm", key, getattr(job, key), new,
+                   f"step 2: DDP sweep, {step_ms}, p10-p90 clear of DDP's defaults (measured)", "measured", lossy)
+        if lossy:
+            c.adopted = False
+            c.reason = ("lossy-unchecked: this hook compresses gradients and step 2 measured no loss curve with it; "
+                        "set ddp_hook by hand once a training run shows the loss within loss_tolerance")
+        out.append(c)
+    return out
+
+
+def _data(job: Job, r: dict) -> list[Change]:
+    data = ((r.get("metrics") or {}).get("data_wait_fraction") or {}).get("value")
+    if data is None or data <= DATA_WAIT_LIMIT:
+        return []
+    why = f"step 1: data wait {data:.1%} of the step (limit {DATA_WAIT_LIMIT:.0%}; measured)"
+    new = 2 if job.num_workers == 0 else job.num_workers * 2
+    out = [Change("data", "baseline", "num_workers", job.num_workers, new,
+                  why + "; the setting is proposed, the verify step measures what it gives", "proposed")]
+    if r.get("environment", {}).get("device_type") == "cuda" and not job.pin_memory:
+        out.append(Change("data", "baseline", "pin_memory", False, True, why + "; pinned host batches copy faster",
+                          "proposed"))
+    return out
+
+
+def _compile(job: Job, r: dict) -> list[Change]:
+    rec = r.get("recommendation") or {}
+    if not rec.get("compile") or rec.get("mode") == job.compile_mode:
+        return []
+    trial = next((t for t in r.get("trials", []) if t.get("mode") == rec["mode"]), {})
+    pays = (f", pays back its compile after {rec['break_even_cold']:.0f} steps"
+            if rec.get("break_even_cold") is not None else "")
+    return [Change("compile", "compile", "compile_mode", job.compile_mode, rec["mode"],
+                   f"step 4: {_speed(trial.get('speedup'))} eager, each in a fresh process (measured){pays}",
+                   "measured")]
+
+
+def _precision(job: Job, r: dict) -> list[Change]:
+    choice = (r.get("precision") or {}).get("choice") or {}
+    if not choice.get("adopted"):
+        return []
+    ci = ""
+    if choice.get("speedup_low") is not None:
+        ci = f" [{choice['speedup_low']:.2f}, {choice['speedup_high']:.2f}]"
+    gap = f", final loss {choice['final_gap']:+.2%} from float32" if choice.get("final_gap") is not None else ""
+    evidence = (f"step 5: {choice.get('rung')} {_speed(choice.get('speedup'))}{ci} float32, side by side{gap} "
+                f"(within loss_tolerance {job.loss_tolerance:.0%}; measured)")
+    out = []
+    for key in ("dtype", "matmul_precision"):
+        if choice.get(key) and choice[key] != getattr(job, key):
+            out.append(Change("precision", "fp8", key, getattr(job, key), choice[key], evidence, "measured", True))
+    return out
+
+
+def _fp8(job: Job, r: dict) -> list[Change]:
+    choice = r.get("choice") or {}
+    groups = choice.get("groups") or []
+    if not groups:
+        return []
+    emulated = r.get("path") == "emulated"
+    label = "emulated" if emulated else "measured"
+    gap = f", final loss gap {r['metrics']['chosen_final_gap']['value']:+.2%}" if (
+        (r.get("metrics") or {}).get("chosen_final_gap", {}).get("value") is not None) else ""
+    evidence = (f"step 5: loss within fp8_tolerance over the trial{gap} ({label})"
+                + ("; FP8 numerics only: this device has no FP8 units, no speed is claimed" if emulated else ""))
+    out = []
+    if sorted(groups) != sorted(job.fp8_layers):
+        out.append(Change("fp8", "fp8", "fp8_layers", list(job.fp8_layers), list(groups), evidence, label, True))
+    if choice.get("recipe") and choice["recipe"] != job.fp8_recipe:
+        out.append(Change("fp8", "fp8", "fp8_recipe", job.fp8_recipe, choice["recipe"], evidence, label, True))
+    return out
+
+
+READERS = (("attention_comm", _attention), ("attention_comm", _communication), ("baseline", _data),
+           ("compile", _compile), ("fp8", _precision), ("fp8", _fp8))
+
+
+def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...] = ()) -> list[Change]:
+    """Every recommended change, in the staircase's order, from the steps' stored results (key -> dict).
+
+    ``keep`` (with the job's own ``keep:``) pins keys: their changes are listed, not adopted.
+    """
+    pinned = set(job.keep) | set(keep)
+    unknown = sorted(pinned - set(FIELDS))
+    if unknown:
+        raise ValueError(f"--keep {', '.join(unknown)}: not a job key")
+    out: list[Change] = []
+    for step, read in READERS:
+        r = results.get(step)
+        if not r:
+            continue
+        for c in read(job, r):
+            if c.key in pinned:
+                c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
+            out.append(c)
+    return out
+
+
+def tuned_job(job: Job, chosen: list[Change], source: str = "the tuned job") -> Job:
+    """The job with every adopted change applied, under its own name (``<job_name>-tuned``) so that its
+    results do not overwrite the original's."""
+    values = job.to_dict()
+    for c in chosen:
+        if c.adopted:
+            values[c.key] = c.new
+    if not values["job_name"].endswith(TUNED_SUFFIX):
+        values["job_name"] = (values["job_name"] + TUNED_SUFFIX)[:64]
+    return validate(values, source)
+
+
+def staircase(job: Job, chosen: list[Change]) -> list[tuple[str, Job, list[Change]]]:
+    """(rung, job, its changes) from the original job up, one rung per stage that adopted a change; each
+    rung's job differs from the previous one by exactly that rung's changes."""
+    steps: list[tuple[str, Job, list[Change]]] = [("original", job, [])]
+    values = job.to_dict()
+    for rung in RUNGS:
+        mine = [c for c in chosen if c.adopted and c.rung == rung]
+        if not mine:
+            continue
+        for c in mine:
+            values[c.key] = c.new
+        steps.append((rung, validate(dict(values), f"staircase rung {rung}"), mine))
+    return steps
+
+
+def _flow(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text[:-4].strip() if text.endswith("\n...") else text
+
+
+def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "") -> str:
+    """The tuned job as a YAML file: every key, each changed line commented with its step, gain and label;
+    changes not adopted listed in the header with why."""
+    tuned = tuned_job(job, chosen)
+    by_key = {c.key: c for c in chosen if c.adopted}
+    lines = [f"# The tuned job: {source} with the changes the workbook's steps measured and adopted"
+             + (f" (run {run_id})" if run_id else "") + ".",
+             "# Validate: mfu-lab validate THIS_FILE    Run: mfu-lab run THIS_FILE    Refuse a change: keep: [KEY] in "
+             "the original job, or --keep KEY",
+             f"# job_name gets '{TUNED_SUFFIX}' so that its results stay beside, not over, the original's."]
+    refused = [c for c in chosen if not c.adopted]
+    if not by_key:
+        lines.append("# No change was adopted: every step kept the job as it is (or the changes are pinned).")
+    for c in refused:
+        lines.append(f"# not adopted: {c.key}: {_flow(c.old)} -> {_flow(c.new)} ({c.rung}): {c.reason}")
+    for key, value in tuned.to_dict().items():
+        line = f"{key}: {_flow(value)}"
+        c = by_key.get(key)
+        if c:
+            line += f"  # {c.rung}, {c.evidence}; was {_flow(c.old)}"
+        elif key == "job_name" and value != job.job_name:
+            line += f"  # was {_flow(job.job_name)}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

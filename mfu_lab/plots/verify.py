@@ -1,0 +1,73 @@
+"""Step 7 (verify): the staircase of adopted changes, and the loss of the original against the tuned job."""
+
+from __future__ import annotations
+
+import matplotlib.ticker
+
+from mfu_lab.plots.base import ReportFigure
+
+RUNG_COLORS = {"original": "#495057", "attention": "#3b6fb6", "communication": "#7048e8", "data": "#e8912d",
+               "compile": "#2f9e44", "precision": "#c2255c", "fp8": "#868e96"}
+
+
+def staircase(result) -> ReportFigure | None:
+    """Each rung's median step time (p10-p90) with its speedup over the original [95% interval], and its MFU.
+    Excluded or failed rungs are listed with why, without a bar. None when nothing was measured."""
+    rungs = result.rungs
+    if not any(r.step_median_s for r in rungs):
+        return None
+    fig = ReportFigure(figsize=(11, 0.6 * len(rungs) + 1.9))
+    ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1.3]})
+    ys = list(range(len(rungs)))[::-1]
+    top = max(r.step_p90_s or 0 for r in rungs) * 1e3
+    for y, r in zip(ys, rungs):
+        color = RUNG_COLORS.get(r.name, "#868e96")
+        if r.step_median_s is None:
+            ax.text(0, y, f"  {r.status}: {r.reason[:90]}", va="center", fontsize=7, color="#868e96")
+            continue
+        err = [[max(0, (r.step_median_s - r.step_p10_s) * 1e3)], [max(0, (r.step_p90_s - r.step_median_s) * 1e3)]]
+        ax.barh(y, r.step_median_s * 1e3, color=color, xerr=err)
+        if r.name != "original" and r.speedup is not None:
+            mark = "" if r.proven else " (not proven)"
+            ax.text(r.step_p90_s * 1e3, y, f"  {r.speedup:.2f}x [{r.speedup_low:.2f}, {r.speedup_high:.2f}]{mark}",
+                    va="center", fontsize=8)
+        if r.mfu is not None:
+            ax2.barh(y, r.mfu, color=color)
+            ax2.text(r.mfu, y, f" {r.mfu:.1%}", va="center", fontsize=8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([("+ " if r.name != "original" else "") + r.name for r in rungs])
+    ax.set_xlim(0, top * 1.6)
+    ax.set_xlabel("step time, ms (median, p10-p90), interleaved rounds; label: speedup over the original [95%]")
+    ax2.set_xlabel("MFU (measured)")
+    ax2.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+    ax2.set_xlim(0, max((r.mfu or 0) for r in rungs) * 1.35 or 1)
+    fig.suptitle("The staircase: each adopted change added in the workflow's order, measured side by side")
+    fig.tight_layout()
+    return fig
+
+
+def verify_loss(result) -> ReportFigure | None:
+    """The original's and the tuned job's loss over the same steps, and their relative gap against the tolerance."""
+    loss = result.loss
+    if loss.get("status") not in ("ok", "off"):
+        return None
+    fig = ReportFigure(figsize=(11, 3.6))
+    ax, ax2 = fig.subplots(1, 2)
+    a, b = loss["original"], loss["tuned"]
+    ax.plot(range(len(a)), a, color="#222", lw=2, label="original")
+    ax.plot(range(len(b)), b, color=RUNG_COLORS.get(loss["tuned_rung"], "#c2255c"), lw=1.4,
+            label=f"tuned (up to + {loss['tuned_rung']})")
+    ax.set_xlabel("step (warm-up first)")
+    ax.set_ylabel("training loss")
+    ax.set_title("Loss, same seed and batches")
+    ax.legend(fontsize=8)
+    ax2.plot(range(len(a)), [y / x - 1 for x, y in zip(a, b)], color="#c2255c")
+    tol = loss["tolerance"]
+    ax2.axhline(tol, color="#c92a2a", lw=1, ls=":", label=f"loss_tolerance {tol:.0%}")
+    ax2.axhline(-tol, color="#c92a2a", lw=1, ls=":")
+    ax2.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax2.set_title(f"tuned / original - 1 (final {loss['final_gap']:+.2%})")
+    ax2.set_xlabel("step")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,290 @@
+"""Step 5's precision ladder (measured): float32 -> TF32 -> bf16 / fp16 autocast, before the FP8 layer groups.
+
+Every rung trains a model built from the job's seed on the same batches. Its speed is measured side by side
+with float32 (highest matmul precision), in interleaved rounds (:mod:`mfu_lab.core.sidebyside`), and its
+speedup carries a bootstrap interval; its loss curve over ``fp8_steps`` steps runs under the same
+divergence watch as the FP8 trials, against float32's curve. :func:`mfu_lab.analysis.precision.judge`
+adopts the fastest rung that is proven faster and kept the loss; otherwise the job keeps its precision.
+A rung that cannot run here is skipped with its reason, and one that raises is recorded as failed while the
+others go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mfu_lab.analysis import fp8_numerics as f8
+from mfu_lab.analysis import precision as pr
+from mfu_lab.core import device as dev
+from mfu_lab.core.job import Job
+from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
+from mfu_lab.core.workload import build_model, build_train_step, eager
+
+TF32_CAPABILITY = (8, 0)  # Ampere and later have TF32 tensor cores
+REFERENCE = "float32"
+SETTINGS = {"float32": ("float32", "highest"), "tf32": ("float32", "high"),
+            "bfloat16": ("bfloat16", "highest"), "float16": ("float16", "highest")}
+WORDS = {"float32": "float32", "tf32": "TF32 matmuls", "bfloat16": "bfloat16 autocast",
+         "float16": "float16 autocast with a loss scaler"}
+NO_NATIVE_BF16 = ("this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag in /proc/cpuinfo), so bf16 autocast "
+                  "is emulated in software and much slower, and it is not adopted")
+
+
+@dataclass
+class Rung:
+    name: str
+    dtype: str
+    matmul_precision: str
+    own: bool = False  # the job's own precision
+    status: str = ""
+    reason: str = ""
+    step_median_s: float | None = None
+    step_p10_s: float | None = None
+    step_p90_s: float | None = None
+    speedup: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    final_gap: float | None = None
+    diverged: str = ""
+    stopped_at: int | None = None
+    scaler_skipped: int = 0  # float16 steps the loss scaler skipped (an overflow lowered its scale)
+    loss: list[float] = field(default_factory=list)
+
+    def fail(self, what: str, err: BaseException) -> None:
+        if self.status != pr.FAILED:
+            self.status, self.reason = pr.FAILED, f"{what}: {type(err).__name__}: {err}"[:400]
+
+
+def plan(job: Job) -> list[Rung]:
+    """float32 first (the reference), the job's rungs, and the job's own precision when it is none of them."""
+    own = (job.dtype, job.matmul_precision)
+    names = [REFERENCE] + [n for n in dict.fromkeys(job.precision_rungs) if n != REFERENCE]
+    rungs = [Rung(n, *SETTINGS[n]) for n in names]
+    mine = next((r for r in rungs if (r.dtype, r.matmul_precision) == own), None)
+    if mine is None:
+        name = job.dtype if job.matmul_precision == "highest" or job.dtype == "float32" else f"{job.dtype} + tf32"
+        mine = Rung("tf32" if own == SETTINGS["tf32"] else name, *own)
+        rungs.append(mine)
+    mine.own = True
+    return rungs
+
+
+def unavailable(rung: Rung, device: dev.DeviceInfo) -> str:
+    """'' when the rung can run on this device, else why not."""
+    if rung.name != "tf32":
+        return ""
+    if device.type != "cuda":
+        return ("TF32 is a tensor-core format of NVIDIA GPUs (capability 8.0 and up); a CPU has none, and "
+                "matmul_precision 'high' changes nothing here")
+    cap = torch.cuda.get_device_capability(device.index)
+    if cap < TF32_CAPABILITY and not torch.version.hip:
+        return f"CUDA capability {cap[0]}.{cap[1]} has no TF32 tensor cores (8.0 and up do)"
+    return ""
+
+
+def as_job(job: Job, rung: Rung) -> Job:
+    return dataclasses.replace(job, dtype=rung.dtype, matmul_precision=rung.matmul_precision)
+
+
+def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch.device,
+                watch: f8.Watch) -> tuple[list[float], list[float], str | None, int | None]:
+    """Train a fresh model (the job's seed, dtype and matmul precision, eager) on ``batches``, with ``groups``
+    in emulated FP8; stop on the watch. Under float16 the loss scaler runs as in training; a step it skips
+    (an overflow, which lowers its scale) is not a divergence and gives the watch no gradient norm."""
+    model = build_model(job).to(device).train()
+    f8.apply_policy(model, groups, recipe)
+    ts = build_train_step(eager(job), model, device.type)  # emulation hooks run eager
+    for i, (x, y) in enumerate(batches):
+        loss = ts.loss(x.to(device), y.to(device))
+        ts.scaler.scale(loss).backward()
+        ts.scaler.unscale_(ts.optimizer)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
+        ts.scaler.step(ts.optimizer)
+        ts.scaler.update()
+        ts.optimizer.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        if ts.scaler.is_enabled() and not math.isfinite(norm) and math.isfinite(value):
+            watch.losses.append(value)
+            continue
+        why = watch.check(value, norm)
+        if why:
+            return watch.losses, watch.grad_norms, why, i
+    return watch.losses, watch.grad_norms, None, None
+
+
+def _loss_check(job: Job, rungs: list[Rung], batches, device: torch.device, say) -> None:
+    """Each runnable rung's loss curve under the divergence watch, against float32's; final-window gap."""
+    reference: list[float] | None = None
+    for r in rungs:
+        if r.status in (pr.SKIPPED, pr.FAILED):
+            continue
+        if r.name != REFERENCE and reference is None:
+            r.status, r.reason = pr.FAILED, "no float32 loss curve to compare with"
+            continue
+        watch = f8.Watch(reference, job.loss_tolerance, job.fp8_window, job.fp8_spike)
+        try:
+            losses, _, why, at = train_trial(as_job(job, r), [], job.fp8_recipe, batches, device, watch)
+        except Exception as err:  # noqa: BLE001 - one rung's failure must not end the step
+            r.fail("loss curve", err)
+            say(f"  {r.name}: loss curve failed: {r.reason}")
+            continue
+        r.loss, r.diverged, r.stopped_at = losses, why or "", at
+        r.scaler_skipped = len(losses) - len(watch.grad_norms)
+        if r.name == REFERENCE:
+            reference = losses
+        elif not why:
+            w = min(job.fp8_window, len(losses), len(reference))
+            r.final_gap = (sum(losses[-w:]) / w) / (sum(reference[-w:]) / w) - 1
+        say(f"  {r.name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}" + (f"; stopped: {why}" if why else ""))
+
+
+class _Runner:
+    """One rung's model and training step, continuing over the shared batches round after round."""
+
+    def __init__(self, job: Job, rung: Rung, batches: list, device: torch.device, say):
+        self.rung, self.device, self.say = rung, device, say
+        self.job = as_job(job, rung)
+        self.model = build_model(self.job).to(device).train()
+        self.step = build_train_step(self.job, self.model, device.type)
+        self.batches = itertools.cycle(batches)
+        if job.warmup_steps:
+            self.steps(job.warmup_steps)
+
+    def steps(self, k: int):
+        torch.set_float32_matmul_precision(self.rung.matmul_precision)  # process-wide: set for each round
+        return run_steps(self.step, self.batches, self.device, 0, k)
+
+    def __call__(self, k: int) -> dict[str, list[float]]:
+        if self.rung.status != pr.FAILED:
+            try:
+                t = self.steps(k)
+                self.say(f"  {self.rung.name}: {stats(t.wall_s).median * 1e3:.1f} ms per step")
+                return {"wall_s": t.wall_s, "data_s": t.data_s, "compute_s": t.compute_s, "loss": t.loss}
+            except Exception as err:  # noqa: BLE001 - the other rungs keep their rounds
+                self.rung.fail("timing", err)
+                self.say(f"  {self.rung.name}: timing failed: {self.rung.reason}")
+        return {"wall_s": [math.nan] * k}  # a failed rung's slot: kept in the order, its times are not used
+
+
+def _speed(job: Job, rungs: list[Rung], batches, device: torch.device, say) -> list[list]:
+    """Interleaved timing of every runnable rung; fills step times and speedups; returns the order run."""
+    runners: dict[str, _Runner] = {}
+    for r in rungs:
+        if r.status in (pr.SKIPPED, pr.FAILED):
+            continue
+        try:
+            runners[r.name] = _Runner(job, r, batches, device, say)
+        except Exception as err:  # noqa: BLE001 - one rung's failure must not end the step
+            r.fail("building and warming up", err)
+            say(f"  {r.name}: failed: {r.reason}")
+    if not runners:
+        return []
+    k = max(2, job.steps // job.precision_rounds)
+    say(f"timing {', '.join(runners)}: {job.precision_rounds} interleaved rounds of {k} steps each")
+    run = interleave(runners, job.precision_rounds, k)
+    ref = rungs[0]
+    for r in rungs:
+        if r.name not in runners or r.status == pr.FAILED:
+            continue
+        s = stats(run.series[r.name].wall_s)
+        r.step_median_s, r.step_p10_s, r.step_p90_s = s.median, s.p10, s.p90
+        if r is ref:
+            r.speedup = 1.0
+        elif ref.status != pr.FAILED and ref.name in runners:
+            sp = bootstrap_speedup(run.series[ref.name].wall_s, run.series[r.name].wall_s)
+            r.speedup, r.speedup_low, r.speedup_high = sp.value, sp.low, sp.high
+    return [[i, name] for i, name in run.order]
+
+
+def ladder(job: Job, batches: list, device: dev.DeviceInfo, say) -> dict[str, Any]:
+    """The precision ladder on this device: every rung's figures, the interleave order and the choice."""
+    torch_device = device.torch_device
+    rungs = plan(job)
+    for r in rungs:
+        why = unavailable(r, device)
+        if why:
+            r.status, r.reason = pr.SKIPPED, why
+    rungs[0].status = pr.REFERENCE
+    native = pr.native_bf16() if device.type == "cpu" else None
+    if len(rungs) == 1:  # precision_rungs is empty and the job trains in float32: nothing to compare
+        rungs[0].reason = "no lower precision to try (precision_rungs is empty)"
+        return {"rungs": [dataclasses.asdict(rungs[0])], "order": [], "native_bf16": native,
+                "choice": choose(job, rungs, None)}
+    try:
+        say(f"precision ladder: loss curves over {job.fp8_steps} steps, same seed and batches")
+        _loss_check(job, rungs, batches[:job.fp8_steps], torch_device, say)
+        order = _speed(job, rungs, batches, torch_device, say)
+    finally:
+        torch.set_float32_matmul_precision(job.matmul_precision)
+    choice = choose(job, rungs, settle(job, rungs, native))
+    return {"rungs": [dataclasses.asdict(r) for r in rungs], "order": order, "native_bf16": native,
+            "choice": choice}
+
+
+def settle(job: Job, rungs: list[Rung], native: dict | None) -> str | None:
+    """Each rung's status and reason under the adoption rule (:func:`mfu_lab.analysis.precision.judge`), with
+    what this device adds to them; returns the adopted rung's name or None."""
+    if rungs[0].status == pr.FAILED:  # no float32 reference: nothing else can be judged
+        for r in rungs[1:]:
+            if r.status not in (pr.SKIPPED, pr.FAILED):
+                r.status, r.reason = pr.FAILED, "the float32 reference failed: " + rungs[0].reason
+    figures = [pr.Figures(r.name, r.speedup, r.speedup_low, r.speedup_high, r.final_gap, r.diverged,
+                          r.status if r.status in pr.UNJUDGED else "") for r in rungs]
+    verdicts, adopted = pr.judge(figures, job.loss_tolerance)
+    for r, (status, reason) in zip(rungs, verdicts):
+        if r.status not in pr.UNJUDGED:
+            r.status, r.reason = status, reason
+        slow = status == pr.SLOWER or (status == pr.NOT_FASTER and (r.speedup or 1.0) < 1.0)
+        if r.dtype == "bfloat16" and slow and native and native["native"] is False:
+            r.reason += f"; {NO_NATIVE_BF16}"
+        if r.scaler_skipped:
+            r.reason += f"; the loss scaler skipped {r.scaler_skipped} step(s) on overflow"
+    return adopted
+
+
+def _figures(r: Rung) -> str:
+    out = []
+    if r.speedup_low is not None:
+        out.append(f"{r.speedup:.2f}x [{r.speedup_low:.2f}, {r.speedup_high:.2f}] against float32")
+    if r.final_gap is not None:
+        out.append(f"final loss {r.final_gap:+.2%}")
+    return ", ".join(out)
+
+
+def _note(r: Rung) -> str:
+    """The part of a rung's reason the choice repeats: why it could not run, or why its bf16 is slow."""
+    if r.status in (pr.SKIPPED, pr.FAILED, pr.DIVERGED):
+        return f" ({r.reason.split(';')[0]})"
+    return f"; {NO_NATIVE_BF16}" if NO_NATIVE_BF16 in r.reason else ""
+
+
+def choose(job: Job, rungs: list[Rung], adopted: str | None) -> dict[str, Any]:
+    """The precision this job should train in, with one sentence that carries the figures."""
+    tol, k = job.loss_tolerance, max(2, job.steps // job.precision_rounds)
+    how = (f"{job.precision_rounds} interleaved rounds of {k} steps; loss over {job.fp8_steps} steps from the same "
+           f"seed and batches, tolerance {tol:.0%}")
+    pick = next((r for r in rungs if r.name == adopted), None) or next(r for r in rungs if r.own)
+    if adopted:
+        verb, mine = ("Keep", " (the job's own precision)") if pick.own else ("Train in", "")
+        text = (f"{verb} {WORDS.get(pick.name, pick.name)}{mine}: "
+                f"{_figures(pick)} ({how}). Job-file: dtype: {pick.dtype}; matmul_precision: {pick.matmul_precision}")
+    else:
+        others = [f"{r.name} {r.status}" + (f" ({_figures(r)})" if _figures(r) else "") + _note(r) for r in rungs
+                  if r.name != REFERENCE]
+        text = (f"Keep the job's precision ({pick.dtype}, matmul {pick.matmul_precision}): no lower precision was "
+                f"proven faster with its loss kept" + (f" — {'; '.join(others)}" if others else "") + f" ({how})")
+        if pick.own and pick.status in (pr.OFF, pr.DIVERGED):
+            text += f". The job's own {pick.name} did not keep float32's loss ({pick.reason}): consider float32"
+    measured = pick.name != REFERENCE
+    return {"dtype": pick.dtype, "matmul_precision": pick.matmul_precision, "rung": pick.name,
+            "adopted": adopted is not None, "text": text,
+            "speedup": pick.speedup if measured else None, "speedup_low": pick.speedup_low if measured else None,
+            "speedup_high": pick.speedup_high if measured else None,
+            "final_gap": pick.final_gap if measured else None, "label": "measured"}

@@ -1,0 +1,66 @@
+"""The verify step's DDP check: the job's original and tuned DDP settings alternated in one torchrun launch.
+
+Bucket size, communication hook and ``gradient_as_bucket_view`` change nothing in one process, so they are
+verified where they act: the step-2 worker (mfu_lab.workers.ddp_rank) runs the configurations
+``[original, tuned] x verify_rounds`` in that order, each a fresh DDP model for ``comm_steps`` steps; the
+per-step times of all rounds are pooled per configuration and compared with a bootstrap interval.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mfu_lab.analysis.tuning import Change
+from mfu_lab.core.job import Job
+from mfu_lab.core.measure import stats
+from mfu_lab.core.sidebyside import bootstrap_speedup
+from mfu_lab.workers.launch import config_key, launch, world_layout
+
+
+def ddp_configs(job: Job, chosen: list[Change]) -> tuple[dict, dict] | None:
+    """(original, tuned) DDP configurations in the step-2 worker's form, or None when no DDP change is adopted."""
+    mine = {c.key: c.new for c in chosen if c.adopted and c.rung == "communication"}
+    if not mine:
+        return None
+    original = {"hook": job.ddp_hook, "bucket_mb": float(job.ddp_bucket_mb),
+                "grad_as_bucket_view": job.ddp_grad_as_bucket_view}
+    tuned = {"hook": mine.get("ddp_hook", job.ddp_hook), "bucket_mb": float(mine.get("ddp_bucket_mb",
+                                                                                    job.ddp_bucket_mb)),
+             "grad_as_bucket_view": mine.get("ddp_grad_as_bucket_view", job.ddp_grad_as_bucket_view)}
+    return original, tuned
+
+
+def verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say) -> dict[str, Any]:
+    configs = ddp_configs(job, chosen)
+    if configs is None:
+        return {"status": "skipped", "reason": "no DDP change was adopted"}
+    nnodes, nproc = world_layout(job, device_type)
+    if nnodes * nproc < 2:
+        return {"status": "skipped", "reason": f"the job runs {nnodes * nproc} process: no data parallelism to "
+                "verify; run the verify step on a node with 2+ GPUs (or nproc_per_node: 2+)"}
+    original, tuned = configs
+    plan = [original, tuned] * job.verify_rounds
+    say(f"DDP: {len(plan)} configurations alternated in one launch of {nnodes * nproc} processes")
+    spec = {"job": job.to_dict(), "device_type": device_type, "attention": None, "configs": plan,
+            "allreduce_max_bytes": None, "fault": None}
+    run = launch(job, spec, work, 0, nnodes, nproc)
+    done = [e for e in run.events if e["event"] == "done"]
+    if run.returncode != 0 or len(done) != len(plan):
+        other = next((e.get("error") for e in run.events if e["event"] in ("error", "unsupported")), "")
+        return {"status": "failed", "reason": other or f"the launch ended with code {run.returncode} after "
+                f"{len(done)} of {len(plan)} configurations", "configs": [original, tuned]}
+    walls = {config_key(original): [], config_key(tuned): []}
+    order = []
+    for e in done:
+        walls[config_key(e["config"])] += e["wall_s"]
+        order.append("original" if config_key(e["config"]) == config_key(original) else "tuned")
+    a, b = walls[config_key(original)], walls[config_key(tuned)]
+    sp = bootstrap_speedup(a, b)
+    sa, sb = stats(a), stats(b)
+    verdict = "faster" if sp.low > 1 else "slower" if sp.high < 1 else "not proven (the interval includes 1.0)"
+    return {"status": "ok", "configs": [original, tuned], "order": order, "world_size": nnodes * nproc,
+            "original_median_s": sa.median, "tuned_median_s": sb.median, "speedup": sp.value, "speedup_low": sp.low,
+            "speedup_high": sp.high, "proven": sp.proven,
+            "text": f"DDP, {nnodes * nproc} processes: the tuned configuration is {verdict}: {sa.median * 1e3:.1f} -> "
+                    f"{sb.median * 1e3:.1f} ms per step, {sp.text()} (measured side by side)"}

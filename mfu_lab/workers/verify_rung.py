@@ -1,0 +1,160 @@
+"""One rung of the verify step's staircase, in a process of its own, driven round by round.
+
+    python -m mfu_lab.workers.verify_rung --spec SPEC.json
+
+The process builds the rung's job (model, training step with its dtype, matmul precision and compile
+mode, DataLoader), counts the model FLOPs of one step on an eager forward+backward, runs the warm-up
+steps (compilation happens there), then answers commands on stdin, one JSON object per line:
+
+    {"run": K}   -> K more training steps, continuing the same training; replies their timings
+    {"quit": 1}  -> exits
+
+Replies are single stdout lines that start with ``@mfu-lab@`` followed by JSON, so a library printing to
+stdout cannot be mistaken for a reply. A fresh process per rung keeps one rung's compiled code, caches
+and allocator out of the next, and lets every rung stay warm while the parent alternates between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PREFIX = "@mfu-lab@"
+
+
+class RungProcess:
+    """The parent's handle on one rung's process: start it, wait for it to be warm, run rounds, close it.
+
+    Every read has a deadline: a rung that hangs (a compile that never ends, a dead DataLoader worker) is
+    ended and reported, never waited on forever.
+    """
+
+    def __init__(self, spec: dict, work: Path, timeout_s: float):
+        import os
+        import queue
+        import subprocess
+        import threading
+
+        work.mkdir(parents=True, exist_ok=True)
+        spec_path = work / f"rung_{spec['rung']}.json"
+        spec_path.write_text(json.dumps(spec))
+        self.name, self.timeout_s = spec["rung"], timeout_s
+        self.stderr_path = work / f"rung_{spec['rung']}.log"
+        self._err = open(self.stderr_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.verify_rung", "--spec", str(spec_path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     env=env, start_new_session=True)
+        self._lines: queue.Queue = queue.Queue()
+
+        def pump():
+            for line in self.proc.stdout:
+                if line.startswith(PREFIX):
+                    self._lines.put(json.loads(line[len(PREFIX):]))
+            self._lines.put(None)  # the process closed its output: it exited
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def _next(self) -> dict:
+        import queue
+
+        try:
+            msg = self._lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self.close()
+            raise RuntimeError(f"rung {self.name}: no answer for {self.timeout_s:.0f} s; the process was ended "
+                               f"(its log: {self.stderr_path})") from None
+        if msg is None:
+            tail = self.stderr_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"rung {self.name}: the process exited ({' | '.join(tail) or 'no message'})")
+        if msg.get("error"):
+            raise RuntimeError(f"rung {self.name}: {msg['error']}")
+        return msg
+
+    def ready(self) -> dict:
+        return self._next()
+
+    def run(self, steps: int) -> dict:
+        self.proc.stdin.write(json.dumps({"run": steps}) + "\n")
+        self.proc.stdin.flush()
+        return self._next()
+
+    def close(self) -> None:
+        import contextlib
+        import os
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                self.proc.stdin.write(json.dumps({"quit": 1}) + "\n")
+                self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._err.close()
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    spec = json.loads(Path(ap.parse_args().spec).read_text())
+    try:
+        import dataclasses
+
+        from mfu_lab.core import flops as fl
+        from mfu_lab.core.device import resolve_device
+        from mfu_lab.core.job import validate
+        from mfu_lab.core.measure import run_steps
+        from mfu_lab.core.workload import build_loader, build_model, build_train_step
+
+        job = validate(spec["job"], f"verify rung {spec['rung']}")
+        device = resolve_device(job.device)
+        tdev = device.torch_device
+        model = build_model(job).to(tdev).train()
+        step = build_train_step(job, model, device.type)
+        quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
+        x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
+        report = fl.count_step_flops(model, step, x0.to(tdev), y0.to(tdev))
+        torch_seed = job.seed
+        import torch
+
+        torch.manual_seed(torch_seed)  # the counting pass drew no random numbers the steps need; reseed anyway
+        total = job.verify_warmup_steps + spec["steps_total"]
+        batches = iter(build_loader(job, total, device.type))
+        t0 = time.perf_counter()
+        warm = run_steps(step, batches, tdev, job.verify_warmup_steps, 0) if job.verify_warmup_steps else None
+        reply({"ready": True, "model_flops_per_step": report.model_flops_per_step,
+               "hardware_flops_per_step": report.hardware_flops_per_step, "flops_source": report.model_flops_source,
+               "warmup_s": time.perf_counter() - t0, "warmup_wall_s": warm.wall_s if warm else [],
+               "warmup_loss": warm.loss if warm else []})
+    except Exception as exc:  # reported to the parent, which records the rung as failed
+        reply({"ready": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
+        return 1
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if "quit" in cmd:
+            break
+        try:
+            t = run_steps(step, batches, tdev, 0, int(cmd["run"]))
+            reply({"wall_s": t.wall_s, "data_s": t.data_s, "compute_s": t.compute_s, "loss": t.loss})
+        except Exception as exc:
+            reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

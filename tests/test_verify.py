@@ -1,0 +1,209 @@
+"""Step 7 (verify) and the tuned job: changes from the steps' results, tuned.yaml, the staircase, side by side."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mfu_lab.analysis import tuning
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job import load_job
+from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
+
+from .conftest import ROOT
+
+
+# ------------------------------------------------------------------ results as the steps store them
+def step2(attention="unfused", hook="none", bucket=25, view=False):
+    return {"recommendation": {"attention": attention, "job_fragment": {"attention": attention},
+                               "comm": {"hook": hook, "bucket_cap_mb": bucket, "gradient_as_bucket_view": view}},
+            "attention": [{"name": attention, "speedup": 1.2}], "comm": []}
+
+
+def step4(compile_=True, mode="default"):
+    return {"recommendation": {"compile": compile_, "mode": mode, "break_even_cold": 40.0},
+            "trials": [{"mode": mode, "speedup": 1.3}]}
+
+
+def step5(dtype="bfloat16", adopted=True, groups=("mlp_up",)):
+    return {"precision": {"choice": {"dtype": dtype, "matmul_precision": "highest", "rung": dtype, "adopted": adopted,
+                                     "speedup": 1.8, "speedup_low": 1.6, "speedup_high": 2.0, "final_gap": 0.004}},
+            "choice": {"groups": list(groups), "recipe": "tensorwise"}, "path": "emulated",
+            "metrics": {"chosen_final_gap": {"value": 0.01}}}
+
+
+def step1(data_wait=0.01):
+    return {"metrics": {"data_wait_fraction": {"value": data_wait}}, "environment": {"device_type": "cpu"}}
+
+
+ALL = {"baseline": step1(0.2), "attention_comm": step2(), "compile": step4(), "fp8": step5()}
+
+
+def test_every_recommendation_becomes_a_change_in_the_staircase_order(tiny_job):
+    chosen = tuning.changes(tiny_job, ALL)
+    assert [(c.rung, c.key, c.new) for c in chosen] == [
+        ("attention", "attention", "unfused"), ("data", "num_workers", 2), ("compile", "compile_mode", "default"),
+        ("precision", "dtype", "bfloat16"), ("fp8", "fp8_layers", ["mlp_up"])]
+    assert all(c.adopted for c in chosen)
+    fp8 = chosen[-1]
+    assert fp8.label == "emulated" and "no speed is claimed" in fp8.evidence
+
+
+def test_a_step_that_keeps_the_job_as_it_is_changes_nothing(tiny_job):
+    kept = {"baseline": step1(0.01), "attention_comm": step2(attention="sdpa"), "compile": step4(compile_=False),
+            "fp8": step5(adopted=False, groups=())}
+    assert tuning.changes(tiny_job, kept) == []
+    assert tuning.tuned_job(tiny_job, []).to_dict() == tiny_job.to_dict() | {"job_name": "tiny-tuned"}
+
+
+def test_a_lossy_change_whose_trial_failed_is_not_applied(tiny_job):
+    # step 5's precision rung left the tolerance (adopted false) and no FP8 policy kept the loss (groups empty)
+    chosen = tuning.changes(tiny_job, {"fp8": step5(adopted=False, groups=())})
+    assert chosen == []
+    # a compressing DDP hook has no loss curve behind it: listed, not adopted
+    (hook,) = tuning.changes(tiny_job, {"attention_comm": step2(attention="sdpa", hook="powersgd")})
+    assert hook.lossy and not hook.adopted and "lossy-unchecked" in hook.reason
+    assert tuning.tuned_job(tiny_job, [hook]).ddp_hook == "none"
+
+
+def test_keep_pins_a_key_from_the_job_or_the_command_line(tiny_job):
+    chosen = tuning.changes(tiny_job, ALL, keep=["compile_mode"])
+    pinned = next(c for c in chosen if c.key == "compile_mode")
+    assert not pinned.adopted and pinned.reason.startswith("pinned")
+    assert tuning.tuned_job(tiny_job, chosen).compile_mode == "off"
+    job = dataclasses.replace(tiny_job, keep=["dtype"])
+    assert tuning.tuned_job(job, tuning.changes(job, ALL)).dtype == "float32"
+    with pytest.raises(ValueError, match="--keep complie_mode: not a job key"):
+        tuning.changes(tiny_job, ALL, keep=["complie_mode"])
+
+
+def test_keep_in_a_job_file_is_checked_with_a_suggestion(tmp_path):
+    p = tmp_path / "j.yaml"
+    p.write_text("keep: [dtpye]\n")
+    with pytest.raises(JobError) as e:
+        load_job(p)
+    assert "did you mean 'dtype'" in str(e.value)
+
+
+def test_tuned_yaml_round_trips_and_comments_each_change(tiny_job, tmp_path):
+    chosen = tuning.changes(tiny_job, ALL | {"attention_comm": step2(hook="powersgd")})
+    text = tuning.tuned_yaml(tiny_job, chosen, "tests/data/tiny.yaml", "20261201-000000")
+    p = tmp_path / "tuned.yaml"
+    p.write_text(text)
+    assert load_job(p) == tuning.tuned_job(tiny_job, chosen)
+    line = next(x for x in text.splitlines() if x.startswith("compile_mode:"))
+    assert "# compile, step 4: 1.30x eager" in line and "(measured)" in line and "was 'off'" in line
+    assert "# not adopted: ddp_hook: none -> powersgd (communication): lossy-unchecked" in text
+    r = subprocess.run([sys.executable, "-m", "mfu_lab", "validate", str(p)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_each_rung_differs_from_the_one_below_by_exactly_its_change(tiny_job):
+    stairs = tuning.staircase(tiny_job, tuning.changes(tiny_job, ALL))
+    assert [name for name, _, _ in stairs] == ["original", "attention", "data", "compile", "precision", "fp8"]
+    for (_, below, _), (_, job, mine) in zip(stairs, stairs[1:]):
+        diff = {k for k, v in job.to_dict().items() if below.to_dict()[k] != v}
+        assert diff == {c.key for c in mine}
+    assert stairs[0][1] == tiny_job
+
+
+# ------------------------------------------------------------------ side by side
+def test_interleaving_alternates_the_candidates_and_records_the_order():
+    calls = []
+
+    def runner(name, t):
+        def run(k):
+            calls.append(name)
+            return {"wall_s": [t] * k, "loss": [1.0] * k}
+        return run
+
+    done = interleave({"A": runner("A", 0.2), "B": runner("B", 0.1), "C": runner("C", 0.1)}, rounds=3, steps=2)
+    assert calls == ["A", "B", "C"] * 3
+    assert done.order == [(r, n) for r in (1, 2, 3) for n in "ABC"]
+    assert len(done.series["A"].wall_s) == 6 and done.series["B"].round_medians_s == [0.1] * 3
+
+
+def test_bootstrap_interval_of_identical_configurations_contains_one():
+    a = [0.100, 0.104, 0.098, 0.110, 0.101, 0.099, 0.103, 0.097, 0.105, 0.102]
+    same = bootstrap_speedup(a, list(a))
+    assert same.low <= 1.0 <= same.high and not same.proven
+    faster = bootstrap_speedup(a, [x / 2 for x in a])
+    assert faster.value == pytest.approx(2.0) and faster.low > 1.0 and faster.proven
+
+
+# ------------------------------------------------------------------ the step itself, on the tiny job
+def _store(job, key, data):
+    from mfu_lab.core.registry import BY_KEY
+
+    d = job.output_root() / BY_KEY[key].folder
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "result.json").write_text(json.dumps(data | {"environment": {"device_name": "cpu", "device_type": "cpu"},
+                                                      "metrics": data.get("metrics", {}), "advice": []}))
+
+
+def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny_job):
+    from mfu_lab.report import write_index
+    from mfu_lab.steps import verify
+
+    job = dataclasses.replace(tiny_job, verify_rounds=2, verify_steps=2, verify_warmup_steps=1)
+    _store(job, "attention_comm", step2(attention="unfused"))
+    _store(job, "fp8", step5(dtype="bfloat16", groups=("mlp_up",)))
+    lines = []
+    r = verify.run(job, progress=lines.append)
+    names = [x.name for x in r.rungs]
+    assert names == ["original", "attention", "precision", "fp8"]
+    assert r.order == [[1, "original"], [1, "attention"], [1, "precision"], [2, "original"], [2, "attention"],
+                       [2, "precision"]]
+    orig, att, prec, fp8 = r.rungs
+    assert att.keys == {"attention": "unfused"} and prec.keys == {"dtype": "bfloat16"}
+    assert fp8.status == "excluded" and "emulated" in fp8.reason  # no speed claim for emulated FP8
+    for x in (orig, att, prec):
+        assert x.status == "ok" and len(x.wall_s) == 4 and x.step_p10_s <= x.step_median_s <= x.step_p90_s
+    assert orig.speedup == 1.0 and prec.speedup == pytest.approx(
+        verify.statistics.median(orig.wall_s) / prec.step_median_s)
+    assert prec.dtype == "bfloat16" and prec.peak_flops_per_s and prec.mfu is not None
+    assert r.loss["tuned_rung"] == "precision" and len(r.loss["original"]) == len(r.loss["tuned"]) == 1 + 4
+    assert set(r.ledgers) == {"before", "after"}
+    assert r.ddp["status"] == "skipped"
+    assert r.headline["text"].startswith("MFU ")
+    tuned = load_job(job.output_root() / "tuned.yaml")
+    assert (tuned.attention, tuned.dtype, tuned.fp8_layers, tuned.job_name) == ("unfused", "bfloat16", ["mlp_up"],
+                                                                               "tiny-tuned")
+    stored = json.loads((job.output_root() / "07_verify" / "result.json").read_text())
+    assert verify.Result.from_dict(stored).rungs[1].keys == {"attention": "unfused"}
+    page = write_index(job.output_root()).read_text()
+    assert 'alt="staircase"' in page and 'alt="ledger before and after"' in page and "Verified: MFU" in page
+    assert any("round 2/2: precision" in line for line in lines)
+
+
+def test_verify_with_nothing_adopted_says_so_and_times_nothing(tiny_job):
+    from mfu_lab.steps import verify
+
+    r = verify.run(tiny_job, write=False)
+    assert [x.name for x in r.rungs] == ["original"] and r.order == [] and r.rungs[0].wall_s == []
+    assert any(s["what"] == "the staircase" and "no change was adopted" in s["reason"] for s in r.skipped)
+    assert "no measured gain" in r.headline["text"]
+
+
+def test_a_rung_that_fails_is_recorded_and_the_others_run(tiny_job, monkeypatch):
+    from mfu_lab.steps import verify
+
+    job = dataclasses.replace(tiny_job, verify_rounds=2, verify_steps=1, verify_warmup_steps=0)
+    _store(job, "attention_comm", step2(attention="unfused"))
+    _store(job, "compile", step4(mode="default"))
+    real = verify.RungProcess
+
+    def broken(spec, work, timeout_s):
+        if spec["rung"] == "compile":
+            spec = spec | {"job": spec["job"] | {"model": "no_such_module:factory"}}
+        return real(spec, work, timeout_s)
+
+    monkeypatch.setattr(verify, "RungProcess", broken)
+    r = verify.run(job, write=False)
+    comp = r.rungs[-1]
+    assert comp.name == "compile" and comp.status == "failed" and "no_such_module" in comp.reason
+    assert [x.status for x in r.rungs[:2]] == ["ok", "ok"] and r.rungs[1].speedup is not None
+    assert [n for _, n in r.order] == ["original", "attention"] * 2
