@@ -102,8 +102,8 @@ def precision(result) -> ReportFigure:
         ys = [(v / base[j] - 1) if v is not None and base[j] else math.nan for j, v in enumerate(r["loss"][:n])]
         ax2.plot(range(n), ys, label=f"{r['name']} ({r['status']})", color=RUNG_COLORS.get(r["name"]))
         if r.get("stopped_at") is not None:
-            ax2.plot([r["stopped_at"]], [ys[-1] if ys and math.isfinite(ys[-1]) else 0.0], "x", ms=10,
-                     color="#c92a2a")
+            last = next((v for v in reversed(ys) if math.isfinite(v)), 0.0)  # where a NaN ended it: its last value
+            ax2.plot([r["stopped_at"]], [last], "x", ms=10, color="#c92a2a")
     tol = result.job.get("loss_tolerance", 0.02)
     ax2.axhline(tol, color="#c92a2a", lw=1, ls=":", label=f"tolerance {tol:.0%}")
     ax2.axhline(0, color="#495057", lw=0.8)

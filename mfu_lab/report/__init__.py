@@ -30,7 +30,7 @@ from mfu_lab.report.index import (
 )
 from mfu_lab.report.tables_attention_comm import attention_table, comm_table
 from mfu_lab.report.tables_compile import audit_table, recompile_table, step3_table, trials_table
-from mfu_lab.report.tables_fp8 import policies_table, sensitivity_table
+from mfu_lab.report.tables_fp8 import policies_table, precision_table, sensitivity_table
 from mfu_lab.report.tables_kernels import breakdown_table, compare_line, fusion_table, ranks_table, top_table
 from mfu_lab.report.tables_placement import (
     calibration_table,
@@ -60,6 +60,7 @@ from mfu_lab.report.views import (
     ledger_view,
     metrics_view,
     policies_view,
+    precision_view,
     ranks_view,
     recompile_view,
     sensitivity_view,
@@ -83,5 +84,6 @@ __all__ = [
     "recommendations_list", "recompile_table", "recompile_view", "sensitivity_table", "sensitivity_view",
     "shared_table", "shared_view", "step3_table", "step3_view", "strategies_table", "strategies_view", "sweep_table",
     "sweep_view", "text_summary", "top_table", "top_view", "trials_table", "trials_view", "write_index",
-    "adopted_table", "adopted_view", "headline_view", "staircase_table", "staircase_view", "tuned_file_view",
+    "precision_table", "precision_view", "adopted_table", "adopted_view", "headline_view", "staircase_table",
+    "staircase_view", "tuned_file_view",
 ]

@@ -47,21 +47,6 @@ def precision_table(r) -> Markup:
                                                               tol=job.get("loss_tolerance")))
 
 
-class _Shown(str):
-    """HTML that Jupyter renders (as :class:`mfu_lab.report.views.Html`, which imports this module)."""
-
-    def _repr_html_(self) -> str:
-        return str(self)
-
-    def __html__(self) -> str:
-        return str(self)
-
-
-def precision_view(r) -> _Shown:
-    """Step 5: the precision ladder's table as notebooks show it (styled like every ``report.*_view``)."""
-    return _Shown(macros("views.html.j2").part(precision_table(r)))
-
-
 def sensitivity_table(r) -> Markup:
     """Each layer group's worst FP8 signal-to-noise and under/overflow, per scaling recipe (emulated)."""
     return macros(TEMPLATE).sensitivity_table(r)

@@ -15,7 +15,7 @@ from mfu_lab.core.results import jsonable
 from mfu_lab.report.format import fmt
 from mfu_lab.report.tables_attention_comm import attention_table, comm_table
 from mfu_lab.report.tables_compile import audit_table, recompile_table, step3_table, trials_table
-from mfu_lab.report.tables_fp8 import policies_table, sensitivity_table
+from mfu_lab.report.tables_fp8 import policies_table, precision_table, sensitivity_table
 from mfu_lab.report.tables_kernels import breakdown_table, fusion_table, ranks_table, top_table
 from mfu_lab.report.tables_placement import (
     calibration_table,
@@ -135,6 +135,11 @@ def step3_view(result) -> Html:
 
 
 # ------------------------------------------------------------------ step 5
+def precision_view(result) -> Html:
+    """Step 5: the precision ladder, rung by rung, then the choice (:func:`precision_table`)."""
+    return _part(precision_table(result))
+
+
 def sensitivity_view(result) -> Html:
     """Step 5: each layer group's sensitivity to FP8 (:func:`sensitivity_table`)."""
     return _part(sensitivity_table(result))
