@@ -207,3 +207,36 @@ def test_a_rung_that_fails_is_recorded_and_the_others_run(tiny_job, monkeypatch)
     assert comp.name == "compile" and comp.status == "failed" and "no_such_module" in comp.reason
     assert [x.status for x in r.rungs[:2]] == ["ok", "ok"] and r.rungs[1].speedup is not None
     assert [n for _, n in r.order] == ["original", "attention"] * 2
+
+
+@pytest.mark.e2e
+def test_the_verify_notebook_runs_end_to_end_in_a_full_run(full_run):
+    p, job_root = full_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    step = job_root / "07_verify"
+    result = json.loads((step / "result.json").read_text())
+    assert result["step"] == "verify" and result["rungs"][0]["name"] == "original"
+    nb = json.loads((step / "07_verify.ipynb").read_text())
+    assert not [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert "Step 7" in (step / "report.html").read_text()
+    tuned = load_job(job_root / "tuned.yaml")  # mfu-lab run rewrote it with the run's source and id
+    assert tuned.job_name == "tiny-tuned"
+    assert "tuned job: " in p.stdout and "tiny.yaml" in (job_root / "tuned.yaml").read_text().splitlines()[0]
+
+
+def test_keep_on_the_command_line_pins_the_key_in_the_tuned_file(tmp_path):
+    from .conftest import TINY
+
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
+    _store(job, "compile", step4(mode="default"))
+    r = subprocess.run([sys.executable, "-m", "mfu_lab", "step", "verify", "--job", str(TINY), "--out", str(tmp_path),
+                        "--keep", "compile_mode"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = (tmp_path / "tiny" / "tuned.yaml").read_text()
+    assert "compile_mode: 'off'" in text.splitlines()
+    assert "# not adopted: compile_mode: 'off' -> default (compile): pinned" in text
+    assert load_job(tmp_path / "tiny" / "tuned.yaml").keep == ["compile_mode"]
+    bad = subprocess.run([sys.executable, "-m", "mfu_lab", "step", "verify", "--job", str(TINY), "--out",
+                          str(tmp_path), "--keep", "complie_mode"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "complie_mode" in bad.stderr and "did you mean 'compile_mode'" in bad.stderr

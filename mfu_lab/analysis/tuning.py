@@ -122,7 +122,7 @@ def _precision(job: Job, r: dict) -> list[Change]:
     if choice.get("speedup_low") is not None:
         ci = f" [{choice['speedup_low']:.2f}, {choice['speedup_high']:.2f}]"
     gap = f", final loss {choice['final_gap']:+.2%} from float32" if choice.get("final_gap") is not None else ""
-    evidence = (f"step 5: {choice.get('rung')} {_speed(choice.get('speedup'))}{ci} float32, side by side{gap} "
+    evidence = (f"step 5: {choice.get('rung')} {_speed(choice.get('speedup'))}{ci} over float32, side by side{gap} "
                 f"(within loss_tolerance {job.loss_tolerance:.0%}; measured)")
     out = []
     for key in ("dtype", "matmul_precision"):

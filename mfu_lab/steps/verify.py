@@ -219,9 +219,11 @@ def _headline(before: Rung, after: Rung, rungs: list[Rung], loss: dict) -> dict[
     carried = [r.name for r in rungs[1:] if r.proven and (r.gain or 0) > 1]
     same_peak = before.peak_flops_per_s == after.peak_flops_per_s
     ci = f"[{after.speedup_low:.2f}, {after.speedup_high:.2f}]"
-    text = (f"MFU {_pct(before.mfu)} -> {_pct(after.mfu)} (measured side by side, speedup {after.speedup:.2f}x {ci}"
-            + ("" if same_peak else f"; MFU against each precision's own peak: {before.dtype} then {after.dtype}")
-            + ")")
+    text = f"MFU {_pct(before.mfu)} -> {_pct(after.mfu)} (measured side by side, speedup {after.speedup:.2f}x {ci})"
+    if not same_peak:
+        text += (f"; each MFU is against its own precision's peak ({before.dtype}, then {after.dtype}), and this "
+                 f"device's {after.dtype} peak is {after.peak_flops_per_s / before.peak_flops_per_s:.1f}x its "
+                 f"{before.dtype} peak: across precisions compare the speedup, not the MFU")
     return {"text": text, "mfu_before": before.mfu, "mfu_after": after.mfu, "speedup": after.speedup,
             "speedup_low": after.speedup_low, "speedup_high": after.speedup_high,
             "proven": after.speedup_low > 1.0 or after.speedup_high < 1.0, "carried": carried,
@@ -281,6 +283,10 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         ledgers = {name: single_process_ledger(_timings(r), r.mfu or 0.0, health)
                    for name, r in (("before", before), ("after", after))}
     ddp = verify_ddp(job, device.type, chosen, work / "ddp", say)
+    for r in rungs:
+        if r.name == "communication":
+            r.reason = ("DDP settings do nothing in one process; " + (ddp["text"] if ddp["status"] == "ok" else
+                        f"DDP check {ddp['status']}: {ddp.get('reason', '')}"))
     headline = _headline(before, after, rungs, loss)
     metrics = _metrics(before, after, loss)
     result = VerifyResult("verify", job.to_dict(), environment(device.name, device.type), metrics,
@@ -304,7 +310,13 @@ def _metrics(before: Rung | None, after: Rung | None, loss: dict) -> dict[str, M
         return Metric(v, unit, "measured", note)
 
     tuned = after is not None and after is not before
+    shown = after if tuned else before  # the job the workflow leaves: the tuned one when it was measured
     return {
+        "mfu": m(shown.mfu if shown else None, "fraction", ("the tuned job" if tuned else "the original job (nothing "
+                 "adopted was timed)") + ", step 7's interleaved rounds: model FLOPs / (its precision's peak x median "
+                 "step)"),
+        "tokens_per_s": m(shown.tokens_per_s if shown else None, "tokens/s", "tokens per step / median step"),
+        "step_time_median_s": m(shown.step_median_s if shown else None, "s", "median of the interleaved steps"),
         "mfu_before": m(before.mfu if before else None, "fraction", "the original job, interleaved rounds: model "
                         "FLOPs / (peak x median step)"),
         "mfu_after": m(after.mfu if tuned else None, "fraction", "the tuned job, the same rounds"),
@@ -338,7 +350,8 @@ def advise(r: VerifyResult) -> list[Advice]:
         if not c["adopted"]:
             out.append(Advice("info", f"Not adopted: {c['key']} -> {c['new']!r}: {c['reason']}", c["evidence"]))
     if r.ddp.get("status") == "ok":
-        out.append(Advice("info", r.ddp["text"], "original and tuned DDP configurations alternated in one launch"))
+        out.append(Advice("info" if r.ddp["proven"] and r.ddp["speedup"] > 1 else "look", r.ddp["text"],
+                          "original and tuned DDP configurations alternated in one launch"))
     return out
 
 
