@@ -48,7 +48,8 @@ def grid(job, full: bool) -> dict[str, dict]:
     for combo in itertools.product(*axes):
         dtype, comp, mb = combo[:3]
         att = combo[3] if full else job.attention
-        name = f"{dtype[:4]}/{'compile' if comp != 'off' else 'eager'}/mb{mb}" + (f"/{att}" if full else "")
+        short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+        name = f"{short}/{'compile' if comp != 'off' else 'eager'}/mb{mb}" + (f"/{att}" if full else "")
         out[name] = job.to_dict() | {"dtype": dtype, "compile_mode": comp, "micro_batch": mb, "attention": att}
     return out
 
