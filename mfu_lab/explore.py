@@ -309,3 +309,45 @@ def explore_placement(job, result) -> Explorer:
     }
     return Explorer("What if: size, layout, uplinks and a neighbour's traffic (the placement model, re-run)",
                     controls, lambda **kw: draw_placement(job, result, **kw))
+
+
+# ------------------------------------------------------------------ step 7
+def draw_verify(result, rungs: list[str], steps: int) -> tuple[ReportFigure, str]:
+    """Wall-clock time of a training run of ``steps`` steps for each selected rung: warm-up time + steps x its
+    measured median step (computed from step 7's measurements)."""
+    sel = [r for r in result.rungs if r.step_median_s and r.name in rungs]
+    fig = ReportFigure(figsize=(9, 0.5 * max(len(sel), 1) + 1.6))
+    ax = fig.subplots()
+    if not sel:
+        ax.text(0.5, 0.5, "No timed rung selected (or none was timed: see the staircase's reasons)", ha="center",
+                va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return fig, "nothing to project"
+    hours = [((r.warmup_s or 0) + steps * r.step_median_s) / 3600 for r in sel]
+    ys = list(range(len(sel)))[::-1]
+    ax.barh(ys, hours, color=[plots.RUNG_COLORS.get(r.name, "#868e96") for r in sel])
+    for y, h in zip(ys, hours):
+        ax.text(h, y, f" {h:.2f} h", va="center", fontsize=8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([r.name for r in sel])
+    ax.set_xlabel(f"hours for {steps:,} steps on this device (warm-up + steps x measured median step)")
+    ax.set_xlim(0, max(hours) * 1.25)
+    fig.tight_layout()
+    base = next((r for r in result.rungs if r.name == "original" and r.step_median_s), None)
+    text = f"{steps:,} steps, computed from the measured medians"
+    if base and sel[-1] is not base:
+        b = (base.warmup_s or 0) + steps * base.step_median_s
+        t = (sel[-1].warmup_s or 0) + steps * sel[-1].step_median_s
+        text += f": {sel[-1].name} saves {(b - t) / 3600:.2f} h of the original's {b / 3600:.2f} h"
+    return fig, text
+
+
+def explore_verify(result) -> Explorer:
+    import ipywidgets as w
+
+    timed = [r.name for r in result.rungs if r.step_median_s]
+    return Explorer("What does the tuned job save on a real training run?", {
+        "rungs": _multi(timed, timed, "rungs"),
+        "steps": w.IntSlider(100_000, 1_000, 1_000_000, step=1_000, description="training steps",
+                             style={"description_width": "initial"})},
+        lambda rungs, steps: draw_verify(result, list(rungs), steps))

@@ -154,10 +154,14 @@ def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny
     lines = []
     r = verify.run(job, progress=lines.append)
     names = [x.name for x in r.rungs]
-    assert names == ["original", "attention", "precision", "fp8"]
-    assert r.order == [[1, "original"], [1, "attention"], [1, "precision"], [2, "original"], [2, "attention"],
-                       [2, "precision"]]
-    orig, att, prec, fp8 = r.rungs
+    # step 2 chose attention at float32 and the tuned job trains in bfloat16: the other one is timed again
+    assert names == ["original", "attention", "precision", "fp8", "attention at bfloat16"]
+    assert r.order == [[1, "original"], [1, "attention"], [1, "precision"], [1, "attention at bfloat16"],
+                       [2, "original"], [2, "attention"], [2, "precision"], [2, "attention at bfloat16"]]
+    orig, att, prec, fp8, again = r.rungs
+    assert again.challenger and again.keys == {"attention": "sdpa"} and again.dtype == "bfloat16"
+    won = again.proven and again.gain > 1
+    assert again.reason.startswith("adopted" if won else "not adopted")
     assert att.keys == {"attention": "unfused"} and prec.keys == {"dtype": "bfloat16"}
     assert fp8.status == "excluded" and "emulated" in fp8.reason  # no speed claim for emulated FP8
     for x in (orig, att, prec):
@@ -165,13 +169,19 @@ def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny
     assert orig.speedup == 1.0 and prec.speedup == pytest.approx(
         verify.statistics.median(orig.wall_s) / prec.step_median_s)
     assert prec.dtype == "bfloat16" and prec.peak_flops_per_s and prec.mfu is not None
-    assert r.loss["tuned_rung"] == "precision" and len(r.loss["original"]) == len(r.loss["tuned"]) == 1 + 4
+    assert r.loss["tuned_rung"] == ("attention at bfloat16" if won else "precision")
+    assert len(r.loss["original"]) == len(r.loss["tuned"]) == 1 + 4
     assert set(r.ledgers) == {"before", "after"}
     assert r.ddp["status"] == "skipped"
     assert r.headline["text"].startswith("MFU ")
     tuned = load_job(job.output_root() / "tuned.yaml")
-    assert (tuned.attention, tuned.dtype, tuned.fp8_layers, tuned.job_name) == ("unfused", "bfloat16", ["mlp_up"],
-                                                                               "tiny-tuned")
+    assert (tuned.attention, tuned.dtype, tuned.fp8_layers, tuned.job_name) == (
+        "sdpa" if won else "unfused", "bfloat16", ["mlp_up"], "tiny-tuned")
+    from mfu_lab import explore
+
+    fig, text = explore.draw_verify(r, ["original", "precision"], 10_000)
+    hours = ((orig.warmup_s or 0) + 10_000 * orig.step_median_s) / 3600
+    assert f"of the original's {hours:.2f} h" in text and fig.axes
     stored = json.loads((job.output_root() / "07_verify" / "result.json").read_text())
     assert verify.Result.from_dict(stored).rungs[1].keys == {"attention": "unfused"}
     page = write_index(job.output_root()).read_text()
@@ -236,7 +246,22 @@ def test_keep_on_the_command_line_pins_the_key_in_the_tuned_file(tmp_path):
     assert "compile_mode: 'off'" in text.splitlines()
     assert "# not adopted: compile_mode: 'off' -> default (compile): pinned" in text
     assert load_job(tmp_path / "tiny" / "tuned.yaml").keep == ["compile_mode"]
+    ran = subprocess.run([sys.executable, "-m", "mfu_lab", "step", "baseline", "--job",
+                          str(tmp_path / "tiny" / "tuned.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]  # the tuned file is a job file that runs, under its own name
+    assert (tmp_path / "tiny-tuned" / "01_baseline" / "result.json").is_file()
     bad = subprocess.run([sys.executable, "-m", "mfu_lab", "step", "verify", "--job", str(TINY), "--out",
                           str(tmp_path), "--keep", "complie_mode"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "complie_mode" in bad.stderr and "did you mean 'compile_mode'" in bad.stderr
+
+
+def test_attention_is_rechecked_only_when_the_precision_changed(tiny_job):
+    from mfu_lab.steps.verify import attention_recheck
+
+    s2 = step2(attention="sdpa") | {"job": {"dtype": "float32"}}
+    assert attention_recheck(tiny_job, {"attention_comm": s2}, tiny_job) is None
+    bf16 = dataclasses.replace(tiny_job, dtype="bfloat16")
+    again, why = attention_recheck(tiny_job, {"attention_comm": s2}, bf16)
+    assert (again.attention, again.dtype) == ("unfused", "bfloat16") and "chose sdpa at float32" in why
+    assert attention_recheck(tiny_job, {}, bf16) is None  # no step 2: nothing was chosen to re-check

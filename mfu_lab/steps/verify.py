@@ -32,7 +32,7 @@ from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.health import HealthSummary
-from mfu_lab.core.job import Job
+from mfu_lab.core.job import Job, validate
 from mfu_lab.core.ledger import Ledger, single_process_ledger
 from mfu_lab.core.measure import Timings, stats
 from mfu_lab.core.progress import as_progress
@@ -68,6 +68,7 @@ class Rung:
     gain_low: float | None = None
     gain_high: float | None = None
     proven: bool | None = None  # the gain's interval lies off 1.0
+    challenger: bool = False  # a re-check of an earlier choice at the tuned precision, adopted only if it wins
     warmup_s: float | None = None
     wall_s: list[float] = field(default_factory=list)
     data_s: list[float] = field(default_factory=list)
@@ -117,6 +118,21 @@ def write_tuned(job: Job, keep: list[str] | tuple[str, ...] = (), source: str = 
     path = job.output_root() / TUNED_FILE
     write_atomic(path, tuning.tuned_yaml(job, chosen, source, run_id))
     return path, chosen
+
+
+def attention_recheck(job: Job, results: dict[str, dict], tuned: Job) -> tuple[Job, str] | None:
+    """The tuned job with the other attention implementation, when step 2 chose attention at another precision
+    than the tuned job trains in (a choice at float32 need not hold at bfloat16); None otherwise."""
+    step2 = results.get("attention_comm")
+    if not step2 or not job.uses_reference_model:
+        return None
+    measured_at = (step2.get("job") or {}).get("dtype", job.dtype)
+    if measured_at == tuned.dtype:
+        return None
+    other = "unfused" if tuned.attention == "sdpa" else "sdpa"
+    why = (f"step 2 chose {tuned.attention} at {measured_at}; the tuned job trains in {tuned.dtype}, so {other} "
+           "is timed again beside it and adopted only if faster beyond the noise")
+    return validate(tuned.to_dict() | {"attention": other}, f"attention re-check at {tuned.dtype}"), why
 
 
 def _peaks(job: Job, device: dev.DeviceInfo, dtypes: set[str], say) -> dict[str, tuple[float, str]]:
@@ -260,6 +276,12 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
                                                     "speed in step 5 (torchao, compiled)")
         rungs.append(rung)
         jobs.append(rjob)
+    recheck = attention_recheck(job, results, stairs[-1][1])
+    if recheck:
+        rjob, why = recheck
+        rungs.append(Rung(f"attention at {rjob.dtype}", {"attention": rjob.attention}, "ok", why, rjob.dtype,
+                          challenger=True))
+        jobs.append(rjob)
     peaks = _peaks(job, device, {r.dtype for r in rungs if r.status == "ok"}, say)
     for r in rungs:
         if r.status == "ok":
@@ -276,6 +298,18 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     measured = [r for r in rungs if r.wall_s]
     before = measured[0] if measured and measured[0].name == "original" else None
     after = measured[-1] if measured else None
+    if after is not None and after.challenger:
+        if after.proven and after.gain > 1:
+            chosen.append(tuning.Change(
+                "attention", "verify", "attention", stairs[-1][1].attention, after.keys["attention"],
+                f"step 7: {after.keys['attention']} {after.gain:.2f}x [{after.gain_low:.2f}, {after.gain_high:.2f}] "
+                f"the tuned job's {stairs[-1][1].attention} at {after.dtype}, side by side (measured)", "measured"))
+            after.reason = "adopted: faster at the tuned precision beyond the noise"
+            if write:
+                write_atomic(tuned_path, tuning.tuned_yaml(job, chosen, "the job", ""))
+        else:
+            after.reason = "not adopted: not faster than the tuned job beyond the noise"
+            after = measured[-2] if len(measured) > 1 else None
     loss = _loss(job, before, after) if before else {"status": "skipped", "reason": "the original did not run"}
     health = HealthSummary(False, "not sampled by the verify step")
     ledgers = {}
