@@ -265,3 +265,16 @@ def test_attention_is_rechecked_only_when_the_precision_changed(tiny_job):
     again, why = attention_recheck(tiny_job, {"attention_comm": s2}, bf16)
     assert (again.attention, again.dtype) == ("unfused", "bfloat16") and "chose sdpa at float32" in why
     assert attention_recheck(tiny_job, {}, bf16) is None  # no step 2: nothing was chosen to re-check
+
+
+def test_a_change_step_7_adopted_itself_stays_in_the_rewritten_tuned_file(tiny_job):
+    bf16 = {"fp8": step5(dtype="bfloat16", groups=())}
+    again = tuning.Change("attention", "verify", "attention", "sdpa", "unfused", "step 7: unfused 1.10x", "measured")
+    chosen = tuning.changes(tiny_job, bf16 | {"verify": {"changes": [again.to_dict()]}})
+    assert [(c.step, c.key, c.new) for c in chosen] == [("fp8", "dtype", "bfloat16"),
+                                                        ("verify", "attention", "unfused")]
+    assert tuning.tuned_job(tiny_job, chosen).attention == "unfused"
+    # step 2's own attention change is replaced by step 7's, not applied twice
+    both = tuning.changes(tiny_job, bf16 | {"attention_comm": step2(attention="unfused"),
+                                            "verify": {"changes": [again.to_dict() | {"new": "sdpa"}]}})
+    assert [c.step for c in both if c.key == "attention"] == []  # back to the job's own: no change at all

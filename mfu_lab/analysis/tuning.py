@@ -150,12 +150,21 @@ def _fp8(job: Job, r: dict) -> list[Change]:
     return out
 
 
+def _rechecked(job: Job, r: dict) -> list[Change]:
+    """Changes step 7 itself adopted (an earlier choice timed again at the tuned precision, and faster)."""
+    fields = Change.__dataclass_fields__
+    return [Change(**{k: v for k, v in c.items() if k in fields}) for c in r.get("changes", [])
+            if c.get("step") == "verify" and c.get("adopted")]
+
+
 READERS = (("attention_comm", _attention), ("attention_comm", _communication), ("baseline", _data),
-           ("compile", _compile), ("fp8", _precision), ("fp8", _fp8))
+           ("compile", _compile), ("fp8", _precision), ("fp8", _fp8), ("verify", _rechecked))
 
 
 def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...] = ()) -> list[Change]:
     """Every recommended change, in the staircase's order, from the steps' stored results (key -> dict).
+    A ``verify`` result adds the changes step 7 adopted itself (they come last, and replace an earlier change of
+    the same key).
 
     ``keep`` (with the job's own ``keep:``) pins keys: their changes are listed, not adopted.
     """
@@ -171,6 +180,10 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
         for c in read(job, r):
             if c.key in pinned:
                 c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
+            if step == "verify":  # step 7's own finding replaces an earlier step's change of the same key
+                out = [o for o in out if o.key != c.key]
+                if c.new == getattr(job, c.key):
+                    continue  # back to the job's own value: nothing to change
             out.append(c)
     return out
 

@@ -114,6 +114,9 @@ def write_tuned(job: Job, keep: list[str] | tuple[str, ...] = (), source: str = 
                 run_id: str = "") -> tuple[Path, list[tuning.Change]]:
     """Write ``<out>/<job>/tuned.yaml`` from the steps' stored results; return its path and the changes."""
     results, _ = earlier_results(job)
+    mine = store.earlier(job, INFO.key)
+    if mine:  # what step 7 adopted itself (an attention re-checked at the tuned precision)
+        results["verify"] = mine.data
     chosen = tuning.changes(job, results, keep)
     path = job.output_root() / TUNED_FILE
     write_atomic(path, tuning.tuned_yaml(job, chosen, source, run_id))
