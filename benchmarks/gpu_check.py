@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--out outputs] [--quick]
 
-Plain Python (GPU machines have torch but no Jupyter). Runs steps 1 to 6 on a
+Plain Python (GPU machines have torch but no Jupyter). Runs steps 1 to 7 on a
 mid-sized GPT in bf16 on the visible GPUs and prints one table of what the CUDA
 paths measured: CUDA-event step times, the datasheet peak, NVML health, the SDPA
 backends (efficient, cuDNN, flash) and flash_attn, a reduced NCCL sweep, and the
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mfu_lab.core.job import load_job  # noqa: E402
-from mfu_lab.steps import attention_comm, baseline, fp8, kernels, placement  # noqa: E402
+from mfu_lab.steps import attention_comm, baseline, fp8, kernels, placement, verify  # noqa: E402
 from mfu_lab.steps import compile as compiled  # noqa: E402
 
 
@@ -35,6 +35,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "outputs"))
     ap.add_argument("--quick", action="store_true", help="step 1 only")
+    ap.add_argument("--skip-verify", action="store_true", help="stop after step 6 (step 7 adds a few minutes)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check here")
@@ -112,6 +113,10 @@ def main() -> int:
         print(f"  {t.name:<28} {t.status:<10} last loss {t.loss[-1]:.4f} {t.reason}")
     print("  " + f.choice["text"])
     print("  " + ", ".join(f"{k} {m.value} [{m.source}]" for k, m in f.metrics.items()))
+    for r in f.precision.get("rungs", []):  # TF32, bf16, fp16 against float32, side by side (CUDA events)
+        print(f"  precision {r['name']:<10} {r['status']:<11} step {r['step_median_s']} s, speedup {r['speedup']} "
+              f"[{r['speedup_low']}, {r['speedup_high']}], final gap {r['final_gap']} {r['reason'][:60]}")
+    print("  " + f.precision.get("choice", {}).get("text", "no precision choice"))
     t0 = time.perf_counter()
     pj = dataclasses.replace(job, cluster=str(ROOT / "parameters" / "clusters" / "example_h100.yaml"), coloc_steps=10)
     pr = placement.run(pj)
@@ -124,6 +129,15 @@ def main() -> int:
         print(f"  {row['name']:<45} predicted {row['predicted_s'] * 1e3:8.2f} ms, measured "
               f"{pr.check.measured_s * 1e3:8.2f} ms, error {row['error']:+.1%}")
     print("  " + ", ".join(f"{k} {m.value} [{m.source}]" for k, m in pr.metrics.items()))
+    if args.skip_verify:
+        return 0
+    t0 = time.perf_counter()
+    v = verify.run(dataclasses.replace(job, verify_rounds=3, verify_steps=5))  # one warm process per rung
+    print(f"\nstep 7 ({time.perf_counter() - t0:.0f} s): {v.headline['text']}")
+    for r in v.rungs:
+        print(f"  {r.name:<22} {r.status:<9} median {r.step_median_s} s, MFU {r.mfu}, speedup {r.speedup} "
+              f"[{r.speedup_low}, {r.speedup_high}] {r.reason[:70]}")
+    print(f"  DDP: {v.ddp.get('text') or v.ddp.get('reason')}")
     return 0
 
 
