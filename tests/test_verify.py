@@ -278,3 +278,39 @@ def test_a_change_step_7_adopted_itself_stays_in_the_rewritten_tuned_file(tiny_j
     both = tuning.changes(tiny_job, bf16 | {"attention_comm": step2(attention="unfused"),
                                             "verify": {"changes": [again.to_dict() | {"new": "sdpa"}]}})
     assert [c.step for c in both if c.key == "attention"] == []  # back to the job's own: no change at all
+
+
+def test_a_candidate_that_drops_out_mid_rounds_leaves_the_others_running():
+    def steady(k):
+        return {"wall_s": [0.1] * k}
+
+    calls = {"n": 0}
+
+    def dies(k):
+        calls["n"] += 1
+        return {"wall_s": [0.2] * k} if calls["n"] == 1 else None
+
+    done = interleave({"A": steady, "B": dies, "C": steady}, rounds=3, steps=2)
+    assert done.order == [(1, "A"), (1, "B"), (1, "C"), (2, "A"), (2, "C"), (3, "A"), (3, "C")]
+    assert calls["n"] == 2 and len(done.series["A"].wall_s) == 6
+
+
+def test_a_rung_whose_process_dies_during_the_rounds_is_recorded(tiny_job, monkeypatch):
+    from mfu_lab.steps import verify
+
+    job = dataclasses.replace(tiny_job, verify_rounds=3, verify_steps=1, verify_warmup_steps=0)
+    _store(job, "attention_comm", step2(attention="unfused"))
+    real_run = verify.RungProcess.run
+
+    def run(self, steps):
+        if self.name == "attention" and getattr(self, "_seen", False):
+            self.proc.kill()  # the rung's process dies after its first round
+        self._seen = True
+        return real_run(self, steps)
+
+    monkeypatch.setattr(verify.RungProcess, "run", run)
+    r = verify.run(job, write=False)
+    orig, att = r.rungs
+    assert att.status == "failed" and "during the rounds" in att.reason and att.wall_s == []
+    assert orig.status == "ok" and len(orig.wall_s) == 3
+    assert [n for _, n in r.order] == ["original", "attention", "original", "original"]

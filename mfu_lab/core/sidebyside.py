@@ -58,15 +58,23 @@ def interleave(runners: Mapping[str, Callable[[int], Mapping[str, list[float]]]]
     """Run ``rounds`` rounds; in each, every runner once for ``steps`` steps, in the mapping's order.
 
     A runner takes a step count and returns that many steps' ``wall_s`` (and optionally ``data_s``,
-    ``compute_s``, ``loss``), continuing its own training from where its last round stopped.
+    ``compute_s``, ``loss``), continuing its own training from where its last round stopped. A runner that
+    returns None has dropped out (its caller records why): it is not run again, and the rest go on.
     """
     if rounds < 1 or steps < 1:
         raise ValueError(f"rounds and steps must be >= 1 (got {rounds}, {steps})")
     series = {name: Series() for name in runners}
     order: list[tuple[int, str]] = []
+    out: set[str] = set()
     for r in range(1, rounds + 1):
         for name, run in runners.items():
-            series[name].extend(run(steps))
+            if name in out:
+                continue
+            chunk = run(steps)
+            if chunk is None:
+                out.add(name)
+                continue
+            series[name].extend(chunk)
             order.append((r, name))
             if progress:
                 progress(f"round {r}/{rounds}: {name} {statistics.median(series[name].wall_s[-steps:]) * 1e3:.1f} "

@@ -177,14 +177,25 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
             flops[rung.name] = ready["model_flops_per_step"]
         if not procs:
             return []
-        runners = {name: p.run for name, p in procs.items()}
-        done = interleave(runners, job.verify_rounds, job.verify_steps, say)
+        by_name = {r.name: r for r in rungs}
+
+        def runner(name: str, p: RungProcess):
+            def run(k: int):
+                try:
+                    return p.run(k)
+                except RuntimeError as e:  # this rung's process died or hung: recorded, the others go on
+                    by_name[name].status, by_name[name].reason = "failed", f"during the rounds: {e}"
+                    return None
+            return run
+
+        done = interleave({name: runner(name, p) for name, p in procs.items()}, job.verify_rounds,
+                          job.verify_steps, say)
     finally:
         for p in procs.values():
             p.close()
     for rung in rungs:
         s = done.series.get(rung.name)
-        if s is None:
+        if s is None or rung.status != "ok" or not s.wall_s:
             continue
         rung.wall_s, rung.data_s, rung.compute_s = s.wall_s, s.data_s, s.compute_s
         rung.loss += s.loss
