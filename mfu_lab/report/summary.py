@@ -145,7 +145,13 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
             text += (f"; step 1's step times spread ±{(p90 - p10) / 2 / med:.0%} (p10-p90), so differences within that "
                      "are run-to-run noise, not gains: the gains are in Changes measured, each timed side by side")
         lines.append(text + ".")
-    to_adopt = [c for c in changes(results) if c.status == "adopt"]
+    tuned = (results.get("verify") or {}).get("changes")
+    to_adopt = [] if tuned is not None else [c for c in changes(results) if c.status == "adopt"]
+    if tuned is not None:
+        adopted = [c for c in tuned if c.get("adopted")]
+        lines.append(f"tuned.yaml adopts {len(adopted)} of {len(tuned)} recommended change(s)"
+                     + (": " + "; ".join(f"{c['key']}: {c['new']} ({c['rung']}, {c['label']})" for c in adopted)
+                        if adopted else "") + " (step 7).")
     if to_adopt:
         lines.append(f"{len(to_adopt)} change(s) to adopt: "
                      + "; ".join(f"{c.change} [{c.source}]" for c in to_adopt) + ".")
