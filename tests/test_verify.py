@@ -314,3 +314,11 @@ def test_a_rung_whose_process_dies_during_the_rounds_is_recorded(tiny_job, monke
     assert att.status == "failed" and "during the rounds" in att.reason and att.wall_s == []
     assert orig.status == "ok" and len(orig.wall_s) == 3
     assert [n for _, n in r.order] == ["original", "attention", "original", "original"]
+
+
+def test_a_result_measured_with_other_job_values_says_so_in_the_evidence(tiny_job):
+    other = step4() | {"job": tiny_job.to_dict() | {"micro_batch": 16}}
+    (c,) = tuning.changes(tiny_job, {"compile": other})
+    assert c.evidence.endswith("measured with micro_batch=16 (this job: 4)")
+    (same,) = tuning.changes(tiny_job, {"compile": step4() | {"job": tiny_job.to_dict()}})
+    assert "measured with" not in same.evidence

@@ -28,6 +28,9 @@ from mfu_lab.core.job import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
 RUNGS = ("attention", "communication", "data", "compile", "precision", "fp8")
+# keys that change what a step measured: a result taken with other values is evidence about another job
+SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "micro_batch",
+              "data", "seq_policy", "device", "dtype", "attention", "compile_mode")
 LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
 TUNED_SUFFIX = "-tuned"
 
@@ -177,7 +180,12 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
         r = results.get(step)
         if not r:
             continue
+        measured_with = {k: v for k, v in (r.get("job") or {}).items()
+                         if k in SHAPE_KEYS and v != getattr(job, k)}
         for c in read(job, r):
+            if measured_with:
+                c.evidence += "; measured with " + ", ".join(f"{k}={v!r} (this job: {getattr(job, k)!r})"
+                                                            for k, v in measured_with.items())
             if c.key in pinned:
                 c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
             if step == "verify":  # step 7's own finding replaces an earlier step's change of the same key
