@@ -322,3 +322,11 @@ def test_a_result_measured_with_other_job_values_says_so_in_the_evidence(tiny_jo
     assert c.evidence.endswith("measured with micro_batch=16 (this job: 4)")
     (same,) = tuning.changes(tiny_job, {"compile": step4() | {"job": tiny_job.to_dict()}})
     assert "measured with" not in same.evidence
+
+
+def test_keep_items_that_are_not_names_are_refused_clearly(tmp_path):
+    p = tmp_path / "j.yaml"
+    p.write_text("keep: [[]]\n")  # found by the fuzz test: a list inside keep used to raise TypeError
+    with pytest.raises(JobError) as e:
+        load_job(p)
+    assert "keep" in str(e.value) and "not a job key" in str(e.value)

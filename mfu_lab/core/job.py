@@ -282,7 +282,7 @@ def _items_problem(kind: str, items: list) -> str | None:
             return f"item {v!r}: every item must be one of {', '.join(COMPILE_MODES)}"
         if kind == "precision" and v not in PRECISION_RUNGS:
             return f"item {v!r}: every item must be one of {', '.join(PRECISION_RUNGS)}"
-        if kind == "key" and v not in FIELDS:
+        if kind == "key" and (not isinstance(v, str) or v not in FIELDS):
             near = difflib.get_close_matches(str(v), FIELDS, n=1)
             return f"item {v!r}: not a job key" + (f" (did you mean '{near[0]}'?)" if near else "")
         if kind == "bool" and not isinstance(v, bool):
