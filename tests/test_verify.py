@@ -330,3 +330,14 @@ def test_keep_items_that_are_not_names_are_refused_clearly(tmp_path):
     with pytest.raises(JobError) as e:
         load_job(p)
     assert "keep" in str(e.value) and "not a job key" in str(e.value)
+
+
+def test_varying_shapes_under_a_compile_recommendation_propose_buckets(tiny_job):
+    varlen = dataclasses.replace(tiny_job, data="synthetic_varlen")
+    s4 = step4() | {"audit": {"shapes": {"4x17": 1, "4x29": 1, "4x32": 2}}}
+    s4["recommendation"]["shapes_first"] = True
+    chosen = tuning.changes(varlen, {"compile": s4})
+    assert [(c.key, c.new, c.label) for c in chosen] == [("seq_policy", "bucket", "proposed"),
+                                                         ("compile_mode", "default", "measured")]
+    assert "3 batch shapes" in chosen[0].evidence
+    assert tuning.changes(dataclasses.replace(varlen, seq_policy="pack"), {"compile": s4})[0].key == "compile_mode"

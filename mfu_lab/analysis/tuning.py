@@ -112,9 +112,16 @@ def _compile(job: Job, r: dict) -> list[Change]:
     trial = next((t for t in r.get("trials", []) if t.get("mode") == rec["mode"]), {})
     pays = (f", pays back its compile after {rec['break_even_cold']:.0f} steps"
             if rec.get("break_even_cold") is not None else "")
-    return [Change("compile", "compile", "compile_mode", job.compile_mode, rec["mode"],
-                   f"step 4: {_speed(trial.get('speedup'))} eager, each in a fresh process (measured){pays}",
-                   "measured")]
+    out = [Change("compile", "compile", "compile_mode", job.compile_mode, rec["mode"],
+                  f"step 4: {_speed(trial.get('speedup'))} eager, each in a fresh process (measured){pays}",
+                  "measured")]
+    if rec.get("shapes_first") and job.seq_policy == "longest":  # shapes first: a few lengths, few recompiles
+        shapes = len((r.get("audit") or {}).get("shapes") or {})
+        out.insert(0, Change("compile", "compile", "seq_policy", job.seq_policy, "bucket",
+                             f"step 4: {shapes or 'several'} batch shapes in one epoch make the compiled model "
+                             f"recompile; bucketing to seq_buckets ({job.seq_buckets}) lengths bounds them "
+                             "(proposed; the verify step measures it with the compile mode)", "proposed"))
+    return out
 
 
 def _precision(job: Job, r: dict) -> list[Change]:
