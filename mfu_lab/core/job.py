@@ -173,7 +173,7 @@ class Job:
     coloc_steps: int = _key(8, "measured steps of the co-location experiment (the job alone, then two copies at once)",
                             min=2)
     # --- verify (step 7) ---
-    verify_rounds: int = _key(5, "interleaved rounds of the verify step's staircase (each rung runs once per round)",
+    verify_rounds: int = _key(10, "interleaved rounds of the verify step's staircase (each rung runs once per round)",
                               min=2)
     verify_steps: int = _key(4, "measured steps of each rung per round (step 7)", min=1)
     verify_warmup_steps: int = _key(3, "steps each rung runs first and discards (compilation happens here)", min=0)

@@ -2,7 +2,7 @@
 
 Bucket size, communication hook and ``gradient_as_bucket_view`` change nothing in one process, so they are
 verified where they act: the step-2 worker (mfu_lab.workers.ddp_rank) runs the configurations
-``[original, tuned] x verify_rounds`` in that order, each a fresh DDP model for ``comm_steps`` steps; the
+``[original, tuned] x min(verify_rounds, 5)`` in that order, each a fresh DDP model for ``comm_steps`` steps; the
 per-step times of all rounds are pooled per configuration and compared with a bootstrap interval.
 """
 
@@ -16,6 +16,8 @@ from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
 from mfu_lab.core.sidebyside import bootstrap_speedup
 from mfu_lab.workers.launch import config_key, launch, world_layout
+
+DDP_ROUNDS = 5  # each DDP turn builds a fresh DDP model and runs comm_steps steps twice: far dearer than a round
 
 
 def ddp_configs(job: Job, chosen: list[Change]) -> tuple[dict, dict] | None:
@@ -40,7 +42,7 @@ def verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say
         return {"status": "skipped", "reason": f"the job runs {nnodes * nproc} process: no data parallelism to "
                 "verify; run the verify step on a node with 2+ GPUs (or nproc_per_node: 2+)"}
     original, tuned = configs
-    plan = [original, tuned] * job.verify_rounds
+    plan = [original, tuned] * min(job.verify_rounds, DDP_ROUNDS)
     say(f"DDP: {len(plan)} configurations alternated in one launch of {nnodes * nproc} processes")
     spec = {"job": job.to_dict(), "device_type": device_type, "attention": None, "configs": plan,
             "allreduce_max_bytes": None, "fault": None}
