@@ -27,17 +27,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mfu_lab.analysis.precision import native_bf16  # noqa: E402
 from mfu_lab.core.job import load_job, validate  # noqa: E402
 from mfu_lab.core.sidebyside import interleave  # noqa: E402
 from mfu_lab.workers.verify_rung import RungProcess  # noqa: E402
 
 
 def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's name and its native-bf16 flags (read the same way as step 5's precision ladder)."""
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
                 platform.processor())
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    return name, [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return name, native_bf16(text)["flags"]
 
 
 def grid(job, full: bool) -> dict[str, dict]:

@@ -29,6 +29,7 @@ from mfu_lab.report.tables_kernels import kernels_section
 from mfu_lab.report.tables_placement import placement_section
 from mfu_lab.report.tables_verify import verify_section
 from mfu_lab.report.templating import macros, render
+from mfu_lab.steps.verify import VerifyResult
 
 PARTS = "index_parts.html.j2"
 RUNS_LISTED = 20
@@ -117,8 +118,6 @@ def _staircase_uri(results: dict[str, dict]) -> str | None:
     if not d:
         return None
     try:
-        from mfu_lab.steps.verify import VerifyResult
-
         fig = plots.staircase(VerifyResult.from_dict(d))
     except Exception:  # noqa: BLE001 - an unreadable result is named in its own section below
         return None

@@ -118,9 +118,11 @@ def write_tuned(job: Job, keep: list[str] | tuple[str, ...] = (), source: str = 
     if mine:  # what step 7 adopted itself (an attention re-checked at the tuned precision)
         results["verify"] = mine.data
     chosen = tuning.changes(job, results, keep)
-    path = job.output_root() / TUNED_FILE
-    write_atomic(path, tuning.tuned_yaml(job, chosen, source, run_id))
-    return path, chosen
+    return _save_tuned(job, chosen, source, run_id), chosen
+
+
+def _save_tuned(job: Job, chosen: list[tuning.Change], source: str = "the job", run_id: str = "") -> Path:
+    return write_atomic(job.output_root() / TUNED_FILE, tuning.tuned_yaml(job, chosen, source, run_id))
 
 
 def attention_recheck(job: Job, results: dict[str, dict], tuned: Job) -> tuple[Job, str] | None:
@@ -271,7 +273,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     chosen = tuning.changes(job, results, keep)
     tuned_path = job.output_root() / TUNED_FILE
     if write:
-        write_atomic(tuned_path, tuning.tuned_yaml(job, chosen, "the job", ""))
+        _save_tuned(job, chosen)
     say(f"{sum(c.adopted for c in chosen)} change(s) adopted of {len(chosen)} recommended; tuned job: {tuned_path}")
 
     stairs = tuning.staircase(job, chosen)
@@ -320,7 +322,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
                 f"the tuned job's {stairs[-1][1].attention} at {after.dtype}, side by side (measured)", "measured"))
             after.reason = "adopted: faster at the tuned precision beyond the noise"
             if write:
-                write_atomic(tuned_path, tuning.tuned_yaml(job, chosen, "the job", ""))
+                _save_tuned(job, chosen)
         else:
             after.reason = "not adopted: not faster than the tuned job beyond the noise"
             after = measured[-2] if len(measured) > 1 else None

@@ -17,8 +17,14 @@ and allocator out of the next, and lets every rung stay warm while the parent al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import queue
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -34,11 +40,6 @@ class RungProcess:
     """
 
     def __init__(self, spec: dict, work: Path, timeout_s: float):
-        import os
-        import queue
-        import subprocess
-        import threading
-
         work.mkdir(parents=True, exist_ok=True)
         spec_path = work / f"rung_{spec['rung']}.json"
         spec_path.write_text(json.dumps(spec))
@@ -60,8 +61,6 @@ class RungProcess:
         threading.Thread(target=pump, daemon=True).start()
 
     def _next(self) -> dict:
-        import queue
-
         try:
             msg = self._lines.get(timeout=self.timeout_s)
         except queue.Empty:
@@ -84,11 +83,6 @@ class RungProcess:
         return self._next()
 
     def close(self) -> None:
-        import contextlib
-        import os
-        import signal
-        import subprocess
-
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 self.proc.stdin.write(json.dumps({"quit": 1}) + "\n")
@@ -114,6 +108,8 @@ def main() -> int:
     try:
         import dataclasses
 
+        import torch
+
         from mfu_lab.core import flops as fl
         from mfu_lab.core.device import resolve_device
         from mfu_lab.core.job import validate
@@ -128,10 +124,7 @@ def main() -> int:
         quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
         x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
         report = fl.count_step_flops(model, step, x0.to(tdev), y0.to(tdev))
-        torch_seed = job.seed
-        import torch
-
-        torch.manual_seed(torch_seed)  # the counting pass drew no random numbers the steps need; reseed anyway
+        torch.manual_seed(job.seed)  # every rung starts its steps from the same random state, whatever counting drew
         total = job.verify_warmup_steps + spec["steps_total"]
         batches = iter(build_loader(job, total, device.type))
         t0 = time.perf_counter()
