@@ -13,6 +13,8 @@
     mfu-lab history [JOB_DIR]            list the job's runs (kept under JOB_DIR/runs/) with their MFU
     mfu-lab compare RUN_A RUN_B [--job-dir DIR] [--tolerance 0.03]
         what changed between two runs, metric by metric, beyond the noise
+    mfu-lab monitor report DIR [--out FOLDER]
+        read a production monitor's folder (mfu_lab.monitor.Monitor): report.html and summary.json
 
 Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, arguments).
 """
@@ -27,7 +29,7 @@ import yaml
 
 from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from mfu_lab.core.files import JOB_MARKER, is_job_root
+from mfu_lab.core.files import JOB_MARKER, is_job_root, read_json
 from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
 from mfu_lab.core.job import FIELDS, Job, load_job, validate
@@ -41,6 +43,7 @@ from mfu_lab.runner import (
     check_cluster,
     check_output_folder,
     filesystem_problem,
+    monitor_report,
     resolve_job,
     run_one_step,
     run_steps,
@@ -194,6 +197,18 @@ def cmd_check_html(args) -> int:
     return EXIT_OK if not bad else EXIT_STEP_FAILED
 
 
+def cmd_monitor_report(args) -> int:
+    report, summary_file = monitor_report(args.dir, args.out, quiet=args.quiet)
+    s = read_json(summary_file)
+    print(f"mfu-lab: {s['read']['ranks']} rank(s) on {s['read']['nodes']} node(s), {s['read']['steps']:,} timed "
+          f"steps, {s['span']['launches']} launch(es)" + (f"; {s['read']['skipped_lines']} unreadable line(s) "
+                                                          "skipped" if s["read"]["skipped_lines"] else ""))
+    print(f"verdict: {s['verdict']}")
+    print(f"wrote {summary_file}" + (f" and {report}" if report else " (papermill is not installed here: no "
+                                     "report.html; run mfu-lab monitor report on a machine with the workbook)"))
+    return EXIT_OK
+
+
 def cmd_gate(args) -> int:
     ok, lines = gate(args.max_temp_c)
     for line in lines:
@@ -266,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "errors, failed or off-machine requests, missing images; full-page screenshots")
     ch.add_argument("job_dir", nargs="?", help="job output folder (default: the default job's)")
     ch.set_defaults(func=cmd_check_html)
+
+    mon = sub.add_parser("monitor", help="the production monitor: read what mfu_lab.monitor.Monitor recorded")
+    mon_sub = mon.add_subparsers(dest="monitor_command", required=True)
+    mr = mon_sub.add_parser("report", help="summarise a monitor folder: report.html and summary.json")
+    mr.add_argument("dir", help="the folder the Monitor wrote (<host>-rank<k>.jsonl files; any ranks, nodes, days)")
+    mr.add_argument("--out", help="where to write report.html and summary.json (default: DIR)")
+    mr.add_argument("-q", "--quiet", action="store_true", help="do not stream the notebook's output")
+    mr.set_defaults(func=cmd_monitor_report)
 
     g = sub.add_parser("gate", help="pre-launch health gate: every NVIDIA GPU on this node cool and unthrottled")
     g.add_argument("--max-temp-c", type=float, default=HOT_C, help=f"fail a GPU above this temperature ({HOT_C:g})")

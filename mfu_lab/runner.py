@@ -315,6 +315,7 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
     root = find_workbook_root()
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
+    _monitor_step(job, quiet)
     failed: list[str] = []
     for n, info in enumerate(steps, 1):
         if resume:
@@ -349,6 +350,22 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
     return failed
 
 
+def _monitor_step(job: Job, quiet: bool) -> None:
+    """Step 0 when the job names its production monitor's folder: its report into ``<job>/00_monitor/``. A
+    missing or empty folder is said and the run goes on (the monitor is read, never required)."""
+    folder = job.monitor_path()
+    if folder is None:
+        return
+    t0 = time.perf_counter()
+    print(f"[0] 00_monitor: the job in production, from {folder}", flush=True)
+    try:
+        report, _ = monitor_report(folder, job.output_root() / "00_monitor", quiet=quiet)
+    except (MfuLabError, OSError, RuntimeError) as e:  # papermill's execution error is a RuntimeError
+        print(f"[0] 00_monitor: not read ({str(e).strip().splitlines()[-1][:300]}); the steps go on", file=sys.stderr)
+        return
+    print(f"[0] 00_monitor done in {time.perf_counter() - t0:.0f} s -> {report}", flush=True)
+
+
 def _tuned(job: Job, source: str, run_id: str) -> None:
     """Write ``tuned.yaml`` from the results as they now stand, and say how many changes it adopts."""
     from mfu_lab.steps.verify import write_tuned
@@ -362,3 +379,33 @@ def _tuned(job: Job, source: str, run_id: str) -> None:
     print(f"mfu-lab: tuned job: {path} ({adopted} change(s) adopted of {len(chosen)} recommended; "
           f"mfu-lab run {path} runs it)")
 
+
+
+def monitor_report(folder: str | Path, out: str | Path | None = None, quiet: bool = False) -> tuple[Path | None, Path]:
+    """Run the ``00_monitor`` notebook over a monitor folder with papermill; export ``report.html`` beside its
+    ``summary.json`` in ``out`` (default: the monitor folder). Without papermill (a GPU node without Jupyter)
+    only ``summary.json`` is written. Returns (report.html or None, summary.json)."""
+    from mfu_lab.steps import monitor
+
+    folder = monitor.check_folder(folder, "DIR").resolve()
+    out = Path(out).expanduser().resolve() if out else folder
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        import papermill as pm
+    except ImportError:
+        monitor.run(folder, out)
+        return None, out / monitor.SUMMARY_FILE
+    root = find_workbook_root()
+    if not (root / "notebooks" / "00_monitor.ipynb").is_file():  # run from elsewhere: the package's own checkout
+        root = Path(__file__).resolve().parents[1]
+    src, nb = root / "notebooks" / "00_monitor.ipynb", out / "00_monitor.ipynb"
+    if not src.is_file():
+        raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
+    try:
+        pm.execute_notebook(str(src), str(nb), parameters={"monitor_dir": str(folder), "out": str(out)},
+                            progress_bar=False, cwd=str(root), kernel_name="python3",
+                            stdout_file=None if quiet else _Indented(sys.stdout))
+    finally:
+        if nb.is_file():  # a failed cell still leaves a report of what ran, with the error in it
+            export_html(nb, out / "report.html")
+    return out / "report.html", out / monitor.SUMMARY_FILE

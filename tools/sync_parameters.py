@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mfu_lab.core.job import FIELDS, Job  # noqa: E402
+from mfu_lab.core.registry import STEPS  # noqa: E402
 
 GROUPS = {"job_name": "job", "model": "model", "data": "data", "micro_batch": "training", "peak_flops": "device",
           "nproc_per_node": "distributed (step 2)", "profile_warmup_steps": "kernels (step 3)",
@@ -39,7 +40,7 @@ def parameters_source() -> str:
 
 def main() -> None:
     src = parameters_source()
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    for path in [ROOT / "notebooks" / info.notebook for info in STEPS]:  # 00_monitor takes a folder, not a job
         nb = nbformat.read(path, as_version=4)
         cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
         if cell.source != src:

@@ -56,6 +56,34 @@ class HealthSummary:
         return self.sm_clock_mhz_mean / self.sm_clock_mhz_max_supported
 
 
+def nvml_handle(nv, index: int):
+    """The NVML handle of torch's CUDA device ``index``. NVML numbers physical GPUs and ignores
+    CUDA_VISIBLE_DEVICES (and MIG), so the device is matched by UUID, then by PCI bus id; the index itself is
+    trusted only when CUDA_VISIBLE_DEVICES is unset. Raises LookupError when nothing matches."""
+    import os
+
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        try:
+            return nv.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        except Exception:
+            pass  # a MIG instance's UUID is not a GPU's: try the bus id
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is not None:
+        bus_id = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        try:
+            return nv.nvmlDeviceGetHandleByPciBusId(bus_id)
+        except Exception:
+            pass
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return nv.nvmlDeviceGetHandleByIndex(index)
+    raise LookupError(f"CUDA device {index} matches no NVML device by UUID or PCI bus id, and "
+                      f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} makes the index unreliable")
+
+
 def _nvml():
     import pynvml  # provided by nvidia-ml-py
 
@@ -96,16 +124,7 @@ class HealthSampler:
         return self
 
     def _find_handle(self, nv):
-        """NVML numbers physical GPUs and ignores CUDA_VISIBLE_DEVICES, so match torch's device by UUID."""
-        try:
-            import torch
-
-            uuid = getattr(torch.cuda.get_device_properties(self.index or 0), "uuid", None)
-            if uuid is not None:
-                return nv.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        except Exception:
-            pass  # fall back to the index, right whenever CUDA_VISIBLE_DEVICES is unset
-        return nv.nvmlDeviceGetHandleByIndex(self.index or 0)
+        return nvml_handle(nv, self.index or 0)
 
     def _reasons(self, nv) -> int:
         fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons

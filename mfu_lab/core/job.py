@@ -61,6 +61,9 @@ class Job:
     seed: int = _key(0, "seed for weights and synthetic data", min=0)
     keep: list = _key([], "job keys the tuned job (outputs/<job>/tuned.yaml) keeps at this file's values, whatever "
                       "the steps recommend, e.g. [dtype, compile_mode]", items="key", empty=True)
+    monitor_dir: str = _key("", "the folder mfu_lab.monitor.Monitor writes in this job's production runs; the "
+                            "index then shows what it measured and the ledger's operations bar uses it; relative "
+                            "paths are taken from the workbook root; empty for none")
     # --- model ---
     model: str = _key("gpt", "'gpt' (the reference decoder) or 'package.module:function'", pattern="model")
     model_kwargs: dict = _key({}, "keyword arguments passed to a module:function model")
@@ -209,6 +212,13 @@ class Job:
 
     def step_dir(self, step_folder: str) -> Path:
         return self.output_root() / step_folder
+
+    def monitor_path(self, workbook_root: Path | None = None) -> Path | None:
+        """The job's monitor folder (a relative path taken from the workbook root), None when not named."""
+        if not self.monitor_dir:
+            return None
+        p = Path(self.monitor_dir).expanduser()
+        return p if p.is_absolute() else (workbook_root or find_workbook_root()) / p
 
     def cluster_path(self, workbook_root: Path | None = None) -> Path:
         """The job's cluster file, a relative path taken from the workbook root."""

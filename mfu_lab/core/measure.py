@@ -162,7 +162,7 @@ def profile_steps(step, batches, device: torch.device, warmup: int, active: int,
     trace_path = Path(trace_path)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = trace_path.with_name(trace_path.name.replace(".json", ".partial.json"))
-    with _without_usdt_lines(), profile(activities=activities, record_shapes=True,
+    with without_usdt_lines(), profile(activities=activities, record_shapes=True,
                                         schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
                                         on_trace_ready=lambda p: p.export_chrome_trace(str(tmp))) as prof:
 
@@ -179,7 +179,7 @@ def profile_steps(step, batches, device: torch.device, warmup: int, active: int,
 
 
 @contextlib.contextmanager
-def _without_usdt_lines():
+def without_usdt_lines():
     """Some torch builds' Kineto print 'USDT: ... profiler_start/stop' on the C++ stderr at every start and
     stop; notebooks show them as errors. Hold the process's stderr (fd 2) while profiling and pass on every
     other line afterwards."""

@@ -32,6 +32,11 @@ from mfu_lab.plots.kernels import (  # noqa: F401 - re-exported
     time_breakdown,
     top_kernels,
 )
+from mfu_lab.plots.monitor import Unavailable  # noqa: F401
+from mfu_lab.plots.monitor import gpu_health as monitor_gpu_health  # noqa: F401
+from mfu_lab.plots.monitor import operations_loss as monitor_operations  # noqa: F401
+from mfu_lab.plots.monitor import overview as monitor_overview  # noqa: F401
+from mfu_lab.plots.monitor import step_by_rank as monitor_step_by_rank  # noqa: F401
 from mfu_lab.plots.placement import (  # noqa: F401 - re-exported
     TERM_COLORS,
     TERM_NAMES,

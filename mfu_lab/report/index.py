@@ -8,30 +8,42 @@ by the templates (``templates/job_index.html.j2``, ``templates/index_parts.html.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from mfu_lab import plots
 from mfu_lab.core.files import RESULT_FILE, load_results, write_atomic
 from mfu_lab.core.history import mfu_trend, runs
+from mfu_lab.core.job import find_workbook_root
 from mfu_lab.core.ledger import Ledger, LedgerItem
 from mfu_lab.core.registry import BY_KEY, STEPS, StepInfo
 from mfu_lab.core.runstate import step_state
-from mfu_lab.report.summary import changes, headline, ledger_before_after, mfu_points, recommendations
+from mfu_lab.report.summary import (
+    changes,
+    headline,
+    ledger_before_after,
+    mfu_points,
+    recommendations,
+    with_operations,
+)
 from mfu_lab.report.tables_attention_comm import attention_comm_section
 from mfu_lab.report.tables_baseline import baseline_section
 from mfu_lab.report.tables_compile import compile_section
 from mfu_lab.report.tables_fp8 import fp8_section
 from mfu_lab.report.tables_kernels import kernels_section
+from mfu_lab.report.tables_monitor import monitor_section
 from mfu_lab.report.tables_placement import placement_section
 from mfu_lab.report.tables_verify import verify_section
 from mfu_lab.report.templating import macros, render
+from mfu_lab.steps import monitor
 from mfu_lab.steps.verify import VerifyResult
 
 PARTS = "index_parts.html.j2"
+MONITOR_FOLDER = "00_monitor"  # mfu-lab run writes the monitor's report here when the job names monitor_dir
 RUNS_LISTED = 20
 
 # Each step's detailed section, in workbook order.
@@ -101,15 +113,49 @@ def _section(key: str, d: dict[str, Any]) -> Markup:
         return macros(PARTS).unreadable_section(BY_KEY[key].number, key, type(exc).__name__, str(exc))
 
 
-def _ledgers(results: dict[str, dict]) -> dict[str, Any]:
-    """The ledger before (step 1) and after (step 4's recommendation), as one plot, or what is missing."""
+def monitor_summary(job_root: Path, results: dict[str, dict]) -> tuple[dict | None, str | None, str]:
+    """The production monitor's summary for this job: ``<job_root>/00_monitor/summary.json`` (written by
+    ``mfu-lab run`` when the job names ``monitor_dir``), else the one in the job's monitor folder. Returns
+    (summary, link to its report relative to the index, the folder named or "")."""
+    named = next((str((d.get("job") or {}).get("monitor_dir") or "") for d in results.values()
+                  if (d.get("job") or {}).get("monitor_dir")), "")
+    own = job_root / MONITOR_FOLDER
+    candidates = [own]
+    if named:
+        p = Path(named).expanduser()
+        candidates.append(p if p.is_absolute() else find_workbook_root() / p)
+    for folder in candidates:
+        try:
+            d = monitor.load(folder)
+        except Exception:  # noqa: BLE001 - a damaged summary is left out, said below
+            d = None
+        if d:
+            report = folder / "report.html"
+            link = os.path.relpath(report, job_root) if report.is_file() else None
+            return d, link, named
+    return None, None, named
+
+
+def _ledgers(results: dict[str, dict], mon: dict | None = None) -> dict[str, Any]:
+    """The ledger before (step 1) and after (step 7), as one plot, or what is missing; with the operations loss
+    the production monitor measured, when there is one."""
     before, after = ledger_before_after(results)
+    ops = ((mon or {}).get("operations_loss") or {}).get("total") or {}
+    note = ""
+    if ops.get("value") is not None:
+        note = f"{ops['value']:.1%} of the wall-clock ({ops['note']})"
+        before = before and (before[0] + " + operations loss in production", with_operations(before[1],
+                                                                                         ops["value"], note))
+        after = after and (after[0] + " + operations loss in production", with_operations(after[1],
+                                                                                      ops["value"], note))
+    said = note if ops.get("value") is not None else None
     if before and after:
         fig = plots.ledger_before_after(_ledger_obj(before[1]), _ledger_obj(after[1]), (before[0], after[0]))
-        return {"kind": "both", "uri": plots.to_data_uri(fig)}
+        return {"kind": "both", "uri": plots.to_data_uri(fig), "ops": said}
     if before:
-        return {"kind": "before", "uri": plots.to_data_uri(plots.ledger_waterfall(_ledger_obj(before[1]), before[0]))}
-    return {"kind": "none", "uri": None}
+        return {"kind": "before", "uri": plots.to_data_uri(plots.ledger_waterfall(_ledger_obj(before[1]), before[0])),
+                "ops": said}
+    return {"kind": "none", "uri": None, "ops": said}
 
 
 def _staircase_uri(results: dict[str, dict]) -> str | None:
@@ -124,10 +170,25 @@ def _staircase_uri(results: dict[str, dict]) -> str | None:
     return plots.to_data_uri(fig) if fig is not None else None
 
 
+def _monitor_html(mon: dict | None, link: str | None, named: str) -> Markup | None:
+    if mon:
+        try:
+            return monitor_section(mon, link)
+        except Exception as exc:  # noqa: BLE001 - an older or damaged summary
+            return Markup(f"<p>The monitor's summary could not be read ({escape(type(exc).__name__)}: "
+                          f"{escape(str(exc))}): rerun mfu-lab monitor report {escape(named)}</p>")
+    if named:
+        return Markup(f"<p>The job names the monitor folder <code>{escape(named)}</code>, but no summary of it "
+                      f"exists yet: <code>mfu-lab monitor report {escape(named)}</code> (or <code>mfu-lab run</code>)"
+                      " writes one.</p>")
+    return None
+
+
 def write_index(job_root: Path) -> Path:
     """(Re)write ``<job_root>/index.html`` from whatever step results exist."""
     job_root = Path(job_root)
     results = load_results(job_root)
+    mon, link, named = monitor_summary(job_root, results)
     points = mfu_points(results)
     any_result = next(iter(results.values()), None)
     page = render(
@@ -135,7 +196,8 @@ def write_index(job_root: Path) -> Path:
         summary=headline(results), staircase_uri=_staircase_uri(results),
         progression_uri=plots.to_data_uri(plots.mfu_progression(points)) if points else None,
         rows=[_step_row(job_root, info, results.get(info.key)) for info in STEPS],
-        ledgers=_ledgers(results), changes=changes_table(results), recommendations=recommendations_list(results),
+        ledgers=_ledgers(results, mon), monitor=_monitor_html(mon, link, named), changes=changes_table(results),
+        recommendations=recommendations_list(results),
         history=history_html(job_root), environment=environment_html(results),
         sections=[_section(k, results[k]) for k in SECTIONS if k in results])
     return write_atomic(job_root / "index.html", page)

@@ -171,3 +171,21 @@ def ledger_before_after(results: dict[str, dict[str, Any]]) -> tuple[tuple[str, 
                 ("After: the tuned job (step 7, the same rounds)", ledgers["after"]))
     b = results.get("baseline", {}).get("ledger")
     return (("Before: the job as it came (step 1, one process)", b) if b else None), None
+
+
+def with_operations(ledger: dict[str, Any], ops: float, note: str) -> dict[str, Any]:
+    """A step's ledger with the operations loss the production monitor measured: every other bar x (1 - ops),
+    and the operations bar = its own (scaled) + ops, so the parts still add up to 100% of peak x wall-clock.
+    MFU becomes the step's MFU over the production wall-clock (queue, restarts, stragglers, throttling)."""
+    items = []
+    for it in ledger["items"]:
+        it = dict(it)
+        if it["name"] == "operations":
+            it["fraction"] = it["fraction"] * (1 - ops) + ops
+            it["source"] = "measured"
+            it["explanation"] = f"measured in production by the monitor: {note}"
+        else:
+            it["fraction"] *= 1 - ops
+            it["explanation"] += f" (x (1 - {ops:.1%}): the production operations loss)"
+        items.append(it)
+    return {**ledger, "items": items}

@@ -1,0 +1,74 @@
+"""Step 0, the production monitor: what does this job do in production, over days?
+
+The user's own training loop records itself with :class:`mfu_lab.monitor.Monitor` (one JSON-lines file per
+rank). :func:`run` reads a monitor folder of any size (:mod:`mfu_lab.analysis.monitor_summary`) and writes
+``summary.json`` beside the records (or into ``out``): the shares of the step (compute, communication, data,
+host), the stragglers, the operations loss measured where it happens, and which tuning step to start with.
+``mfu-lab monitor report DIR`` runs the ``00_monitor`` notebook over it and exports ``report.html`` too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mfu_lab.analysis.monitor_summary import MonitorSummary, summarise
+from mfu_lab.core.advice import Advice
+from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.files import read_json, write_json_atomic
+from mfu_lab.core.monitor_files import rank_files
+from mfu_lab.core.registry import BY_KEY
+
+SUMMARY_FILE = "summary.json"
+
+
+def check_folder(monitor_dir: str | Path, what: str = "monitor_dir") -> Path:
+    """The monitor folder, or a JobError naming it and saying what a monitor folder holds."""
+    if not str(monitor_dir).strip():
+        raise JobError("monitor", [JobProblem(what, "", "is empty: name the folder mfu_lab.monitor.Monitor wrote in "
+                                              "the training job (mfu-lab monitor report DIR)")])
+    folder = Path(monitor_dir).expanduser()
+    if not folder.is_dir():
+        raise JobError("monitor", [JobProblem(what, str(folder), "no such folder")])
+    if not rank_files(folder):
+        raise JobError("monitor", [JobProblem(what, str(folder), "holds no monitor records (<host>-rank<k>.jsonl "
+                                              "files, written by mfu_lab.monitor.Monitor in the training job)")])
+    return folder
+
+
+def run(monitor_dir: str | Path, out: str | Path | None = None, write: bool = True) -> MonitorSummary:
+    """Summarise a monitor folder; write ``summary.json`` into ``out`` (default: the monitor folder)."""
+    folder = check_folder(monitor_dir)
+    summary = summarise(folder)
+    if write:
+        write_json_atomic(Path(out or folder) / SUMMARY_FILE, summary)
+    return summary
+
+
+def load(folder: str | Path) -> dict[str, Any] | None:
+    """A monitor folder's ``summary.json`` (or its report folder's), None when there is none."""
+    for p in (Path(folder) / SUMMARY_FILE, Path(folder) / "report" / SUMMARY_FILE):
+        if p.is_file():
+            return read_json(p)
+    return None
+
+
+def advise(s: MonitorSummary) -> list[Advice]:
+    out = []
+    if s.start_with:
+        info = BY_KEY[s.start_with]
+        out.append(Advice("act", f"Start with step {info.number}: {info.title}", s.verdict))
+    for st in s.stragglers:
+        out.append(Advice("act", f"Rank {st['rank']} on {st['node']} was the slowest in {st['slowest_share']:.0%} "
+                          "of the intervals: check that node's health (mfu-lab gate), its data shard and its "
+                          "neighbours before tuning anything else.",
+                          f"the other ranks lost {st['others_lost_s']:.1f} rank-seconds waiting for it "
+                          f"({st['others_lost_share']:.1%} of all ranks' time); its work per step was "
+                          f"{(st['excess'] or 0):.0%} above the median rank's"))
+    restarts = s.operations_loss["parts"]["restarts_and_gaps"]
+    if restarts.get("value"):
+        out.append(Advice("look", "Restarts cost wall-clock time: checkpoint more often, or find why the job "
+                          "restarted (the end reasons below).", restarts["note"]))
+    if s.read["skipped_lines"]:
+        out.append(Advice("look", "Some record lines were unreadable and skipped.", "; ".join(s.notes[:1])))
+    return out

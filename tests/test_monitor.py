@@ -1,0 +1,212 @@
+"""The production monitor (step 0): records written inside a real training loop, read back as shares,
+stragglers, the operations loss and a verdict; the CLI and notebook over a monitor folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mfu_lab.analysis.monitor_read import throttle_seconds
+from mfu_lab.analysis.monitor_summary import summarise
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.monitor_files import RecordWriter, rank_files, record_path
+from mfu_lab.monitor import Monitor
+from mfu_lab.monitor.comm import union_seconds
+from mfu_lab.monitor.context import launch_id, parse_scontrol
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "fixtures" / "monitor_job.py"
+LOADER_MS, SLOW_MS, STEPS, EVERY = 60.0, 40.0, 31, 5
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """A real two-rank gloo DDP loop under torchrun: every rank's loader sleeps LOADER_MS, rank 1 sleeps SLOW_MS
+    more in each forward pass, a profiler window every second."""
+    out = tmp_path_factory.mktemp("mon2")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
+                    str(out), "--steps", str(STEPS), "--every", str(EVERY), "--loader-ms", str(LOADER_MS),
+                    "--slow-rank", "1", "--slow-ms", str(SLOW_MS), "--profile-every-s", "0.5"],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    return out
+
+
+def test_two_rank_job_records_per_rank_names_the_straggler_and_starts_with_the_loader(two_ranks):
+    files = sorted(p.name for p in two_ranks.glob("*.jsonl"))
+    assert len(files) == 2 and files[0].endswith("-rank0.jsonl") and files[1].endswith("-rank1.jsonl")
+    for f in two_ranks.glob("*.jsonl"):
+        recs = records(f)
+        kinds = [r["kind"] for r in recs]
+        assert kinds[0] == "start" and kinds[-1] == "end" and "flops" in kinds and "profile" in kinds
+        assert recs[0]["comm"]["timed"], recs[0]["comm"]
+        iv = [r for r in recs if r["kind"] == "interval"]
+        # the first step is the counted warm-up; profiled steps are left out of the timing
+        assert sum(r["steps"] + r["profiled_steps"] for r in iv) == STEPS - 1
+        for r in iv:  # the data wait measured against the sleep injected in the loader: machine-independent
+            assert r["data_s"] >= r["steps"] * LOADER_MS / 1e3 * 0.95
+    s = summarise(two_ranks)
+    assert s.read["ranks"] == 2 and s.read["skipped_lines"] == 0
+    assert [(x["rank"], x["node"] != "") for x in s.stragglers] == [(1, True)]
+    # rank 0 waited in its all-reduce for rank 1's extra sleep, every step
+    per_step_wait = s.stragglers[0]["others_lost_s"] / s.read["steps"] * 2
+    assert per_step_wait >= SLOW_MS / 1e3 * 0.5
+    shares = {k: v["value"] for k, v in s.shares.items()}
+    assert max(("data", "communication", "host", "compute"), key=lambda k: shares[k]) == "data"
+    assert s.start_with == "baseline" and "waiting for data" in s.verdict and "step 1" in s.verdict
+    assert s.operations_loss["parts"]["stragglers"]["value"] > 0
+    assert s.operations_loss["parts"]["throttling"]["value"] is None  # CPU: not sampled, and said why
+    assert "NVML" in s.operations_loss["parts"]["throttling"]["note"]
+    assert s.profile["windows"] >= 2 and s.profile["breakdown"]["waiting_for_data"] >= 0
+
+
+def test_monitor_report_cli_writes_report_and_summary(two_ranks, tmp_path):
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "mfu_lab.cli", "monitor", "report", str(two_ranks), "--out", str(out),
+                        "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "verdict: waiting for data" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) >= {"shares", "operations_loss", "stragglers", "start_with"}
+    assert summary["start_with"] == "baseline"
+    assert {k: v["label"] for k, v in summary["shares"].items()}["data"] == "measured"
+    nb = json.loads((out / "00_monitor.ipynb").read_text())
+    errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    html = (out / "report.html").read_text()
+    assert "Stragglers" in html and "rank 1" in html and "<script src=" not in html
+
+
+def test_monitor_report_cli_refuses_a_folder_without_records(tmp_path):
+    from mfu_lab.cli import main
+
+    assert main(["monitor", "report", str(tmp_path / "nope")]) == 2
+    assert main(["monitor", "report", str(tmp_path)]) == 2
+
+
+def test_a_crash_keeps_every_earlier_record_and_a_restart_is_a_new_launch(tmp_path):
+    out = tmp_path / "mon"
+    base = [sys.executable, str(JOB), str(out), "--steps", "24", "--every", "5"]
+    r = subprocess.run(base + ["--crash-at", "13"], cwd=ROOT, capture_output=True, timeout=120)
+    assert r.returncode != 0  # killed with SIGKILL: no clean close
+    (f,) = out.glob("*.jsonl")
+    recs = records(f)
+    assert [r["kind"] for r in recs].count("interval") == 2 and recs[-1]["kind"] == "interval"
+    with open(f, "a") as fh:  # a record torn by the crash
+        fh.write('{"kind": "interval", "t": 17')
+    subprocess.run(base, cwd=ROOT, check=True, capture_output=True, timeout=120)  # the restart
+    s = summarise(out)
+    assert s.read["skipped_lines"] == 1 and s.span["launches"] == 2
+    assert sorted(x["clean_end"] for x in s.launches) == [False, True]
+    gaps = s.operations_loss["parts"]["restarts_and_gaps"]
+    assert gaps["label"] == "measured" and gaps["seconds"] > 0
+
+
+def _interval(t, step, wall, comm, steps=10, **extra):
+    return {"kind": "interval", "v": 1, "t": t, "t0": t - wall, "step": step, "steps": steps, "wall_s": wall,
+            "data_s": 0.0, "host_s": 0.0, "comm_s": comm, "step_s": {"median": wall / steps}, **extra}
+
+
+def test_records_of_several_nodes_and_runs_merge_and_the_slow_node_is_named(tmp_path):
+    """Two nodes x two ranks, hand-made: node b's rank 3 works 0.2 s per step more. The time the others lose
+    is (slowest work - own work) x steps, added over the groups."""
+    work = {("a", 0): 0.5, ("a", 1): 0.5, ("b", 2): 0.5, ("b", 3): 0.7}
+    for (node, rank), w in work.items():
+        wr = RecordWriter(record_path(tmp_path / node, node, rank))  # one subfolder per node, as rsync'd
+        wr.write({"kind": "start", "v": 1, "t": 1000.0, "launch": "L", "rank": rank, "node": node, "world": 4,
+                  "comm": {"timed": True}})
+        for g in range(4):
+            wall = 10 * 1.0  # every rank's step is 1 s: the slowest rank's work plus its own wait
+            wr.write(_interval(1010.0 + 10 * g, 10 * (g + 1), wall, wall - 10 * w) | {"launch": "L", "rank": rank,
+                                                                                         "node": node})
+        wr.close()
+    s = summarise(tmp_path)
+    assert s.read["ranks"] == 4 and s.read["nodes"] == 2
+    (st,) = s.stragglers
+    assert (st["node"], st["rank"]) == ("b", 3) and st["slowest_share"] == 1.0
+    expected = 4 * 10 * sum(0.7 - w for w in work.values())  # 4 groups x 10 steps
+    assert st["others_lost_s"] == pytest.approx(expected)
+    assert [n["node"] for n in s.node_stragglers] == ["b"]
+    assert s.shares["waiting_for_slowest"]["value"] == pytest.approx(expected / (4 * 4 * 10.0))
+
+
+def test_malformed_lines_are_skipped_and_counted_never_fatal(tmp_path):
+    f = record_path(tmp_path, "h", 0)
+    good = _interval(100.0, 10, 1.0, None) | {"launch": "L", "rank": 0, "node": "h"}
+    f.write_text("\n".join([json.dumps(good), "not json", "[1, 2]", json.dumps({"kind": "interval"}),
+                            json.dumps({"kind": "weird", "t": 1}), "\x00\xff garbage", json.dumps(good)]) + "\n")
+    s = summarise(tmp_path)
+    assert s.read["skipped_lines"] == 5 and s.read["intervals"] == 2
+    assert any("skipped" in n for n in s.notes)
+
+
+def test_rotation_keeps_every_record_in_order(tmp_path):
+    wr = RecordWriter(record_path(tmp_path, "h", 0), max_bytes=600)
+    for i in range(20):
+        wr.write(_interval(100.0 + i, i, 1.0, None) | {"launch": "L", "rank": 0, "node": "h"})
+    wr.close()
+    (rf,) = rank_files(tmp_path)
+    assert len(rf.paths) > 2 and rf.paths[-1].name == "h-rank0.jsonl"
+    assert summarise(tmp_path).read["intervals"] == 20
+
+
+def test_queue_wait_from_slurm_and_its_share_of_the_wall_clock(tmp_path):
+    text = ("JobId=42 JobName=train UserId=u(1) JobState=RUNNING Restarts=1 SubmitTime=2026-11-30T10:00:00 "
+            "EligibleTime=2026-11-30T10:00:00 StartTime=2026-11-30T11:00:00 NodeList=n[1-2]")
+    q = parse_scontrol(text)
+    assert q["queue_wait_s"] == 3600.0 and q["Restarts"] == 1 and q["NodeList"] == "n[1-2]"
+    start = q["StartTime"]
+    wr = RecordWriter(record_path(tmp_path, "h", 0))
+    wr.write({"kind": "start", "v": 1, "t": start, "launch": "L", "rank": 0, "node": "h"})
+    wr.write({"kind": "cluster", "v": 1, "t": start + 1, "launch": "L", "rank": 0, "node": "h",
+              "slurm": {"source": "scontrol", **q}})
+    wr.write(_interval(start + 3600.0, 10, 3599.0, None) | {"launch": "L", "rank": 0, "node": "h"})
+    wr.close()
+    s = summarise(tmp_path)
+    assert s.span["wall_clock_s"] == pytest.approx(7200.0)
+    assert s.operations_loss["parts"]["queue"]["value"] == pytest.approx(0.5)
+
+
+def test_formulas_union_throttle_and_launch_ids():
+    assert union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+    assert union_seconds([]) == 0.0
+    gpu = {"throttled_share": 0.5, "throttled_clock_ratio": 0.8}
+    assert throttle_seconds({"wall_s": 100.0, "gpu": gpu}) == pytest.approx(100 * 0.5 * 0.2)
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1"}
+    assert launch_id(env) == "torchrun:x:m:1#2" and launch_id({"SLURM_JOB_ID": "7"}) == "slurm:7.#0"
+
+
+def test_flops_counted_on_the_first_step_match_the_formula_and_mfu_uses_them(tmp_path):
+    b, w, layers = 8, 32, 3
+    model = torch.nn.Sequential(*[torch.nn.Linear(w, w) for _ in range(layers)])
+    with Monitor(tmp_path, model=model, every=4, peak_flops=1e9, profile_every_s=None) as mon:
+        for x in mon.loader(torch.randn(b, w) for _ in range(9)):
+            model(x).sum().backward()
+            mon.step(tokens=b)
+    recs = records(next(tmp_path.glob("*.jsonl")))
+    (fl,) = [r for r in recs if r["kind"] == "flops"]
+    # forward 2bw^2 per layer, backward 4bw^2 (input and weight grads) except the first layer's input grad
+    assert fl["per_step"] == layers * 6 * b * w * w - 2 * b * w * w
+    for r in (r for r in recs if r["kind"] == "interval"):
+        assert r["mfu"] == pytest.approx(fl["per_token"] * r["tokens"] / (r["wall_s"] * 1e9))
+        assert r["comm_s"] is None  # not DDP: nothing timed, not a zero
+
+
+def test_monitor_rejects_bad_settings_by_name(tmp_path):
+    with pytest.raises(ValueError, match="every"):
+        Monitor(tmp_path, every=0)
+    with pytest.raises(ValueError, match="dtype"):
+        Monitor(tmp_path, dtype="fp8")
+    with pytest.raises(JobError, match="monitor_dir"):
+        from mfu_lab.steps import monitor
+
+        monitor.run("")
