@@ -30,3 +30,23 @@ def full_run(tmp_path_factory):
     p = subprocess.run([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(out), "-q", *SMALL_SWEEP],
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     return p, out / "tiny"
+
+
+MONITOR_JOB = ROOT / "tests" / "fixtures" / "monitor_job.py"
+MONITOR_LOADER_MS, MONITOR_SLOW_MS, MONITOR_STEPS = 60.0, 40.0, 31
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory) -> Path:
+    """A monitor folder from a real two-rank gloo DDP loop under torchrun, once per session: every rank's loader
+    sleeps MONITOR_LOADER_MS, rank 1 sleeps MONITOR_SLOW_MS more in each forward pass, a profiler window every
+    half second."""
+    import os
+
+    out = tmp_path_factory.mktemp("mon2")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(MONITOR_JOB), str(out), "--steps", str(MONITOR_STEPS), "--every", "5", "--loader-ms",
+                    str(MONITOR_LOADER_MS), "--slow-rank", "1", "--slow-ms", str(MONITOR_SLOW_MS),
+                    "--profile-every-s", "0.5"],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    return out

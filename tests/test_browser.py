@@ -55,3 +55,15 @@ def test_every_report_of_a_full_run_renders_cleanly(full_run, chromium):
                         ("05_fp8", 3), ("06_placement", 4), ("07_verify", 1)):
         assert by_name[step].images >= least, (step, by_name[step].images)
     print("screenshots:", shots)
+
+
+def test_the_monitor_report_renders_cleanly(two_ranks, tmp_path, chromium):
+    from mfu_lab.runner import monitor_report
+
+    report, _ = monitor_report(two_ranks, tmp_path / "report", quiet=True)
+    shots = Path(os.environ.get("MFU_LAB_SCREENSHOTS") or tmp_path / "screenshots")
+    (c,) = check_pages([report], shots, chromium)
+    assert c.ok, c.problems()
+    assert c.images >= 3, c.images  # MFU and shares over time, work per rank, operations loss (no GPU: said why)
+    assert Path(c.screenshot).stat().st_size > 20_000
+    print("screenshot:", c.screenshot)

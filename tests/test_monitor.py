@@ -4,7 +4,6 @@ stragglers, the operations loss and a verdict; the CLI and notebook over a monit
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,25 +19,15 @@ from mfu_lab.monitor import Monitor
 from mfu_lab.monitor.comm import union_seconds
 from mfu_lab.monitor.context import launch_id, parse_scontrol
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "tests" / "fixtures" / "monitor_job.py"
-LOADER_MS, SLOW_MS, STEPS, EVERY = 60.0, 40.0, 31, 5
+from .conftest import MONITOR_JOB as JOB
+from .conftest import MONITOR_LOADER_MS as LOADER_MS
+from .conftest import MONITOR_SLOW_MS as SLOW_MS
+from .conftest import MONITOR_STEPS as STEPS
+from .conftest import ROOT
 
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> Path:
-    """A real two-rank gloo DDP loop under torchrun: every rank's loader sleeps LOADER_MS, rank 1 sleeps SLOW_MS
-    more in each forward pass, a profiler window every second."""
-    out = tmp_path_factory.mktemp("mon2")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
-                    str(out), "--steps", str(STEPS), "--every", str(EVERY), "--loader-ms", str(LOADER_MS),
-                    "--slow-rank", "1", "--slow-ms", str(SLOW_MS), "--profile-every-s", "0.5"],
-                   check=True, cwd=ROOT, timeout=300, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    return out
 
 
 def test_two_rank_job_records_per_rank_names_the_straggler_and_starts_with_the_loader(two_ranks):
@@ -210,3 +199,104 @@ def test_monitor_rejects_bad_settings_by_name(tmp_path):
         from mfu_lab.steps import monitor
 
         monitor.run("")
+
+
+def test_the_jobs_own_ddp_hook_is_kept_and_timed_and_an_unwrapped_one_is_named(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        calls = []
+
+        def own_hook(state, bucket):
+            calls.append(bucket.index())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model = DDP(torch.nn.Linear(16, 16))
+        mon = Monitor(tmp_path / "a", model=model, every=3, peak_flops=1e9, profile_every_s=None)
+        model.register_comm_hook(None, mon.wrap_hook(own_hook))
+        with mon:
+            for x in mon.loader(torch.randn(4, 16) for _ in range(7)):
+                model(x).sum().backward()
+                mon.step(tokens=4)
+        recs = records(next((tmp_path / "a").glob("*.jsonl")))
+        assert recs[0]["comm"]["timed"] and "own communication hook" in recs[0]["comm"]["how"]
+        assert len(calls) == 7  # the job's hook ran on every step, through the timer
+        assert all(r["comm_s"] is not None and r["comm_s"] > 0 for r in recs if r["kind"] == "interval")
+
+        other = DDP(torch.nn.Linear(16, 16))
+        other.register_comm_hook(None, own_hook)  # not wrapped: DDP takes one hook, so it cannot be timed
+        with Monitor(tmp_path / "b", model=other, every=3, peak_flops=1e9, profile_every_s=None):
+            pass
+        start = records(next((tmp_path / "b").glob("*.jsonl")))[0]
+        assert not start["comm"]["timed"] and "wrap_hook" in start["comm"]["how"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensorboard_gets_the_same_figures_when_asked(tmp_path):
+    pytest.importorskip("tensorboard")
+    model = torch.nn.Linear(8, 8)
+    with Monitor(tmp_path, model=model, every=2, peak_flops=1e9, profile_every_s=None, tensorboard=True) as mon:
+        for x in mon.loader(torch.randn(2, 8) for _ in range(5)):
+            model(x).sum().backward()
+            mon.step(tokens=2)
+    assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
+    assert records(next(tmp_path.glob("*.jsonl")))[0]["tensorboard"].startswith("writing to")
+
+
+def test_the_index_shows_the_monitor_and_its_operations_loss_enters_the_ledger(tmp_path, two_ranks):
+    from mfu_lab.core.files import write_json_atomic
+    from mfu_lab.report import write_index
+    from mfu_lab.report.index import _ledgers
+    from mfu_lab.steps import monitor
+
+    monitor.run(two_ranks)  # summary.json beside the records
+    mfu = 0.4
+    result = {"step": "baseline", "job": {"job_name": "j", "monitor_dir": str(two_ranks)},
+              "environment": {"device_name": "cpu0", "created_at": "2026-12-01T00:00:00", "git_commit": "abc"},
+              "metrics": {}, "advice": [],
+              "ledger": {"items": [{"name": "mfu", "fraction": mfu, "source": "measured", "explanation": ""},
+                                   {"name": "hardware", "fraction": 1 - mfu, "source": "measured", "explanation": ""},
+                                   {"name": "operations", "fraction": 0.0, "source": "analytic",
+                                    "explanation": "unknown"}]}}
+    write_json_atomic(tmp_path / "01_baseline" / "result.json", result)
+    page = write_index(tmp_path).read_text()
+    assert "Step 0 · the job in production" in page and "waiting for data" in page
+    ops = json.loads((two_ranks / "summary.json").read_text())["operations_loss"]["total"]["value"]
+    assert ops > 0
+    from mfu_lab.report.summary import with_operations
+
+    scaled = with_operations(result["ledger"], ops, "x")
+    parts = {i["name"]: i["fraction"] for i in scaled["items"]}
+    assert sum(parts.values()) == pytest.approx(1.0)
+    assert parts["operations"] == pytest.approx(ops) and parts["mfu"] == pytest.approx(mfu * (1 - ops))
+    assert _ledgers({"baseline": result}, json.loads((two_ranks / "summary.json").read_text()))["ops"]
+    # a job naming a folder with no summary says how to make one, instead of nothing
+    result["job"]["monitor_dir"] = str(tmp_path / "elsewhere")
+    write_json_atomic(tmp_path / "01_baseline" / "result.json", result)
+    assert "mfu-lab monitor report" in write_index(tmp_path).read_text()
+
+
+def test_a_record_that_cannot_be_written_never_stops_training(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    mon = Monitor(tmp_path, model=model, every=2, peak_flops=1e9, profile_every_s=None).start()
+
+    def full_disk(record):
+        raise OSError(28, "No space left on device")
+
+    mon._writer.write = full_disk
+    with pytest.warns(UserWarning, match="No space left"):
+        for _ in range(5):
+            model(torch.randn(2, 4)).sum().backward()
+            mon.step(tokens=2)
+    assert mon.write_errors == 3  # the counted FLOPs after step 1, then the intervals of steps 2-3 and 4-5
+    mon.close()
+    mon.step(tokens=2)  # after close: nothing, no error
+    wr = RecordWriter(record_path(tmp_path / "nan", "h", 0))
+    wr.write({"kind": "interval", "t": 1.0, "mfu": float("nan"), "x": [float("inf")]})
+    wr.close()
+    assert records(next((tmp_path / "nan").glob("*.jsonl")))[0] | {} == {"kind": "interval", "t": 1.0, "mfu": None,
+                                                                          "x": [None]}

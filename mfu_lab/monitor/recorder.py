@@ -79,7 +79,8 @@ class Monitor:
         self.steps_done = 0
         self.flops_per_step: float | None = None
         self._writer: RecordWriter | None = None
-        self._started = False
+        self._started = self._closed = False
+        self.write_errors = 0
 
     # ------------------------------------------------------------------ public
     def wrap_hook(self, hook):
@@ -167,14 +168,19 @@ class Monitor:
             self._data_pending += time.perf_counter() - t0
             yield batch
 
-    def step(self, tokens: int | None = None, data_wait_s: float | None = None) -> None:
+    def step(self, tokens: int | None = None, data_wait_s: float | None = None, host_s: float | None = None) -> None:
         """Mark the end of one training step: ``tokens`` processed in it (for tokens/s and MFU), and
-        ``data_wait_s`` when the caller timed the data wait itself (framework callbacks)."""
+        ``data_wait_s`` / ``host_s`` when the caller timed the data wait or host work between steps itself
+        (framework callbacks). After :meth:`close` it does nothing."""
+        if self._closed:
+            return
         if not self._started:
             self.start()
         now = time.perf_counter()
         if data_wait_s is not None:
             self._data_pending += float(data_wait_s)
+        if host_s is not None:
+            self._host_pending += float(host_s)
         dur, self._mark = now - self._mark, now
         data, host = self._data_pending, self._host_pending
         self._data_pending = self._host_pending = 0.0
@@ -200,8 +206,9 @@ class Monitor:
         self._host_from = time.perf_counter()  # the monitor's own time from here on counts as host time
 
     def close(self, why: str = "closed") -> None:
-        if not self._started or self._writer is None:
+        if not self._started or self._closed:
             return
+        self._closed = True
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
@@ -213,16 +220,29 @@ class Monitor:
         if self.nvml is not None:
             self.nvml.stop()
         self._emit("end", steps=self.steps_done, reason=why)
-        self._writer.close()
-        self._writer = None
+        writer, self._writer = self._writer, None
+        writer.close()
         if self._tb is not None:
             self._tb.close()
 
     # ------------------------------------------------------------------ records
     def _emit(self, kind: str, **fields: Any) -> None:
+        """Append one record. A record that cannot be written (a full disk, a closed file) is counted in
+        ``write_errors`` and warned about once: the monitor never stops the training job."""
         rec = {"kind": kind, "v": VERSION, "t": time.time(), "launch": self.launch, "rank": self.ids["rank"],
                "node": self.host, **fields}
-        self._writer.write(rec)
+        writer = self._writer
+        if writer is None:
+            return
+        try:
+            writer.write(rec)
+        except (OSError, ValueError, TypeError) as e:
+            self.write_errors += 1
+            if self.write_errors == 1:
+                import warnings
+
+                warnings.warn(f"mfu-lab monitor: a record could not be written to {writer.path} ({e}); training "
+                              "goes on, later failures are counted in Monitor.write_errors", stacklevel=3)
 
     def _reset_interval(self) -> None:
         self._iv: dict[str, Any] = {"t0": time.time(), "durs": [], "data": 0.0, "host": 0.0, "tokens": None,
@@ -376,9 +396,4 @@ class Monitor:
         return SummaryWriter(log_dir=str(folder)), f"writing to {folder}"
 
     def _cluster_record(self, job_id: str) -> None:
-        info = slurm_queue(job_id)
-        try:
-            if self._writer is not None:
-                self._emit("cluster", slurm=info)
-        except (OSError, ValueError):
-            pass  # closed meanwhile
+        self._emit("cluster", slurm=slurm_queue(job_id))  # a no-op once closed

@@ -1,0 +1,117 @@
+"""The production monitor under Hugging Face ``transformers.Trainer``: one callback, one JSON-lines file per rank.
+
+::
+
+    from mfu_lab.monitor.hf import MonitorCallback
+
+    trainer = Trainer(..., args=TrainingArguments(..., include_num_input_tokens_seen=True),
+                      callbacks=[MonitorCallback("mon/", every=50)])
+
+What is measured, and how (all host clock readings, no device synchronisation):
+
+- one monitor step per optimizer step (``on_step_begin`` .. ``on_step_end``; under gradient accumulation the
+  Trainer fetches all of a step's micro-batches before ``on_step_begin``);
+- the step's wall time: from one ``on_step_end`` to the next (the :class:`~mfu_lab.monitor.Monitor` clock);
+- data wait: from the previous ``on_step_end`` (for the first step: ``on_train_begin``) to this step's
+  ``on_step_begin``, given to the monitor as ``step(data_wait_s=...)``. That gap holds the Trainer's fetch of the
+  step's batches, and also everything else it runs between two steps: logging, evaluation, checkpoints, other
+  callbacks. Host time outside the step is not separable under a framework: it lands inside this data wait
+  figure, and ``host_s`` stays 0;
+- tokens per step: ``tokens_per_step`` when given (this rank's tokens per optimizer step); else the growth of
+  ``state.num_input_tokens_seen`` over the step (``TrainingArguments(include_num_input_tokens_seen=True)``),
+  divided by the world size, since the Trainer sums that count over all ranks; else unknown (no tokens/s; MFU
+  from the FLOPs counted per step);
+- FLOPs and peak as in :class:`~mfu_lab.monitor.Monitor`, with the ``model`` the Trainer passes to callbacks.
+  That is the unwrapped model: under DDP the all-reduces are not timed per interval (the profiler windows still
+  show the exposed communication). ``dtype`` defaults to the Trainer's precision (``bf16``: bfloat16, ``fp16``:
+  float16), else the parameters' dtype.
+
+Every rank records (each writes its own file; the monitor reads its rank from torchrun's or Slurm's variables,
+else torch.distributed). The monitor is created and started on ``on_train_begin`` and closed on ``on_train_end``.
+The Trainer has no exception event: a run that raises is closed when the process exits (or when the next
+``train()`` begins), with that as the end record's reason.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+from typing import Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise ImportError("mfu_lab.monitor.hf needs Hugging Face transformers: pip install transformers") from e
+
+from mfu_lab.monitor.recorder import Monitor
+
+
+def _precision_dtype(args) -> str | None:
+    if getattr(args, "bf16", False):
+        return "bfloat16"
+    if getattr(args, "fp16", False):
+        return "float16"
+    return None
+
+
+class MonitorCallback(TrainerCallback):
+    """``transformers.Trainer`` callback that runs a :class:`~mfu_lab.monitor.Monitor` over ``Trainer.train``
+    (see the module's docstring for what is measured). Keyword arguments beyond the named ones go to ``Monitor``."""
+
+    def __init__(self, out_dir, *, every: int = 50, flops_per_token: float | None = None,
+                 peak_flops: float | None = None, dtype: str | None = None, profile_every_s: float | None = 1800.0,
+                 tokens_per_step: int | None = None, **monitor_kwargs: Any):
+        self.out_dir, self.every, self.flops_per_token, self.peak_flops = out_dir, every, flops_per_token, peak_flops
+        self.dtype, self.profile_every_s, self.tokens_per_step = dtype, profile_every_s, tokens_per_step
+        self.monitor_kwargs = monitor_kwargs
+        self.monitor: Monitor | None = None
+        self._last_end: float | None = None
+        self._data_s = 0.0
+        self._seen = 0
+        self._world = 1
+
+    # ------------------------------------------------------------------ events
+    def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
+        self._close("a new train() began before the previous one ended (an exception?)")
+        self.monitor = Monitor(self.out_dir, model=model, flops_per_token=self.flops_per_token,
+                               peak_flops=self.peak_flops, every=self.every,
+                               dtype=self.dtype or _precision_dtype(args), profile_every_s=self.profile_every_s,
+                               **self.monitor_kwargs).start()
+        atexit.register(self._at_exit)
+        self._seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self._world = max(int(getattr(args, "world_size", 1) or 1), 1)
+        self._data_s = 0.0
+        self._last_end = time.perf_counter()  # after start(): the monitor's own start-up is not a data wait
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self.monitor is None or self._last_end is None:
+            return
+        self._data_s += time.perf_counter() - self._last_end
+        self._last_end = None
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.monitor is None:
+            return
+        tokens = self.tokens_per_step
+        if tokens is None:
+            seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+            if seen > self._seen:
+                tokens = (seen - self._seen) // self._world
+            self._seen = seen
+        data, self._data_s = self._data_s, 0.0
+        self.monitor.step(tokens=tokens, data_wait_s=data)
+        self._last_end = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self._close("closed")
+
+    # ------------------------------------------------------------------ internals
+    def _at_exit(self) -> None:
+        self._close("the process exited during training (no on_train_end: an exception, or an interrupt?)")
+
+    def _close(self, why: str) -> None:
+        mon, self.monitor = self.monitor, None
+        self._last_end = None
+        if mon is not None:
+            atexit.unregister(self._at_exit)
+            mon.close(why)

@@ -1,0 +1,238 @@
+"""The monitor's framework adapters (:mod:`mfu_lab.monitor.lightning`, :mod:`mfu_lab.monitor.hf`): a real tiny
+training run on the CPU under each framework, its record file checked against a plain loop's."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+from mfu_lab.monitor import Monitor
+
+STEPS, EVERY, SLEEP_S = 30, 5, 0.02
+BATCH, SEQ, VOCAB, WIDTH = 4, 16, 64, 32
+SETTINGS = {"every": EVERY, "profile_every_s": None, "peak_flops": 1e12}
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding and a linear head: forward(input_ids, labels) -> {"loss": ...}, as transformers' Trainer wants."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None \
+            else None
+        return {"loss": loss, "logits": logits}
+
+
+class Tokens(torch.utils.data.Dataset):
+    """More samples than the runs need, so every timed step's batch is a real fetch (never the loader's end)."""
+
+    def __init__(self, n: int = (STEPS + 10) * BATCH):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def slow_collate(samples):
+    """The injected data wait: SLEEP_S per batch, in the loader's own thread (num_workers=0)."""
+    time.sleep(SLEEP_S)
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def tuple_collate(samples):
+    b = slow_collate(samples)
+    return b["input_ids"], b["labels"]
+
+
+def read(folder) -> list[dict]:
+    files = sorted(folder.glob("*-rank*.jsonl"))
+    assert len(files) == 1, files
+    return [json.loads(line) for line in files[0].read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference_fields(tmp_path_factory) -> set[str]:
+    """The interval fields a plain loop with Monitor.loader writes."""
+    out = tmp_path_factory.mktemp("plain")
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(Tokens(12 * BATCH), batch_size=BATCH, collate_fn=slow_collate)
+    with Monitor(out, model=model, **SETTINGS) as mon:
+        for batch in mon.loader(loader):
+            model(**batch)["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(tokens=batch["input_ids"].numel())
+    intervals = [r for r in read(out) if r["kind"] == "interval"]
+    assert intervals and intervals[0]["data_s"] >= SLEEP_S * intervals[0]["steps"]
+    return set(intervals[0])
+
+
+def check(records: list[dict], reference: set[str], steps: int = STEPS) -> list[dict]:
+    kinds = [r["kind"] for r in records]
+    assert kinds[0] == "start" and kinds[-1] == "end", kinds
+    assert records[-1]["reason"] == "closed" and records[-1]["steps"] == steps
+    intervals = [r for r in records if r["kind"] == "interval"]
+    assert sum(r["steps"] for r in intervals) == steps - 1  # the first step is the warm-up, never timed
+    assert [r["partial"] for r in intervals] == [False] * ((steps - 1) // EVERY) + [True] * bool((steps - 1) % EVERY)
+    for r in intervals:
+        assert set(r) == reference
+        assert r["data_s"] >= SLEEP_S * r["steps"], r  # at least the injected sleep, whatever else the host did
+        assert r["host_s"] == 0.0  # not separable under a framework: it is in data_s
+        assert r["tokens"] == r["steps"] * BATCH * SEQ
+        assert r["mfu"] is not None and r["mfu"] > 0  # FLOPs counted on the first step, peak given
+        assert r["wall_s"] >= r["data_s"]
+    assert any(r["kind"] == "flops" and r["source"] == "counted" for r in records)
+    return intervals
+
+
+def test_batch_tokens():
+    pytest.importorskip("pytorch_lightning")
+    from mfu_lab.monitor.lightning import batch_tokens
+
+    x = torch.zeros(3, 5, dtype=torch.long)
+    assert batch_tokens(x) == 15
+    assert batch_tokens((x, torch.zeros(3))) == 15
+    assert batch_tokens(["text", x]) == 15
+    assert batch_tokens({"input_ids": x, "labels": x}) == 15
+    assert batch_tokens({"pixels": x}) is None
+    assert batch_tokens("text") is None
+
+
+@pytest.mark.parametrize("module, blocked, package", [
+    ("mfu_lab.monitor.lightning", ("lightning", "pytorch_lightning"), "pip install lightning"),
+    ("mfu_lab.monitor.hf", ("transformers",), "pip install transformers"),
+])
+def test_missing_framework_names_the_package(monkeypatch, module, blocked, package):
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: that import raises ImportError
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError, match=package):
+        importlib.import_module(module)
+
+
+def test_lightning(tmp_path, reference_fields):
+    pl = pytest.importorskip("pytorch_lightning")
+    from mfu_lab.monitor.lightning import MonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyLM()
+
+        def training_step(self, batch, batch_idx):
+            ids, labels = batch
+            return self.net(ids, labels)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, collate_fn=tuple_collate, num_workers=0)
+    out = tmp_path / "mon"
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[MonitorCallback(out, **SETTINGS)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on num_workers
+        trainer.fit(Module(), loader)
+    check(read(out), reference_fields)
+
+
+def test_lightning_exception_closes(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from mfu_lab.monitor.lightning import MonitorCallback
+
+    class Failing(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyLM()
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                raise RuntimeError("boom at batch 3")
+            return self.net(*batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(Tokens(8 * BATCH), batch_size=BATCH, collate_fn=tuple_collate)
+    out = tmp_path / "mon"
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[MonitorCallback(out, **SETTINGS)])
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="boom"):
+        warnings.simplefilter("ignore")
+        trainer.fit(Failing(), loader)
+    end = read(out)[-1]
+    assert end["kind"] == "end" and end["steps"] == 3 and "RuntimeError: boom at batch 3" in end["reason"]
+
+
+def test_lightning_gradient_accumulation(tmp_path, reference_fields):
+    """One monitor step per optimizer step: the micro-batches' data waits and tokens are summed into it."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from mfu_lab.monitor.lightning import MonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyLM()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(*batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    steps, accumulate = 11, 2
+    loader = torch.utils.data.DataLoader(Tokens((steps * accumulate + 4) * BATCH), batch_size=BATCH,
+                                         collate_fn=tuple_collate)
+    out = tmp_path / "mon"
+    trainer = pl.Trainer(max_steps=steps, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[MonitorCallback(out, **SETTINGS)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), loader)
+    records = read(out)
+    assert records[-1]["steps"] == steps
+    intervals = [r for r in records if r["kind"] == "interval"]
+    assert sum(r["steps"] for r in intervals) == steps - 1
+    for r in intervals:
+        assert r["tokens"] == r["steps"] * accumulate * BATCH * SEQ
+        assert r["data_s"] >= SLEEP_S * accumulate * r["steps"]
+
+
+def test_hf_trainer(tmp_path, reference_fields):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from mfu_lab.monitor.hf import MonitorCallback
+
+    out = tmp_path / "mon"
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=STEPS, per_device_train_batch_size=BATCH, report_to=[],
+        save_strategy="no", use_cpu=True, logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        include_num_input_tokens_seen=True, learning_rate=0.1)
+    callback = MonitorCallback(out, **SETTINGS)
+    trainer = transformers.Trainer(model=TinyLM(), args=args, train_dataset=Tokens(), data_collator=slow_collate,
+                                   callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert callback.monitor is None  # closed on on_train_end
+    check(read(out), reference_fields)
