@@ -19,8 +19,9 @@ Per step the monitor takes three clock readings on the host (no device synchroni
 
 and, for a DDP model, the communication time from the communication hook (:mod:`mfu_lab.monitor.comm`).
 Every ``every`` steps one ``interval`` record is appended (see :mod:`mfu_lab.core.monitor_files`). At a low duty
-cycle (``profile_steps`` steps every ``profile_every_s`` seconds) a torch.profiler window is taken and its
-breakdown recorded with the workbook's trace analysis; those steps are left out of the timing statistics.
+cycle a torch.profiler window of ``profile_steps`` steps is taken (the first at the first interval boundary, so
+a short job gets one too, then one every ``profile_every_s`` seconds) and its breakdown recorded with the
+workbook's trace analysis; those steps are left out of the timing statistics.
 
 FLOPs: ``flops_per_token`` when given (the job's formula: analytic); otherwise, with ``model``, the first step
 runs under torch's FlopCounterMode (counted: everything the step ran, forward and backward, recomputation
