@@ -10,6 +10,8 @@ CUDA trace of step 3 (kernels tied to their operators, breakdown, fusion candida
 step 4's inductor compile in default and reduce-overhead (CUDA graphs) modes, and step 5's FP8
 policy (real torchao float8 timing when torchao is installed), and step 6 (co-location of two copies on one
 GPU, the model calibrated by steps 1-2 on this GPU and checked against step 2's NCCL step).
+Before the steps, the production monitor's GPU paths (``--monitor-only`` runs them alone): the DDP hook timed
+with CUDA events, NVML per interval, a CUDA profiler window.
 Results land in <out>/gpu-check/ like any job's. About 6-8 minutes on one H200.
 """
 
@@ -36,10 +38,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "outputs"))
     ap.add_argument("--quick", action="store_true", help="step 1 only")
     ap.add_argument("--skip-verify", action="store_true", help="stop after step 6 (step 7 adds a few minutes)")
+    ap.add_argument("--monitor-only", action="store_true", help="the production monitor's GPU paths alone (~30 s)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check here")
         return 2
+    check_monitor(Path(args.out) / "gpu-check-monitor")
+    if args.monitor_only:
+        return 0
     job = dataclasses.replace(
         load_job(ROOT / "parameters" / "gpt2_124m_gpu.yaml"), job_name="gpu-check", out_dir=args.out,
         n_layers=6, d_model=768, n_heads=12, seq_len=1024, micro_batch=8, steps=30, warmup_steps=10,
@@ -139,6 +145,57 @@ def main() -> int:
               f"[{r.speedup_low}, {r.speedup_high}] {r.reason[:70]}")
     print(f"  DDP: {v.ddp.get('text') or v.ddp.get('reason')}")
     return 0
+
+
+def check_monitor(out: Path) -> None:
+    """Step 0's GPU paths: a DDP model (NCCL, world of 1) trained with the Monitor: the communication hook timed
+    with CUDA events, NVML sampled per interval, a CUDA profiler window analysed, the datasheet peak."""
+    import json
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mfu_lab.analysis.monitor_summary import summarise
+    from mfu_lab.monitor import Monitor
+
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    store = tempfile.mkdtemp()
+    dist.init_process_group("nccl", init_method=f"file://{store}/s", rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
+        model = DDP(net)
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        batches = [torch.randn(64, 4096, device="cuda") for _ in range(4)]
+        with Monitor(out, model=model, every=10, dtype="bfloat16", profile_every_s=5.0, nvml_interval_s=0.2) as mon:
+            for x in mon.loader(batches[i % 4] for i in range(61)):
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = model(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mon.step(tokens=x.shape[0])
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(store, ignore_errors=True)
+    start = json.loads(next(out.glob("*.jsonl")).read_text().splitlines()[0])
+    s = summarise(out)
+    print(f"\nstep 0, the monitor: comm timed {start['comm']['timed']} ({start['comm']['how'][:90]}); NVML "
+          f"{start['nvml']}; peak {start['peak']}")
+    print(f"  ({time.perf_counter() - t0:.0f} s): {s.read['intervals']} intervals, "
+          f"{s.read['steps']} timed steps; MFU {s.mfu['value']} [{s.mfu['label']}] {s.mfu['note'][:60]}")
+    for k, v in s.shares.items():
+        print(f"  share {k:<20} {v['value']!r:<24} [{v['label']}] {v['note'][:70]}")
+    print(f"  profile windows {s.profile['windows']}: {s.profile.get('breakdown')}")
+    g = s.series["gpu"]
+    print(f"  NVML per bin: clock ratio {g['clock_ratio'][:3]}, hottest {g['temperature_c_max'][:3]} C, "
+          f"throttled {g['throttled_share'][:3]}, power {g['power_w'][:3]} W")
+    print("  operations loss " + ", ".join(f"{k} {p['value']} [{p['label']}]"
+                                          for k, p in s.operations_loss["parts"].items()))
+    print(f"  verdict: {s.verdict}")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ SMALL_SWEEP = ["-p", "comm_hooks=[none, allreduce, bf16_compress]", "-p", "comm_
 
 
 @pytest.fixture(scope="session")
-def full_run(tmp_path_factory):
-    """Every step's notebook through ``mfu-lab run`` (papermill) on the tiny CPU job, once per session:
-    (the finished process, the job's output folder)."""
+def full_run(tmp_path_factory, two_ranks):
+    """Every step's notebook through ``mfu-lab run`` (papermill) on the tiny CPU job, once per session, with the
+    job naming a production monitor's folder (step 0 reads it first): (the finished process, the job's output
+    folder)."""
     out = tmp_path_factory.mktemp("full")
-    p = subprocess.run([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(out), "-q", *SMALL_SWEEP],
-                       cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    p = subprocess.run([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(out), "-q", *SMALL_SWEEP,
+                        "-p", f"monitor_dir={two_ranks}"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     return p, out / "tiny"
 
 

@@ -42,7 +42,7 @@ def test_every_report_of_a_full_run_renders_cleanly(full_run, chromium):
     p, job_root = full_run
     assert p.returncode == 0, p.stderr[-3000:]
     pages = job_pages(job_root)
-    assert len(pages) == 8  # the index and seven step reports
+    assert len(pages) == 9  # the index, the monitor's report (step 0) and seven step reports
     shots = Path(os.environ.get("MFU_LAB_SCREENSHOTS") or job_root / "screenshots")
     checks = check_pages(pages, shots, chromium)
     for c in checks:
@@ -51,8 +51,8 @@ def test_every_report_of_a_full_run_renders_cleanly(full_run, chromium):
     by_name = {Path(c.page).parent.name if Path(c.page).name == "report.html" else "index": c for c in checks}
     # the index: progression, ledger before/after, trend, and each step's own plots
     assert by_name["index"].images >= 12, by_name["index"].images
-    for step, least in (("01_baseline", 2), ("02_attention_and_comm", 3), ("03_kernels", 3), ("04_compile", 2),
-                        ("05_fp8", 3), ("06_placement", 4), ("07_verify", 1)):
+    for step, least in (("00_monitor", 3), ("01_baseline", 2), ("02_attention_and_comm", 3), ("03_kernels", 3),
+                        ("04_compile", 2), ("05_fp8", 3), ("06_placement", 4), ("07_verify", 1)):
         assert by_name[step].images >= least, (step, by_name[step].images)
     print("screenshots:", shots)
 

@@ -16,7 +16,7 @@ from mfu_lab.analysis.monitor_summary import summarise
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.monitor_files import RecordWriter, rank_files, record_path
 from mfu_lab.monitor import Monitor
-from mfu_lab.monitor.comm import union_seconds
+from mfu_lab.monitor.comm import CommTimer, union_seconds
 from mfu_lab.monitor.context import launch_id, parse_scontrol
 
 from .conftest import MONITOR_JOB as JOB
@@ -38,6 +38,8 @@ def test_two_rank_job_records_per_rank_names_the_straggler_and_starts_with_the_l
         kinds = [r["kind"] for r in recs]
         assert kinds[0] == "start" and kinds[-1] == "end" and "flops" in kinds and "profile" in kinds
         assert recs[0]["comm"]["timed"], recs[0]["comm"]
+        for p in (r for r in recs if r["kind"] == "profile"):  # the window's own steps, not one long "step"
+            assert p["steps_in_trace"] == p["steps"] == 2 and not p.get("error"), p
         iv = [r for r in recs if r["kind"] == "interval"]
         # the first step is the counted warm-up; profiled steps are left out of the timing
         assert sum(r["steps"] + r["profiled_steps"] for r in iv) == STEPS - 1
@@ -168,6 +170,12 @@ def test_queue_wait_from_slurm_and_its_share_of_the_wall_clock(tmp_path):
 def test_formulas_union_throttle_and_launch_ids():
     assert union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
     assert union_seconds([]) == 0.0
+    timer = CommTimer(cuda=False)
+    timer._spans += [(0.0, 0.25), (0.1, 0.5)]
+    assert timer.take() == pytest.approx(0.5) and timer.take() == 0.0
+    timer._spans.append((0.0, 0.25))
+    timer.discard()  # a step left out of the timing lends nothing to the next interval
+    assert timer.take() == 0.0
     gpu = {"throttled_share": 0.5, "throttled_clock_ratio": 0.8}
     assert throttle_seconds({"wall_s": 100.0, "gpu": gpu}) == pytest.approx(100 * 0.5 * 0.2)
     env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1"}
@@ -225,6 +233,13 @@ def test_the_jobs_own_ddp_hook_is_kept_and_timed_and_an_unwrapped_one_is_named(t
         assert recs[0]["comm"]["timed"] and "own communication hook" in recs[0]["comm"]["how"]
         assert len(calls) == 7  # the job's hook ran on every step, through the timer
         assert all(r["comm_s"] is not None and r["comm_s"] > 0 for r in recs if r["kind"] == "interval")
+
+        builtin = DDP(torch.nn.Linear(16, 16))
+        builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # not listed in _comm_hooks
+        with Monitor(tmp_path / "c", model=builtin, every=3, peak_flops=1e9, profile_every_s=None):
+            pass
+        start = records(next((tmp_path / "c").glob("*.jsonl")))[0]
+        assert not start["comm"]["timed"] and "refused" in start["comm"]["how"]
 
         other = DDP(torch.nn.Linear(16, 16))
         other.register_comm_hook(None, own_hook)  # not wrapped: DDP takes one hook, so it cannot be timed
@@ -300,3 +315,17 @@ def test_a_record_that_cannot_be_written_never_stops_training(tmp_path):
     wr.close()
     assert records(next((tmp_path / "nan").glob("*.jsonl")))[0] | {} == {"kind": "interval", "t": 1.0, "mfu": None,
                                                                           "x": [None]}
+
+
+@pytest.mark.e2e
+def test_a_run_whose_job_names_monitor_dir_reads_it_first(full_run):
+    p, job_root = full_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[0] 00_monitor" in p.stdout and "[0] 00_monitor: not read" not in p.stderr
+    step = job_root / "00_monitor"
+    assert json.loads((step / "summary.json").read_text())["start_with"] == "baseline"
+    nb = json.loads((step / "00_monitor.ipynb").read_text())
+    assert not [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    index = (job_root / "index.html").read_text()
+    assert "Step 0 · the job in production" in index and 'href="00_monitor/report.html"' in index
+    assert "The operations bar is the loss the production monitor measured" in index

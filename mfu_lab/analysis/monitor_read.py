@@ -160,9 +160,14 @@ class Folder:
     world: int = 1
 
 
-def read_folder(folder: Path) -> Folder:
+PROGRESS_EVERY = 200_000  # records between two progress lines
+
+
+def read_folder(folder: Path, progress=None) -> Folder:
+    """One pass over every record of ``folder``; ``progress(line)`` hears how far it got on long reads."""
     folder = Path(folder)
     files = rank_files(folder)
+    total_bytes = sum(p.stat().st_size for f in files for p in f.paths if p.is_file()) or 1
     count = ReadCount()
     times = [first_and_last_time(f.paths) for f in files]
     t_lo = min((a for a, _ in times if a is not None), default=0.0)
@@ -174,8 +179,11 @@ def read_folder(folder: Path) -> Folder:
     pending: dict[tuple[str, int], dict[tuple[str, int], tuple[float, int]]] = {}
     pending_t: dict[tuple[str, int], float] = {}
     streams = [iter_records(f.paths, count) for f in files]
-    for r in heapq.merge(*streams, key=lambda rec: rec["t"]):
+    for n, r in enumerate(heapq.merge(*streams, key=lambda rec: rec["t"]), 1):
         _take(st, r, pending, pending_t)
+        if progress is not None and n % PROGRESS_EVERY == 0:
+            progress(f"read {n:,} records of {len(files)} rank file(s), {count.bytes / total_bytes:.0%} of "
+                     f"{total_bytes / 2**20:.0f} MiB")
         if pending_t and r["t"] - min(pending_t.values()) > HORIZON_S:
             for key in [k for k, t in pending_t.items() if r["t"] - t > HORIZON_S]:
                 _settle(st, pending.pop(key))

@@ -72,8 +72,9 @@ class MonitorSummary:
     notes: list[str] = field(default_factory=list)
 
 
-def summarise(folder: Path) -> MonitorSummary:
-    st = read_folder(folder)
+def summarise(folder: Path, progress=None) -> MonitorSummary:
+    """The summary of a monitor folder; ``progress(line)`` hears how far the read got on a large one."""
+    st = read_folder(folder, progress)
     tot = st.total
     notes = []
     c = st.count

@@ -64,7 +64,10 @@ def nvml_handle(nv, index: int):
 
     import torch
 
-    props = torch.cuda.get_device_properties(index)
+    try:
+        props = torch.cuda.get_device_properties(index)
+    except Exception:  # no CUDA in this torch (tests with a stand-in NVML), or the device vanished
+        props = None
     uuid = getattr(props, "uuid", None)
     if uuid is not None:
         try:

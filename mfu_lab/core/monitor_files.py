@@ -135,6 +135,7 @@ class ReadCount:
     """What a read skipped: lines that are not JSON objects (torn by a crash, edited, another format)."""
 
     lines: int = 0
+    bytes: int = 0
     records: int = 0
     skipped: int = 0
     skipped_examples: list[str] = field(default_factory=list)
@@ -158,6 +159,7 @@ def iter_records(paths: list[Path], count: ReadCount) -> Iterator[dict[str, Any]
         with f:
             for n, raw in enumerate(f, 1):
                 count.lines += 1
+                count.bytes += len(raw)
                 try:
                     rec = json.loads(raw)
                 except (ValueError, UnicodeDecodeError):

@@ -42,14 +42,21 @@ class CommTimer:
         self._spans: list[tuple[float, float]] = []  # CPU: perf_counter seconds
         self._events: list[tuple[Any, Any, Any]] = []  # CUDA: (reference, start, end) events
         self._ref = None
+        self.dropped = 0
         self.how = ("CUDA events around each bucket's collective (read once completed, no synchronisation)" if cuda
                     else "time.perf_counter from the hook's call to its future's completion, per bucket")
 
-    def new_interval(self) -> None:  # pragma: no cover - GPU only (a no-op on CPU)
-        """A reference event for the spans that follow (CUDA: elapsed times stay short and precise)."""
-        if self.cuda:
-            self._ref = torch.cuda.Event(enable_timing=True)
-            self._ref.record()
+    def new_interval(self) -> None:
+        """The spans that follow get a new reference event, recorded by the first hook on its own stream and
+        device (CUDA: elapsed times stay short and precise, and never cross devices)."""
+        self._ref = None
+
+    def discard(self) -> None:
+        """Forget every span so far, finished or not: steps left out of the timing (the warm-up step, a
+        profiler window) must not lend their collectives to the next interval."""
+        with self._lock:
+            self._spans, self._events = [], []
+        self._ref = None
 
     def wrap(self, hook):
         """``hook(state, bucket) -> Future`` timed; the value it produces is passed on unchanged."""
@@ -57,7 +64,8 @@ class CommTimer:
         def timed(state, bucket):
             if self.cuda:  # pragma: no cover - GPU only
                 if self._ref is None:
-                    self.new_interval()
+                    self._ref = torch.cuda.Event(enable_timing=True)
+                    self._ref.record()
                 ref, start = self._ref, torch.cuda.Event(enable_timing=True)
                 start.record()
             else:
@@ -90,11 +98,14 @@ class CommTimer:
         if self.cuda:  # pragma: no cover - GPU only
             finished, pending, by_ref = [], [], {}
             for ev in events:
-                (finished if ev[2].query() else pending).append(ev)
+                (finished if all(e.query() for e in ev) else pending).append(ev)
             with self._lock:
                 self._events.extend(pending)
             for r, s, e in finished:  # one time base per reference event
-                by_ref.setdefault(id(r), []).append((r.elapsed_time(s) / 1e3, r.elapsed_time(e) / 1e3))
+                try:
+                    by_ref.setdefault(id(r), []).append((r.elapsed_time(s) / 1e3, r.elapsed_time(e) / 1e3))
+                except RuntimeError:  # never stop the job over a timing: the span is dropped, and counted
+                    self.dropped += 1
             return sum(union_seconds(v) for v in by_ref.values())
         return union_seconds(spans)
 
@@ -115,7 +126,12 @@ def attach(model, timer: CommTimer) -> tuple[bool, str]:
     if hooks:
         return False, ("DDP already has a communication hook; register it through Monitor.wrap_hook(hook) to "
                        "have it timed (DDP accepts one hook)")
+    if getattr(model, "_use_python_reducer", False):
+        return False, "DDP runs its Python reducer here, whose hooks take other arguments: collectives not timed"
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    model.register_comm_hook(model.process_group, timer.wrap(default_hooks.allreduce_hook))
+    try:
+        model.register_comm_hook(model.process_group, timer.wrap(default_hooks.allreduce_hook))
+    except RuntimeError as e:  # a built-in hook (register_builtin_comm_hook) is not listed in _comm_hooks
+        return False, f"DDP refused a hook ({str(e).splitlines()[0][:160]}): it already has one; collectives not timed"
     return True, f"DDP's default all-reduce registered as a timed hook; {timer.how}"

@@ -121,6 +121,13 @@ def slurm_queue(job_id: str, timeout_s: float = 20.0) -> dict[str, Any]:
     return {"why": "neither scontrol nor sacct answered on this node"}
 
 
+def _optional(read, default):
+    try:
+        return read()
+    except Exception:
+        return default
+
+
 class NvmlProbe:
     """Samples one NVIDIA GPU every ``interval_s`` from a daemon thread and hands back a summary per interval
     (:meth:`take`): temperature, SM clock while busy against the maximum, power against the limit, clock-event
@@ -130,6 +137,7 @@ class NvmlProbe:
     def __init__(self, index: int, interval_s: float = 1.0):
         self.index, self.interval_s = index, interval_s
         self.skipped = ""
+        self.busy_unknown = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reset()
@@ -148,10 +156,13 @@ class NvmlProbe:
             nv.nvmlInit()
             self._nv, self._h = nv, nvml_handle(nv, self.index)
             self.max_clock = float(nv.nvmlDeviceGetMaxClockInfo(self._h, nv.NVML_CLOCK_SM))
-            self.power_limit = nv.nvmlDeviceGetEnforcedPowerLimit(self._h) / 1000.0
         except Exception as e:
             self.skipped = f"NVML unavailable: {e}"
             return self
+        try:
+            self.power_limit = nv.nvmlDeviceGetEnforcedPowerLimit(self._h) / 1000.0
+        except Exception:
+            self.power_limit = None  # not supported on every board: the rest is still sampled
         self._ecc0 = self._ecc()
         self._events = None
         try:
@@ -178,12 +189,15 @@ class NvmlProbe:
             try:
                 temp = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
                 clock = float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
-                power = nv.nvmlDeviceGetPowerUsage(h) / 1000.0
-                busy = nv.nvmlDeviceGetUtilizationRates(h).gpu > 0
                 mask = int(reasons(h))
             except Exception as e:
                 self.skipped = f"NVML read failed: {e}"
                 return
+            power = _optional(lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0, 0.0)
+            # utilisation is not supported on MIG: every sample then counts as busy (said in the record)
+            busy = _optional(lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu > 0, None)
+            if busy is None:
+                self.busy_unknown, busy = True, True
             with self._lock:
                 self._n += 1
                 self._temp_max = temp if self._temp_max is None else max(self._temp_max, temp)
@@ -195,14 +209,27 @@ class NvmlProbe:
                     if mask & THROTTLE_BITS:
                         self._throttled += 1
                         self._throttled_clock_sum += clock
-            if self._events is not None:
+            while self._events is not None:  # drain every XID event waiting, not one per sample
                 try:
                     ev = nv.nvmlEventSetWait_v2(self._events, 0)
-                    with self._lock:
-                        self._xids.append(int(ev.eventData))
-                except Exception:
-                    pass  # NVMLError_Timeout: no event
+                except nv.NVMLError_Timeout:
+                    break
+                except Exception as e:
+                    self.skipped = f"XID events unreadable: {e}"
+                    self._events = None
+                    break
+                with self._lock:
+                    self._xids.append(int(ev.eventData))
             self._stop.wait(self.interval_s)
+        self._cleanup()
+
+    def _cleanup(self) -> None:  # pragma: no cover - GPU only
+        try:
+            if self._events is not None:
+                self._nv.nvmlEventSetFree(self._events)
+            self._nv.nvmlShutdown()
+        except Exception:
+            pass
 
     def take(self) -> dict[str, Any] | None:
         """The summary since the last call (None when nothing was sampled)."""
@@ -218,6 +245,7 @@ class NvmlProbe:
                 "throttled_share": thr / busy if busy else 0.0,
                 "throttled_clock_ratio": (self._throttled_clock_sum / thr / self.max_clock) if thr else None,
                 "reasons": decode_reasons(self._reasons), "xid": list(self._xids),
+                "busy_known": not self.busy_unknown,  # False on MIG: NVML gives no utilisation there
             }
             self._reset()
         if out is not None:

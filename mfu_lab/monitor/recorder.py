@@ -189,6 +189,7 @@ class Monitor:
         if self.steps_done == 1:  # warm-up (and, without a formula, counted under FlopCounterMode): not timed
             if self._counter is not None:
                 self._finish_count(tokens)
+            self.comm.discard()
         elif self._prof is not None:
             if self._profile_step(dur):  # the window closed and was analysed: that time is not the job's
                 now = time.perf_counter()
@@ -296,10 +297,11 @@ class Monitor:
 
     # ------------------------------------------------------------------ profiler windows
     def _start_profile(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self._prof = profile(activities=acts, record_shapes=False)
+        # a schedule that always records: it also turns on the ProfilerStep#N spans the trace analysis needs
+        self._prof = profile(activities=acts, record_shapes=False, schedule=lambda _: ProfilerAction.RECORD)
         with without_usdt_lines():
             self._prof.start()  # opens ProfilerStep#0; each later step() closes one and opens the next
         self._prof_left = self.profile_steps
@@ -325,6 +327,7 @@ class Monitor:
         fields["overhead_s"] = time.perf_counter() - t0
         self._emit("profile", **fields)
         self._next_profile = time.monotonic() + self.profile_every_s
+        self.comm.discard()  # the window's collectives belong to steps left out of the timing
         return True
 
     def _analyse(self, prof) -> dict[str, Any]:
@@ -348,7 +351,8 @@ class Monitor:
         for old in kept[:-self.keep_traces] if self.keep_traces > 0 else kept:
             old.unlink(missing_ok=True)
         b = a.breakdown
-        return {"window_s": a.window_s, "trace_kind": a.kind, "trace": name.name if self.keep_traces > 0 else None,
+        return {"window_s": a.window_s, "trace_kind": a.kind, "steps_in_trace": a.steps, "notes": a.notes,
+                "trace": name.name if self.keep_traces > 0 else None,
                 "breakdown": {"computing": b.computing, "communicating": b.communicating, "copying": b.copying,
                               "waiting_for_data": b.waiting_for_data, "idle": b.idle, "comm_total": b.comm_total},
                 "top": [{"name": r.name, "share": r.share} for r in a.top]}
@@ -363,7 +367,8 @@ class Monitor:
 
     def _device(self) -> DeviceInfo:
         if self.cuda:  # pragma: no cover - GPU only
-            idx = torch.cuda.current_device()
+            p = next(iter(self.model.parameters()), None) if self.model is not None else None
+            idx = p.device.index if p is not None and p.device.index is not None else torch.cuda.current_device()
             return DeviceInfo("cuda", torch.cuda.get_device_name(idx), idx, None, None)
         return DeviceInfo("cpu", cpu_name(), None, None, torch.get_num_threads())
 
@@ -384,7 +389,9 @@ class Monitor:
         if self.peak_flops is not None:
             return {"flops_per_s": p.flops_per_s, "source": "given", "precision": p.precision,
                     "note": "peak_flops given to the monitor"}
-        return {"flops_per_s": p.flops_per_s, "source": p.source, "precision": p.precision, "note": p.note}
+        guessed = "" if self.dtype else (f" (the training dtype {self._dtype()} is the parameters'; under autocast "
+                                         "pass Monitor(dtype=...) so MFU is taken against that precision's peak)")
+        return {"flops_per_s": p.flops_per_s, "source": p.source, "precision": p.precision, "note": p.note + guessed}
 
     def _tensorboard(self):
         if not self.tensorboard:

@@ -181,7 +181,8 @@ def operations_loss(summary) -> ReportFigure | Unavailable:
     ax.set_yticks(range(len(names)), [k.replace("_", " ") for k in names], fontsize=8)
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_xlim(0, max([p["value"] for p in known.values()] + [0.01]) * 1.4)
-    ax.set_title(f"Operations loss, measured: {ops['total']['value']:.1%} of the wall-clock "
-                 f"({ops['wall_clock_s'] / 3600:.2f} h)", fontsize=9)
+    hours = ops["wall_clock_s"] / 3600
+    span = f"{hours:.1f} h" if hours >= 1 else f"{ops['wall_clock_s'] / 60:.1f} min"
+    ax.set_title(f"Operations loss, measured: {ops['total']['value']:.1%} of the wall-clock ({span})", fontsize=9)
     fig.tight_layout()
     return fig

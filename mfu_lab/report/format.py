@@ -36,6 +36,24 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value:.4g} {unit}"
 
 
+def duration(s: float | None) -> str:
+    """A span of time for people: seconds, minutes, hours or days."""
+    if s is None:
+        return ""
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h" if s < 2 * 86400 else f"{s / 86400:.1f} days"
+
+
+def share(v: float | None) -> str:
+    """A share as a percentage with enough digits to be seen (0.015% rather than 0.0%)."""
+    if v is None:
+        return ""
+    return f"{v:.1%}" if abs(v) >= 0.001 or v == 0 else f"{v * 100:.2g}%"
+
+
 def badge(source: str) -> Markup:
     """A number's source label (measured, counted, analytic, ...) as a coloured HTML tag."""
     return Markup(f'<span class="src src-{e(source)}">{e(source)}</span>')

@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from mfu_lab.report.format import badge, compile_s, fmt, ms, ms0, num
+from mfu_lab.report.format import badge, compile_s, duration, fmt, ms, ms0, num, share
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -38,7 +38,7 @@ def environment() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined, finalize=_finalize, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)
     env.globals.update(badge=badge, fmt=fmt)
-    env.filters.update(ms=ms, ms0=ms0, num=num, pct=_pct, compile_s=compile_s)
+    env.filters.update(ms=ms, ms0=ms0, num=num, pct=_pct, compile_s=compile_s, duration=duration, share=share)
     return env
 
 

@@ -36,10 +36,11 @@ def check_folder(monitor_dir: str | Path, what: str = "monitor_dir") -> Path:
     return folder
 
 
-def run(monitor_dir: str | Path, out: str | Path | None = None, write: bool = True) -> MonitorSummary:
-    """Summarise a monitor folder; write ``summary.json`` into ``out`` (default: the monitor folder)."""
+def run(monitor_dir: str | Path, out: str | Path | None = None, write: bool = True, progress=None) -> MonitorSummary:
+    """Summarise a monitor folder; write ``summary.json`` into ``out`` (default: the monitor folder). A large
+    folder reports how far the read got through ``progress`` (None prints)."""
     folder = check_folder(monitor_dir)
-    summary = summarise(folder)
+    summary = summarise(folder, progress if progress is not None else print)
     if write:
         write_json_atomic(Path(out or folder) / SUMMARY_FILE, summary)
     return summary
