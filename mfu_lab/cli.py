@@ -115,7 +115,14 @@ def cmd_validate(args) -> int:
     job = load_job(args.job, parse_overrides(args.param))
     check_cluster(job)
     check_output_folder(job, args.job)
-    print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable)")
+    mon = ""
+    if job.monitor_path() is not None:
+        from mfu_lab.core.monitor_files import rank_files
+        from mfu_lab.steps.monitor import check_folder
+
+        check_folder(job.monitor_path())
+        mon = f"; monitor folder {job.monitor_path()}: {len(rank_files(job.monitor_path()))} rank file(s)"
+    print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable{mon})")
     if not job.uses_reference_model:
         module, func = job.model.split(":")
         print(f"note: this job names code. Every step will import the module '{module}' (from the workbook root, "

@@ -77,11 +77,16 @@ def test_monitor_report_cli_writes_report_and_summary(two_ranks, tmp_path):
     assert "Stragglers" in html and "rank 1" in html and "<script src=" not in html
 
 
-def test_monitor_report_cli_refuses_a_folder_without_records(tmp_path):
+def test_monitor_report_cli_refuses_a_folder_without_records(tmp_path, capsys):
     from mfu_lab.cli import main
 
     assert main(["monitor", "report", str(tmp_path / "nope")]) == 2
     assert main(["monitor", "report", str(tmp_path)]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    job = str(ROOT / "tests" / "data" / "tiny.yaml")
+    assert main(["validate", job, "-p", f"monitor_dir={tmp_path / 'nope'}", "-p", f"out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "monitor_dir" in err and "no such folder" in err
 
 
 def test_a_crash_keeps_every_earlier_record_and_a_restart_is_a_new_launch(tmp_path):
