@@ -57,3 +57,17 @@ def test_kernel_signature_tells_same_kernels_apart_from_different_ones():
     assert sig["sdpa (torch's choice)"] == sig["sdpa flash"]  # on CPU torch picks the flash kernel
     assert sig["unfused"] != sig["sdpa flash"] and sig["sdpa math"] != sig["sdpa flash"]
     assert "flash" in sig["sdpa flash"]
+
+
+def test_a_broken_flash_attn_install_is_reported_with_its_error(monkeypatch, tmp_path):
+    import sys
+
+    from mfu_lab.analysis.attention import candidates
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(
+        "raise ImportError('libcudart.so.12: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    impl = next(i for i in candidates("cpu", "float32") if i.name == "flash_attn package")
+    assert "installed but does not import" in impl.skipped and "libcudart.so.12" in impl.skipped

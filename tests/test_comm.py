@@ -83,3 +83,45 @@ def test_two_nodes_rendezvous_through_an_endpoint(tiny_job, tmp_path):
         ev = r.outcomes[("none", 25.0, False)]
         assert ev["event"] == "done" and ev["param_checksum_max_diff"] == 0.0
     assert len(results) == 2
+
+
+def test_one_rank_skips_the_sweep_and_the_benchmark_without_a_launch(tiny_job, tmp_path):
+    from mfu_lab.steps.attention_comm import _comm_rows
+
+    job = small(tiny_job, nproc_per_node=1)
+    seen = []
+    r = run_sweep(job, "cpu", None, tmp_path, progress=seen.append)
+    assert r.launches == [] and r.allreduce == [] and "one rank" in r.layout["skipped"]
+    assert all(r.outcomes[config_key(c)]["event"] == "skipped" for c in sweep_configs(job))
+    assert len(seen) == len(sweep_configs(job))  # the progress lines still say what happened to each
+    rows = _comm_rows(sweep_configs(job), r, 1e9, 1e12, 1)
+    assert {row.status for row in rows} == {"skipped"} and "nproc_per_node" in rows[0].error
+
+
+class _Recorded(Exception):
+    pass
+
+
+def test_every_collective_of_the_ddp_worker_gets_the_ranks_device(monkeypatch):
+    """NCCL has no CPU backend: a tensor made on the CPU (or moved there) before a collective crashes step 2 on
+    GPUs. Here the rank's device is 'meta', so any tensor the worker forgot to place shows up as 'cpu'."""
+    import torch
+
+    from mfu_lab.workers import ddp_rank as dr
+
+    seen = []
+
+    def record(*tensors):
+        for t in tensors:
+            seen.extend(x.device for x in (t if isinstance(t, list) else [t]))
+        raise _Recorded
+
+    monkeypatch.setattr(dr.dist, "all_reduce", lambda t, op=None: record(t))
+    monkeypatch.setattr(dr.dist, "all_gather", lambda out, t: record(out, t))
+    monkeypatch.setattr(dr.dist, "get_world_size", lambda: 2)
+    meta = torch.device("meta")
+    for call in (lambda: dr.reduce_max(1.0, meta), lambda: dr.in_sync(torch.nn.Linear(2, 2, device="meta"), meta),
+                 lambda: dr.allreduce_benchmark(meta, 4096)):
+        with pytest.raises(_Recorded):
+            call()
+    assert len(seen) >= 4 and set(seen) == {meta}

@@ -76,3 +76,22 @@ def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
     with pytest.raises(DeviceError, match="device 'cuda'"):
         dev.resolve_device("cuda")
     assert dev.resolve_device("auto").type == "cpu"
+
+
+@pytest.mark.parametrize("marketing_name, row", [
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("NVIDIA A100-SXM4-40GB", "A100"),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H800", "H100 SXM"), ("NVIDIA H800 PCIe", "H800 PCIe"),
+    ("NVIDIA H200", "H200"), ("NVIDIA H200 NVL", "H200 NVL"),
+    ("NVIDIA B200", "B200"), ("NVIDIA GB200", "GB200"),
+    ("NVIDIA L40S", "L40S"), ("AMD Instinct MI300X", "MI300X"),
+])
+def test_each_marketing_name_finds_its_own_row(marketing_name, row):
+    """The strings torch.cuda.get_device_name() returns: the most specific row wins (NVL and PCIe parts, GB200)."""
+    assert dev.lookup_chip(marketing_name).name == row
+
+
+def test_the_nvl_and_gb200_rows_hold_their_own_dense_figures():
+    assert dev.datasheet_peak("NVIDIA H200 NVL", "bfloat16").flops_per_s == 835.5 * T
+    assert dev.datasheet_peak("NVIDIA GB200", "bfloat16").flops_per_s == 2500 * T
+    assert dev.datasheet_peak("NVIDIA H800 PCIe", "bfloat16").flops_per_s == 756 * T

@@ -72,3 +72,29 @@ def test_module_docstring_example_runs():
     import mfu_lab.core.flops
 
     assert doctest.testmod(mfu_lab.core.flops).failed == 0
+
+
+def test_hfu_counts_the_score_recompute_of_flash_style_attention():
+    """FlashAttention's backward recomputes S = QK^T: one of the six attention matmuls, 2*L*d*T per token."""
+    from mfu_lab.core.flops import hardware_flops_per_token, transformer_flops_per_token
+
+    n, L, d, T = 1e9, 24, 2048, 4096
+    assert hardware_flops_per_token(n, L, d, T, flash_layers=L) - transformer_flops_per_token(n, L, d, T) == \
+        pytest.approx(2 * L * d * T)
+
+
+@pytest.mark.parametrize("attention, flash", [("sdpa", True), ("unfused", False)])
+def test_the_counted_step_adds_the_recompute_only_for_a_flash_style_kernel(tiny_job, attention, flash):
+    import dataclasses
+
+    from mfu_lab.core.flops import count_step_flops
+    from mfu_lab.core.workload import build_loader, build_model, build_train_step
+
+    job = dataclasses.replace(tiny_job, attention=attention)
+    model = build_model(job)
+    x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0), 1, "cpu")))
+    r = count_step_flops(model, build_train_step(job, model, "cpu"), x, y)
+    expected = 2 * job.n_layers * job.d_model * job.seq_len * x.numel() if flash else 0.0
+    assert r.flash_recompute_flops_per_step == pytest.approx(expected)  # analytic
+    assert r.hardware_flops_per_step - r.model_flops_per_step == pytest.approx(expected)
+    assert r.counted_hardware_flops_per_step - r.counted_flops_per_step == pytest.approx(expected)  # counted

@@ -185,3 +185,18 @@ def test_recipes_follow_torchao():
     assert torch.equal(torch.log2(scale), torch.round(torch.log2(scale)))
     with pytest.raises(ValueError, match="recipe must be one of"):
         f8.apply_policy(nn.Sequential(nn.Linear(2, 2)), ["0"], "blockwise")
+
+
+def test_a_torchao_failure_is_recorded_and_the_rest_kept(monkeypatch, tiny_job):
+    import torch
+
+    from mfu_lab.steps import fp8 as step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("torchao: float8 needs in_features divisible by 16")
+
+    monkeypatch.setattr(step, "_real_speed", broken)
+    skipped = []
+    speed = step.real_speed_or_failure(tiny_job, ["mlp"], torch.device("cpu"), print, skipped)
+    assert speed == {"status": "failed", "reason": "RuntimeError: torchao: float8 needs in_features divisible by 16"}
+    assert skipped == [{"what": "FP8 speed (torchao)", "reason": speed["reason"]}]

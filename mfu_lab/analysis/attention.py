@@ -72,8 +72,14 @@ def candidates(device_type: str, dtype: str) -> list[Impl]:
             out.append(Impl(f"sdpa {short}", _sdpa(backend)))
     try:
         import flash_attn  # noqa: F401
-    except ImportError:
-        out.append(Impl("flash_attn package", None, "the flash_attn package is not installed"))
+    except ModuleNotFoundError as e:
+        if e.name == "flash_attn":
+            out.append(Impl("flash_attn package", None, "the flash_attn package is not installed"))
+        else:  # installed, but something it needs is missing: say what
+            out.append(Impl("flash_attn package", None, f"flash_attn is installed but does not import: {e}"))
+    except Exception as e:  # a broken build (undefined symbol, CUDA mismatch): its own words
+        out.append(Impl("flash_attn package", None,
+                        f"flash_attn is installed but does not import: {type(e).__name__}: {str(e)[:300]}"))
     else:  # pragma: no cover - GPU only
         if device_type != "cuda":
             out.append(Impl("flash_attn package", None, "flash_attn runs on CUDA GPUs only"))

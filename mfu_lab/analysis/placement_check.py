@@ -61,6 +61,9 @@ def model_check(shape: Shape, earlier: dict[str, dict], coloc: Coloc, device: de
         return Check(False, "step 2 has not run: no data-parallel step time to check against")
     if step2["environment"].get("device_name") != device.name:
         return Check(False, f"step 2 ran on {step2['environment'].get('device_name')}, not on this device")
+    if (step2.get("comm_layout") or {}).get("skipped"):
+        return Check(False, "step 2 ran one rank, so it measured no data-parallel step: "
+                     + step2["comm_layout"]["skipped"].split(": ", 1)[-1])
     row = recommended_comm(step2)
     if not row:
         return Check(False, "step 2 found no DDP configuration that ran in sync")

@@ -34,7 +34,8 @@ class Chip:
     source: str
 
 
-# Order matters: the first pattern that matches wins (H100 NVL/PCIe before plain H100).
+# Order matters: the first pattern that matches wins, so the most specific rows come first (H100 NVL/PCIe and
+# H800 PCIe before the SXM row, H200 NVL before H200, GB200 before B200, which its name contains).
 PEAK_TABLE: tuple[Chip, ...] = (
     Chip("A100", r"A100", 19.5 * T, 156 * T, 312 * T, 312 * T, None,
          "NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe; dense)"),
@@ -42,10 +43,17 @@ PEAK_TABLE: tuple[Chip, ...] = (
          "NVIDIA H100 datasheet, H100 NVL column (half the sparse figures)"),
     Chip("H100 PCIe", r"H100.*PCIe", 51 * T, 378 * T, 756 * T, 756 * T, 1513 * T,
          "NVIDIA H100 datasheet, H100 PCIe column (half the sparse figures)"),
+    Chip("H800 PCIe", r"H800.*PCIe", 51 * T, 378 * T, 756 * T, 756 * T, 1513 * T,
+         "NVIDIA H800 PCIe: the H100 PCIe's compute (the H800 differs in NVLink and FP64), H100 datasheet PCIe "
+         "column (half the sparse figures)"),
     Chip("H100 SXM", r"H100|H800", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 1978.9 * T,
          "NVIDIA H100 datasheet, H100 SXM column (half the sparse figures)"),
+    Chip("H200 NVL", r"H200.*NVL", 60 * T, 417.5 * T, 835.5 * T, 835.5 * T, 1670.5 * T,
+         "NVIDIA H200 datasheet, H200 NVL column (half the sparse figures)"),
     Chip("H200", r"H200", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 1978.9 * T,
          "NVIDIA H200 datasheet, SXM (half the sparse figures)"),
+    Chip("GB200", r"GB200", 80 * T, 1250 * T, 2500 * T, 2500 * T, 5000 * T,
+         "NVIDIA GB200 NVL72 datasheet, per GPU (the rack's figures / 72 GPUs, half the sparse figures)"),
     Chip("B200", r"B200", 75 * T, 1100 * T, 2250 * T, 2250 * T, 4500 * T,
          "NVIDIA HGX B200 datasheet, per GPU (half the sparse figures)"),
     Chip("L40S", r"L40S", 91.6 * T, 183 * T, 362.05 * T, 362.05 * T, 733 * T,

@@ -49,18 +49,39 @@ def transformer_flops_per_token(n_params: float, n_layers: int, d_model: int, se
 
 def hardware_flops_per_token(n_params: float, n_layers: int, d_model: int, seq_len: int,
                              recomputed_params: float = 0.0, recomputed_layers: int = 0,
-                             convention: str = "palm") -> float:
-    """FLOPs the hardware does per token when activations are recomputed (for HFU).
+                             convention: str = "palm", flash_layers: int = 0) -> float:
+    """FLOPs the hardware does per token when work is recomputed (for HFU).
 
-    Model FLOPs plus one extra forward pass of the recomputed blocks:
-    2·N_r + (1/3)·attention term for those layers (Korthikanti et al. 2022, "Reducing
-    Activation Recomputation in Large Transformer Models", section 6: full recompute
-    adds one forward, 8N in place of 6N). With nothing recomputed this equals
-    :func:`transformer_flops_per_token`.
+    Model FLOPs plus:
+    - one extra forward pass of the blocks whose activations are recomputed: 2·N_r + (1/3)·attention term for
+      those layers (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+      section 6: full recompute adds one forward, 8N in place of 6N);
+    - the score matmul S = QK^T that a flash-style attention kernel recomputes in its backward pass instead of
+      storing the T×T scores (Dao et al. 2022, FlashAttention, algorithm 4): one of the six attention matmuls of
+      forward + backward, (1/6)·attention term for each of ``flash_layers`` (the memory-efficient, cuDNN and CPU
+      fused SDPA kernels recompute the same way).
+    With nothing recomputed this equals :func:`transformer_flops_per_token`.
     """
     model = transformer_flops_per_token(n_params, n_layers, d_model, seq_len, convention)
     extra_attention = _attention_flops_per_token(recomputed_layers, d_model, seq_len, convention) / 3
-    return model + 2.0 * recomputed_params + extra_attention
+    flash = _attention_flops_per_token(flash_layers, d_model, seq_len, convention) / 6
+    return model + 2.0 * recomputed_params + extra_attention + flash
+
+
+# Fused attention kernels that recompute the scores in their backward pass (flash-style), as FlopCounterMode
+# names them: torch's flash, memory-efficient, cuDNN and CPU flash SDPA kernels.
+FLASH_STYLE_OPS = ("flash_attention", "efficient_attention", "cudnn_attention")
+
+
+def flash_style(by_op: dict[str, int]) -> bool:
+    """True when the counted step ran a flash-style attention kernel."""
+    return any(k in op for op in by_op for k in FLASH_STYLE_OPS)
+
+
+def flash_recompute_flops(by_op: dict[str, int]) -> float:
+    """Counted FLOPs of the score recompute of flash-style kernels: half their counted forward FLOPs
+    (the forward is QK^T and PV, of equal size; the backward recomputes QK^T)."""
+    return sum(n for op, n in by_op.items() if any(k in op for k in FLASH_STYLE_OPS) and "backward" not in op) / 2
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_s: float) -> float:
@@ -138,6 +159,7 @@ class FlopReport:
     formula: str
     counted_by_op: dict[str, int]
     matmul_params: int | None
+    flash_recompute_flops_per_step: float = 0.0  # in hardware FLOPs: the score recompute of flash-style kernels
 
 
 def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
@@ -157,16 +179,21 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
     else:
         counted = count_flops(fwd_bwd)
         counted_hw = counted.total
+    flash = flash_style(counted.by_op)
+    recompute_counted = flash_recompute_flops(counted.by_op)  # once per backward, checkpointed or not
     if isinstance(model, GPT):
         n = model.matmul_params()
         analytic = transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
-        hardware = hardware_flops_per_token(
-            n, model.n_layers, model.d_model, x.size(1),
-            recomputed_params=model.recomputed_matmul_params() if ckpt else 0,
-            recomputed_layers=model.n_layers if ckpt else 0) * tokens
-        return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw,
+        hw = dict(recomputed_params=model.recomputed_matmul_params() if ckpt else 0,
+                  recomputed_layers=model.n_layers if ckpt else 0)
+        hardware = hardware_flops_per_token(n, model.n_layers, model.d_model, x.size(1), **hw,
+                                            flash_layers=model.n_layers if flash else 0) * tokens
+        recompute = hardware - hardware_flops_per_token(n, model.n_layers, model.d_model, x.size(1), **hw) * tokens
+        return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw + recompute_counted,
                           abs(counted.total - analytic) / analytic, "palm",
-                          "6N + 12*L*d*T per token (PaLM, appendix B); N = matmul parameters", counted.by_op, n)
-    return FlopReport(float(counted.total), "counted", float(counted_hw), None, counted.total, counted_hw, None,
-                      "counted", "FlopCounterMode over one forward+backward (no formula knows a user model)",
-                      counted.by_op, None)
+                          "6N + 12*L*d*T per token (PaLM, appendix B); N = matmul parameters", counted.by_op, n,
+                          recompute)
+    return FlopReport(float(counted.total), "counted", float(counted_hw + recompute_counted), None, counted.total,
+                      counted_hw + recompute_counted, None, "counted",
+                      "FlopCounterMode over one forward+backward (no formula knows a user model)", counted.by_op, None,
+                      recompute_counted)

@@ -35,7 +35,7 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
 from mfu_lab.steps.baseline import step1_reference
-from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
+from mfu_lab.workers.launch import config_key, one_rank_reason, run_sweep, sweep_configs, world_layout
 
 INFO = BY_KEY["attention_comm"]
 SYNC_TOLERANCE = 1e-6  # checksum difference above which ranks are out of sync
@@ -224,11 +224,15 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
 
     # ---- communication
     configs = sweep_configs(job)
-    say(f"communication: {len(configs)} configurations in one torchrun launch")
+    nnodes, nproc = world_layout(job, device.type)
+    say(f"communication: {len(configs)} configurations in one torchrun launch" if nnodes * nproc > 1 else
+        f"communication: skipped, {one_rank_reason(nnodes, nproc, device.type)}")
     done = {"n": 0}
     eta = say.eta("DDP configurations", len(configs))
 
     def on_event(ev):
+        if nnodes * nproc < 2:
+            return  # said once above
         if ev["event"] in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]
@@ -241,6 +245,8 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     work = job.step_dir(INFO.folder) / "ddp" / f"{platform.node() or 'node'}-{os.getpid()}"  # one per launcher
     sweep = run_sweep(job, device.type, best_att.name if best_att else None, work, on_event)
     eta.finish()
+    if sweep.layout.get("skipped"):
+        skipped.append({"what": "DDP sweep and all-reduce benchmark", "reason": sweep.layout["skipped"]})
     world = sweep.layout["world_size"]
     peak_total = peak * world if device.type == "cuda" else peak  # CPU ranks share one CPU's cores
     comm_rows = _comm_rows(configs, sweep, fps, peak_total, world)
@@ -363,7 +369,10 @@ def advise(r: AttentionCommResult) -> list[Advice]:
     if bad:
         out.append(Advice("look", "Some DDP configurations hung, failed or lost sync; see the table for errors "
                           "and each rank's stderr.", f"{len(bad)} configuration(s)"))
-    if r.comm_layout.get("backend") == "gloo":
+    if r.comm_layout.get("skipped"):
+        out.append(Advice("info", "No data parallelism was tuned: " + r.comm_layout["skipped"],
+                          f"world size {r.comm_layout.get('world_size')}"))
+    elif r.comm_layout.get("backend") == "gloo":
         out.append(Advice("info", "Two gloo processes on one CPU share its cores and memory: communication here "
                           "is shared-memory traffic, far from a GPU cluster's network. Read the relative ranking "
                           "of settings, not the absolute shares.", f"world size {r.comm_layout.get('world_size')}"))

@@ -113,7 +113,8 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "mfu": Metric(mfu_value, "fraction", "measured",
                       f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time) "
                       + window),
-        "hfu": Metric(hfu_value, "fraction", "measured", "as MFU, counting recomputed activations' FLOPs too"),
+        "hfu": Metric(hfu_value, "fraction", "measured", "as MFU, counting recomputed work too (checkpointed "
+                      "activations, the scores a flash-style attention kernel recomputes in backward)"),
         "step_time_median_s": Metric(st.median, "s", "measured", timings.method),
         "step_time_p10_s": Metric(st.p10, "s", "measured"),
         "step_time_p90_s": Metric(st.p90, "s", "measured"),
@@ -121,7 +122,10 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "tokens_per_s": Metric(tokens_per_s, "tokens/s", "measured", "tokens per step x steps / total wall " + window),
         "model_flops_per_step": Metric(report.model_flops_per_step, "FLOP", report.model_flops_source, report.formula),
         "hardware_flops_per_step": Metric(report.hardware_flops_per_step, "FLOP", report.model_flops_source,
-                                          "model FLOPs + recomputed forward (activation checkpointing)"),
+                                          "model FLOPs + recomputed forward (activation checkpointing) + the score "
+                                          "matmul a flash-style attention kernel recomputes in backward ("
+                                          + (f"{report.flash_recompute_flops_per_step:.3g} FLOP here"
+                                             if report.flash_recompute_flops_per_step else "none ran here") + ")"),
         "counted_flops_per_step": Metric(float(report.counted_flops_per_step), "FLOP", "counted",
                                          "torch.utils.flop_counter.FlopCounterMode, one forward+backward"),
         "flops_disagreement": Metric(report.disagreement, "fraction", "analytic",

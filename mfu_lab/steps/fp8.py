@@ -152,6 +152,20 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
     return out
 
 
+def real_speed_or_failure(job: Job, groups: list[str], device: torch.device, say,
+                          skipped: list[dict[str, str]]) -> dict[str, Any]:
+    """The real FP8 timing, or its failure recorded with the reason: a torchao error (a version mismatch, a shape
+    it refuses, an out-of-memory) never discards the emulated results measured before it."""
+    try:
+        return _real_speed(job, groups, device, say)
+    except Exception as err:  # noqa: BLE001 - anything torchao or inductor raises
+        why = f"{type(err).__name__}: {err}"[:400]
+        skipped.append({"what": "FP8 speed (torchao)", "reason": why})
+        if device.type == "cuda":  # pragma: no cover - GPU only
+            torch.cuda.empty_cache()
+        return {"status": "failed", "reason": why}
+
+
 def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: list[dict[str, str]]) -> dict[str, Any]:
     """The precision ladder; an error outside any one rung is recorded, and the FP8 part still runs."""
     try:
@@ -276,7 +290,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
         speed = {"status": "skipped", "reason": no_hw}
         skipped.append({"what": "FP8 speed", "reason": no_hw})
     elif best:  # pragma: no cover - FP8 GPUs only
-        speed = _real_speed(job, best.groups, torch_device, say)
+        speed = real_speed_or_failure(job, best.groups, torch_device, say, skipped)
     else:
         speed = {"status": "skipped", "reason": "no policy chosen"}
     ref_t = trials[0]

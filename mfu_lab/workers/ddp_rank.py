@@ -91,16 +91,32 @@ def comm_time_from_profile(prof, device_type: str) -> float:
 
 
 def params_checksum(model: torch.nn.Module) -> torch.Tensor:
-    flat = torch.cat([p.detach().double().flatten().cpu() for p in model.parameters()])
+    """Three sums over every parameter, in float64, on the parameters' own device."""
+    flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
     return torch.stack([flat.sum(), flat.abs().sum(), (flat * flat).sum()])
 
 
-def in_sync(model: torch.nn.Module) -> float:
+# Every collective of this worker goes through the three functions below, with the rank's device: a process group
+# initialised with NCCL has no CPU backend ("No backend type associated with device type cpu").
+def reduce_max(value: float, device: torch.device) -> float:
+    """The largest ``value`` over the ranks (a float64 all-reduce on ``device``)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def gather(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's ``t`` (moved to ``device`` for the collective)."""
+    t = t.to(device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+def in_sync(model: torch.nn.Module, device: torch.device) -> float:
     """Largest difference of parameter checksums between ranks (0.0: bitwise-equal sums)."""
-    mine = params_checksum(model)
-    allv = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(allv, mine)
-    return float(max((a - allv[0]).abs().max() for a in allv))
+    allv = gather(params_checksum(model), device)
+    return float(max((a - allv[0]).abs().max() for a in allv).item())
 
 
 def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
@@ -125,12 +141,9 @@ def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
 
         times = timed(3)
         # Every rank must run the same number of collectives: agree on the count from the slowest rank.
-        probe = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-        times += timed(int(min(47, max(2, 0.3 / max(float(probe), 1e-9)))))
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
-        sec = float(t)
+        probe = reduce_max(statistics.median(times), device)
+        times += timed(int(min(47, max(2, 0.3 / max(probe, 1e-9)))))
+        sec = reduce_max(statistics.median(times), device)  # the collective is as slow as its slowest rank
         rows.append({"bytes": size, "time_s": sec, "algbw_gbps": size / sec / 1e9,
                      "busbw_gbps": size / sec / 1e9 * 2 * (n - 1) / n})
         size *= 4
@@ -221,9 +234,8 @@ def main() -> None:
                 if cuda:
                     torch.cuda.synchronize()  # sync point: the step's kernels are inside the profile
                 profiled_s = time.perf_counter() - t0
-            comm = torch.tensor([comm_time_from_profile(prof, device.type)], dtype=torch.float64)
-            dist.all_reduce(comm, op=dist.ReduceOp.MAX)
-            diff = in_sync(ddp.module)
+            comm = reduce_max(comm_time_from_profile(prof, device.type), device)
+            diff = in_sync(ddp.module, device)
 
             def local_step(x, y, ddp=ddp, ts=ts):  # bound now: the loop rebinds both names
                 with ddp.no_sync():  # the same step with gradients kept local: no communication at all

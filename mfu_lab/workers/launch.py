@@ -175,6 +175,15 @@ def _read(path: Path) -> list[dict]:
     return out
 
 
+def one_rank_reason(nnodes: int, nproc: int, device_type: str) -> str:
+    """Why a world of one rank has no data parallelism to tune, and how to run step 2 where it has."""
+    where = ("this node shows one GPU" if device_type == "cuda" and nproc == 1 and nnodes == 1 else
+             f"nnodes x nproc_per_node = {nnodes} x {nproc}")
+    return (f"one rank ({where}): no gradient is all-reduced, so the DDP sweep and the all-reduce benchmark would "
+            "measure noise. Run step 2 on a node with 2 or more GPUs (nproc_per_node: 0 takes every visible GPU) or "
+            "across nodes (nnodes: N, launched by srun on each node; README, 'On a GPU node, and across nodes')")
+
+
 @dataclass
 class SweepOutcome:
     layout: dict
@@ -194,6 +203,14 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
     max_bytes = allreduce_max_bytes or (256 << 20 if device_type == "cuda" else 16 << 20)
     result = SweepOutcome({"nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc,
                            "backend": "nccl" if device_type == "cuda" else "gloo"}, [])
+    if nnodes * nproc < 2:  # one rank: nothing to all-reduce, so every figure would be noise
+        why = one_rank_reason(nnodes, nproc, device_type)
+        result.layout["skipped"] = why
+        for cfg in remaining:
+            result.outcomes[config_key(cfg)] = {"event": "skipped", "config": cfg, "error": why}
+            if progress:
+                progress(result.outcomes[config_key(cfg)])
+        return result
     need_allreduce = True
     attempt = 0
     while remaining or need_allreduce:
