@@ -68,3 +68,26 @@ def test_user_model_flops_are_counted(tiny_job):
 def test_peak_override_is_used(tiny_job):
     r = baseline.run(dataclasses.replace(tiny_job, peak_flops=1e15), progress=lambda *a: None, write=False)
     assert r.metric("peak_flops_per_s") == 1e15 and "job file" in r.metrics["peak_flops_per_s"].note
+
+
+def test_a_busy_neighbour_is_named_and_speed_advice_withheld(tiny_job):
+    """Another process holds a core for the whole run (not a child of ours: it is the machine's neighbour)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mfu_lab.steps import baseline
+
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    pid = int(out.stdout)
+    try:
+        r = baseline.run(tiny_job, progress=lambda *a: None, write=False)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    c = r.timings.contention
+    assert c.sampled and c.other_cpu_s >= 0.5 * c.elapsed_s  # the neighbour's core, whatever the machine's speed
+    assert c.shared and r.advice[0].message.startswith("The machine was shared")
+    assert not any("Most of the peak is lost" in a.message or "unsteady" in a.message for a in r.advice[1:])
+    assert r.metrics["contention_other_cores"].value >= 0.5

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from mfu_lab.core.contention import Contention, ContentionProbe
+
 
 @dataclass
 class Timings:
@@ -40,6 +42,7 @@ class Timings:
     method: str
     peak_memory_bytes: int | None = None
     peak_memory_note: str = ""
+    contention: Contention | None = None  # was the machine shared while these steps ran (core.contention)
 
     def measured(self, name: str) -> list[float]:
         return getattr(self, name)[self.warmup_steps:]
@@ -87,7 +90,9 @@ def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: i
     from mfu_lab.core.faults import check_losses
 
     run = _run_cuda if device.type == "cuda" else _run_cpu
-    t = run(step, batches, device, warmup, steps, progress)
+    with ContentionProbe(device.type, device.index) as probe:
+        t = run(step, batches, device, warmup, steps, progress)
+    t.contention = probe.result
     check_losses(t.loss)  # a NaN or infinite loss ends the measurement, naming the step
     return t
 

@@ -19,5 +19,10 @@ MEMORY_BOUND_LIMIT = 0.30  # memory-bound kernels above 30% of the step: fusing 
 OPTIMIZER_LIMIT = 0.10  # the optimizer above 10% of the step: a fused or foreach optimizer pays
 PROFILER_OVERHEAD_LIMIT = 0.10  # profiling slowed the step by more than this: shares are of a slower step
 
+# --- a shared machine (core.contention)
+CONTENTION_CORES = 0.25  # other processes kept at least a quarter of a core busy while we measured...
+CONTENTION_SHARE = 0.10  # ...and at least 10% of the cores we may use: the timings are of a shared machine
+PEAK_RECHECK = 0.80  # a CPU's matmul rate measured after step 1 below 80% of the one before: shared meanwhile
+
 # --- agreement between two figures
 FLOP_TOLERANCE = 0.02  # counted vs analytic FLOPs above 2% is shown as a disagreement

@@ -31,7 +31,15 @@ from mfu_lab.core.measure import Stats, Timings, run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
-from mfu_lab.core.thresholds import CLOCK_LOW, CV_LIMIT, DATA_WAIT_LIMIT, FLOP_TOLERANCE, HOST_LIMIT, HOT_C
+from mfu_lab.core.thresholds import (
+    CLOCK_LOW,
+    CV_LIMIT,
+    DATA_WAIT_LIMIT,
+    FLOP_TOLERANCE,
+    HOST_LIMIT,
+    HOT_C,
+    PEAK_RECHECK,
+)
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 
 INFO = BY_KEY["baseline"]
@@ -103,6 +111,13 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
             f"; measured again after the steps because the training step ({achieved / 1e9:.1f} GFLOP/s) outran "
             f"the first reading ({first / 1e9:.1f} GFLOP/s): best of both readings ({again / 1e9:.1f} GFLOP/s "
             "the second time)"))
+    elif peak.source == "measured" and timings.contention is not None:
+        # a re-check of the CPU's matmul rate after the steps: a neighbour that arrived meanwhile shows here
+        again, _ = dev.measure_matmul_peak(getattr(torch, job.dtype), budget_s=0.5)
+        if again < PEAK_RECHECK * peak.flops_per_s:
+            timings.contention.shared = True
+            ratio = again / peak.flops_per_s
+            timings.contention.reason += f"; the matmul rate measured after the steps was {ratio:.0%} of the first"
     tokens_per_s = job.tokens_per_step * n / total_wall
     mfu_value = fl.mfu(report.model_flops_per_step, n / total_wall, peak.flops_per_s)
     hfu_value = fl.mfu(report.hardware_flops_per_step, n / total_wall, peak.flops_per_s)  # HFU: the same, hardware
@@ -113,6 +128,10 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "mfu": Metric(mfu_value, "fraction", "measured",
                       f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time) "
                       + window),
+        "contention_other_cores": Metric(timings.contention.other_cores if timings.contention else None, "cores",
+                                         "measured", "cores other processes kept busy while the steps ran ("
+                                         + (timings.contention.text() if timings.contention else "not measured")
+                                         + ")"),
         "hfu": Metric(hfu_value, "fraction", "measured", "as MFU, counting recomputed work too (checkpointed "
                       "activations, the scores a flash-style attention kernel recomputes in backward)"),
         "step_time_median_s": Metric(st.median, "s", "measured", timings.method),
@@ -158,6 +177,12 @@ def advise(r: BaselineResult) -> list[Advice]:
     job, m = r.job, r.metrics
     out: list[Advice] = []
     data, host, cv = m["data_wait_fraction"].value, m["host_fraction"].value, m["step_time_cv"].value
+    c = r.timings.contention
+    shared = bool(c and c.shared)
+    if shared:
+        out.append(Advice("look", "The machine was shared while step 1 measured: its step times are a shared "
+                          "machine's. Advice a slower step would explain (the MFU levers, unsteady steps) is "
+                          "withheld; rerun on an idle machine before acting on these figures.", c.text()))
     mfu_v, hw = m["mfu"].value, r.ledger.get("hardware").fraction
     on_gpu = r.peak["device_type"] == "cuda"
 
@@ -173,7 +198,7 @@ def advise(r: BaselineResult) -> list[Advice]:
         out.append(Advice("look", "Host-side overhead is visible between steps: larger micro-batches, "
                           "torch.compile (step 4) or CUDA graphs reduce per-step host work.",
                           f"host time is {host:.1%} of wall time"))
-    if cv > CV_LIMIT:
+    if cv > CV_LIMIT and not shared:
         out.append(Advice("look", "Step times are unsteady: look for neighbours on the machine, throttling or "
                           "garbage collection, and measure more steps before trusting small differences.",
                           f"coefficient of variation of step time is {cv:.1%} (limit {CV_LIMIT:.0%})"))
@@ -181,7 +206,7 @@ def advise(r: BaselineResult) -> list[Advice]:
         out.append(Advice("act", "MFU exceeds the share of time spent computing, so the peak is too low: "
                           "set peak_flops in the job to the device's true dense peak.",
                           f"MFU {mfu_v:.1%} > compute share {m['compute_fraction'].value:.1%}"))
-    elif hw > 0.5:
+    elif hw > 0.5 and not shared:
         levers = []
         if on_gpu and job["dtype"] == "float32":
             levers.append("train in bfloat16 (dtype: bfloat16) so matmuls use tensor cores")
