@@ -83,7 +83,8 @@ def test_a_busy_neighbour_is_named_and_speed_advice_withheld(tiny_job):
                          capture_output=True, text=True, check=True)
     pid = int(out.stdout)
     try:
-        r = baseline.run(tiny_job, progress=lambda *a: None, write=False)
+        # enough steps for a second or more: /proc/stat counts in 10 ms ticks
+        r = baseline.run(dataclasses.replace(tiny_job, steps=300), progress=lambda *a: None, write=False)
     finally:
         os.kill(pid, signal.SIGKILL)
     c = r.timings.contention
