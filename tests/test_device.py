@@ -95,3 +95,15 @@ def test_the_nvl_and_gb200_rows_hold_their_own_dense_figures():
     assert dev.datasheet_peak("NVIDIA H200 NVL", "bfloat16").flops_per_s == 835.5 * T
     assert dev.datasheet_peak("NVIDIA GB200", "bfloat16").flops_per_s == 2500 * T
     assert dev.datasheet_peak("NVIDIA H800 PCIe", "bfloat16").flops_per_s == 756 * T
+
+
+def test_the_jobs_matmul_precision_picks_the_float32_row_whatever_torch_was_left_at():
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # an earlier step in this process left TF32 on
+        p = dev.datasheet_peak("NVIDIA H100 80GB HBM3", "float32", "highest")
+        assert p.flops_per_s == 67 * T and p.precision == "fp32" and "true float32" in p.note
+        p = dev.datasheet_peak("NVIDIA H100 80GB HBM3", "float32", "high")
+        assert p.flops_per_s == 494.7 * T and "TF32" in p.note
+    finally:
+        torch.set_float32_matmul_precision(old)

@@ -71,3 +71,19 @@ def test_wrong_vocabulary_or_output_is_explained(tiny_job):
     job = dataclasses.replace(tiny_job, model=SPEC + "wrong_output", model_kwargs={})
     with pytest.raises(StepError, match=".logits"):
         build_train_step(job, build_model(job), "cpu")(x, y)
+
+
+@pytest.mark.parametrize("impl, flag", [("fused", "fused"), ("foreach", "foreach")])
+def test_adamw_impl_builds_that_optimizer_and_trains(tiny_job, impl, flag):
+    import dataclasses
+
+    from mfu_lab.core.workload import build_loader, build_model, build_train_step
+
+    job = dataclasses.replace(tiny_job, adamw_impl=impl)
+    model = build_model(job)
+    ts = build_train_step(job, model, "cpu")
+    assert ts.optimizer.defaults[flag] is True
+    x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0), 1, "cpu")))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert float(ts(x, y)) > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -119,12 +119,14 @@ def lookup_chip(device_name: str) -> Chip | None:
     return None
 
 
-def float32_precision_key() -> str:
-    """'tf32' when torch may run float32 matmuls on TF32 tensor cores, else 'fp32'."""
-    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+def float32_precision_key(matmul_precision: str | None = None) -> str:
+    """'tf32' when float32 matmuls may run on TF32 tensor cores, else 'fp32': the job's ``matmul_precision``
+    when given, else torch's current setting."""
+    setting = matmul_precision or torch.get_float32_matmul_precision()
+    return "fp32" if setting == "highest" else "tf32"
 
 
-def datasheet_peak(device_name: str, dtype: str) -> Peak:
+def datasheet_peak(device_name: str, dtype: str, matmul_precision: str | None = None) -> Peak:
     """Dense peak of a known GPU for ``dtype``; DeviceError for an unknown one."""
     chip = lookup_chip(device_name)
     if chip is None:
@@ -132,8 +134,10 @@ def datasheet_peak(device_name: str, dtype: str) -> Peak:
         raise DeviceError(f"no datasheet peak for GPU '{device_name}' (known: {known}). "
                           "Set peak_flops in the job file to its dense peak FLOP/s for the training dtype, "
                           "e.g. peak_flops: 989.4e12")
-    key = float32_precision_key() if dtype == "float32" else DTYPE_KEY[dtype]
-    return Peak(getattr(chip, key), "datasheet", key, f"{chip.name} {key} dense peak: {chip.source}")
+    key = float32_precision_key(matmul_precision) if dtype == "float32" else DTYPE_KEY[dtype]
+    why = (f" (float32 matmuls at precision '{matmul_precision or torch.get_float32_matmul_precision()}': "
+           + ("TF32 tensor cores)" if key == "tf32" else "true float32)")) if dtype == "float32" else ""
+    return Peak(getattr(chip, key), "datasheet", key, f"{chip.name} {key} dense peak{why}: {chip.source}")
 
 
 def measure_matmul_peak(dtype: torch.dtype, device: str = "cpu", sizes=(512, 1024, 1536),
@@ -169,13 +173,14 @@ def measure_matmul_peak(dtype: torch.dtype, device: str = "cpu", sizes=(512, 102
     return best, note
 
 
-def resolve_peak(device: DeviceInfo, dtype: str, override: float | None) -> Peak:
-    """The peak MFU is measured against: the job's override, the datasheet (GPU), or measured (CPU)."""
+def resolve_peak(device: DeviceInfo, dtype: str, override: float | None, matmul_precision: str | None = None) -> Peak:
+    """The peak MFU is measured against: the job's override, the datasheet (GPU; for float32 the TF32 or the
+    float32 row, by the job's ``matmul_precision``), or measured (CPU)."""
     key = DTYPE_KEY[dtype]
     if override is not None:
         return Peak(override, "datasheet", key, "peak_flops given in the job file")
     if device.type == "cuda":
-        return datasheet_peak(device.name, dtype)
+        return datasheet_peak(device.name, dtype, matmul_precision)
     flops, note = measure_matmul_peak(getattr(torch, dtype))
     return Peak(flops, "measured", key, f"CPU: no vendor peak applies; measured matmul rate of this CPU ({note})")
 

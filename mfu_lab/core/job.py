@@ -35,6 +35,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
 COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
 MATMUL_PRECISIONS = ("highest", "high")
+ADAMW_IMPLS = ("default", "foreach", "fused")
 PRECISION_RUNGS = ("tf32", "bfloat16", "float16")
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
@@ -102,6 +103,8 @@ class Job:
     compile_mode: str = _key("off", "the job trains under torch.compile in this mode: off (eager) | "
                              + " | ".join(COMPILE_MODES) + " | options (compile_options)", choices=COMPILE_CHOICES)
     lr: float = _key(3e-4, "AdamW learning rate", min_exclusive=0.0)
+    adamw_impl: str = _key("default", "AdamW's implementation: default (torch's choice) | foreach (multi-tensor "
+                           "kernels) | fused (a few fused kernels; CUDA, and CPU since torch 2.4)", choices=ADAMW_IMPLS)
     loss_tolerance: float = _key(0.02, "relative final-loss gap to the original job that a lossy change (lower "
                                  "precision, gradient compression) may reach and still be adopted",
                                  min_exclusive=0.0)

@@ -3,7 +3,9 @@
 Each step's time is split three ways on the device's own timeline:
 
 - data: from the end of the previous step until this step's batch is on the
-  device (waiting on the DataLoader, plus the host-to-device copy);
+  device (waiting on the DataLoader, plus the host-to-device copy); on CUDA no
+  more of that gap than the host spent fetching the batch and issuing its copy
+  (the rest of the gap is the loop's host time, not the loader's);
 - compute: from the batch being ready until the optimiser step has finished;
 - host: the rest of the wall time (the loop's own bookkeeping).
 
@@ -130,9 +132,12 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     torch.cuda.synchronize(device)  # sync point: start from an idle device
     start = time.perf_counter()
     origin.record()
+    fetch = []  # host seconds spent getting each batch and issuing its copy: the only part that is data wait
     for i in range(n):
+        t0 = time.perf_counter()
         x, y = next(it)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        fetch.append(time.perf_counter() - t0)
         ready[i].record()
         losses.append(step(x, y))
         done[i].record()
@@ -141,15 +146,18 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     torch.cuda.synchronize(device)  # sync point: every event has completed before we read them
     wall, data, compute = [], [], []
     prev = origin
-    for r, d in zip(ready, done):
+    for r, d, f in zip(ready, done, fetch):
         w = prev.elapsed_time(d) / 1e3
         c = r.elapsed_time(d) / 1e3
         wall.append(w)
         compute.append(c)
-        data.append(max(w - c, 0.0))
+        # the device's wait before the batch was ready, as far as the host was fetching it; the rest of that
+        # wait is the loop's own host time (launch overhead), left to host = wall - data - compute
+        data.append(min(max(w - c, 0.0), f))
         prev = d
     return Timings(wall, data, compute, torch.stack(losses).float().cpu().tolist(), warmup,
-                   "CUDA events on the device timeline (no synchronisation inside the loop)",
+                   "CUDA events on the device timeline (no synchronisation inside the loop); data wait: the "
+                   "device's idle time before each batch was ready, up to the host's time fetching it",
                    torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated")
 
 

@@ -372,7 +372,8 @@ def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
     through ``torch.compile(model, ...)``; the first steps compile (the warm-up steps absorb that).
     """
     torch.set_float32_matmul_precision(job.matmul_precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(job.adamw_impl, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, **impl)
     compiled = None
     if job.compile_mode != "off":
         compiled = torch.compile(model, **compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic,

@@ -192,7 +192,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         peak = ref["peak"]
         peak_label = (ref["peak_source"], ref["peak_note"] + " (as in step 1)")
     else:
-        p = dev.resolve_peak(device, job.dtype, job.peak_flops)
+        p = dev.resolve_peak(device, job.dtype, job.peak_flops, job.matmul_precision)
         peak, peak_label = p.flops_per_s, (p.source, p.note)
     fps = flops.model_flops_per_step
 

@@ -82,7 +82,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     skipped = []
     if job.pin_memory and device.type == "cpu":
         skipped.append({"what": "pin_memory", "reason": "pinned memory only speeds host-to-GPU copies; CPU run"})
-    peak = dev.resolve_peak(device, job.dtype, job.peak_flops)
+    peak = dev.resolve_peak(device, job.dtype, job.peak_flops, job.matmul_precision)
 
     model = build_model(job).to(torch_device).train()
     train_step = build_train_step(job, model, device.type)
@@ -270,7 +270,7 @@ def reference_peak(job: Job, device: dev.DeviceInfo) -> tuple[float, str, str, b
     if e:
         pk = e.data["metrics"]["peak_flops_per_s"]
         return pk["value"], pk["source"], pk["note"] + " (as in step 1)", True
-    p = dev.resolve_peak(device, job.dtype, job.peak_flops)
+    p = dev.resolve_peak(device, job.dtype, job.peak_flops, job.matmul_precision)
     return p.flops_per_s, p.source, p.note, False
 
 

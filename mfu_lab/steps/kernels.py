@@ -203,7 +203,8 @@ def advise(r: KernelsResult) -> list[Advice]:
     opt = a.optimizer
     if opt.get("found") and not opt["multi_tensor"] and opt["share_of_step"] > OPTIMIZER_LIMIT:
         out.append(Advice("act", "The optimiser updates one parameter at a time: torch.optim.AdamW(..., fused=True) "
-                          "(CUDA, and CPU since torch 2.4) or foreach=True does it in a few multi-tensor kernels",
+                          "(CUDA, and CPU since torch 2.4) or foreach=True does it in a few multi-tensor kernels "
+                          "(in the job file: adamw_impl: fused)",
                           f"optimizer step {opt['share_of_step']:.1%} of the step, {opt['ops_per_step']:.0f} "
                           f"{opt['what']} per step"))
     mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
