@@ -92,3 +92,23 @@ def test_a_busy_neighbour_is_named_and_speed_advice_withheld(tiny_job):
     assert c.shared and r.advice[0].message.startswith("The machine was shared")
     assert not any("Most of the peak is lost" in a.message or "unsteady" in a.message for a in r.advice[1:])
     assert r.metrics["contention_other_cores"].value >= 0.5
+
+
+def test_variable_length_batches_count_only_their_useful_tokens(tiny_job):
+    """Padding is not model work: tokens/s and MFU count the non-padding targets, and padding has its own share."""
+    from mfu_lab.core.workload import IGNORE, build_loader
+
+    job = dataclasses.replace(tiny_job, data="synthetic_varlen", seq_policy="longest")
+    r = baseline.run(job, progress=lambda *a: None, write=False)
+    # an independent count: the same loader, seed and batches, iterated here
+    every = list(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0),
+                              job.warmup_steps + job.steps, "cpu"))
+    batches = every[job.warmup_steps:]
+    useful = sum(int((y != IGNORE).sum()) for _, y in batches)
+    padded = sum(y.numel() for _, y in batches)
+    wall = sum(r.timings.measured("wall_s"))
+    assert 0 < useful < padded < job.tokens_per_step * job.steps  # 'longest' pads less than seq_len, but pads
+    assert r.metric("tokens_per_s") == pytest.approx(useful / wall)
+    assert r.metric("padding_share") == pytest.approx(1 - useful / padded)
+    per_token = r.metric("model_flops_per_step") / every[0][0].numel()  # FLOPs were counted on the first batch
+    assert r.metric("mfu") == pytest.approx(per_token * useful / (wall * r.metric("peak_flops_per_s")))

@@ -45,6 +45,14 @@ class Timings:
     peak_memory_bytes: int | None = None
     peak_memory_note: str = ""
     contention: Contention | None = None  # was the machine shared while these steps ran (core.contention)
+    tokens: list[int] | None = None  # per step: targets that are not padding (IGNORE), counted on the host
+    padded_tokens: list[int] | None = None  # per step: every position of the batch, padding included
+
+    def measured_tokens(self) -> tuple[int, int] | None:
+        """(useful, padded) tokens over the measured steps, None when the batches had no token targets."""
+        if not self.tokens or not self.padded_tokens:
+            return None
+        return sum(self.tokens[self.warmup_steps:]), sum(self.padded_tokens[self.warmup_steps:])
 
     def measured(self, name: str) -> list[float]:
         return getattr(self, name)[self.warmup_steps:]
@@ -86,6 +94,16 @@ def stats(values: list[float]) -> Stats:
 Progress = Callable[[int, int, float], None]
 
 
+IGNORE = -100  # a target position cross_entropy skips: padding (core.workload pads targets with it)
+
+
+def _count(y, useful: list[int], padded: list[int]) -> None:
+    """Non-padding targets of one batch, counted on the host before the copy (no device synchronisation)."""
+    if isinstance(y, torch.Tensor) and useful is not None:
+        useful.append(int((y != IGNORE).sum()))
+        padded.append(y.numel())
+
+
 def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: int, steps: int,
               progress: Progress | None = None) -> Timings:
     """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor."""
@@ -103,10 +121,12 @@ def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
     n = warmup + steps
     wall, data, compute, losses = [], [], [], []
     it = iter(batches)
+    useful, padded = [], []
     start = prev_end = time.perf_counter()
     for i in range(n):
         t0 = time.perf_counter()
         x, y = next(it)
+        _count(y, useful, padded)
         x, y = x.to(device), y.to(device)
         t1 = time.perf_counter()
         losses.append(step(x, y))
@@ -118,7 +138,8 @@ def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
         if progress:
             progress(i + 1, n, end - start)
     return Timings(wall, data, compute, [float(v) for v in losses], warmup,
-                   "time.perf_counter around each phase (CPU runs synchronously)")
+                   "time.perf_counter around each phase (CPU runs synchronously)", tokens=useful or None,
+                   padded_tokens=padded or None)
 
 
 def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pragma: no cover - GPU only
@@ -133,9 +154,11 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     start = time.perf_counter()
     origin.record()
     fetch = []  # host seconds spent getting each batch and issuing its copy: the only part that is data wait
+    useful, padded = [], []
     for i in range(n):
         t0 = time.perf_counter()
         x, y = next(it)
+        _count(y, useful, padded)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         fetch.append(time.perf_counter() - t0)
         ready[i].record()
@@ -158,7 +181,8 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     return Timings(wall, data, compute, torch.stack(losses).float().cpu().tolist(), warmup,
                    "CUDA events on the device timeline (no synchronisation inside the loop); data wait: the "
                    "device's idle time before each batch was ready, up to the host's time fetching it",
-                   torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated")
+                   torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated", tokens=useful or None,
+                   padded_tokens=padded or None)
 
 
 def profile_steps(step, batches, device: torch.device, warmup: int, active: int, trace_path: Path,

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job import Job, find_workbook_root, stdlib_factory
+from mfu_lab.core.measure import IGNORE  # the target id cross_entropy skips: padding
 
 
 # ------------------------------------------------------------------ reference GPT
@@ -195,7 +196,6 @@ class SyntheticTokens(Dataset):
         return tokens[:-1], tokens[1:]
 
 
-IGNORE = -100  # target id that cross_entropy skips (its default ignore_index): padding
 PAD_ID = 0  # input id of padding positions
 
 

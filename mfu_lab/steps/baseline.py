@@ -118,16 +118,33 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
             timings.contention.shared = True
             ratio = again / peak.flops_per_s
             timings.contention.reason += f"; the matmul rate measured after the steps was {ratio:.0%} of the first"
-    tokens_per_s = job.tokens_per_step * n / total_wall
-    mfu_value = fl.mfu(report.model_flops_per_step, n / total_wall, peak.flops_per_s)
-    hfu_value = fl.mfu(report.hardware_flops_per_step, n / total_wall, peak.flops_per_s)  # HFU: the same, hardware
+    window = f"over {n} measured steps ({job.warmup_steps} warm-up discarded)"
+    counted_tokens = timings.measured_tokens()
+    if counted_tokens:  # MFU over useful tokens: padding does no model work, however many FLOPs it costs
+        useful, padded = counted_tokens
+        per_token = report.model_flops_per_step / x0.numel()  # the FLOP-count batch's shape (formula or count)
+        hw_per_token = report.hardware_flops_per_step / x0.numel()
+        tokens_per_s, padding = useful / total_wall, 1 - useful / padded
+        mfu_value = fl.mfu(per_token, tokens_per_s, peak.flops_per_s)
+        hfu_value = fl.mfu(hw_per_token, tokens_per_s, peak.flops_per_s)
+        tok_note = (f"non-padding target tokens (counted on the host per step: {useful:,} of {padded:,} "
+                    f"positions) / total wall {window}")
+        mfu_how = (f"{report.model_flops_source} model FLOPs per token x non-padding tokens / ({peak.source} peak x "
+                   f"measured wall time) {window}: padding ({padding:.1%} of positions) is not model work")
+    else:  # batches without token targets: every step counts as the job's tokens per step
+        tokens_per_s, padding = job.tokens_per_step * n / total_wall, None
+        mfu_value = fl.mfu(report.model_flops_per_step, n / total_wall, peak.flops_per_s)
+        hfu_value = fl.mfu(report.hardware_flops_per_step, n / total_wall, peak.flops_per_s)
+        tok_note = "tokens per step x steps / total wall " + window
+        mfu_how = (f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time) "
+                   + window)
     ledger = single_process_ledger(timings, mfu_value, health)
     data_f, compute_f = ledger_part(timings, "data_s"), ledger_part(timings, "compute_s")
-    window = f"over {n} measured steps ({job.warmup_steps} warm-up discarded)"
     metrics = {
-        "mfu": Metric(mfu_value, "fraction", "measured",
-                      f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time) "
-                      + window),
+        "mfu": Metric(mfu_value, "fraction", "measured", mfu_how),
+        "padding_share": Metric(padding, "fraction", "counted", "positions of the measured batches that are padding "
+                                "(targets ignored by the loss)" if padding is not None else
+                                "the batches carry no token targets: padding not counted"),
         "contention_other_cores": Metric(timings.contention.other_cores if timings.contention else None, "cores",
                                          "measured", "cores other processes kept busy while the steps ran ("
                                          + (timings.contention.text() if timings.contention else "not measured")
@@ -138,7 +155,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "step_time_p10_s": Metric(st.p10, "s", "measured"),
         "step_time_p90_s": Metric(st.p90, "s", "measured"),
         "step_time_cv": Metric(st.cv, "fraction", "measured", "standard deviation / mean of step times"),
-        "tokens_per_s": Metric(tokens_per_s, "tokens/s", "measured", "tokens per step x steps / total wall " + window),
+        "tokens_per_s": Metric(tokens_per_s, "tokens/s", "measured", tok_note),
         "model_flops_per_step": Metric(report.model_flops_per_step, "FLOP", report.model_flops_source, report.formula),
         "hardware_flops_per_step": Metric(report.hardware_flops_per_step, "FLOP", report.model_flops_source,
                                           "model FLOPs + recomputed forward (activation checkpointing) + the score "
