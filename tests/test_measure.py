@@ -46,3 +46,22 @@ def test_data_and_compute_time_are_split_correctly():
         assert w >= d + c
     assert seen == [1, 2, 3, 4, 5]
     assert t.loss == [1.0] * 5
+
+
+def test_no_profiled_step_pays_for_the_trace_export(tmp_path, monkeypatch):
+    """The export runs after the loop: an export made 2 s slower on purpose shows in no step's time."""
+    from torch.profiler import profile
+
+    from mfu_lab.core.measure import profile_steps
+
+    real = profile.export_chrome_trace
+
+    def slow_export(self, path):
+        time.sleep(2.0)
+        return real(self, path)
+
+    monkeypatch.setattr(profile, "export_chrome_trace", slow_export)
+    batches = ((torch.randn(8, 8), torch.randn(8, 8)) for _ in range(6))
+    t = profile_steps(lambda x, y: (x @ y).sum(), batches, torch.device("cpu"), 2, 3, tmp_path / "t.json")
+    assert (tmp_path / "t.json").is_file() and len(t.wall_s) == 5
+    assert max(t.wall_s) < 2.0  # the injected export time is in none of them
