@@ -214,3 +214,18 @@ def measure_memory_bandwidth(device: torch.device, mib: int = 256, budget_s: flo
         count += 1
     how = "CUDA events" if cuda else f"time.perf_counter on {torch.get_num_threads()} threads"
     return best, f"best of {count} copies of a {mib} MiB float32 buffer (2 x size / time; {how})"
+
+
+def release_device_memory(device_type: str) -> dict | None:
+    """Before a child process starts on the same GPU (torchrun ranks, compile trials, co-located copies, verify
+    rungs): collect this process's unreferenced tensors and hand the caching allocator's reserve back to the
+    driver, so the child is not measured on a GPU the launcher still fills. Returns the free and total bytes the
+    child will find (None on a CPU, or when this process never touched CUDA)."""
+    import gc
+
+    gc.collect()
+    if device_type != "cuda" or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.empty_cache()  # pragma: no cover - GPU only
+    free, total = torch.cuda.mem_get_info()  # pragma: no cover - GPU only
+    return {"free_bytes": free, "total_bytes": total}  # pragma: no cover - GPU only

@@ -242,6 +242,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
             say(f"  comm [{done['n']}/{len(configs)}] {c['hook']}, bucket {c['bucket_mb']} MB, "
                 f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}{took}" + eta.tag(done["n"]))
 
+    del model  # the ranks share this GPU: the launcher keeps no model on it (launch() empties the allocator's cache)
     work = job.step_dir(INFO.folder) / "ddp" / f"{platform.node() or 'node'}-{os.getpid()}"  # one per launcher
     sweep = run_sweep(job, device.type, best_att.name if best_att else None, work, on_event)
     eta.finish()

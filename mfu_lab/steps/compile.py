@@ -114,6 +114,7 @@ def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, 
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
            "PYTHONUNBUFFERED": "1"}
     log = work / f"{tag}.stderr.log"
+    dev.release_device_memory("cuda")  # the trial gets the GPU the launcher let go of (a no-op without CUDA)
     t0 = time.perf_counter()
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.compile_trial", "--spec", str(spec_path)],

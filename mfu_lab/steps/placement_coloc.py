@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from mfu_lab.analysis.placement_check import Coloc
+from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.files import read_json
 from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
@@ -34,6 +35,7 @@ def colocate(job: Job, work: Path, device_type: str, say) -> Coloc:
         go = work / f"{tag}.go"
         go.unlink(missing_ok=True)
         procs, specs = [], []
+        release_device_memory("cuda")  # the copies get the GPU the launcher let go of (a no-op without CUDA)
         for i in range(n):
             spec = {"job": job.to_dict(), "warmup": max(1, job.warmup_steps), "steps": job.coloc_steps,
                     "ready": str(work / f"{tag}{i}.ready"), "go": str(go), "out": str(work / f"{tag}{i}.json"),

@@ -165,6 +165,7 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
             if rung.status != "ok":
                 continue
             say(f"rung {rung.name}: starting its process, {job.verify_warmup_steps} warm-up steps")
+            dev.release_device_memory("cuda")  # each rung's process gets the GPU the launcher let go of
             p = RungProcess({"rung": rung.name, "job": rjob.to_dict(), "steps_total": total}, work,
                             job.compile_timeout_s)
             procs[rung.name] = p

@@ -178,6 +178,9 @@ def main() -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:  # pragma: no cover - GPU only: what this rank found free, once the launcher let go
+        free, total = torch.cuda.mem_get_info(device)
+        emit(out, {"event": "memory", "rank": rank, "free_bytes": free, "total_bytes": total})
     job = eager(validate(spec["job"], "step 2 worker spec"))  # DDP is measured eager
     emit(out, {"event": "launch", "world_size": world, "backend": backend, "threads": torch.get_num_threads()})
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job
 
 
@@ -53,6 +54,7 @@ class Launch:
     launcher_stderr: str
     seconds: float
     stalled: str = ""  # on a hang: which rank stopped where, from the ranks' heartbeats
+    free_memory: dict | None = None  # the GPU memory free when the launch started (after the launcher let go)
 
 
 def stalled_ranks(beats_dir: Path, now: float | None = None) -> str:
@@ -130,6 +132,7 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(work / f"error_{attempt}.json")}
     env.setdefault("OMP_NUM_THREADS", "1")
     stderr_path = work / f"launcher_{attempt}.log"
+    free = release_device_memory(spec.get("device_type", "cpu"))
     t0 = time.perf_counter()
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(_torchrun_cmd(job, nnodes, nproc, log_dir, spec_path), stdout=err, stderr=err,
@@ -160,7 +163,7 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
     rc = None if time.monotonic() - last_change > job.comm_timeout_s else proc.returncode
     stalled = stalled_ranks(work / "beats") if rc is None else ""
     return Launch(rc, events, _rank_stderr(log_dir), stderr_path.read_text(errors="replace")[-3000:],
-                  time.perf_counter() - t0, stalled)
+                  time.perf_counter() - t0, stalled, free)
 
 
 def _read(path: Path) -> list[dict]:
@@ -224,6 +227,8 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
             kind = ev["event"]
             if kind == "allreduce":
                 result.allreduce, need_allreduce = ev["rows"], False
+            elif kind == "memory":  # what each rank found free on its GPU
+                result.layout.setdefault("free_memory", {})[str(ev["rank"])] = ev["free_bytes"]
             elif kind == "start":
                 started = ev["config"]
             elif kind in ("done", "unsupported", "error"):
@@ -231,7 +236,7 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                 started = None
         finished = run.returncode == 0 and any(e["event"] == "finished" for e in run.events)
         result.launches.append({"attempt": attempt, "returncode": run.returncode, "seconds": run.seconds,
-                                "finished": finished})
+                                "finished": finished, "free_memory": run.free_memory})
         if finished:
             break
         why = (f"no progress (no finished step) for {job.comm_timeout_s:.0f} s: the launch was ended; {run.stalled}"
