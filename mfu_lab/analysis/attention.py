@@ -142,18 +142,37 @@ def kernel_signature(fn: Callable, shape: tuple[int, int, int, int], dtype: str,
 
 
 def time_fwd_bwd(fn: Callable, shape: tuple[int, int, int, int], dtype: str, device: torch.device,
-                 warmup: int = 2, reps: int = 10) -> Stats:
-    """Forward + backward of attention alone; warm-up discarded, device synchronised around each rep."""
+                 warmup: int = 2, reps: int = 10, burst: int = 5) -> Stats:
+    """Forward + backward of attention alone, warm-up discarded.
+
+    CPU: ``time.perf_counter`` around each rep (the CPU runs synchronously). CUDA: ``burst`` reps back to back
+    between two CUDA events, their mean taken as one sample, ``reps`` samples: a host clock around one
+    sub-millisecond kernel would mostly time the launch and the synchronisation, not the kernel.
+    """
     q, k, v = (torch.randn(shape, device=device, dtype=getattr(torch, dtype), requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, device=device, dtype=getattr(torch, dtype))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def once():
+        fn(q, k, v).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    if device.type == "cuda":  # pragma: no cover - GPU only
+        for _ in range(warmup):
+            once()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(burst):
+                once()
+            b.record()
+            b.synchronize()  # sync point: read the events once the burst has finished
+            times.append(a.elapsed_time(b) / 1e3 / burst)
+        return stats(times)
     times = []
     for i in range(warmup + reps):
-        sync()  # sync point: start from an idle device
         t0 = time.perf_counter()
-        fn(q, k, v).backward(dout)
-        sync()  # sync point: the kernels must finish inside the timed region
+        once()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        q.grad = k.grad = v.grad = None
     return stats(times)
