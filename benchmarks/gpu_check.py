@@ -65,6 +65,9 @@ def main() -> int:
           f"{h.sm_clock_mhz_mean}/{h.sm_clock_mhz_max_supported} MHz, power {h.power_w_mean} W, "
           f"reasons {h.reasons_seen} {h.skipped_reason}")
     print("  ledger " + ", ".join(f"{i.name} {i.fraction:.1%}" for i in b.ledger.items))
+    print(f"  environment: {b.environment.get('gpu')}")
+    print(f"  contention: {b.timings.contention}; HFU {m['hfu'].value!r} (flash recompute "
+          f"{b.flops.flash_recompute_flops_per_step:.3g} FLOP/step); peak {b.peak}")
     if args.quick:
         return 0
     t0 = time.perf_counter()

@@ -50,3 +50,14 @@ def test_missing_nvml_is_a_recorded_skip(monkeypatch):
     with HealthSampler("cuda", "NVIDIA H100", 0) as s:
         pass
     assert not s.summary().sampled and "NVML unavailable" in s.summary().skipped_reason
+
+
+def test_a_gpu_nvml_cannot_match_is_a_recorded_skip_not_a_wrong_gpu(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES set, torch's device 0 need not be NVML's device 0: without a UUID or PCI match
+    the sampler says so instead of reading another GPU."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml([60], [1500]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with HealthSampler("cuda", "NVIDIA H100 80GB HBM3", 0, interval_s=0.01) as s:
+        pass
+    h = s.summary()
+    assert not h.sampled and "CUDA_VISIBLE_DEVICES=3" in h.skipped_reason

@@ -204,3 +204,53 @@ def gate(max_temp_c: float = HOT_C) -> tuple[bool, list[str]]:
         except Exception:
             pass
     return ok, lines
+
+
+def gpu_environment(index: int) -> dict:  # pragma: no cover - GPU only
+    """What a GPU's timings depend on beyond its name, recorded with every result: CUDA, cuDNN and NCCL versions,
+    SM count, power limit against its default, application clocks against theirs, MIG and persistence mode,
+    uncorrected ECC errors, and the other processes computing on it (a shared GPU is named before its timings
+    are trusted). A field the driver does not answer is left out; NVML's absence is said."""
+    import os
+
+    import torch
+
+    def get(fn, default=None):
+        try:
+            return fn()
+        except Exception:
+            return default
+
+    props = get(lambda: torch.cuda.get_device_properties(index))
+    env = {"cudnn": get(torch.backends.cudnn.version),
+           "nccl": get(lambda: ".".join(map(str, torch.cuda.nccl.version()))),
+           "sm_count": getattr(props, "multi_processor_count", None),
+           "memory_bytes": getattr(props, "total_memory", None)}
+    try:
+        nv = _nvml()
+        nv.nvmlInit()
+    except Exception as e:
+        env["nvml"] = f"unavailable: {e}"
+        return env
+    try:
+        h = nvml_handle(nv, index)
+        env["power_limit_w"] = get(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)
+        env["power_limit_default_w"] = get(lambda: nv.nvmlDeviceGetPowerManagementDefaultLimit(h) / 1000.0)
+        env["sm_clock_application_mhz"] = get(lambda: nv.nvmlDeviceGetApplicationsClock(h, nv.NVML_CLOCK_SM))
+        env["sm_clock_application_default_mhz"] = get(lambda: nv.nvmlDeviceGetDefaultApplicationsClock(
+            h, nv.NVML_CLOCK_SM))
+        env["sm_clock_max_mhz"] = get(lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM))
+        env["mig_mode"] = get(lambda: nv.nvmlDeviceGetMigMode(h)[0])
+        env["persistence_mode"] = get(lambda: nv.nvmlDeviceGetPersistenceMode(h))
+        env["ecc_uncorrected_volatile"] = get(lambda: nv.nvmlDeviceGetTotalEccErrors(
+            h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))
+        env["ecc_uncorrected_aggregate"] = get(lambda: nv.nvmlDeviceGetTotalEccErrors(
+            h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC))
+        procs = get(lambda: nv.nvmlDeviceGetComputeRunningProcesses(h), [])
+        env["other_processes"] = [{"pid": p.pid, "used_bytes": getattr(p, "usedGpuMemory", None)} for p in procs
+                                  if p.pid != os.getpid()]
+    except Exception as e:
+        env["nvml"] = f"device not matched: {e}"
+    finally:
+        get(nv.nvmlShutdown)
+    return env

@@ -164,6 +164,9 @@ def environment(device_name: str, device_type: str) -> dict[str, Any]:
             pynvml.nvmlShutdown()
         except Exception as e:
             env["driver"] = f"unknown ({e})"
+        from mfu_lab.core.health import gpu_environment
+
+        env["gpu"] = gpu_environment(torch.cuda.current_device())
     return env
 
 
