@@ -73,7 +73,9 @@ def main() -> int:
     t0 = time.perf_counter()
     r = attention_comm.run(job)
     print(f"\nstep 2 ({time.perf_counter() - t0:.0f} s), world {r.comm_layout['world_size']} over "
-          f"{r.comm_layout['backend']}")
+          f"{r.comm_layout['backend']}; free GPU memory at launch "
+          f"{[x.get('free_memory') for x in r.comm_layout.get('launches', [])]}, rank 0 found "
+          f"{r.comm_layout.get('free_memory')}; {r.comm_layout.get('skipped', '')}")
     for a in r.attention:
         figs = (f"err {a.rel_error:.1e} attn {a.attn_median_s * 1e3:.2f} ms step {a.step_median_s * 1e3:.1f} ms "
                 f"mfu {a.mfu:.1%} kernel {a.kernel}" if a.status == "ok" else a.reason[:100])
