@@ -73,9 +73,18 @@ def test_memory_formula_by_hand():
     s = _shape()
     lay = pl.Layout(tp=2, pp=2, dp=1, m=8)
     sbh = 1024 * 4 * 1024
-    per_layer = sbh * (10 + 24 / 2)  # bytes, 2-byte activations
-    expected = 16e9 / 4 + 4 * per_layer * 2  # 4 layers per stage, 2 micro-batches in flight (min(p, m))
+    per_layer = sbh * (8 + 24 / 2)  # bytes, 2-byte activations, no dropout masks (Korthikanti: 10 with them)
+    # 16 B/param + DDP's bucket copy of the gradients (4 B/param); 4 layers per stage, 2 micro-batches in flight
+    expected = 20e9 / 4 + 4 * per_layer * 2
     assert pl.memory_bytes(s, lay) == pytest.approx(expected)
+    with_dropout = dataclasses.replace(s, dropout=True, grad_as_bucket_view=True)
+    assert pl.memory_bytes(with_dropout, lay) == pytest.approx(16e9 / 4 + 4 * sbh * (10 + 24 / 2) * 2)
+    unfused = dataclasses.replace(s, unfused_attention=True, grad_as_bucket_view=True)
+    scores = 2 * 8 * 1024 ** 2 * 4 / 2  # 2*a*s^2*b/t: the softmax output only, without dropout
+    assert pl.memory_bytes(unfused, lay) == pytest.approx(16e9 / 4 + 4 * (per_layer + scores) * 2)
+    ckpt = dataclasses.replace(s, checkpointing=True, grad_as_bucket_view=True)
+    # each layer keeps its input at the residual's 4 bytes; one layer is live
+    assert pl.memory_bytes(ckpt, lay) == pytest.approx(16e9 / 4 + (4 * 4 * sbh + per_layer) * 2)
 
 
 def test_layouts_respect_heads_layers_and_global_batch():
@@ -94,9 +103,21 @@ def test_predicted_step_adds_up_its_terms_and_mfu_follows():
     p = pl.predict(c, s, lay, ps.place_topology_aware(c, lay), cal)
     assert p.step_s == pytest.approx(p.compute_s + p.bubble_s + p.tp_s + p.pp_s + p.dp_exposed_s)
     assert p.compute_s == pytest.approx(s.flops_per_sample * 4 * 8 * 4 / 16 / (989e12 * 0.5))
-    assert p.bubble_s == pytest.approx(p.compute_s * 1 / 8)
+    # the bubble idles (p-1)/m of the whole critical path per micro-batch: compute, TP and p2p
+    assert p.bubble_s == pytest.approx((p.compute_s + p.tp_s + p.pp_s) * 1 / 8)
     assert p.dp_exposed_s == pytest.approx(p.dp_s)  # overlap 0: nothing hidden
     assert p.mfu == pytest.approx(s.flops_per_sample * 128 / (16 * 989e12 * p.step_s))
+
+
+def test_tp_traffic_with_recompute_and_p2p_without_sequence_parallelism():
+    c = load_cluster(CLUSTERS / "example_h100.yaml")
+    cal = pl.Calibration(989e12, 0.5, 0.0)
+    lay = pl.Layout(tp=2, pp=2, dp=4, m=8)
+    place = ps.place_topology_aware(c, lay)
+    plain, ckpt = (pl.predict(c, _shape(checkpointing=k), lay, place, cal) for k in (False, True))
+    assert ckpt.tp_s == pytest.approx(plain.tp_s * 6 / 4)  # the recomputed forward repeats its 2 all-reduces
+    sp = pl.predict(c, _shape(sequence_parallel=True), lay, place, cal)
+    assert plain.pp_s > sp.pp_s  # plain TP sends the whole b*s*h between stages, SP 1/t of it
 
 
 # ------------------------------------------------------------------ placements
@@ -267,6 +288,15 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
     pair = next(r for r in chk.rows if r["name"].startswith("two at once"))
     assert pair["predicted_s"] == pytest.approx(0.9 + ar, rel=1e-6)  # one bucket: nothing hides
     assert pair["error"] == pytest.approx((0.9 + ar - 1.0) / 1.0, rel=1e-6)
+    # the headline is the row the cluster predictions use (no step 1 here: the first with the model's overlap
+    # rule), never the row that happens to land closest
+    assert chk.headline == "alone, as a rank, model's overlap rule" and chk.used()["name"] == chk.headline
+    step1 = {"environment": {"device_name": "SomeCPU", "torch_threads": 2},
+             "metrics": {"step_time_median_s": {"value": 0.5}}}
+    chk = model_check(shape, {"attention_comm": step2, "baseline": step1}, coloc, device)
+    assert chk.headline == "step 1 single process, model's overlap rule"
+    assert chk.used()["predicted_s"] == pytest.approx(0.5 + ar, rel=1e-6)
+    assert abs(chk.used()["error"]) > min(abs(r["error"]) for r in chk.rows)  # not the luckiest row
     assert not model_check(shape, {}, coloc, device).available
 
 

@@ -99,6 +99,10 @@ class Shape:
     grad_bytes: int = 4  # DDP all-reduces gradients in the parameters' dtype (float32 master weights)
     unfused_attention: bool = False
     checkpointing: bool = False
+    dropout: bool = False  # the reference model has no dropout: no dropout masks are stored
+    residual_bytes: int = 4  # the residual stream (a checkpointed layer's input) stays in the parameters' dtype
+    grad_as_bucket_view: bool = False  # DDP's gradient_as_bucket_view: no second copy of the gradients
+    sequence_parallel: bool = False  # TP with sequence parallelism (or scatter/gather): p2p sends b*s*h / t
 
 
 @dataclass(frozen=True)
@@ -118,21 +122,27 @@ class Layout:
 
 
 def memory_bytes(s: Shape, lay: Layout) -> float:
-    """Per-GPU memory: 16 bytes per parameter shard plus the first pipeline stage's activations in flight.
+    """Per-GPU memory: 16 bytes per parameter shard (20 with DDP's bucket copy) plus the first pipeline stage's
+    activations in flight.
 
-    16 B/param: float32 weights (4) + gradients (4) + Adam's two moments (8), no ZeRO sharding.
-    Activations per layer per micro-batch: s*b*h*(10 + 24/t) bytes with fused attention, plus 5*a*s^2*b/t
-    for an unfused score matrix (Korthikanti et al. 2022, table 2, tensor parallel without sequence
-    parallel); with checkpointing, each layer keeps its 2-byte input and one layer is live at a time.
-    1F1B keeps min(p, m) micro-batches in flight on stage one.
+    16 B/param: float32 weights (4) + gradients (4) + Adam's two moments (8), no ZeRO sharding; DDP keeps a second
+    copy of the gradients in its buckets (+4 B/param) unless ``gradient_as_bucket_view``.
+    Activations per layer per micro-batch, in 16-bit units (Korthikanti et al. 2022, section 4, tensor parallel
+    without sequence parallel): s*b*h*(10 + 24/t) with dropout, of which 2*s*b*h are the two dropout masks, so
+    s*b*h*(8 + 24/t) without; an unfused score matrix adds 5*a*s^2*b/t with dropout (softmax output, its mask and
+    the masked output) and 2*a*s^2*b/t without (the softmax output). With checkpointing each layer keeps its
+    input at the residual stream's dtype and one layer is live at a time. 1F1B keeps min(p, m) micro-batches in
+    flight on stage one.
     """
     sbh = s.seq_len * s.micro_batch * s.d_model
-    per_layer = sbh * (10 + 24 / lay.tp) * s.act_bytes / 2
+    per_layer = sbh * ((10 if s.dropout else 8) + 24 / lay.tp) * s.act_bytes / 2
     if s.unfused_attention:
-        per_layer += 5 * s.n_heads * s.seq_len ** 2 * s.micro_batch / lay.tp * s.act_bytes / 2
+        per_layer += ((5 if s.dropout else 2) * s.n_heads * s.seq_len ** 2 * s.micro_batch / lay.tp
+                      * s.act_bytes / 2)
     layers = s.n_layers / lay.pp
-    acts = (layers * 2 * sbh + per_layer) if s.checkpointing else layers * per_layer
-    return 16 * s.params / (lay.tp * lay.pp) + acts * min(lay.pp, lay.m)
+    acts = (layers * s.residual_bytes * sbh + per_layer) if s.checkpointing else layers * per_layer
+    per_param = 16 + (0 if s.grad_as_bucket_view else s.grad_bytes)
+    return per_param * s.params / (lay.tp * lay.pp) + acts * min(lay.pp, lay.m)
 
 
 def enumerate_layouts(s: Shape, gpus: int, global_batch: int, tp: int = 0, pp: int = 0, v: int = 1,
@@ -287,16 +297,21 @@ def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: 
     flops = s.flops_per_sample * global_batch  # model FLOPs of the whole step
     # compute: this GPU's share of the step's FLOPs at the single-GPU efficiency
     compute = flops / lay.gpus / (cal.peak_flops * cal.efficiency)
-    # bubble: (p-1)/(v*m) of the compute time idles in the pipeline's fill and drain
-    bubble = compute * bubble_fraction(lay.pp, lay.m, lay.v)
     act = s.seq_len * s.micro_batch * s.d_model * s.act_bytes  # one micro-batch's hidden states, b*s*h
-    # TP: Megatron-LM does 2 all-reduces of b*s*h forward and 2 backward per layer (attention and MLP)
+    # TP: Megatron-LM does 2 all-reduces of b*s*h forward and 2 backward per layer (attention and MLP); with
+    # activation recomputation the recomputed forward repeats its 2: 6 (Korthikanti et al. 2022, section 5)
     worst_tp = min(tp_links, key=lambda k: k.busbw_gbps) if tp_links else None
-    tp = (4 * (s.n_layers / lay.pp) * lay.m * allreduce_s(act, lay.tp, worst_tp.busbw_gbps, worst_tp.latency_s)
-          if worst_tp else 0.0)
-    # PP: each micro-batch sends its activations forward and receives their gradient back, v times interleaved
+    tp_calls = 6 if s.checkpointing else 4
+    tp = (tp_calls * (s.n_layers / lay.pp) * lay.m * allreduce_s(act, lay.tp, worst_tp.busbw_gbps,
+                                                                 worst_tp.latency_s) if worst_tp else 0.0)
+    # PP: each micro-batch sends its activations forward and receives their gradient back, v times interleaved;
+    # plain TP sends the whole b*s*h from every rank, sequence parallelism (or scatter/gather) 1/t of it
     worst_pp = min(pp_links, key=lambda k: k.busbw_gbps) if pp_links else None
-    pp = 2 * lay.v * lay.m * p2p_s(act / lay.tp, worst_pp.busbw_gbps, worst_pp.latency_s) if worst_pp else 0.0
+    p2p_bytes = act / lay.tp if s.sequence_parallel else act
+    pp = 2 * lay.v * lay.m * p2p_s(p2p_bytes, worst_pp.busbw_gbps, worst_pp.latency_s) if worst_pp else 0.0
+    # bubble: (p-1)/(v*m) of every micro-batch's time on the critical path idles in the pipeline's fill and
+    # drain: its compute, its TP all-reduces and its p2p sends (Narayanan et al. 2021, section 2.2)
+    bubble = (compute + tp + pp) * bubble_fraction(lay.pp, lay.m, lay.v)
     # DP: one all-reduce of this GPU's gradient shard, params/(tp*pp) * grad_bytes, over the slowest DP group
     worst_dp = min(dp_links, key=lambda k: k.busbw_gbps) if dp_links else None
     dp = allreduce_s(s.params / (lay.tp * lay.pp) * s.grad_bytes, lay.dp, worst_dp.busbw_gbps,

@@ -17,6 +17,8 @@ def fmt(value: float | None, unit: str) -> str:
     """A metric value for people: fractions as %, FLOP and bytes with SI prefixes."""
     if value is None:
         return "n/a"
+    if isinstance(value, str):  # a stated choice (e.g. a model simplification), not a number
+        return f"{value} {unit}".strip()
     if unit == "fraction":
         return f"{value:.1%}"
     if unit in ("FLOP", "FLOP/s", "tokens/s", "bytes", "bytes/s"):
