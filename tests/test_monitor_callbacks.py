@@ -126,8 +126,11 @@ def test_missing_framework_names_the_package(monkeypatch, module, blocked, packa
         importlib.import_module(module)
 
 
-def test_lightning(tmp_path, reference_fields):
-    pl = pytest.importorskip("pytorch_lightning")
+def _lightning_fit(tmp_path, loader, fail_at: int | None = None, **trainer_kw) -> list[dict]:
+    """Fit TinyLM under Lightning with the monitor's callback; the records it wrote. ``fail_at``: the batch whose
+    training step raises."""
+    import pytorch_lightning as pl
+
     from mfu_lab.monitor.lightning import MonitorCallback
 
     class Module(pl.LightningModule):
@@ -136,80 +139,45 @@ def test_lightning(tmp_path, reference_fields):
             self.net = TinyLM()
 
         def training_step(self, batch, batch_idx):
-            ids, labels = batch
-            return self.net(ids, labels)["loss"]
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, collate_fn=tuple_collate, num_workers=0)
-    out = tmp_path / "mon"
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[MonitorCallback(out, **SETTINGS)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning's advice on num_workers
-        trainer.fit(Module(), loader)
-    check(read(out), reference_fields)
-
-
-def test_lightning_exception_closes(tmp_path):
-    pl = pytest.importorskip("pytorch_lightning")
-    from mfu_lab.monitor.lightning import MonitorCallback
-
-    class Failing(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = TinyLM()
-
-        def training_step(self, batch, batch_idx):
-            if batch_idx == 3:
-                raise RuntimeError("boom at batch 3")
+            if batch_idx == fail_at:
+                raise RuntimeError(f"boom at batch {batch_idx}")
             return self.net(*batch)["loss"]
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    loader = torch.utils.data.DataLoader(Tokens(8 * BATCH), batch_size=BATCH, collate_fn=tuple_collate)
     out = tmp_path / "mon"
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[MonitorCallback(out, **SETTINGS)])
-    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="boom"):
-        warnings.simplefilter("ignore")
-        trainer.fit(Failing(), loader)
-    end = read(out)[-1]
+                         callbacks=[MonitorCallback(out, **SETTINGS)], **trainer_kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on num_workers
+        trainer.fit(Module(), loader)
+    return read(out)
+
+
+def test_lightning(tmp_path, reference_fields):
+    pytest.importorskip("pytorch_lightning")
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, collate_fn=tuple_collate, num_workers=0)
+    check(_lightning_fit(tmp_path, loader, max_steps=STEPS), reference_fields)
+
+
+def test_lightning_exception_closes(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    loader = torch.utils.data.DataLoader(Tokens(8 * BATCH), batch_size=BATCH, collate_fn=tuple_collate)
+    with pytest.raises(RuntimeError, match="boom"):
+        _lightning_fit(tmp_path, loader, fail_at=3, max_steps=STEPS)
+    end = read(tmp_path / "mon")[-1]
     assert end["kind"] == "end" and end["steps"] == 3 and "RuntimeError: boom at batch 3" in end["reason"]
 
 
 def test_lightning_gradient_accumulation(tmp_path, reference_fields):
     """One monitor step per optimizer step: the micro-batches' data waits and tokens are summed into it."""
-    pl = pytest.importorskip("pytorch_lightning")
-    from mfu_lab.monitor.lightning import MonitorCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = TinyLM()
-
-        def training_step(self, batch, batch_idx):
-            return self.net(*batch)["loss"]
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    pytest.importorskip("pytorch_lightning")
     steps, accumulate = 11, 2
     loader = torch.utils.data.DataLoader(Tokens((steps * accumulate + 4) * BATCH), batch_size=BATCH,
                                          collate_fn=tuple_collate)
-    out = tmp_path / "mon"
-    trainer = pl.Trainer(max_steps=steps, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[MonitorCallback(out, **SETTINGS)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(Module(), loader)
-    records = read(out)
+    records = _lightning_fit(tmp_path, loader, max_steps=steps, accumulate_grad_batches=accumulate)
     assert records[-1]["steps"] == steps
     intervals = [r for r in records if r["kind"] == "interval"]
     assert sum(r["steps"] for r in intervals) == steps - 1

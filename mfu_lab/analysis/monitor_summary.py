@@ -113,7 +113,7 @@ def summarise(folder: Path, progress=None) -> MonitorSummary:
         labelled(tot.tokens / tot.tokens_wall * st.world if tot.tokens_wall else None, "measured",
                  "tokens per second of all ranks together (each rank's tokens / its wall time, x ranks)"),
         labelled(tot.step_median, "measured", "the intervals' median step times, weighted by their steps"),
-        shares, profile, ops, stragglers, node_stragglers, start, verdict, figures, _series(st),
+        shares, profile, ops, stragglers, node_stragglers, start, verdict, figures, _series(st, stragglers),
         [{"launch": k, "first_t": v.first_t, "last_t": v.last_t, "first": _iso(v.first_t), "last": _iso(v.last_t),
           "ranks": len(v.ranks),
           "clean_end": len(v.ended) == len(v.ranks), "slurm": v.slurm} for k, v in st.launches.items()],
@@ -242,7 +242,7 @@ def _profile(st: Folder) -> dict[str, Any]:
             "note": "torch.profiler windows analysed by the workbook's trace analysis, weighted by their length"}
 
 
-def _series(st: Folder) -> dict[str, Any]:
+def _series(st: Folder, stragglers: list[dict[str, Any]]) -> dict[str, Any]:
     """Time bins for the plots: shares and MFU overall and per node, step time per rank, GPU health."""
     mids = [(a + b) / 2 for a, b in zip(st.edges, st.edges[1:])]
     keep = [i for i, b in enumerate(st.bins) if b.intervals]
@@ -252,7 +252,7 @@ def _series(st: Folder) -> dict[str, Any]:
         return [fn(bins[i]) for i in keep]
 
     ranks = sorted(st.rank_bins)
-    slow = {(s.get("node"), s.get("rank")) for s in _named(st.stragglers, st, node=False)}
+    slow = {(s["node"], s["rank"]) for s in stragglers}
     shown = [k for k in ranks if k in slow] + [k for k in ranks if k not in slow][: max(0, 16 - len(slow))]
     band = []
     for i in keep:

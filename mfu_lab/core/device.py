@@ -221,11 +221,11 @@ def release_device_memory(device_type: str) -> dict | None:
     rungs): collect this process's unreferenced tensors and hand the caching allocator's reserve back to the
     driver, so the child is not measured on a GPU the launcher still fills. Returns the free and total bytes the
     child will find (None on a CPU, or when this process never touched CUDA)."""
-    import gc
-
-    gc.collect()
     if device_type != "cuda" or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
+        return None  # nothing of this process sits on a GPU
+    import gc  # pragma: no cover - GPU only
+
+    gc.collect()  # pragma: no cover - GPU only
     torch.cuda.empty_cache()  # pragma: no cover - GPU only
     free, total = torch.cuda.mem_get_info()  # pragma: no cover - GPU only
     return {"free_bytes": free, "total_bytes": total}  # pragma: no cover - GPU only

@@ -184,11 +184,11 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
     if isinstance(model, GPT):
         n = model.matmul_params()
         analytic = transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
-        hw = dict(recomputed_params=model.recomputed_matmul_params() if ckpt else 0,
-                  recomputed_layers=model.n_layers if ckpt else 0)
-        hardware = hardware_flops_per_token(n, model.n_layers, model.d_model, x.size(1), **hw,
-                                            flash_layers=model.n_layers if flash else 0) * tokens
-        recompute = hardware - hardware_flops_per_token(n, model.n_layers, model.d_model, x.size(1), **hw) * tokens
+        layers = model.n_layers if flash else 0
+        hardware = hardware_flops_per_token(
+            n, model.n_layers, model.d_model, x.size(1), recomputed_params=model.recomputed_matmul_params() if ckpt
+            else 0, recomputed_layers=model.n_layers if ckpt else 0, flash_layers=layers) * tokens
+        recompute = _attention_flops_per_token(layers, model.d_model, x.size(1), "palm") / 6 * tokens
         return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw + recompute_counted,
                           abs(counted.total - analytic) / analytic, "palm",
                           "6N + 12*L*d*T per token (PaLM, appendix B); N = matmul parameters", counted.by_op, n,

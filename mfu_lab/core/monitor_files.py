@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core.results import jsonable  # NaN and infinity as null: JSON has neither
+
 VERSION = 1
 KINDS = ("start", "cluster", "flops", "interval", "profile", "end")
 _NAME = re.compile(r"^(?P<host>.+)-rank(?P<rank>\d+)(?:\.(?P<part>\d+))?\.jsonl$")
@@ -59,7 +61,7 @@ class RecordWriter:
         self.written = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(_finite(record), allow_nan=False, default=str, separators=(",", ":")) + "\n").encode()
+        line = (json.dumps(jsonable(record), allow_nan=False, default=str, separators=(",", ":")) + "\n").encode()
         with self._lock:
             self._write(line)
 
@@ -95,17 +97,6 @@ class RecordWriter:
             finally:
                 os.close(self._fd)
                 self._fd = -1
-
-
-def _finite(v: Any) -> Any:
-    """NaN and infinity as null: JSON has neither."""
-    if isinstance(v, float):
-        return v if v == v and v not in (float("inf"), float("-inf")) else None
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
-    return v
 
 
 @dataclass

@@ -31,11 +31,8 @@ included) and is left out of the timing. Peak: ``peak_flops`` when given; on a G
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import statistics
-import tempfile
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -332,21 +329,13 @@ class Monitor:
 
     def _analyse(self, prof) -> dict[str, Any]:
         from mfu_lab.analysis.trace import analyse
+        from mfu_lab.analysis.trace_events import load_trace
 
         traces = self.out_dir / "traces"
         traces.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=traces)
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(tmp)
-            with open(tmp, encoding="utf-8") as f:
-                trace = json.load(f)
-        finally:
-            os.unlink(tmp)
-        a = analyse(trace, top_n=5)
         name = traces / f"{self.host}-rank{self.ids['rank']}-{int(time.time())}.json.gz"
-        with gzip.open(name, "wt", encoding="utf-8") as f:
-            json.dump(trace, f)
+        prof.export_chrome_trace(str(name))  # torch gzips a path ending in .gz
+        a = analyse(load_trace(name), top_n=5)
         kept = sorted(traces.glob(f"{self.host}-rank{self.ids['rank']}-*.json.gz"))
         for old in kept[:-self.keep_traces] if self.keep_traces > 0 else kept:
             old.unlink(missing_ok=True)

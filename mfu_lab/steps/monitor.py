@@ -47,11 +47,9 @@ def run(monitor_dir: str | Path, out: str | Path | None = None, write: bool = Tr
 
 
 def load(folder: str | Path) -> dict[str, Any] | None:
-    """A monitor folder's ``summary.json`` (or its report folder's), None when there is none."""
-    for p in (Path(folder) / SUMMARY_FILE, Path(folder) / "report" / SUMMARY_FILE):
-        if p.is_file():
-            return read_json(p)
-    return None
+    """A monitor folder's ``summary.json``, None when there is none."""
+    p = Path(folder) / SUMMARY_FILE
+    return read_json(p) if p.is_file() else None
 
 
 def advise(s: MonitorSummary) -> list[Advice]:
