@@ -192,6 +192,11 @@ def cmd_check_html(args) -> int:
     pages = job_pages(root)
     if not pages:
         raise JobError("command line", [JobProblem("JOB_DIR", str(root), "holds no index.html or step report")])
+    try:
+        import playwright.sync_api  # noqa: F401 - the browser driver check_pages uses
+    except ImportError:
+        raise MfuLabError("check-html drives Chromium through Playwright, which is not installed: "
+                          "pip install -e '.[test]' (or pip install playwright)") from None
     chromium, why = ensure_chromium(install=False)
     if not chromium:
         raise MfuLabError(f"{why}: install Debian's chromium package (apt-get install chromium)")

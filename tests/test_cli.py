@@ -43,3 +43,15 @@ def test_step_runs_in_plain_python(tmp_path, capsys):
 
 def test_report_needs_an_existing_folder(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
+
+
+def test_check_html_without_playwright_says_what_to_install(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from mfu_lab.cli import main
+
+    (tmp_path / "index.html").write_text("<html></html>")
+    monkeypatch.setitem(sys.modules, "playwright", None)  # None in sys.modules: the import raises ImportError
+    monkeypatch.setitem(sys.modules, "playwright.sync_api", None)
+    assert main(["check-html", str(tmp_path)]) == 1
+    assert "pip install -e '.[test]'" in capsys.readouterr().err
