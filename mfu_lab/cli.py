@@ -29,10 +29,11 @@ import yaml
 
 from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from mfu_lab.core.files import JOB_MARKER, is_job_root, read_json
+from mfu_lab.core.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, write_json_atomic
 from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
 from mfu_lab.core.job import FIELDS, Job, load_job, validate
+from mfu_lab.core.nodes import merge_into
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.runstate import JobBusy
 from mfu_lab.core.thresholds import HOT_C
@@ -150,6 +151,10 @@ def cmd_report(args) -> int:
                                                    "made, e.g. outputs/<job_name>")])
     for info in STEPS:
         nb = root / info.folder / info.notebook
+        merged = root / info.folder / RESULT_FILE
+        if merged.is_file() and (data := merge_into(merged, 1)) is not None:  # nodes that finished after node 0
+            write_json_atomic(merged, data)
+            print(f"merged the nodes' results into {merged}: {data['nodes']['text']}")
         if nb.is_file():
             print(f"exported {export_html(nb, root / info.folder / 'report.html')}")
     print(f"wrote {write_index(root)}")

@@ -23,6 +23,7 @@ from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
 from mfu_lab.core.files import load_results
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
+from mfu_lab.core.nodes import this_node
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import source_digest
 from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_failed, mark_running, resumable
@@ -212,6 +213,8 @@ def fresh_step_folder(job: Job, info) -> Path:
     folder = job.step_dir(info.folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / FAILURE_FILE).unlink(missing_ok=True)
+    if job.nnodes > 1:  # this node's file of an earlier run must not stand in for this run's
+        this_node(job.nnodes).file(folder).unlink(missing_ok=True)
     return folder
 
 

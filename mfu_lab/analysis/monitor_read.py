@@ -80,7 +80,8 @@ class Sums:
 
 def throttle_seconds(r: dict[str, Any]) -> float:
     """Time lost to throttled clocks in one interval: wall x share of busy samples with a power or thermal
-    clock reason x (1 - their mean clock / the maximum SM clock)."""
+    clock reason x (1 - their mean clock / the clock the datasheet peak assumes, or NVML's maximum where the
+    chip's row gives none; the ratio capped at 1)."""
     gpu = r.get("gpu") or {}
     ratio, share = gpu.get("throttled_clock_ratio"), gpu.get("throttled_share")
     if not ratio or not share:
@@ -103,8 +104,9 @@ class GpuBin:
         t = gpu.get("temperature_c_max")
         if t is not None:
             self.temperature_c_max = t if self.temperature_c_max is None else max(self.temperature_c_max, t)
-        if gpu.get("sm_clock_mhz_busy_mean") and gpu.get("sm_clock_mhz_max"):
-            self.clock_sum += gpu["sm_clock_mhz_busy_mean"] / gpu["sm_clock_mhz_max"]
+        ref = gpu.get("sm_clock_mhz_reference") or gpu.get("sm_clock_mhz_max")
+        if gpu.get("sm_clock_mhz_busy_mean") and ref:
+            self.clock_sum += min(1.0, gpu["sm_clock_mhz_busy_mean"] / ref)
             self.clock_n += 1
         self.throttled_sum += float(gpu.get("throttled_share") or 0.0)
         self.power_sum += float(gpu.get("power_w_mean") or 0.0)

@@ -11,9 +11,10 @@ Formulas (over every rank's interval records; sums of seconds, so long intervals
 - waiting for the slowest rank: per interval group, sum over ranks of (slowest rank's work per step - own)
   x steps, where work = wall - communication; its share is of all ranks' wall time;
 - operations loss, each part as a share of the wall-clock (Slurm's submit time, or the first start, to the last
-  record): throttled clocks (wall x busy samples with a power or thermal reason x (1 - their clock / max
-  clock), per rank, / ranks), waiting for the slowest rank (/ ranks), restarts and gaps (from a launch's last
-  record to the next launch's first timed step), the queue (Slurm submit to start).
+  record): throttled clocks (wall x busy samples with a power or thermal reason x (1 - their clock / the clock the
+  datasheet peak assumes, NVML's max where the chip has none; capped at 1), per rank, / ranks), waiting for the
+  slowest rank (/ ranks), restarts and gaps (from a launch's last record to the next launch's first timed step),
+  the queue (Slurm submit to start).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def _operations(st: Folder, launches, wall_clock: float, queue_s, queue_note) ->
     wait = st.wait_s / world if st.groups else None
     parts = {
         "throttling": labelled(share(throttle), "measured", "wall x busy NVML samples with a power or thermal clock "
-                               "reason x (1 - their SM clock / max), per rank, / ranks" if sampled else
+                               "reason x (1 - their SM clock / the datasheet peak's clock, else max), per rank, / ranks"
+                               if sampled else
                                f"clocks not sampled: {nvml_why}", throttle),
         "stragglers": labelled(share(wait), "measured", "rank-seconds waiting in collectives for the slowest rank "
                                "/ ranks" if st.groups else "one rank, or collectives not timed", wait),

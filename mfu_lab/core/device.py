@@ -32,26 +32,48 @@ class Chip:
     fp16: float
     fp8: float | None
     source: str
+    sms: int | None = None  # streaming multiprocessors (NVIDIA whitepapers), for the reference clock
+    bf16_flops_per_clock_sm: int | None = None  # dense bf16 tensor FLOPs per SM per clock (2 x FMA)
+
+    @property
+    def reference_clock_mhz(self) -> float | None:
+        """The SM clock the datasheet's dense bf16 peak assumes: peak / (SMs x FLOPs per SM per clock). None
+        where the SM count or the per-SM rate is not in the row. H100 SXM: 989.4e12 / (132 x 4096) = 1830 MHz,
+        below NVML's maximum of 1980 MHz, so a GPU at its rated clock is not throttled."""
+        if not (self.sms and self.bf16_flops_per_clock_sm):
+            return None
+        return self.bf16 / (self.sms * self.bf16_flops_per_clock_sm) / 1e6
 
 
+# SM counts and dense tensor rates per SM per clock (for each row's reference clock, Chip.reference_clock_mhz):
+# NVIDIA A100 whitepaper (108 SMs; 1024 dense FP16/BF16 FMA per SM per clock = 2048 FLOPs) and H100 whitepaper
+# (SXM5 132 SMs, PCIe 114 SMs; twice Ampere's rate per SM = 4096 FLOPs). H200 is the same GH100 with 132 SMs; the
+# NVL boards have 132 SMs at a lower rated clock. Rows without them compare clocks against NVML's maximum.
 # Order matters: the first pattern that matches wins, so the most specific rows come first (H100 NVL/PCIe and
 # H800 PCIe before the SXM row, H200 NVL before H200, GB200 before B200, which its name contains).
 PEAK_TABLE: tuple[Chip, ...] = (
     Chip("A100", r"A100", 19.5 * T, 156 * T, 312 * T, 312 * T, None,
-         "NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe; dense)"),
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe; dense)",
+         108, 2048),
     Chip("H100 NVL", r"H100.*NVL", 60 * T, 417.5 * T, 835.5 * T, 835.5 * T, 1670.5 * T,
-         "NVIDIA H100 datasheet, H100 NVL column (half the sparse figures)"),
+         "NVIDIA H100 datasheet, H100 NVL column (half the sparse figures)",
+         132, 4096),
     Chip("H100 PCIe", r"H100.*PCIe", 51 * T, 378 * T, 756 * T, 756 * T, 1513 * T,
-         "NVIDIA H100 datasheet, H100 PCIe column (half the sparse figures)"),
+         "NVIDIA H100 datasheet, H100 PCIe column (half the sparse figures)",
+         114, 4096),
     Chip("H800 PCIe", r"H800.*PCIe", 51 * T, 378 * T, 756 * T, 756 * T, 1513 * T,
          "NVIDIA H800 PCIe: the H100 PCIe's compute (the H800 differs in NVLink and FP64), H100 datasheet PCIe "
-         "column (half the sparse figures)"),
+         "column (half the sparse figures)",
+         114, 4096),
     Chip("H100 SXM", r"H100|H800", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 1978.9 * T,
-         "NVIDIA H100 datasheet, H100 SXM column (half the sparse figures)"),
+         "NVIDIA H100 datasheet, H100 SXM column (half the sparse figures)",
+         132, 4096),
     Chip("H200 NVL", r"H200.*NVL", 60 * T, 417.5 * T, 835.5 * T, 835.5 * T, 1670.5 * T,
-         "NVIDIA H200 datasheet, H200 NVL column (half the sparse figures)"),
+         "NVIDIA H200 datasheet, H200 NVL column (half the sparse figures)",
+         132, 4096),
     Chip("H200", r"H200", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 1978.9 * T,
-         "NVIDIA H200 datasheet, SXM (half the sparse figures)"),
+         "NVIDIA H200 datasheet, SXM (half the sparse figures)",
+         132, 4096),
     Chip("GB200", r"GB200", 80 * T, 1250 * T, 2500 * T, 2500 * T, 5000 * T,
          "NVIDIA GB200 NVL72 datasheet, per GPU (the rack's figures / 72 GPUs, half the sparse figures)"),
     Chip("B200", r"B200", 75 * T, 1100 * T, 2250 * T, 2250 * T, 4500 * T,

@@ -11,6 +11,7 @@ import statistics
 import threading
 from dataclasses import dataclass, field
 
+from mfu_lab.core.device import lookup_chip
 from mfu_lab.core.thresholds import HOT_C
 
 # Clock-event ("throttle") reason bits, from NVML's nvml.h (nvmlClocksEventReason*).
@@ -47,13 +48,26 @@ class HealthSummary:
     power_w_mean: float | None = None
     power_limit_w: float | None = None
     reasons_seen: list[str] = field(default_factory=list)
-    throttled_fraction: float | None = None  # share of samples with a power/thermal reason set
+    throttled_fraction: float | None = None  # share of busy samples with a power/thermal reason set
+    busy_samples: int | None = None  # samples with the GPU busy (None: utilisation not readable, e.g. MIG)
+    sm_clock_mhz_reference: float | None = None  # the clock the datasheet peak assumes (device.Chip)
+
+    @property
+    def reference_clock(self) -> tuple[float | None, str]:
+        """The clock operations loss compares against, and which: the datasheet peak's clock when the chip's row
+        gives one, else NVML's maximum SM clock (which overstates the loss where boost exceeds the rated clock)."""
+        if self.sm_clock_mhz_reference:
+            return self.sm_clock_mhz_reference, "the clock the datasheet peak assumes"
+        return self.sm_clock_mhz_max_supported, "NVML's maximum SM clock (no datasheet clock for this chip)"
 
     @property
     def clock_ratio(self) -> float | None:
-        if self.sm_clock_mhz_mean is None or not self.sm_clock_mhz_max_supported:
+        """Mean SM clock while busy over the reference clock, capped at 1: a GPU at or above the clock its peak
+        is quoted at loses nothing to operations."""
+        ref = self.reference_clock[0]
+        if self.sm_clock_mhz_mean is None or not ref:
             return None
-        return self.sm_clock_mhz_mean / self.sm_clock_mhz_max_supported
+        return min(1.0, self.sm_clock_mhz_mean / ref)
 
 
 def nvml_handle(nv, index: int):
@@ -98,7 +112,7 @@ class HealthSampler:
 
     def __init__(self, device_type: str, device_name: str, index: int | None, interval_s: float = 0.2):
         self.device_type, self.device_name, self.index, self.interval_s = device_type, device_name, index, interval_s
-        self.rows: list[tuple[float, float, float, int]] = []
+        self.rows: list[tuple[float, float, float, int, bool | None]] = []
         self.skipped = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -133,6 +147,13 @@ class HealthSampler:
         fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         return int(fn(self._handle))
 
+    def _busy(self, nv) -> bool | None:
+        """Whether the GPU ran a kernel in the last sample period; None where NVML gives no utilisation (MIG)."""
+        try:
+            return nv.nvmlDeviceGetUtilizationRates(self._handle).gpu > 0
+        except Exception:
+            return None
+
     def _loop(self) -> None:
         nv = _nvml()
         while not self._stop.is_set():
@@ -142,6 +163,7 @@ class HealthSampler:
                     float(nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_SM)),
                     nv.nvmlDeviceGetPowerUsage(self._handle) / 1000.0,
                     self._reasons(nv),
+                    self._busy(nv),
                 ))
             except Exception as e:  # a failing read ends sampling; what was read is kept
                 self.skipped = f"NVML read failed after {len(self.rows)} samples: {e}"
@@ -160,15 +182,21 @@ class HealthSampler:
     def summary(self) -> HealthSummary:
         if not self.rows:
             return HealthSummary(False, self.skipped or "no NVML samples were taken (run too short?)")
-        temps, clocks, power, masks = zip(*self.rows)
+        temps, clocks, power, masks, busy = zip(*self.rows)
+        known = all(b is not None for b in busy)
+        # clocks of an idle GPU drop by design: only busy samples say anything (all, where busy is unknown)
+        work = [i for i, b in enumerate(busy) if b] if known else list(range(len(busy)))
         all_bits = 0
         for m in masks:
             all_bits |= m
+        chip = lookup_chip(self.device_name)
         return HealthSummary(
             True, self.skipped, len(self.rows), self.interval_s,
-            max(temps), statistics.fmean(temps), statistics.fmean(clocks), min(clocks), float(self._max_clock),
+            max(temps), statistics.fmean(temps),
+            statistics.fmean(clocks[i] for i in work) if work else None, min(clocks), float(self._max_clock),
             statistics.fmean(power), self._power_limit, decode_reasons(all_bits),
-            sum(1 for m in masks if m & THROTTLE_BITS) / len(masks),
+            sum(1 for i in work if masks[i] & THROTTLE_BITS) / len(work) if work else 0.0,
+            len(work) if known else None, chip.reference_clock_mhz if chip else None,
         )
 
 

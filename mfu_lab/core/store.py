@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core import nodes
 from mfu_lab.core.files import RESULT_FILE, DamagedFile, mark_job_root, read_json, write_json_atomic
 from mfu_lab.core.history import record
+from mfu_lab.core.nodes import this_node
 from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.results import jsonable
 
 # Called with the job's output folder after every save. The package facade (mfu_lab/__init__.py) registers the
 # index refresh here, so a step run from plain Python leaves an up-to-date summary page while the core never
@@ -54,11 +57,25 @@ def earlier(job, key: str) -> Earlier:
         return Earlier(key, None, str(e), path)
 
 
-def save(job, key: str, result) -> Path:
-    """Write a step's result.json atomically and its run-history line, then tell the AFTER_SAVE hooks."""
+def save(job, key: str, result, env: dict[str, str] | None = None) -> Path:
+    """Write a step's result.json atomically and its run-history line, then tell the AFTER_SAVE hooks.
+
+    On a multi-node job (``nnodes`` > 1) every node writes ``nodes/node<k>.json`` first; only node 0 writes
+    result.json, with the other nodes' figures summarised beside its own (:mod:`mfu_lab.core.nodes`). The other
+    nodes return their own file and leave the history and the index to node 0."""
     info = BY_KEY[key]
     mark_job_root(job.output_root())
-    path = write_json_atomic(job.step_dir(info.folder) / RESULT_FILE, result)
+    step_dir = job.step_dir(info.folder)
+    data = jsonable(result)
+    count = getattr(job, "nnodes", 1) or 1
+    if count > 1:
+        node = this_node(count, env)
+        data["node"] = {"rank": node.rank, "host": node.host, "how": node.how}
+        own = write_json_atomic(node.file(step_dir), data)
+        if not node.owns_result:
+            return own
+        data["nodes"] = nodes.summary(nodes.wait_for(step_dir, count, nodes.WAIT_S), count)
+    path = write_json_atomic(step_dir / RESULT_FILE, data)
     record(job.output_root(), info.folder, info.key, read_json(path))
     for hook in AFTER_SAVE:
         hook(job.output_root())

@@ -15,6 +15,7 @@ import subprocess
 import threading
 from typing import Any
 
+from mfu_lab.core.device import lookup_chip
 from mfu_lab.core.health import THROTTLE_BITS, decode_reasons, nvml_handle
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID",
@@ -138,6 +139,7 @@ class NvmlProbe:
         self.index, self.interval_s = index, interval_s
         self.skipped = ""
         self.busy_unknown = False
+        self.reference_clock: float | None = None  # the clock the datasheet peak assumes (device.Chip), if known
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reset()
@@ -156,6 +158,10 @@ class NvmlProbe:
             nv.nvmlInit()
             self._nv, self._h = nv, nvml_handle(nv, self.index)
             self.max_clock = float(nv.nvmlDeviceGetMaxClockInfo(self._h, nv.NVML_CLOCK_SM))
+            import torch
+
+            chip = lookup_chip(torch.cuda.get_device_name(self.index))
+            self.reference_clock = chip.reference_clock_mhz if chip else None
         except Exception as e:
             self.skipped = f"NVML unavailable: {e}"
             return self
@@ -241,9 +247,11 @@ class NvmlProbe:
                 "samples": n, "busy_samples": busy, "temperature_c_max": self._temp_max,
                 "power_w_mean": self._power_sum / n, "power_limit_w": self.power_limit,
                 "sm_clock_mhz_busy_mean": self._clock_sum / busy if busy else None,
-                "sm_clock_mhz_max": self.max_clock,
+                "sm_clock_mhz_max": self.max_clock, "sm_clock_mhz_reference": self.reference_clock,
                 "throttled_share": thr / busy if busy else 0.0,
-                "throttled_clock_ratio": (self._throttled_clock_sum / thr / self.max_clock) if thr else None,
+                # against the clock the datasheet peak assumes (NVML's maximum where unknown), capped at 1
+                "throttled_clock_ratio": min(1.0, self._throttled_clock_sum / thr
+                                             / (self.reference_clock or self.max_clock)) if thr else None,
                 "reasons": decode_reasons(self._reasons), "xid": list(self._xids),
                 "busy_known": not self.busy_unknown,  # False on MIG: NVML gives no utilisation there
             }

@@ -140,7 +140,7 @@ def gpu_health(summary) -> ReportFigure | Unavailable:
     ax = fig.subplots()
     nan = float("nan")
     ax.plot(t, [v if v is not None else nan for v in g["clock_ratio"]], color=COLORS["compute"],
-            label="SM clock while busy / max")
+            label="SM clock while busy / rated clock")
     ax.fill_between(t, 0, [v or 0 for v in g["throttled_share"]], color="#ffa8a8", alpha=0.6,
                     label="busy samples with a power or thermal reason")
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))

@@ -64,7 +64,8 @@ def _step_row(job_root: Path, info: StepInfo, result: dict | None) -> dict[str, 
              if (folder / name).exists()]
     st = step_state(folder, result)
     return {"number": info.number, "title": info.title, "status": st.status, "detail": st.detail,
-            "css": STATUS_CSS.get(st.status, "failed"), "metrics": (result or {}).get("metrics", {}), "links": links}
+            "css": STATUS_CSS.get(st.status, "failed"), "metrics": (result or {}).get("metrics", {}), "links": links,
+            "nodes": ((result or {}).get("nodes") or {}).get("text", "")}
 
 
 def _ledger_obj(d: dict) -> Ledger:
