@@ -79,8 +79,19 @@ def with_keep(job, keep: list[str] | None):
     return validate(job.to_dict() | {"keep": list(dict.fromkeys([*job.keep, *keys]))}, "command line (--keep)")
 
 
+def cost_overrides(args, overrides: dict) -> dict:
+    """``--budget MIN`` and ``--thorough`` as the job keys they set (budget_min, thorough)."""
+    if getattr(args, "budget", None) is not None:
+        if not args.budget >= 0:
+            raise JobError("command line", [JobProblem("--budget", args.budget, "must be minutes >= 0 (0: no budget)")])
+        overrides["budget_min"] = args.budget
+    if getattr(args, "thorough", False):
+        overrides["thorough"] = True
+    return overrides
+
+
 def cmd_run(args) -> int:
-    overrides = parse_overrides(args.param)
+    overrides = cost_overrides(args, parse_overrides(args.param))
     job, source = resolve_job(args.job, overrides, args.out)
     job = with_keep(job, args.keep)
     steps = select_steps(args.steps)
@@ -95,7 +106,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_step(args) -> int:
-    job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
+    job, source = resolve_job(args.job, cost_overrides(args, parse_overrides(args.param)), args.out)
     job = with_keep(job, args.keep)
     info = select_steps(args.step)[0]
     if info.key == "placement":
@@ -247,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     keep = {"action": "append", "metavar": "KEY", "help": "job key the tuned job (tuned.yaml) keeps at its "
             "original value, whatever the steps recommend; repeatable or comma-separated"}
     r.add_argument("--keep", **keep)
+    cost = [(("--budget",), {"type": float, "metavar": "MIN", "help": "minutes the steps may take in all, spread by "
+                             "the README's rule ('Cost'); each step shortens to fit and says what it left out"}),
+            (("--thorough",), {"action": "store_true", "help": "exhaustive sweeps: every candidate of steps 2, 4 "
+                               "and 5 measured in full (the default races them)"})]
+    for names, kw in cost:
+        r.add_argument(*names, **kw)
     r.add_argument("-q", "--quiet", action="store_true", help="do not stream the notebooks' progress lines")
     r.add_argument("--resume", action="store_true", help="keep the steps whose results exist for the same job "
                    "parameters and workbook version; run the rest")
@@ -264,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="results folder (overrides out_dir)")
     s.add_argument("-p", "--param", **param)
     s.add_argument("--keep", **keep)
+    for names, kw in cost:
+        s.add_argument(*names, **kw)
     s.add_argument("--wait", action="store_true", help="when another run holds the job's output folder, wait for "
                    "it to end instead of refusing")
     s.set_defaults(func=cmd_step)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.core.budget import plan_text
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
 from mfu_lab.core.files import load_results
@@ -316,7 +317,10 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
 def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, resume: bool, keep_going: bool,
                execution_timeout: float | None) -> list[str]:
     root = find_workbook_root()
-    print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}")
+    print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}"
+          + ("; thorough (exhaustive sweeps)" if job.thorough else ""))
+    if job.budget_min:
+        print("mfu-lab: " + plan_text(job.budget_min, [s.key for s in steps], {s.key: s.number for s in STEPS}))
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
     _monitor_step(job, quiet)
     failed: list[str] = []

@@ -99,8 +99,24 @@ def test_the_watch_stays_quiet_on_a_healthy_run():
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
-    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path_factory.mktemp("f")), fp8_steps=12)
+    """Step 5 with every policy and the scaling study (thorough): the exhaustive path."""
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path_factory.mktemp("f")), fp8_steps=12, thorough=True)
     return job, fp8.run(job, progress=lambda m: None)
+
+
+def test_racing_stops_at_the_broadest_policy_that_keeps_the_loss_and_says_why(ran, tmp_path):
+    """The choice is the broadest policy that keeps the loss; once one does, narrower ones cannot win and are not
+    trained (issue 20). The thorough run above chose the same policy."""
+    thorough_job, thorough = ran
+    job = dataclasses.replace(thorough_job, out_dir=str(tmp_path), thorough=False)
+    r = fp8.run(job, progress=lambda m: None, write=False)
+    assert r.choice["policy"] == thorough.choice["policy"]
+    ran_names = [t.name for t in r.trials if t.loss]
+    assert ran_names == ["reference", r.choice["policy"]]  # the broadest first, and it kept the loss
+    narrower = [t for t in r.trials if t.status == "skipped"]
+    assert narrower and all("already kept the loss" in t.reason for t in narrower)
+    assert all(t.flops_share < r.choice["flops_share"] for t in narrower)
+    assert any("scaling study" in s["what"] for s in r.skipped)
 
 
 def test_emulated_figures_are_labelled_and_no_speed_is_claimed(ran):

@@ -65,6 +65,14 @@ class Job:
     monitor_dir: str = _key("", "the folder mfu_lab.monitor.Monitor writes in this job's production runs; the "
                             "index then shows what it measured and the ledger's operations bar uses it; relative "
                             "paths are taken from the workbook root; empty for none")
+    # --- the workbook's own cost ---
+    thorough: bool = _key(False, "exhaustive sweeps: every candidate of steps 2, 4 and 5 measured in full and warm "
+                          "compiles always timed (mfu-lab run --thorough); false races them (README, 'Cost')")
+    budget_min: float = _key(0.0, "minutes the run's steps may take in all, spread over the steps by the rule in the "
+                             "README ('Cost'); each step shortens to fit and says what it left out; 0: no budget",
+                             min=0.0)
+    race_steps: int = _key(2, "measured steps of each candidate in a racing sweep's first round (steps 2 and 4)",
+                           min=2)
     # --- model ---
     model: str = _key("gpt", "'gpt' (the reference decoder) or 'package.module:function'", pattern="model")
     model_kwargs: dict = _key({}, "keyword arguments passed to a module:function model")

@@ -61,6 +61,7 @@ class StepResult:
     elapsed_s: float = 0.0
     status: str = "ok"
     result_format: int = 1
+    budget: dict[str, Any] = dataclasses.field(default_factory=dict)  # core.budget.Clock.record(): planned, used
 
     def __post_init__(self):
         self.result_format = type(self).FORMAT

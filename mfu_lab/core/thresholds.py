@@ -26,3 +26,7 @@ PEAK_RECHECK = 0.80  # a CPU's matmul rate measured after step 1 below 80% of th
 
 # --- agreement between two figures
 FLOP_TOLERANCE = 0.02  # counted vs analytic FLOPs above 2% is shown as a disagreement
+
+# --- racing sweeps (analysis.racing)
+RACE_NOISE_FLOOR = 0.03  # a candidate whose median is within 3% of the leader's is inside its noise band
+RACE_KEEP_SHARE = 1 / 3  # successive halving's cut: at most a third of the field goes on (references aside)

@@ -12,6 +12,7 @@ from mfu_lab.plots.attention_comm import (  # noqa: F401 - re-exported
     allreduce_bandwidth,
     attention_times,
     comm_sweep,
+    race,
 )
 from mfu_lab.plots.base import (  # noqa: F401 - re-exported
     COLORS,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import matplotlib.ticker
 
 from mfu_lab.plots.base import COLORS, ReportFigure
+from mfu_lab.plots.monitor import Unavailable
 
 HOOK_COLORS = {"none": "#495057", "allreduce": "#3b6fb6", "fp16_compress": "#2f9e44", "bf16_compress": "#e8912d",
                "powersgd": "#c2255c"}
@@ -74,5 +75,33 @@ def allreduce_bandwidth(result) -> ReportFigure:
     ax.set_ylabel("GB/s")
     ax.set_title("All-reduce bandwidth (nccl-tests definitions)")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def race(result) -> ReportFigure | Unavailable:
+    """Step 2's races: each candidate's median step time after each round; a candidate's line ends where it was
+    dropped. One panel per race (attention implementations, DDP configurations)."""
+    races = [(k, r) for k, r in (getattr(result, "races", None) or {}).items() if r and r.rounds]
+    if not races:
+        return Unavailable("No race to draw: this result was measured before sweeps raced, or nothing ran.")
+    fig = ReportFigure(figsize=(11, 4.2))
+    axes = fig.subplots(1, len(races), squeeze=False)[0]
+    for ax, (key, log) in zip(axes, races):
+        names = list(dict.fromkeys(n for r in log.rounds for n in r.medians))
+        for name in names:
+            pts = [(r.number, r.medians[name] * 1e3) for r in log.rounds if r.medians.get(name) is not None]
+            if not pts:
+                continue
+            ref = name in log.references
+            ax.plot(*zip(*pts), marker="o", lw=2.2 if ref else 1, color="#222" if ref else None, alpha=1 if ref
+                    else 0.7, label=name + (" (reference)" if ref else "") if ref or len(names) <= 8 else None)
+        ax.set_xticks([r.number for r in log.rounds])
+        ax.set_xticklabels([f"round {r.number}\n{r.steps} steps, {len(r.medians)} ran" for r in log.rounds],
+                           fontsize=8)
+        ax.set_ylabel("median step (ms)")
+        ax.set_title(f"{key}: {log.mode}", fontsize=10)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle("The races: candidates against rounds (measured); a line that stops was dropped")
     fig.tight_layout()
     return fig

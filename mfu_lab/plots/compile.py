@@ -30,6 +30,9 @@ def compile_modes(result) -> ReportFigure:
     warm = [t.compile_warm_s or 0 for t in rows]
     ax2.barh([y + h / 2 for y in ys], cold, height=h, color="#c92a2a", label="cold (empty cache)")
     ax2.barh([y - h / 2 for y in ys], warm, height=h, color="#e8912d", label="warm (cache reused)")
+    for y, t in zip(ys, rows):
+        if getattr(t, "warm_skipped", ""):  # not measured: said on the bar's place, not drawn as 0 s
+            ax2.text(0, y - h / 2, " warm: not measured", va="center", fontsize=7, color="#555")
     ax2.set_xlabel("compile time (s): extra time of the first steps")
     ax2.legend(fontsize=8, loc="lower right")
     fig.suptitle("torch.compile against eager, measured")

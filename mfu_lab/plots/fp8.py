@@ -39,6 +39,8 @@ def fp8_losses(result) -> ReportFigure:
     ax, ax2 = fig.subplots(1, 2)
     ref = next(t for t in result.trials if t.status == "reference")
     for t in result.trials:
+        if not t.loss:  # not run (a race that had its answer): named in the table, not drawn
+            continue
         style = {"lw": 2.2, "color": "#222"} if t is ref else {"lw": 1.2, "ls": "--" if t.study else "-"}
         ax.plot(range(len(t.loss)), t.loss, label=f"{t.name} ({t.status})", **style)
         if t.stopped_at is not None:

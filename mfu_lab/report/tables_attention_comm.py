@@ -31,6 +31,7 @@ def attention_comm_section(d: dict[str, Any]) -> Markup:
         else None,
         "comm": plots.to_data_uri(plots.comm_sweep(r)) if any(c.status == "ok" for c in r.comm) else None,
         "bandwidth": plots.to_data_uri(plots.allreduce_bandwidth(r)) if r.allreduce else None,
+        "race": plots.to_data_uri(race) if (race := plots.race(r)) else None,
         "ledger": plots.to_data_uri(plots.ledger_waterfall(
             r.ledger, "MFU ledger, data-parallel with the recommended configuration")) if r.ledger else None,
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from mfu_lab.core.results import jsonable
 from mfu_lab.report.format import fmt
@@ -88,8 +88,10 @@ def attention_view(result) -> Html:
 
 
 def comm_view(result) -> Html:
-    """Step 2: the DDP communication sweep (:func:`comm_table`)."""
-    return _part(comm_table(result.comm))
+    """Step 2: the DDP communication sweep (:func:`comm_table`) and how each sweep ran (exhaustive or racing)."""
+    how = "".join(f"<p><small>How the {k} sweep ran: {escape(log.text())}.</small></p>"
+                  for k, log in (getattr(result, "races", None) or {}).items() if log)
+    return _part(comm_table(result.comm) + Markup(how))
 
 
 # ------------------------------------------------------------------ step 3

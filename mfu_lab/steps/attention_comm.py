@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.analysis import attention as att
+from mfu_lab.analysis import racing
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.budget import Clock
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
@@ -35,7 +37,8 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
 from mfu_lab.steps.baseline import step1_reference
-from mfu_lab.workers.launch import config_key, one_rank_reason, run_sweep, sweep_configs, world_layout
+from mfu_lab.steps.comm_race import race_ddp
+from mfu_lab.workers.launch import config_key, one_rank_reason, sweep_configs, world_layout
 
 INFO = BY_KEY["attention_comm"]
 SYNC_TOLERANCE = 1e-6  # checksum difference above which ranks are out of sync
@@ -97,6 +100,7 @@ class AttentionCommResult(StepResult):
     ledger: Ledger | None
     recommendation: dict[str, Any]
     advice: list[Advice]
+    races: dict[str, racing.RaceLog | None] = dataclasses.field(default_factory=dict)  # how each sweep ran
 
 
 Result = AttentionCommResult  # the step contract: every step module names its result class Result
@@ -110,11 +114,14 @@ def _baseline_reference(job: Job, device_name: str) -> dict | None:
     return {k: ref[k] for k in keys} if ref else None
 
 
-def _attention_section(job, device, torch_device, flops_per_step, peak, progress) -> list[AttentionRow]:
+def _attention_section(job, device, torch_device, flops_per_step, peak, progress, clock) -> tuple[list, Any]:
+    """Every implementation checked against unfused float32 and timed alone; then their training steps raced
+    (:mod:`mfu_lab.analysis.racing`): ``race_steps`` steps each, the survivors (the job's own attention always) for
+    the job's ``steps``, side by side. ``thorough``: every correct implementation for the full ``steps``."""
     hd = job.d_model // job.n_heads
     check_shape = (min(2, job.micro_batch), job.n_heads, job.seq_len, hd)
     time_shape = (job.micro_batch, job.n_heads, job.seq_len, hd)
-    rows = []
+    rows, fns = [], {}
     impls = att.candidates(device.type, job.dtype)
     eta = progress.eta("attention implementations", len(impls))
     for n, impl in enumerate(impls, 1):
@@ -133,16 +140,50 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
             continue
         a = att.time_fwd_bwd(impl.fn, time_shape, job.dtype, torch_device)
         kernel = att.kernel_signature(impl.fn, check_shape, job.dtype, torch_device)
+        rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, kernel=kernel))
+        fns[impl.name] = impl.fn
+
+    def train(name: str, steps: int) -> list[float]:
         model = build_model(job).to(torch_device).train()
-        model.set_attention(impl.fn)
-        t = run_steps(build_train_step(eager(job), model, device.type), build_loader(job, job.warmup_steps + job.steps,
-                      device.type), torch_device, job.warmup_steps, job.steps)
-        wall = t.measured("wall_s")
-        s = stats(wall)
-        rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, s.median,
-                                 s.p10, s.p90, fl.mfu(flops_per_step, len(wall) / sum(wall), peak), None,
-                                 job.n_layers * a.median / s.median, kernel))
-    return rows
+        model.set_attention(fns[name])
+        t = run_steps(build_train_step(eager(job), model, device.type), build_loader(job, job.warmup_steps + steps,
+                      device.type), torch_device, job.warmup_steps, steps)
+        return t.measured("wall_s")
+
+    ok = [r for r in rows if r.status == "ok"]
+    own = next((r for r in ok if r.name == JOB_IMPL[job.attention]), None)
+    refs = [own.name] if own else []
+    log = racing.RaceLog("exhaustive" if job.thorough else "racing", refs)
+    walls: dict[str, list[float]] = {}
+    final = [r.name for r in ok]
+    if not job.thorough and len(ok) > 2:
+        t0 = time.perf_counter()
+        screen = {r.name: train(r.name, job.race_steps) for r in ok}
+        final, dropped = racing.survivors(screen, refs)
+        grow = (job.warmup_steps + job.steps) / (job.warmup_steps + job.race_steps)
+        per = (time.perf_counter() - t0) / len(ok) * grow
+        if not clock.fits(per * len(final)):
+            cut = [k for k in final[1:] if k not in refs]
+            final = [k for k in final if k not in cut]
+            dropped |= {k: "budget: the final round measures the leader and the job's attention only" for k in cut}
+            clock.shorten("attention final round", f"{', '.join(cut)} not measured for the full {job.steps} steps")
+        log.rounds.append(racing.log_round(1, job.race_steps, screen, final, dropped, time.perf_counter() - t0))
+        for r in ok:
+            if r.name in dropped:
+                walls[r.name] = screen[r.name]
+                r.status, r.reason = "dropped", dropped[r.name] + f" (figures from {job.race_steps} steps)"
+    t0 = time.perf_counter()
+    for name in final:
+        walls[name] = train(name, job.steps)
+    log.rounds.append(racing.log_round(len(log.rounds) + 1, job.steps, {k: walls[k] for k in final}, final, {},
+                                       time.perf_counter() - t0))
+    for r in rows:
+        if r.name in walls:
+            st = stats(walls[r.name])
+            r.step_median_s, r.step_p10_s, r.step_p90_s = st.median, st.p10, st.p90
+            r.mfu = fl.mfu(flops_per_step, len(walls[r.name]) / sum(walls[r.name]), peak)
+            r.attention_share = job.n_layers * r.attn_median_s / st.median
+    return rows, log
 
 
 def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: float, world: int) -> list[CommRow]:
@@ -153,6 +194,9 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
             continue
         row = CommRow(cfg["hook"], cfg["bucket_mb"], cfg["grad_as_bucket_view"], ev["event"],
                       ev.get("error", ""), ev.get("stderr", ""))
+        if ev["event"] == "dropped" and ev.get("wall_s"):  # the race's first round only, said in the table
+            s = stats(ev["wall_s"])
+            row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
         if ev["event"] == "done":
             s = stats(ev["wall_s"])
             local = statistics.median(ev["no_sync_wall_s"])
@@ -178,6 +222,7 @@ def _ddp_ledger(row: CommRow, ev: dict, world: int) -> Ledger:
 @guarded("attention_comm")
 def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     t_start = time.perf_counter()
+    clock = Clock.for_step(job, INFO.key)
     say = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
@@ -197,8 +242,9 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     fps = flops.model_flops_per_step
 
     # ---- attention
+    att_race = None
     if isinstance(model, GPT):
-        rows = _attention_section(job, device, torch_device, fps, peak, say)
+        rows, att_race = _attention_section(job, device, torch_device, fps, peak, say, clock)
     else:
         rows = []
         skipped.append({"what": "attention comparison", "reason": "a user model's attention cannot be swapped by "
@@ -223,12 +269,12 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
                                       "their timing differences are run-to-run noise"})
 
     # ---- communication
-    configs = sweep_configs(job)
     nnodes, nproc = world_layout(job, device.type)
-    say(f"communication: {len(configs)} configurations in one torchrun launch" if nnodes * nproc > 1 else
+    n_configs = len(sweep_configs(job))
+    say(f"communication: {n_configs} configurations, " + ("each measured in full (thorough)" if job.thorough else
+        f"raced: {job.race_steps} steps each, then the survivors in full") if nnodes * nproc > 1 else
         f"communication: skipped, {one_rank_reason(nnodes, nproc, device.type)}")
     done = {"n": 0}
-    eta = say.eta("DDP configurations", len(configs))
 
     def on_event(ev):
         if nnodes * nproc < 2:
@@ -236,16 +282,18 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         if ev["event"] in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]
-            took = (f", {statistics.median(ev['wall_s']) * 1e3:.0f} ms/step "
-                    f"({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"
-                    if ev["event"] == "done" else "")
-            say(f"  comm [{done['n']}/{len(configs)}] {c['hook']}, bucket {c['bucket_mb']} MB, "
-                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}{took}" + eta.tag(done["n"]))
+            took = "" if ev["event"] != "done" else (
+                f", {statistics.median(ev['wall_s']) * 1e3:.0f} ms/step" + (" (first round)" if ev.get("screen") else
+                f" ({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"))
+            say(f"  comm [{done['n']}] {c['hook']}, bucket {c['bucket_mb']} MB, "
+                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}{took}")
 
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     del model  # the ranks share this GPU: the launcher keeps no model on it (launch() empties the allocator's cache)
     work = job.step_dir(INFO.folder) / "ddp" / f"{platform.node() or 'node'}-{os.getpid()}"  # one per launcher
-    sweep = run_sweep(job, device.type, best_att.name if best_att else None, work, on_event)
-    eta.finish()
+    sweep, race, configs = race_ddp(job, device.type, best_att.name if best_att else None, work, on_event,
+                                    grad_bytes, DDP_DEFAULT, clock)
+    say(f"communication: {race.text()}")
     if sweep.layout.get("skipped"):
         skipped.append({"what": "DDP sweep and all-reduce benchmark", "reason": sweep.layout["skipped"]})
     world = sweep.layout["world_size"]
@@ -264,6 +312,9 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
                                  rows, sweep.layout | {"launches": sweep.launches}, comm_rows, sweep.allreduce, ledger,
                                  rec, [], skipped=skipped)
+    result.races = {"attention": att_race, "ddp": race}
+    result.skipped += clock.shortened
+    result.budget = clock.record()
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

@@ -35,6 +35,7 @@ from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.budget import Clock
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
@@ -48,6 +49,7 @@ from mfu_lab.steps.baseline import reference_peak
 
 INFO = BY_KEY["compile"]
 WARM_STEPS = 3  # measured steps of the warm-cache run (only its compile time is used)
+WARM_WORTH_S = 60.0  # on a CPU, a cold compile shorter than this is not worth a warm-cache run (GPU: always)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Trial:
     first_steps_s: list[float] = field(default_factory=list)
     compile_cold_s: float | None = None
     compile_warm_s: float | None = None
+    warm_skipped: str = ""  # why the warm-cache compile was not measured (steps.compile._warm_skip)
     speedup: float | None = None  # eager median / this median
     faster_beyond_noise: bool = False  # this p90 below eager's p10
     mfu: float | None = None
@@ -167,6 +170,21 @@ def _fill(t: Trial, d: dict[str, Any], eager: Trial | None, eager_extra: float, 
     t.drift_ok = t.drift <= tolerance
 
 
+def _warm_skip(job: Job, device_type: str, t: Trial, clock: Clock, cold_trial_s: float) -> str:
+    """Why the warm-cache compile is not measured for trial ``t`` ('' when it is): on a CPU, when the cold
+    compile is too short for a cache to matter (under WARM_WORTH_S); always measured on a GPU and with
+    ``thorough``; left out when the step's budget cannot fit another process as long as the cold trial."""
+    if job.thorough:
+        return ""
+    if device_type != "cuda" and (t.compile_cold_s or 0.0) < WARM_WORTH_S:
+        return (f"cold compile took {t.compile_cold_s or 0.0:.1f} s, under {WARM_WORTH_S:.0f} s: a warm cache could "
+                "save at most that per restart (measured on GPUs always, and with --thorough)")
+    if not clock.fits(cold_trial_s):
+        clock.shorten(f"{t.mode}: warm-cache compile", f"{clock.left_s():.0f} s left of {clock.planned_s:.0f} s")
+        return f"budget: {clock.left_s():.0f} s left of the step's {clock.planned_s:.0f} s"
+    return ""
+
+
 def _skip_reason(mode: str, device_type: str, job: Job) -> str:
     if mode in cp.CUDA_GRAPH_MODES and device_type != "cuda":
         return f"'{mode}' captures CUDA graphs: it needs a CUDA device"
@@ -236,6 +254,7 @@ def advise(r: CompileResult) -> list[Advice]:
 def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     """Measure torch.compile against eager for the job; see the module docstring."""
     t_start = time.perf_counter()
+    clock = Clock.for_step(job, INFO.key)
     say = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
@@ -305,6 +324,11 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             skipped.append({"what": f"mode {mode}", "reason": why})
             continue
         trace = out_dir / f"trace_{mode}.json.gz"
+        if trials and not clock.fits(max(t.seconds or 0.0 for t in trials)):  # a cold trial as long as the longest
+            why = f"{clock.left_s():.0f} s of the step's {clock.planned_s:.0f} s left, less than one cold trial"
+            trials.append(Trial(mode, "skipped", "budget: " + why))
+            clock.shorten(f"mode {mode}", why)
+            continue
         say(f"[{i}/{len(modes)}] {mode}: cold compile (empty cache) and {job.steps} steps" + eta.tag(i - 1))
         d = run_worker(base | {"mode": mode, "label": f"{mode} cold", "trace": str(trace)}, work, caches / mode,
                        job.compile_timeout_s, say)
@@ -315,10 +339,15 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             say(f"  {mode} {t.status}: {t.error}")
             continue
         _fill(t, d, eager, eager_extra, flops, peak, tolerance)
-        say(f"[{i}/{len(modes)}] {mode}: warm compile (a second process reusing the cache)")
-        w = run_worker(base | {"mode": mode, "label": f"{mode} warm", "steps": WARM_STEPS}, work, caches / mode,
-                       job.compile_timeout_s, say)
-        if w["status"] == "ok":
+        why_not = _warm_skip(job, device.type, t, clock, d["seconds"])
+        if why_not:
+            t.warm_skipped = why_not
+            skipped.append({"what": f"{mode}: warm-cache compile", "reason": why_not})
+        else:
+            say(f"[{i}/{len(modes)}] {mode}: warm compile (a second process reusing the cache)")
+            w = run_worker(base | {"mode": mode, "label": f"{mode} warm", "steps": WARM_STEPS}, work,
+                           caches / mode, job.compile_timeout_s, say)
+        if not why_not and w["status"] == "ok":
             t.compile_warm_s = cp.compile_seconds(w["wall_s"], w["warmup"], stats(w["wall_s"][w["warmup"]:]).median,
                                                   eager_extra)
             t.break_even_warm = cp.break_even_steps(t.compile_warm_s, eager.step_median_s, t.step_median_s)
@@ -372,6 +401,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     }
     result = CompileResult("compile", job.to_dict(), environment(device.name, device.type), metrics, audit,
                            [real, *demo], breaks, eager, trials, step3, rec, [], ledgers, skipped=skipped)
+    result.budget = clock.record()
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

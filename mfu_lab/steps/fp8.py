@@ -35,6 +35,7 @@ from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.budget import Clock
 from mfu_lab.core.errors import JobError, JobProblem
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
@@ -224,6 +225,7 @@ def advise(r: Fp8Result) -> list[Advice]:
 def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     """Choose a precision (the ladder up to 16 bits) and an FP8 policy for the job; see the module docstring."""
     t_start = time.perf_counter()
+    clock = Clock.for_step(job, INFO.key)
     say = as_progress(progress)
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
@@ -250,8 +252,25 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     trials: list[PolicyTrial] = []
     reference: list[float] | None = None
     plan = _policies(job, groups, most)
+    if not job.thorough:  # race: the broadest policy first; once one keeps the loss, narrower ones cannot win
+        plan = plan[:1] + sorted((p for p in plan[1:] if not p[3]), key=lambda p: -sum(share[g] for g in p[1]))
+    last_s = 0.0  # the last trial's seconds: the next one's estimate against the budget
+    passed: float | None = None  # FLOP share of the broadest policy that kept the loss (racing)
     eta = say.eta("FP8 policy trials", len(plan))
     for i, (name, gs, recipe, study) in enumerate(plan, 1):
+        if passed is not None and sum(share[g] for g in gs) < passed:
+            trials.append(PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "skipped",
+                                      f"not run: a policy with {passed:.0%} of the linear FLOPs in FP8 already kept "
+                                      "the loss, and the choice is the broadest such policy (--thorough runs it)"))
+            continue
+        if trials and gs and not clock.fits(last_s):  # the reference always runs: the others compare with it
+            why = (f"{clock.left_s():.0f} s of the step's {clock.planned_s:.0f} s left, less than one trial "
+                   f"({last_s:.0f} s)")
+            trials.append(PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "skipped", "budget: " + why,
+                                      study=study))
+            clock.shorten(f"FP8 policy {name}", why)
+            continue
+        t_trial = time.perf_counter()
         say(f"[{i}/{len(plan)}] {name}: {job.fp8_steps} steps" + (f", FP8 on {', '.join(gs)} ({recipe})" if gs
                                                                   else ", no FP8 (the reference)") + eta.tag(i - 1))
         watch = f8.Watch(reference, job.fp8_tolerance, job.fp8_window, job.fp8_spike)
@@ -268,7 +287,13 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
             if t.final_gap > job.fp8_tolerance:
                 t.status, t.reason = "off", f"final loss {t.final_gap:+.1%} from the reference"
         trials.append(t)
+        last_s = time.perf_counter() - t_trial
+        if t.status == "ok" and not study and not job.thorough:
+            passed = t.flops_share if passed is None else max(passed, t.flops_share)
         say(f"  {t.status}" + (f": {t.reason}" if t.reason else "") + f"; last loss {losses[-1]:.4f}")
+    if not job.thorough:
+        skipped.append({"what": "FP8 scaling study (the other recipe, no scaling)",
+                        "reason": "a study for the report, not a candidate policy: run with --thorough to see it"})
     eta.finish()
 
     good = [t for t in trials if t.status == "ok" and not t.study]
@@ -331,7 +356,8 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
                 fl.mfu(flops, 1 / speed["fp8_step_s"], pk) if pk else None, "fraction", "measured",
                 f"model FLOPs / ({peak_name.upper()} datasheet peak x FP8 step): MFU under FP8 is ambiguous, so both")
     result = Fp8Result("fp8", job.to_dict(), environment(device.name, device.type), metrics, path, sens, trials,
-                       choice, speed, [], precision, skipped=skipped)
+                       choice, speed, [], precision, skipped=skipped + clock.shortened)
+    result.budget = clock.record()
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:

@@ -243,6 +243,11 @@ def main() -> None:
             emit(out, {"event": "unsupported", "config": cfg, "error": f"{type(e).__name__}: {e}"})
             continue
         ts = build_train_step(job, ddp, device.type)
+        if spec.get("screen"):  # a race's first round: the timed steps alone (analysis.racing)
+            t = run_steps(ts, loader(warm + spec["screen"]), device, warm, spec["screen"], beat)
+            emit(out, {"event": "done", "config": cfg, "screen": True, "wall_s": t.measured("wall_s"),
+                       "data_s": t.measured("data_s")})
+            continue
         try:
             t = run_steps(ts, loader(warm + steps + 1), device, warm, steps, beat)
             x, y = next(iter(loader(1)))

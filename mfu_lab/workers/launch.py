@@ -196,13 +196,16 @@ class SweepOutcome:
 
 
 def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, progress=None,
-              allreduce_max_bytes: int | None = None, fault: dict | None = None) -> SweepOutcome:
-    """Every configuration of the job's sweep, relaunching past ones that hang or crash.
+              allreduce_max_bytes: int | None = None, fault: dict | None = None, configs: list[dict] | None = None,
+              screen: int = 0, allreduce: bool = True) -> SweepOutcome:
+    """Every configuration given (default: the job's whole sweep), relaunching past ones that hang or crash.
 
+    ``screen``: a race's first round, each configuration timed for this many steps and nothing else (no profiled
+    step, no sync check, no no_sync steps). ``allreduce``: run the all-reduce benchmark in this launch.
     ``fault`` (tests only) makes one rank crash or hang at one configuration of the first launch.
     """
     nnodes, nproc = world_layout(job, device_type)
-    remaining = sweep_configs(job)
+    remaining = sweep_configs(job) if configs is None else list(configs)
     max_bytes = allreduce_max_bytes or (256 << 20 if device_type == "cuda" else 16 << 20)
     result = SweepOutcome({"nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc,
                            "backend": "nccl" if device_type == "cuda" else "gloo"}, [])
@@ -214,13 +217,13 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
             if progress:
                 progress(result.outcomes[config_key(cfg)])
         return result
-    need_allreduce = True
+    need_allreduce = allreduce
     attempt = 0
     while remaining or need_allreduce:
         spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": remaining,
                 "allreduce_max_bytes": max_bytes if need_allreduce else None,
-                "fault": fault if attempt == 0 else None}
-        run = launch(job, spec, work, attempt, nnodes, nproc, progress)
+                "fault": fault if attempt == 0 else None, "screen": screen}
+        run = launch(job, spec, work / "screen" if screen else work, attempt, nnodes, nproc, progress)
         attempt += 1
         started = None
         for ev in run.events:
@@ -272,3 +275,24 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                 progress(ev)
         remaining = [c for c in rest if config_key(c) not in result.outcomes]
     return result
+
+
+def known_refusal(cfg: dict, backend: str, grad_bytes: int) -> str | None:
+    """Why ``backend`` refuses ``cfg`` before any launch, from its known limits; None when it may run.
+
+    - bf16_compress on gloo: torch's bf16_compress_hook raises "BF16 all reduce communication hook required CUDA
+      11+ and NCCL 2.10+" (torch.distributed.algorithms.ddp_comm_hooks.default_hooks).
+    - powersgd on gloo with more than one gradient bucket: gloo aborts the whole launch with an enforce failure
+      (seen by this workbook's step 2 with torch 2.13 on CPU: 8 MB buckets of the default job's 14.3 MB of
+      gradients), which costs a relaunch; one bucket (bucket_cap_mb at least the gradients' size) runs.
+    Anything not listed here is tried.
+    """
+    if backend != "gloo":
+        return None
+    if cfg["hook"] == "bf16_compress":
+        return ("gloo: bf16_compress_hook needs NCCL 2.10+ (CUDA 11+), torch raises a TypeError on any other "
+                "backend; not launched")
+    if cfg["hook"] == "powersgd" and grad_bytes > cfg["bucket_mb"] * 2**20:
+        return (f"gloo: PowerSGD with more than one gradient bucket ({grad_bytes / 2**20:.1f} MB of gradients in "
+                f"{cfg['bucket_mb']:g} MB buckets) aborts the launch with a gloo enforce failure; not launched")
+    return None

@@ -1,0 +1,92 @@
+"""Step 2's DDP sweep as a race (:mod:`mfu_lab.analysis.racing`): every configuration the backend accepts is timed
+for ``race_steps`` steps in one launch, then the survivors (DDP's default and the job's own configuration always
+among them) are measured in full (timed steps, a profiled step, the sync check, the same steps under no_sync) side
+by side in a second launch. ``thorough`` measures every configuration in full in one launch, as before.
+
+Configurations the backend is known to refuse (:func:`mfu_lab.workers.launch.known_refusal`) are recorded as
+unsupported without a launch, in both modes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mfu_lab.analysis import racing
+from mfu_lab.core.budget import Clock
+from mfu_lab.core.job import Job
+from mfu_lab.workers.launch import SweepOutcome, config_key, known_refusal, run_sweep, sweep_configs, world_layout
+
+
+def name(cfg: dict) -> str:
+    return f"{cfg['hook']}/{cfg['bucket_mb']:g}MB/{'view' if cfg['grad_as_bucket_view'] else 'copy'}"
+
+
+def job_config(job: Job) -> dict:
+    return {"hook": job.ddp_hook, "bucket_mb": job.ddp_bucket_mb, "grad_as_bucket_view": job.ddp_grad_as_bucket_view}
+
+
+def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_event, grad_bytes: int,
+             reference: tuple, clock: Clock) -> tuple[SweepOutcome, racing.RaceLog, list[dict]]:
+    """(the sweep's outcomes, how it ran, the configurations in the order the report lists them)."""
+    nnodes, nproc = world_layout(job, device_type)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    configs = sweep_configs(job)
+    own = job_config(job)
+    if config_key(own) not in {config_key(c) for c in configs}:
+        configs.append(own)  # the job's own configuration is always in the race
+    refused = {config_key(c): why for c in configs if (why := known_refusal(c, backend, grad_bytes))}
+    runnable = [c for c in configs if config_key(c) not in refused]
+    refs = [name(c) for c in runnable if config_key(c) in (reference, config_key(own))]
+    log = racing.RaceLog("exhaustive" if job.thorough else "racing", refs)
+    by_name = {name(c): c for c in runnable}
+
+    def finish(sweep: SweepOutcome) -> SweepOutcome:
+        for c in configs:
+            if config_key(c) in refused:
+                ev = {"event": "unsupported", "config": c, "error": refused[config_key(c)]}
+                sweep.outcomes[config_key(c)] = ev
+                on_event(ev)
+        return sweep
+
+    if job.thorough or nnodes * nproc < 2 or len(runnable) <= 2:
+        t0 = time.perf_counter()
+        sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable)
+        done = {name(c): (sweep.outcomes.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
+        log.rounds.append(racing.log_round(1, job.comm_steps, done, list(done), {}, time.perf_counter() - t0))
+        if not job.thorough:
+            log.note = "nothing to race: " + ("one rank" if nnodes * nproc < 2 else "two configurations or fewer")
+        return finish(sweep), log, configs
+
+    t0 = time.perf_counter()
+    screen = run_sweep(job, device_type, attention, work, on_event, configs=runnable, screen=job.race_steps)
+    samples = {name(c): (screen.outcomes.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
+    kept, dropped = racing.survivors(samples, refs)
+    spent = time.perf_counter() - t0
+    per_config = spent / max(1, len(runnable))
+    full_factor = (job.comm_warmup_steps + 2 * job.comm_steps + 1) / (job.comm_warmup_steps + job.race_steps)
+    if not clock.fits(len(kept) * per_config * full_factor):
+        leader = min((k for k in kept if samples[k]), key=lambda k: sorted(samples[k])[len(samples[k]) // 2])
+        cut = [k for k in kept if k != leader and k not in refs]
+        for k in cut:
+            dropped[k] = "budget: the final round measures the leader and the references only"
+        kept = [k for k in kept if k not in cut]
+        clock.shorten("DDP final round", f"{len(cut)} configuration(s) inside the noise band not measured in full "
+                      f"({', '.join(cut)}); the leader and the references were")
+    log.rounds.append(racing.log_round(1, job.race_steps, samples, kept, dropped, spent))
+    t1 = time.perf_counter()
+    final = run_sweep(job, device_type, attention, work, on_event, configs=[by_name[k] for k in kept],
+                      allreduce=False)
+    final.allreduce = screen.allreduce
+    full = {k: (final.outcomes.get(config_key(by_name[k])) or {}).get("wall_s") or [] for k in kept}
+    log.rounds.append(racing.log_round(2, job.comm_steps, full, kept, {}, time.perf_counter() - t1))
+    for k, why in dropped.items():  # dropped configurations keep their screening figures, marked as such
+        ev = dict(screen.outcomes.get(config_key(by_name[k])) or {}, event="dropped", config=by_name[k], error=why)
+        final.outcomes[config_key(by_name[k])] = ev
+    for c in runnable:  # failed or refused at run time while screening: their record stands
+        ev = screen.outcomes.get(config_key(c))
+        if ev and config_key(c) not in final.outcomes:
+            final.outcomes[config_key(c)] = ev if ev["event"] != "done" else dict(
+                ev, event="failed", error="screened, but the final round's launch ended before it")
+    final.launches = screen.launches + final.launches
+    return finish(final), log, configs

@@ -1,0 +1,123 @@
+"""Issue 20: racing sweeps, the budget and --thorough, on hand-made timings and stand-in launches (no torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from mfu_lab.analysis import racing
+from mfu_lab.cli import cost_overrides
+from mfu_lab.core import budget
+from mfu_lab.core.budget import Clock
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job import load_job
+from mfu_lab.steps import comm_race
+from mfu_lab.workers.launch import SweepOutcome, config_key, known_refusal
+
+from .conftest import TINY
+
+
+def test_a_clear_winner_leaves_only_itself_and_the_references():
+    samples = {"fast": [1.00, 1.01], "slow": [1.50, 1.52], "slower": [2.0, 2.1], "default": [1.40, 1.45]}
+    kept, dropped = racing.survivors(samples, ["default"])
+    assert kept == ["fast", "default"]
+    assert set(dropped) == {"slow", "slower"} and "outside the leader's noise band" in dropped["slow"]
+
+
+def test_two_candidates_inside_each_others_noise_both_reach_the_final_round():
+    samples = {"a": [1.00, 1.10], "b": [1.05, 1.08], "c": [3.0, 3.1]}
+    kept, dropped = racing.survivors(samples, [])
+    assert kept == ["a", "b"] and list(dropped) == ["c"]
+
+
+def test_references_are_never_dropped_however_slow():
+    samples = {f"c{i}": [1.0 + i / 1000, 1.001 + i / 1000] for i in range(9)} | {"ddp default": [9.0, 9.5]}
+    kept, dropped = racing.survivors(samples, ["ddp default", "job's own"])
+    assert "ddp default" in kept and "ddp default" not in dropped
+    assert "job's own" not in kept  # not a candidate here (no samples): the caller records why
+    # a flat field still shrinks: a third of the 10 candidates go on, the rest are a toss-up with them
+    assert len(kept) == 4 + 1 and all("best 33%" in why for why in dropped.values())
+
+
+def test_known_refusals_are_recorded_without_a_launch(tmp_path, monkeypatch):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "bf16_compress", "powersgd"],
+                              comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False])
+    launched = []
+
+    def fake_sweep(job, device_type, attention, work, progress=None, configs=None, screen=0, allreduce=True, **kw):
+        launched.append(([config_key(c) for c in configs], screen))
+        out = SweepOutcome({"world_size": 2}, [])
+        for i, c in enumerate(configs):
+            wall = [0.1 + 0.01 * i, 0.1 + 0.01 * i]
+            out.outcomes[config_key(c)] = {"event": "done", "config": c, "wall_s": wall, "screen": bool(screen)}
+        return out
+
+    monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
+    seen = []
+    sweep, log, configs = comm_race.race_ddp(job, "cpu", None, tmp_path, seen.append, grad_bytes=8 << 20,
+                                             reference=("none", 25.0, False), clock=Clock(None))
+    every = {k for keys, _ in launched for k in keys}
+    assert ("bf16_compress", 1.0, False) not in every and ("bf16_compress", 25.0, False) not in every
+    assert ("powersgd", 1.0, False) not in every  # 8 MB of gradients in 1 MB buckets: more than one bucket
+    assert ("powersgd", 25.0, False) in every  # one bucket: tried
+    refused = sweep.outcomes[("bf16_compress", 1.0, False)]
+    assert refused["event"] == "unsupported" and "NCCL" in refused["error"] and refused in seen
+    assert known_refusal({"hook": "bf16_compress", "bucket_mb": 25, "grad_as_bucket_view": False}, "nccl", 1) is None
+    assert [s for _, s in launched] == [job.race_steps, 0]  # a screening launch, then the final one
+    assert log.mode == "racing" and "none/25MB/copy" in log.rounds[0].kept
+
+
+def test_thorough_runs_every_configuration_in_full_in_one_launch(tmp_path, monkeypatch):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), thorough=True)
+    launched = []
+
+    def fake_sweep(job, device_type, attention, work, progress=None, configs=None, screen=0, allreduce=True, **kw):
+        launched.append((len(configs), screen))
+        return SweepOutcome({"world_size": 2}, [])
+
+    monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
+    _, log, configs = comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 10,
+                                         reference=("none", 25.0, False), clock=Clock(None))
+    runnable = [c for c in configs if not known_refusal(c, "gloo", 1 << 10)]
+    assert launched == [(len(runnable), 0)] and log.mode == "exhaustive"
+
+
+def test_a_budget_too_small_for_the_final_round_keeps_the_leader_and_the_references_and_says_so(tmp_path,
+                                                                                                 monkeypatch):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
+                              comm_bucket_mb=[1, 8, 25], comm_grad_as_bucket_view=[False, True])
+    finals = []
+
+    def fake_sweep(job, device_type, attention, work, progress=None, configs=None, screen=0, allreduce=True, **kw):
+        if not screen:
+            finals.append([config_key(c) for c in configs])
+        out = SweepOutcome({"world_size": 2}, [])
+        for c in configs:  # a flat field: everything inside the leader's noise
+            out.outcomes[config_key(c)] = {"event": "done", "config": c, "wall_s": [0.100, 0.101]}
+        return out
+
+    monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
+    clock = Clock(planned_s=0.0)  # nothing left: the final round must shrink
+    sweep, log, _ = comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 10,
+                                       reference=("none", 25.0, False), clock=clock)
+    assert len(finals[0]) == 2 and ("none", 25.0, False) in finals[0]  # the leader and DDP's default
+    assert clock.shortened and clock.shortened[0]["reason"].startswith("budget:")
+    assert any(ev["event"] == "dropped" and ev["error"].startswith("budget:") for ev in sweep.outcomes.values())
+
+
+def test_the_budget_divides_time_by_the_stated_weights():
+    p = budget.plan(10)
+    assert sum(p.values()) == pytest.approx(600)
+    total = sum(budget.WEIGHTS.values())
+    assert p["attention_comm"] == pytest.approx(600 * 266 / total) and p["baseline"] == pytest.approx(600 * 28 / total)
+    assert budget.plan(0) == {} and Clock.for_step(load_job(TINY), "compile").planned_s is None
+    line = budget.plan_text(10, ["baseline", "compile"], {"baseline": 1, "compile": 4})
+    assert "step 1 " in line and "step 4 " in line and "step 2" not in line
+
+
+def test_budget_and_thorough_on_the_command_line_set_their_job_keys():
+    assert cost_overrides(argparse.Namespace(budget=5.0, thorough=True), {}) == {"budget_min": 5.0, "thorough": True}
+    with pytest.raises(JobError, match="--budget"):
+        cost_overrides(argparse.Namespace(budget=-1.0, thorough=False), {})
