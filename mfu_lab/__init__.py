@@ -21,7 +21,12 @@ from mfu_lab.core.job import Job, from_namespace, load_job
 def refresh_index(job_root: Path) -> None:
     """After each save, rewrite the job's summary page. Registered here, in the facade, so that the core never
     imports the presentation layer; the import is lazy so that workers and plain-Python steps do not load
-    matplotlib until a result is saved."""
+    matplotlib until a result is saved. Inside a notebook that ``mfu-lab run`` executes (``MFU_LAB_INDEX_BY_RUNNER``
+    set), the runner rewrites the page right after the step, so the kernel leaves it to the runner."""
+    import os
+
+    if os.environ.get("MFU_LAB_INDEX_BY_RUNNER"):
+        return
     from mfu_lab.report import write_index
 
     write_index(job_root)

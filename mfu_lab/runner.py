@@ -268,10 +268,15 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
     with step_bracket(job, info, source, current_run_id(), notebook=out_nb, limit=execution_timeout), \
             kernel_files_in(job.output_root() / KERNEL_FILES):
-        # The kernel's printed lines (the steps' own progress, with time left) are streamed as they come.
-        pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
-                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
-                            execution_timeout=execution_timeout)
+        # The kernel's printed lines (the steps' own progress, with time left) are streamed as they come. The
+        # kernel inherits MFU_LAB_INDEX_BY_RUNNER: the bracket rewrites the index after the step, not the kernel.
+        os.environ["MFU_LAB_INDEX_BY_RUNNER"] = "1"
+        try:
+            pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
+                                kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
+                                execution_timeout=execution_timeout)
+        finally:
+            os.environ.pop("MFU_LAB_INDEX_BY_RUNNER", None)
     return folder / "report.html"
 
 

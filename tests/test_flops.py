@@ -98,3 +98,32 @@ def test_the_counted_step_adds_the_recompute_only_for_a_flash_style_kernel(tiny_
     assert r.flash_recompute_flops_per_step == pytest.approx(expected)  # analytic
     assert r.hardware_flops_per_step - r.model_flops_per_step == pytest.approx(expected)
     assert r.counted_hardware_flops_per_step - r.counted_flops_per_step == pytest.approx(expected)  # counted
+
+
+def test_one_count_per_job_is_shared_and_anything_that_changes_it_changes_the_key(tmp_path, monkeypatch):
+    """Issue 20: the steps of one job count FLOPs once (a cache in the job's folder); a different batch shape or
+    attention implementation is a different count, and a damaged entry is counted again."""
+    import dataclasses as dc
+
+    from mfu_lab.core import flops as fl
+    from mfu_lab.core.job import load_job
+    from mfu_lab.core.workload import build_loader, build_model, build_train_step
+
+    from .conftest import TINY
+
+    job = dc.replace(load_job(TINY), out_dir=str(tmp_path))
+    model = build_model(job)
+    x, y = next(iter(build_loader(job, 1, "cpu")))
+    ts = build_train_step(job, model, "cpu")
+    first = fl.count_step_flops(model, ts, x, y, cache_dir=tmp_path)
+    calls = []
+    monkeypatch.setattr(fl, "count_flops", lambda fn: calls.append(fn) or pytest.fail("counted again"))
+    assert fl.count_step_flops(model, ts, x, y, cache_dir=tmp_path) == first and not calls
+    key = fl.count_key(model, ts, x, y)
+    assert fl.count_key(model, ts, x[:, :16], y[:, :16]) != key
+    model.set_attention(lambda q, k, v: q)
+    assert fl.count_key(model, ts, x, y) != key
+    monkeypatch.undo()
+    model.set_attention("sdpa")
+    (tmp_path / ".flops" / f"{key}.json").write_text("{truncated")
+    assert fl.count_step_flops(model, ts, x, y, cache_dir=tmp_path) == first

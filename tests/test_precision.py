@@ -44,6 +44,20 @@ def test_the_fastest_proven_rung_with_its_loss_kept_wins():
                                         pr.SKIPPED]
 
 
+def test_a_race_judges_a_rung_not_proven_faster_by_its_speed_alone_and_says_why():
+    """Racing (issue 20): only a rung proven faster can be adopted, so the others train no loss curve; their
+    verdict comes from the speed, with the reason."""
+    why = "loss curve not trained: not proven faster than float32"
+    slow = pr.Figures("float16", 0.9, 0.85, 0.95, None, "", "", why)
+    maybe = pr.Figures("bfloat16", 1.1, 0.95, 1.2, None, "", "", why)
+    verdicts, adopted = pr.judge([slow, maybe], TOL)
+    assert adopted is None
+    assert verdicts[0][0] == pr.SLOWER and why in verdicts[0][1]
+    assert verdicts[1][0] == pr.NOT_FASTER and why in verdicts[1][1]
+    faster = pr.Figures("bfloat16", 1.9, 1.8, 2.0, None, "", "", why)  # never skipped when faster: a failure
+    assert pr.judge([faster], TOL)[0][0][0] == pr.FAILED
+
+
 def test_a_rung_without_figures_is_never_adopted():
     verdicts, adopted = pr.judge([fig("bfloat16", None, None, None), pr.Figures("tf32", 1.5, 1.2, 1.8)], TOL)
     assert adopted is None and [s for s, _ in verdicts] == [pr.FAILED, pr.FAILED]
@@ -130,7 +144,7 @@ def test_a_jobs_own_precision_that_loses_the_loss_is_called_out():
 def broken(tmp_path_factory):
     """Step 5 on the tiny job with float16 failing to build and bfloat16 failing in its second timed round."""
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path_factory.mktemp("p")), fp8_steps=6,
-                              precision_rounds=3, steps=4)
+                              precision_rounds=3, steps=4, thorough=True)  # loss curves first, as exhaustively
     real_build, real_steps = pl.build_model, pl._Runner.steps
     calls = {"bfloat16": 0}
 

@@ -56,6 +56,7 @@ class Figures:
     final_gap: float | None = None  # last-window mean loss / float32's - 1
     diverged: str = ""  # the divergence watch's reason; '' when it let the curve run to the end
     status: str = ""  # preset to reference | skipped | failed to leave the rung out of the judgement
+    loss_skipped: str = ""  # why no loss curve was trained (a race: the speed alone rules the rung out)
 
 
 def verdict(f: Figures, tolerance: float) -> tuple[str, str]:
@@ -64,6 +65,11 @@ def verdict(f: Figures, tolerance: float) -> tuple[str, str]:
         return f.status, ""
     if f.diverged:
         return DIVERGED, f.diverged
+    if f.final_gap is None and f.loss_skipped and f.speedup_low is not None and f.speedup_low <= 1.0:
+        interval = f"{f.speedup:.2f}x [{f.speedup_low:.2f}, {f.speedup_high:.2f}]"
+        if f.speedup_high < 1.0:
+            return SLOWER, f"{interval}: proven slower than float32; {f.loss_skipped}"
+        return NOT_FASTER, f"{interval}: the interval contains 1.0, so not proven faster; {f.loss_skipped}"
     if f.final_gap is None:
         return FAILED, "no loss curve to judge"
     if f.final_gap > tolerance:

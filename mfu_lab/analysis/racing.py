@@ -7,7 +7,7 @@ runs in rounds. The first round times every candidate for a few steps. A candida
   comparison always has them; or
 - it is inside the leader's noise band: its fastest sample is no slower than the leader's slowest sample, or its
   median is within ``floor`` (3%) of the leader's median; and, of those, it ranks in the best ``keep_share``
-  (a third, at least two) by median: successive halving's cut, so a flat field still shrinks.
+  (a third, at least two and at most four) by median: successive halving's cut, so a flat field still shrinks.
 
 The final round measures the survivors side by side with the full protocol, and the step's usual rule picks among
 them. With ``exhaustive`` (``--thorough``) every candidate goes to the final round. A budget that runs out cuts the
@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from mfu_lab.core.thresholds import RACE_KEEP_SHARE, RACE_NOISE_FLOOR
+from mfu_lab.core.thresholds import RACE_KEEP_SHARE, RACE_MAX_FINALISTS, RACE_NOISE_FLOOR
 
 
 @dataclass
@@ -77,7 +77,7 @@ def survivors(samples: dict[str, list[float]], references: list[str] | tuple[str
     leader = min(med, key=med.get)
     lead_med, lead_max = med[leader], max(timed[leader])
     order = sorted(med, key=med.get)
-    room = max(2, math.ceil(len(order) * keep_share))  # two inside each other's noise both go on
+    room = max(2, min(RACE_MAX_FINALISTS, math.ceil(len(order) * keep_share)))  # two in each other's noise go on
     kept, dropped = [], {}
     for name in order:
         inside = min(timed[name]) <= lead_max or med[name] <= lead_med * (1 + floor)
@@ -90,9 +90,9 @@ def survivors(samples: dict[str, list[float]], references: list[str] | tuple[str
         elif len(kept) < room:
             kept.append(name)
         else:
-            dropped[name] = (f"inside the leader's noise band but not in the best {keep_share:.0%} of "
-                             f"{len(order)} by median ({med[name] * 1e3:.1f} ms vs {lead_med * 1e3:.1f} ms): "
-                             "a toss-up with the candidates kept")
+            dropped[name] = (f"inside the leader's noise band but not among the best {room} of {len(order)} by "
+                             f"median ({med[name] * 1e3:.1f} ms vs the leader's {lead_med * 1e3:.1f} ms): a toss-up "
+                             "with the candidates kept")
     if leader not in kept and leader not in references:
         kept.insert(0, leader)
     kept += [r for r in references if r in samples and r not in kept]

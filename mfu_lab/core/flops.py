@@ -16,12 +16,18 @@ Conventions (``convention=``):
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from mfu_lab.core.files import write_json_atomic
+from mfu_lab.core.results import ResultFormatError, rebuild
 from mfu_lab.core.workload import GPT
 
 CONVENTIONS = ("palm", "causal")
@@ -162,8 +168,23 @@ class FlopReport:
     flash_recompute_flops_per_step: float = 0.0  # in hardware FLOPs: the score recompute of flash-style kernels
 
 
-def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
-    """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward."""
+def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path | None = None) -> FlopReport:
+    """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward.
+
+    ``cache_dir`` (a job's output folder): the count is kept there under a digest of everything it depends on
+    (:func:`count_key`), so the steps of one job count once and share it; anything that changes the count
+    (the model's structure or source file, its attention, the batch's shape, checkpointing, dtype, device, torch)
+    changes the digest."""
+    if cache_dir is not None:
+        path = Path(cache_dir) / ".flops" / f"{count_key(model, train_step, x, y)}.json"
+        if path.is_file():
+            try:
+                return rebuild(FlopReport, json.loads(path.read_text()))
+            except (ValueError, ResultFormatError):
+                pass  # a damaged cache entry: count again and replace it
+        report = count_step_flops(model, train_step, x, y)
+        write_json_atomic(path, report)
+        return report
 
     def fwd_bwd():
         train_step.loss(x, y, eager=True).backward()
@@ -197,3 +218,22 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y) -> FlopReport:
                       counted_hw + recompute_counted, None, "counted",
                       "FlopCounterMode over one forward+backward (no formula knows a user model)", counted.by_op, None,
                       recompute_counted)
+
+
+def count_key(model: torch.nn.Module, train_step, x, y) -> str:
+    """16 hex digits over what one step's FLOP count depends on: the model's structure (its repr, with every
+    layer's sizes), each attention implementation set on it, the source file of the model's class (a user model
+    edited between runs), the batch's shapes and dtypes, activation checkpointing, the step's dtype and device,
+    and torch's version."""
+    h = hashlib.sha256()
+    atts = [getattr(a, "__qualname__", None) or repr(a)  # a function's name, never its address
+            for a in (getattr(m, "attention", None) for m in model.modules() if hasattr(m, "attention"))]
+    try:
+        source = Path(inspect.getsourcefile(type(model)) or "").read_bytes()
+    except (OSError, TypeError):
+        source = b""
+    for part in (repr(model), "|".join(atts), hashlib.sha256(source).hexdigest(), tuple(x.shape), str(x.dtype),
+                 tuple(y.shape), str(y.dtype), getattr(model, "activation_checkpointing", None),
+                 getattr(train_step, "dtype", None), getattr(train_step, "device_type", None), torch.__version__):
+        h.update(repr(part).encode() + b"\0")
+    return h.hexdigest()[:16]

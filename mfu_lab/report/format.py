@@ -38,6 +38,25 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value:.4g} {unit}"
 
 
+def impossible(name: str, value: Any, unit: str) -> str:
+    """Why a figure cannot be true, or '': a share of a whole (MFU, HFU, a ``*_share`` or ``*_fraction``) outside
+    [0, 1]. Such a figure is shown with a warning mark and this sentence, and no advice rests on it."""
+    shares = name in ("mfu", "hfu", "ddp_mfu", "baseline_mfu") or name.endswith(("_share", "_fraction"))
+    if unit != "fraction" or not shares or not isinstance(value, int | float) or 0.0 <= value <= 1.0:
+        return ""
+    return (f"{value:.1%} cannot be a share of a whole (outside 0-100%): the parts were measured separately and "
+            "do not add up; not used for any recommendation")
+
+
+def flagged(name: str, value: Any, unit: str) -> Markup:
+    """:func:`fmt`, with a warning mark and its reason (as a tooltip and a line) when :func:`impossible`."""
+    why = impossible(name, value, unit)
+    text = e(fmt(value, unit))
+    if not why:
+        return Markup(text)
+    return Markup(f'{text} <span class="warn" title="{e(why)}">⚠</span><br><small>{e(why)}</small>')
+
+
 def duration(s: float | None) -> str:
     """A span of time for people: seconds, minutes, hours or days."""
     if s is None:

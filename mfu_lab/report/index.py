@@ -8,6 +8,8 @@ by the templates (``templates/job_index.html.j2``, ``templates/index_parts.html.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -105,13 +107,24 @@ def history_html(job_root: Path) -> Markup:
     return macros(PARTS).history_html(rows, more, str(job_root), uri)
 
 
+_RENDERED: dict[tuple[str, str], Markup] = {}  # (step, digest of its result) -> its section, within one process
+
+
 def _section(key: str, d: dict[str, Any]) -> Markup:
     """One step's detailed section; a result this version cannot read (an older or damaged file) is named,
-    not allowed to take the whole page down."""
+    not allowed to take the whole page down. A run rewrites the index before and after every step: a section
+    whose result has not changed is drawn once per process (its plots take most of the page's time)."""
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+    if (key, digest) in _RENDERED:
+        return _RENDERED[key, digest]
     try:
-        return SECTIONS[key](d)
+        out = SECTIONS[key](d)
     except Exception as exc:  # noqa: BLE001 - any shape problem in a stored result
         return macros(PARTS).unreadable_section(BY_KEY[key].number, key, type(exc).__name__, str(exc))
+    if len(_RENDERED) > 64:
+        _RENDERED.clear()
+    _RENDERED[key, digest] = out
+    return out
 
 
 def monitor_summary(job_root: Path, results: dict[str, dict]) -> tuple[dict | None, str | None, str]:

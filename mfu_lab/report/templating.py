@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from mfu_lab.report.format import badge, compile_s, duration, fmt, ms, ms0, num, share
+from mfu_lab.report.format import badge, compile_s, duration, flagged, fmt, ms, ms0, num, share
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -37,7 +37,7 @@ def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, finalize=_finalize, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)
-    env.globals.update(badge=badge, fmt=fmt)
+    env.globals.update(badge=badge, fmt=fmt, flagged=flagged)
     env.filters.update(ms=ms, ms0=ms0, num=num, pct=_pct, compile_s=compile_s, duration=duration, share=share)
     return env
 

@@ -45,6 +45,9 @@ SYNC_TOLERANCE = 1e-6  # checksum difference above which ranks are out of sync
 JOB_IMPL = {"sdpa": "sdpa (torch's choice)", "unfused": "unfused"}  # the job's attention among the candidates
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets
 LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
+IMPOSSIBLE_SHARE = ("attention share above 100%: n_layers x the standalone timing exceeds the whole step, so the "
+                    "standalone timing does not represent the kernel's cost inside the step; not used for any "
+                    "recommendation")
 
 
 @dataclass
@@ -183,6 +186,8 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
             r.step_median_s, r.step_p10_s, r.step_p90_s = st.median, st.p10, st.p90
             r.mfu = fl.mfu(flops_per_step, len(walls[r.name]) / sum(walls[r.name]), peak)
             r.attention_share = job.n_layers * r.attn_median_s / st.median
+            if r.attention_share > 1.0:  # impossible: flagged in the table, used for nothing
+                r.reason = "; ".join(x for x in (r.reason, IMPOSSIBLE_SHARE) if x)
     return rows, log
 
 
@@ -231,7 +236,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     model = build_model(job).to(torch_device).train()
     x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
     flops = count_step_flops(model, build_train_step(job, model, device.type), x.to(torch_device),
-                             y.to(torch_device))
+                             y.to(torch_device), cache_dir=job.output_root())
     ref = _baseline_reference(job, device.name)
     if ref:
         peak = ref["peak"]
@@ -379,7 +384,8 @@ def _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label
                                "job's own attention step time / recommended attention's, side by side in one run"),
         "best_attention_step_median_s": m(best_att.step_median_s if best_att else None, "s"),
         "attention_share": m(job_impl.attention_share if job_impl else None, "fraction", "measured",
-                             "n_layers x attention forward+backward / step time, job's own attention"),
+                             "n_layers x attention forward+backward / step time, job's own attention"
+                             + (f"; {IMPOSSIBLE_SHARE}" if job_impl and (job_impl.attention_share or 0) > 1 else "")),
         "ddp_mfu": m(best_comm.mfu if best_comm else None, "fraction", "measured",
                      "recommended DDP configuration: ranks x model FLOPs / (total peak x step time)"),
         "ddp_step_median_s": m(best_comm.step_median_s if best_comm else None, "s"),

@@ -286,7 +286,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     # ---- FLOPs and peak for MFU, as in step 1
     x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
     flops = count_step_flops(model, build_train_step(job, model, device.type), x0.to(torch_device),
-                             y0.to(torch_device)).model_flops_per_step
+                             y0.to(torch_device), cache_dir=job.output_root()).model_flops_per_step
     peak, *peak_label, _ = reference_peak(job, device)
     del model
 

@@ -56,6 +56,7 @@ class Rung:
     stopped_at: int | None = None
     scaler_skipped: int = 0  # float16 steps the loss scaler skipped (an overflow lowered its scale)
     loss: list[float] = field(default_factory=list)
+    loss_skipped: str = ""  # why no loss curve was trained (racing: not proven faster, so never adoptable)
 
     def fail(self, what: str, err: BaseException) -> None:
         if self.status != pr.FAILED:
@@ -218,9 +219,19 @@ def ladder(job: Job, batches: list, device: dev.DeviceInfo, say) -> dict[str, An
         return {"rungs": [dataclasses.asdict(rungs[0])], "order": [], "native_bf16": native,
                 "choice": choose(job, rungs, None)}
     try:
-        say(f"precision ladder: loss curves over {job.fp8_steps} steps, same seed and batches")
-        _loss_check(job, rungs, batches[:job.fp8_steps], torch_device, say)
-        order = _speed(job, rungs, batches, torch_device, say)
+        if job.thorough:
+            say(f"precision ladder: loss curves over {job.fp8_steps} steps, same seed and batches")
+            _loss_check(job, rungs, batches[:job.fp8_steps], torch_device, say)
+            order = _speed(job, rungs, batches, torch_device, say)
+        else:  # race: time first; only a rung proven faster can be adopted, so only those need a loss curve
+            order = _speed(job, rungs, batches, torch_device, say)
+            check = [r for r in rungs if r is rungs[0] or r.speedup_low is None or r.speedup_low > 1.0]
+            for r in rungs:
+                if r not in check and r.status not in (pr.SKIPPED, pr.FAILED):
+                    r.loss_skipped = ("loss curve not trained: not proven faster than float32, so it cannot be "
+                                      "adopted (--thorough trains it)")
+            say(f"precision ladder: loss curves over {job.fp8_steps} steps for {', '.join(r.name for r in check)}")
+            _loss_check(job, check, batches[:job.fp8_steps], torch_device, say)
     finally:
         torch.set_float32_matmul_precision(job.matmul_precision)
     choice = choose(job, rungs, settle(job, rungs, native))
@@ -236,7 +247,7 @@ def settle(job: Job, rungs: list[Rung], native: dict | None) -> str | None:
             if r.status not in (pr.SKIPPED, pr.FAILED):
                 r.status, r.reason = pr.FAILED, "the float32 reference failed: " + rungs[0].reason
     figures = [pr.Figures(r.name, r.speedup, r.speedup_low, r.speedup_high, r.final_gap, r.diverged,
-                          r.status if r.status in pr.UNJUDGED else "") for r in rungs]
+                          r.status if r.status in pr.UNJUDGED else "", r.loss_skipped) for r in rungs]
     verdicts, adopted = pr.judge(figures, job.loss_tolerance)
     for r, (status, reason) in zip(rungs, verdicts):
         if r.status not in pr.UNJUDGED:
