@@ -145,9 +145,15 @@ def cmd_validate(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    job = Job()
+    """Every key, its default and what it does, in columns; a default too long for its column gets a line of its
+    own and the text goes on under the column, so the columns never drift."""
+    job, width = Job(), 16
     for name, f in FIELDS.items():
-        print(f"{name:<26} default {getattr(job, name)!r:<14} {f.metadata['help']}")
+        default = repr(getattr(job, name))
+        if len(default) > width:
+            print(f"{name:<26} default {default}\n{'':<{26 + 9 + width}} {f.metadata['help']}")
+        else:
+            print(f"{name:<26} default {default:<{width}} {f.metadata['help']}")
     return EXIT_OK
 
 
@@ -182,6 +188,8 @@ def _job_dir(arg: str | None) -> Path:
 
 def cmd_history(args) -> int:
     root = _job_dir(args.job_dir)
+    if not root.is_dir():  # as `report` says: a typo is not an empty history
+        raise JobError("command line", [JobProblem("JOB_DIR", str(root), "no such folder")])
     table = runs(root)
     if not table:
         print(f"{root}: no run recorded yet (history.jsonl is written when a step saves its result)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -269,12 +270,35 @@ def what_if(job, result, gpus: int, tp: int = 0, pp: int = 0, oversubscription: 
                       f"{job.global_batch}, {cluster.n_gpus - cluster.occupied_gpus} GPUs free)")
     rows = strategy_rows(cluster, shape, best.layout, cal, job.seed, occupied_groups(cluster), neighbour_traffic)
     ok = [r for r in rows if r["status"] == "ok"]
+    uplinks = uplink_note(cluster, shape, best.layout, cal, job.seed, neighbour_traffic, ok)
     text = "; ".join(f"{r['strategy']}: {r['step_s'] * 1e3:.2f} ms, MFU {r['mfu']:.1%}"
                      + (f" ({r['vs_aware']:.2f}x)" if r.get("vs_aware") and r["strategy"] != "topology-aware" else "")
                      for r in ok)
     return WhatIf(best.layout.label(), rows, f"{gpus} GPUs as {best.layout.label()} on {cluster.name} "
                   f"(oversubscription {cluster.oversubscription:g}:1, {cluster.occupied_gpus} GPUs held by a "
-                  f"neighbour communicating {neighbour_traffic:.0%} of the time) [modelled]: {text}")
+                  f"neighbour communicating {neighbour_traffic:.0%} of the time) [modelled]: {text}"
+                  + (f". {uplinks}" if uplinks else ""))
+
+
+def uplink_note(cluster, shape, layout, cal, seed: int, traffic: float, rows: list[dict]) -> str:
+    """Why the uplink control moves nothing at these settings, or '': the model re-run at every oversubscription
+    the slider offers (1:1 to 8:1); when none changes a step time, each group's per-GPU network share is the
+    tighter limit, and the sentence says what would make the uplinks matter."""
+    def steps(over: float) -> list[float]:
+        c = dataclasses.replace(cluster, oversubscription=over)
+        return [r["step_s"] for r in strategy_rows(c, shape, layout, cal, seed, occupied_groups(c), traffic)
+                if r["status"] == "ok"]
+
+    now = [r["step_s"] for r in rows]
+    moved = [o / 2 for o in range(2, 17) if steps(o / 2) != now]
+    if moved and min(moved) <= cluster.oversubscription:
+        return ""  # lowering the oversubscription changes the step: the uplinks bind here
+    if not moved:
+        return ("The uplink oversubscription moves nothing here: the uplinks are not the bottleneck, each group's "
+                "per-GPU network share is tighter at every setting from 1:1 to 8:1; raise the neighbour's GPUs or "
+                "its traffic to see an effect")
+    return (f"The uplinks are not the bottleneck at {cluster.oversubscription:g}:1: each group's per-GPU network "
+            f"share is tighter; the step changes from {min(moved):g}:1 up, or with more of the neighbour's GPUs")
 
 
 def draw_placement(job, result, **kw) -> tuple[ReportFigure, str]:
@@ -284,6 +308,9 @@ def draw_placement(job, result, **kw) -> tuple[ReportFigure, str]:
     ax = fig.subplots()
     if ok:
         plots.term_bars(ax, ok, [f"{r['strategy']} ({r['nodes']} nodes, {r['switches']} sw)" for r in ok])
+    else:  # never an empty plot: say why there is nothing to draw
+        ax.axis("off")
+        ax.text(0.5, 0.5, textwrap.fill(wi.text, 90), ha="center", va="center", fontsize=9, transform=ax.transAxes)
     ax.set_title(f"What if: {kw.get('gpus')} GPUs, {wi.layout} [modelled]")
     fig.tight_layout()
     return fig, wi.text
@@ -293,8 +320,8 @@ def explore_placement(job, result) -> Explorer:
     import ipywidgets as w
 
     c = result.cluster
-    sizes = [r["gpus_n"] for r in result.sweep]
-    start = len(result.chosen["gpus"]) if result.chosen else sizes[0]
+    sizes = [r["gpus_n"] for r in result.sweep if r.get("status") == "ok"]  # never a size the step found impossible
+    start = len(result.chosen["gpus"]) if result.chosen else (sizes or [1])[0]
     style = {"description_width": "initial"}
     controls = {
         "gpus": w.Dropdown(options=sorted(set(sizes) | {start}), value=start, description="GPUs", style=style),

@@ -142,6 +142,15 @@ def test_what_if_with_the_files_values_reproduces_the_step_and_moves_with_the_sl
     e = ex.explore_placement(job, r)
     e.controls["oversubscription"].value = 8.0
     assert e.redraws == 2 and "oversubscription 8:1" in e.text.value
+    # issue 21: no size the step found impossible is offered, and a control that moves nothing says why
+    impossible = {s["gpus_n"] for s in r.sweep if s.get("status") != "ok"}
+    assert impossible and not impossible & set(e.controls["gpus"].options)
+    moved = {o: [x["step_s"] for x in ex.what_if(job, r, gpus=len(r.chosen["gpus"]), oversubscription=o).rows
+                 if x["status"] == "ok"] for o in (1.0, 8.0)}
+    if moved[1.0] == moved[8.0]:  # the uplinks do not bind at this size: the caption must say so
+        assert "the uplinks are not the bottleneck" in e.text.value
+    fig, text = ex.draw_placement(job, r, gpus=7, tp=2)
+    assert "no layout of 7 GPUs" in text and fig.axes[0].texts  # said in the figure, not an empty plot
 
 
 @pytest.mark.e2e

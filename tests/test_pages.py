@@ -24,3 +24,67 @@ def test_the_metrics_table_and_the_cards_carry_the_flag():
     assert table.count("⚠") == 1 and "cannot be a share" in table
     cards = str(macros("parts.html.j2").cards(metrics, [("share", "attention_share"), ("MFU", "mfu")]))
     assert cards.count("⚠") == 1
+
+
+def test_a_plot_that_cannot_be_drawn_says_why_in_one_sentence():
+    from types import SimpleNamespace
+
+    from mfu_lab import plots
+    from mfu_lab.analysis.placement_check import Check
+
+    check = plots.model_check(SimpleNamespace(check=Check(False, "step 2 has not run for this job")))
+    assert not check and "step 2 has not run" in check._repr_markdown_()
+    stairs = plots.staircase(SimpleNamespace(rungs=[SimpleNamespace(step_median_s=None)]))
+    assert not stairs and "No staircase" in stairs._repr_markdown_()
+    loss = plots.verify_loss(SimpleNamespace(loss={"status": "skipped", "reason": "the original did not run"}))
+    assert not loss and "the original did not run" in loss._repr_markdown_()
+
+
+def test_the_index_never_links_an_earlier_runs_report_to_a_newer_result(tmp_path):
+    import dataclasses
+    import os
+
+    from mfu_lab.core.job import load_job
+    from mfu_lab.report import write_index
+    from mfu_lab.steps import baseline
+
+    from .conftest import TINY
+
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
+    folder = job.step_dir("01_baseline")
+    folder.mkdir(parents=True)
+    for name in ("01_baseline.ipynb", "report.html"):  # an earlier run's notebook and report...
+        (folder / name).write_text("{}")
+        os.utime(folder / name, (1_000_000_000, 1_000_000_000))
+    baseline.run(job, progress=lambda m: None)  # ...then a plain-Python run replaces the result
+    index = write_index(job.output_root()).read_text()
+    assert 'href="01_baseline/report.html"' not in index and 'href="01_baseline/01_baseline.ipynb"' not in index
+    assert "made without a notebook" in index and 'href="01_baseline/result.json"' in index
+    (folder / "01_baseline.ipynb").touch()  # papermill wrote the notebook after the result; the report is older
+    os.utime(folder / "report.html", (1_000_000_000, 1_000_000_000))
+    index = write_index(job.output_root()).read_text()
+    assert 'href="01_baseline/01_baseline.ipynb"' in index and 'href="01_baseline/report.html"' not in index
+    assert "report.html is older than the executed notebook" in index
+
+
+def test_steps_measured_with_other_job_parameters_are_named():
+    from mfu_lab.report.index import job_differences
+
+    base = {"micro_batch": 8, "dtype": "float32", "steps": 20, "compile_modes": ["default"]}
+    results = {"baseline": {"job": base}, "kernels": {"job": base | {"steps": 5, "compile_modes": []}},
+               "compile": {"job": base | {"micro_batch": 4}}}
+    lines = job_differences(results)
+    assert len(lines) == 1 and lines[0].startswith("Step 4 was measured with other job parameters than step 1")
+    assert "micro_batch 4 (step 1: 8)" in lines[0] and "not like for like" in lines[0]
+
+
+def test_the_summary_chart_says_what_each_bar_is_and_gives_ddp_its_own_bar():
+    from mfu_lab.report.summary import bar_meanings, mfu_points
+
+    m = lambda v: {"value": v, "unit": "fraction", "source": "measured"}  # noqa: E731
+    results = {"baseline": {"metrics": {"mfu": m(0.4)}},
+               "attention_comm": {"metrics": {"mfu": m(0.43), "ddp_mfu": m(0.63)}, "comm_layout": {"world_size": 8}}}
+    pts = mfu_points(results)
+    assert [p[0] for p in pts] == ["01_baseline", "02_attention_and_comm", "02_attention_and_comm/DDP"]
+    meanings = bar_meanings(results)
+    assert "one process" in meanings[1] and meanings[2].startswith("data-parallel, 8 ranks")

@@ -178,7 +178,10 @@ def resolve_run(spec: str, job_root: Path | None) -> Run:
     if spec in ("latest", "previous"):
         need = 1 if spec == "latest" else 2
         if len(ids) < need:
-            raise JobError("command line (compare)", [JobProblem("RUN", spec, f"{job_root} has {len(ids)} run(s)")])
+            again = ("run a step again (e.g. mfu-lab run --steps baseline) so there are two runs to compare"
+                     if ids else "run a step first (e.g. mfu-lab run --steps baseline)")
+            raise JobError("command line (compare)", [JobProblem(
+                "RUN", spec, f"{job_root} has {len(ids)} run{'' if len(ids) == 1 else 's'} kept: {again}")])
         rid = ids[-need]
     else:
         match = [i for i in ids if i.startswith(spec)]

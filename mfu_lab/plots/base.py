@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import textwrap
 
 import matplotlib.ticker
 from matplotlib.figure import Figure
@@ -92,13 +93,19 @@ def mfu_trend(trend: list[tuple[str, dict[str, float]]]) -> Figure:
     return fig
 
 
-def mfu_progression(points: list[tuple[str, float]]) -> Figure:
-    """MFU after each step that has run, in workbook order."""
-    fig = ReportFigure(figsize=(max(4, 1.3 * len(points) + 2), 3.2))
+def mfu_progression(points: list[tuple[str, float]], meanings: list[str] | None = None) -> Figure:
+    """MFU after each step that has run, in workbook order; ``meanings`` (one per point) says what each bar
+    measured: data-parallel bars are hatched and modelled ones pale, with the meaning under each bar."""
+    meanings = meanings or ["" for _ in points]
+    fig = ReportFigure(figsize=(max(5, 1.9 * len(points) + 2), 4.0))
     ax = fig.subplots()
-    names = [p[0] for p in points]
+    names = [p[0].replace("_", " ") for p in points]
     values = [p[1] for p in points]
-    ax.bar(names, values, color=COLORS["mfu"])
+    for i, (v, what) in enumerate(zip(values, meanings)):
+        ax.bar(i, v, color=COLORS["mfu"], alpha=0.45 if "modelled" in what else 1.0,
+               hatch="//" if "data-parallel" in what else None, edgecolor="#1b5e20")
+    ax.set_xticks(range(len(points)))
+    ax.set_xticklabels([f"{n}\n{textwrap.fill(w, 24)}" if w else n for n, w in zip(names, meanings)], fontsize=7)
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:.1%}", ha="center", va="bottom", fontsize=9)
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))

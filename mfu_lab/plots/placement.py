@@ -5,6 +5,7 @@ from __future__ import annotations
 import matplotlib.ticker
 
 from mfu_lab.plots.base import COLORS, ReportFigure
+from mfu_lab.plots.monitor import Unavailable
 
 TERM_COLORS = {"compute_s": "#3b6fb6", "bubble_s": "#adb5bd", "tp_s": "#7048e8", "pp_s": "#e8912d",
                "dp_exposed_s": "#c92a2a"}
@@ -79,7 +80,7 @@ def placement_map(result) -> ReportFigure:
         if jobs:
             panels.append((f"{len(jobs)} jobs: {part}", jobs))
     if not panels:
-        return None
+        return Unavailable("No placement to draw: no strategy or shared partition could be placed on this cluster.")
     fig = ReportFigure(figsize=(2.3 * len(panels), max(3.0, 0.16 * nodes + 1.2)))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     import matplotlib.colors as mcolors
@@ -116,7 +117,8 @@ def model_check(result) -> ReportFigure:
     """Predicted against measured data-parallel step time on this machine, one bar per compute source."""
     ch = result.check
     if not ch.available or not ch.rows:
-        return None
+        return Unavailable("No model check: " + (ch.reason or "step 2 has not measured a data-parallel step on this "
+                                                 "machine to check the model against") + ".")
     fig = ReportFigure(figsize=(9, 0.5 * len(ch.rows) + 1.8))
     ax = fig.subplots()
     labels = [r["name"] for r in ch.rows]

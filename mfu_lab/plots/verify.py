@@ -5,17 +5,18 @@ from __future__ import annotations
 import matplotlib.ticker
 
 from mfu_lab.plots.base import ReportFigure
+from mfu_lab.plots.monitor import Unavailable
 
 RUNG_COLORS = {"original": "#495057", "attention": "#3b6fb6", "communication": "#7048e8", "data": "#e8912d",
                "compile": "#2f9e44", "precision": "#c2255c", "fp8": "#868e96"}
 
 
-def staircase(result) -> ReportFigure | None:
+def staircase(result) -> ReportFigure | Unavailable:
     """Each rung's median step time (p10-p90) with its speedup over the original [95% interval], and its MFU.
-    Excluded or failed rungs are listed with why, without a bar. None when nothing was measured."""
+    Excluded or failed rungs are listed with why, without a bar; :class:`Unavailable` when nothing was measured."""
     rungs = result.rungs
     if not any(r.step_median_s for r in rungs):
-        return None
+        return Unavailable("No staircase: no rung of the tuned job was measured (see the table for why).")
     fig = ReportFigure(figsize=(11, 0.6 * len(rungs) + 1.9))
     ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1.3]})
     ys = list(range(len(rungs)))[::-1]
@@ -51,11 +52,12 @@ def staircase(result) -> ReportFigure | None:
     return fig
 
 
-def verify_loss(result) -> ReportFigure | None:
+def verify_loss(result) -> ReportFigure | Unavailable:
     """The original's and the tuned job's loss over the same steps, and their relative gap against the tolerance."""
     loss = result.loss
     if loss.get("status") not in ("ok", "off"):
-        return None
+        return Unavailable("No loss comparison: " + (loss.get("reason") or f"the loss check is "
+                                                     f"{loss.get('status', 'missing')}") + ".")
     fig = ReportFigure(figsize=(11, 3.6))
     ax, ax2 = fig.subplots(1, 2)
     a, b = loss["original"], loss["tuned"]

@@ -25,6 +25,7 @@ from mfu_lab.core.ledger import Ledger, LedgerItem
 from mfu_lab.core.registry import BY_KEY, STEPS, StepInfo
 from mfu_lab.core.runstate import step_state
 from mfu_lab.report.summary import (
+    bar_meanings,
     changes,
     headline,
     ledger_before_after,
@@ -57,17 +58,63 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Markup]] = {
 STATUS_CSS = {"ok": "ok", "not run": "notrun", "running": "info"}
 
 
+def _older(path: Path, than: Path) -> bool:
+    """Whether ``path`` was written before ``than`` (a second of slack for coarse file systems)."""
+    return path.is_file() and than.is_file() and path.stat().st_mtime < than.stat().st_mtime - 1.0
+
+
 def _step_row(job_root: Path, info: StepInfo, result: dict | None) -> dict[str, Any]:
-    """One row of the steps' table: status, headline metrics and links to the step's files that exist."""
+    """One row of the steps' table: status, headline metrics and links to the step's files that exist. The
+    executed notebook is written after the result it made is saved, and its report after it: a notebook older than
+    the result (the step then ran in plain Python, ``mfu-lab step``) or a report older than its notebook
+    (papermill without ``mfu-lab report``) belongs to an earlier run, so it is not linked, and the row says so."""
     folder = job_root / info.folder
+    res, nb, html = folder / RESULT_FILE, folder / info.notebook, folder / "report.html"
+    st = step_state(folder, result)
+    stale = ""
+    if st.status == "ok" and _older(nb, res):
+        stale = ("this result was made without a notebook (mfu-lab step or plain Python): the notebook and report "
+                 "here are an earlier run's, so they are not linked; mfu-lab run makes a report of this result")
+    elif st.status == "ok" and _older(html, nb):
+        stale = f"report.html is older than the executed notebook: mfu-lab report {job_root} exports it again"
+    skip = {info.notebook, "report.html"} if stale.startswith("this result") else {"report.html"} if stale else set()
     links = [(info.folder, name, label)
              for name, label in (("report.html", "report"), (info.notebook, "notebook"), (RESULT_FILE, "result.json"),
                                  ("trace.json.gz", "trace"))
-             if (folder / name).exists()]
-    st = step_state(folder, result)
-    return {"number": info.number, "title": info.title, "status": st.status, "detail": st.detail,
+             if (folder / name).exists() and name not in skip]
+    return {"number": info.number, "title": info.title, "status": st.status,
+            "detail": "; ".join(x for x in (st.detail, stale) if x),
             "css": STATUS_CSS.get(st.status, "failed"), "metrics": (result or {}).get("metrics", {}), "links": links,
             "nodes": ((result or {}).get("nodes") or {}).get("text", "")}
+
+
+# The job keys that define the workload measured: two steps measured with different values of these measured
+# different jobs, so a comparison between them is not like for like. Step-specific keys (sweeps, trial lengths)
+# and bookkeeping are left out.
+WORKLOAD_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "attention",
+                 "activation_checkpointing", "data", "min_seq_len", "seq_policy", "seq_buckets", "last_batch",
+                 "dataset_samples", "num_workers", "prefetch_factor", "pin_memory", "synthetic_load_ms", "micro_batch",
+                 "dtype", "matmul_precision", "compile_mode", "lr", "adamw_impl", "device", "peak_flops", "seed",
+                 "fp8_layers", "fp8_recipe", "ddp_bucket_mb", "ddp_hook", "ddp_grad_as_bucket_view")
+
+
+def job_differences(results: dict[str, dict]) -> list[str]:
+    """One sentence per step measured with other workload parameters than step 1 (or the first step that ran):
+    which keys differ, and their two values."""
+    ran = [(info, results[info.key]) for info in STEPS if info.key in results and info.key != "verify"]
+    if len(ran) < 2:
+        return []
+    (first, ref), out = ran[0], []
+    base = ref.get("job") or {}
+    for info, d in ran[1:]:
+        job = d.get("job") or {}
+        diff = [f"{k} {job.get(k)!r} (step {first.number}: {base.get(k)!r})" for k in WORKLOAD_KEYS
+                if k in job and k in base and job[k] != base[k]]
+        if diff:
+            out.append(f"Step {info.number} was measured with other job parameters than step {first.number}: "
+                       f"{', '.join(diff)}. Its comparisons with step {first.number} are not like for like; "
+                       f"rerun one of them with the same parameters.")
+    return out
 
 
 def _ledger_obj(d: dict) -> Ledger:
@@ -181,7 +228,7 @@ def _staircase_uri(results: dict[str, dict]) -> str | None:
         fig = plots.staircase(VerifyResult.from_dict(d))
     except Exception:  # noqa: BLE001 - an unreadable result is named in its own section below
         return None
-    return plots.to_data_uri(fig) if fig is not None else None
+    return plots.to_data_uri(fig) if fig else None
 
 
 def _monitor_html(mon: dict | None, link: str | None, named: str) -> Markup | None:
@@ -207,8 +254,8 @@ def write_index(job_root: Path) -> Path:
     any_result = next(iter(results.values()), None)
     page = render(
         "job_index.html.j2", name=job_root.name, env=any_result["environment"] if any_result else {},
-        summary=headline(results), staircase_uri=_staircase_uri(results),
-        progression_uri=plots.to_data_uri(plots.mfu_progression(points)) if points else None,
+        summary=headline(results) + job_differences(results), staircase_uri=_staircase_uri(results),
+        progression_uri=plots.to_data_uri(plots.mfu_progression(points, bar_meanings(results))) if points else None,
         rows=[_step_row(job_root, info, results.get(info.key)) for info in STEPS],
         ledgers=_ledgers(results, mon), monitor=_monitor_html(mon, link, named), changes=changes_table(results),
         recommendations=recommendations_list(results),

@@ -111,13 +111,40 @@ def recommendations(results: dict[str, dict[str, Any]]) -> list[tuple[str, dict[
     return sorted(items, key=lambda x: SEVERITY_ORDER.get(x[1].get("severity"), 3))
 
 
+# What each step's MFU bar measures (the summary chart's x labels and legend).
+BAR_MEANING = {"baseline": "the job as it came, one process, eager",
+               "attention_comm": "recommended attention, one process, eager",
+               "kernels": "unprofiled steps, one process, eager",
+               "compile": "recommended mode (or eager), one process",
+               "verify": "the tuned job, one process, side by side with the original"}
+
+
 def mfu_points(results: dict[str, dict[str, Any]]) -> list[tuple[str, float, str]]:
-    """(step folder, MFU, its label) for every step that reports one, in workbook order."""
+    """(step folder, MFU, its label) for every step that reports one, in workbook order; step 2's data-parallel
+    MFU is a point of its own (folder ``02_…/DDP``), since it is a different measurement (N ranks)."""
     out = []
     for info in STEPS:
-        m = results.get(info.key, {}).get("metrics", {}).get("mfu")
+        metrics = results.get(info.key, {}).get("metrics", {})
+        m = metrics.get("mfu")
         if m and m.get("value") is not None:
             out.append((info.folder, m["value"], m.get("source", "")))
+        ddp = metrics.get("ddp_mfu")
+        if ddp and ddp.get("value") is not None:
+            out.append((info.folder + "/DDP", ddp["value"], ddp.get("source", "")))
+    return out
+
+
+def bar_meanings(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each bar's meaning, in the order of :func:`mfu_points`: one process or data-parallel, eager or compiled,
+    measured or modelled."""
+    out = []
+    for folder, _, source in mfu_points(results):
+        key = next(i.key for i in STEPS if folder.startswith(i.folder))
+        if folder.endswith("/DDP"):
+            world = (results[key].get("comm_layout") or {}).get("world_size")
+            out.append(f"data-parallel, {world} ranks, recommended DDP configuration ({source})")
+        else:
+            out.append(f"{BAR_MEANING.get(key, 'as the step measured it')} ({source})")
     return out
 
 
@@ -137,7 +164,8 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"The job as it came measured {base['value']:.1%} MFU (step 1, {base['source']}).")
     later = [p for p in pts if p[0] != BY_KEY["baseline"].folder]
     if later:
-        text = "Later steps measured MFU " + ", ".join(f"{v:.1%} ({folder[:2]})" for folder, v, _ in later)
+        text = "Later steps measured MFU " + ", ".join(
+            f"{v:.1%} ({folder[:2]}{', data-parallel' if folder.endswith('/DDP') else ''})" for folder, v, _ in later)
         m = results.get("baseline", {}).get("metrics", {})
         med, p10, p90 = (m.get(k, {}).get("value") for k in ("step_time_median_s", "step_time_p10_s",
                                                               "step_time_p90_s"))

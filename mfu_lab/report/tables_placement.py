@@ -63,7 +63,7 @@ def hints_html(r) -> Markup:
 
 
 def _uri(fig) -> str | None:
-    return plots.to_data_uri(fig) if fig is not None else None
+    return plots.to_data_uri(fig) if fig else None  # an Unavailable (falsy) says in the notebook why
 
 
 def placement_section(d: dict[str, Any]) -> Markup:

@@ -27,5 +27,5 @@ def verify_section(d: dict[str, Any]) -> Markup:
     """Step 7's section of the index page, from its result dict."""
     r = VerifyResult.from_dict(d)
     figs = {"staircase": plots.staircase(r), "loss": plots.verify_loss(r)}
-    uris = {k: plots.to_data_uri(f) if f is not None else None for k, f in figs.items()}
+    uris = {k: plots.to_data_uri(f) if f else None for k, f in figs.items()}  # Unavailable is falsy
     return macros(TEMPLATE).section(r, d["metrics"], uris)

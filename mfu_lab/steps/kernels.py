@@ -198,7 +198,8 @@ def advise(r: KernelsResult) -> list[Advice]:
             saving = (f", estimated {c.est_saving_per_step_s * 1e3:.2f} ms of traffic saved per step"
                       if c.est_saving_per_step_s is not None else "")
             out.append(Advice("act" if c is a.fusion[0] else "look", f"Fuse '{c.pattern}': {c.remedy}",
-                              f"{c.per_step:g} runs per step taking {c.time_per_step_s * 1e3:.2f} ms "
+                              f"{c.per_step:g} run{'' if c.per_step == 1 else 's'} per step taking "
+                              f"{c.time_per_step_s * 1e3:.2f} ms "
                               f"({c.share_of_step:.1%} of the step){saving}"))
     opt = a.optimizer
     if opt.get("found") and not opt["multi_tensor"] and opt["share_of_step"] > OPTIMIZER_LIMIT:
