@@ -61,7 +61,10 @@ def agreement(fast: Path, slow: Path) -> dict[str, str]:
             f"within p10-p90 ({ra} vs {rb})" if _within(mine.get("step_median_s"), rows.get(rb)) else
             f"DIFFERENT ({ra} vs {rb})")
         ca, cb = a["recommendation"].get("comm"), b["recommendation"].get("comm")
-        key = (lambda c: (c["hook"], float(c["bucket_cap_mb"]), c["gradient_as_bucket_view"]) if c else None)
+
+        def key(c):
+            return (c["hook"], float(c["bucket_cap_mb"]), c["gradient_as_bucket_view"]) if c else None
+
         rows = {(r["hook"], float(r["bucket_mb"]), r["grad_as_bucket_view"]): r for r in b["comm"]}
         mine = next((r for r in a["comm"] if key(ca) == (r["hook"], float(r["bucket_mb"]), r["grad_as_bucket_view"])),
                     {})

@@ -1,0 +1,182 @@
+"""benchmarks/gpu_check.py's plain parts, on a CPU: --steps, the world-size and time guards, the table, and the
+run loop with its GPU steps replaced (a failure recorded, a step skipped for time, the table printed last)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check as gc  # noqa: E402
+import gpu_check_table as t  # noqa: E402
+
+from mfu_lab.core.job import load_job, validate  # noqa: E402
+
+
+# ---------------------------------------------------------------------- --steps
+def test_steps_parse_in_run_order_once_each():
+    assert t.parse_steps("baseline, monitor,baseline") == ["monitor", "baseline"]
+    assert t.parse_steps("verify,fp8,kernels") == ["kernels", "fp8", "verify"]
+    assert t.parse_steps("all") == list(t.STEPS)
+    assert t.parse_steps(",".join(t.STEPS)) == list(t.STEPS)
+
+
+def test_steps_typo_names_allowed_values_and_a_suggestion():
+    with pytest.raises(t.StepsError) as e:
+        t.parse_steps("monitor,basline")
+    msg = str(e.value)
+    assert "unknown step 'basline'" in msg and "did you mean 'baseline'?" in msg
+    assert "allowed: " + ", ".join(t.STEPS) in msg
+    with pytest.raises(t.StepsError, match="allowed"):
+        t.parse_steps(" , ")
+    with pytest.raises(t.StepsError) as e:
+        t.parse_steps("zzzz")
+    assert "did you mean" not in str(e.value) and "allowed" in str(e.value)
+
+
+def test_steps_argument_and_aliases(capsys):
+    assert gc.parse_args([]).steps == list(t.STEPS)
+    assert gc.parse_args(["--steps", "fp8,compile"]).steps == ["compile", "fp8"]
+    assert gc.parse_args(["--quick"]).steps == ["baseline"]
+    assert gc.parse_args(["--monitor-only"]).steps == ["monitor"]
+    assert "verify" not in gc.parse_args(["--skip-verify"]).steps
+    assert gc.parse_args(["--steps", "verify", "--skip-verify"]).steps == []
+    args = gc.parse_args(["--out", "x", "--limit-s", "100"])
+    assert args.out.is_absolute() and args.limit_s == 100
+    with pytest.raises(SystemExit) as e:
+        gc.parse_args(["--steps", "kernals"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'kernels'?" in err and "allowed: monitor, baseline" in err
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--quick", "--steps", "baseline"])  # one way of choosing at a time
+
+
+# ---------------------------------------------------------------------- the guards
+@pytest.mark.parametrize("visible, requested, chosen, capped", [
+    (1, 0, 1, False), (2, 0, 2, False), (8, 0, 8, False), (4, 2, 2, False),
+    (16, 0, 2, True), (16, 4, 2, True), (2, 8, 2, True), (1, 4, 1, True), (4, 8, 2, True)])
+def test_world_guard(visible, requested, chosen, capped):
+    n, msg = t.world_guard(visible, requested)
+    assert n == chosen and n <= visible
+    assert ("capped at" in msg) == capped
+    if capped:
+        assert "two ranks suffice" in msg
+
+
+def test_world_guard_needs_a_gpu():
+    with pytest.raises(ValueError):
+        t.world_guard(0, 0)
+
+
+def test_time_guard():
+    assert t.time_guard(100.0, 560.0, 50.0) == ""
+    assert t.time_guard(510.0, 560.0, 50.0) == ""  # ends exactly at the limit
+    why = t.time_guard(530.0, 560.0, 50.0)
+    assert why.startswith("time") and "30 s left" in why and "~50 s" in why
+    assert "0 s left" in t.time_guard(600.0, 560.0, 1.0)
+
+
+def test_estimates_and_pace():
+    assert t.pace([], []) == 1.0
+    assert t.pace([10.0], [15.0]) == 1.5
+    assert t.pace([10.0], [100.0]) == t.PACE_RANGE[1]
+    assert t.pace([10.0], [1.0]) == t.PACE_RANGE[0]
+    assert t.estimate_s("attention_comm", 2) > t.estimate_s("attention_comm", 1)
+    assert t.estimate_s("baseline", 2) == t.estimate_s("baseline", 1)
+    assert sum(t.estimate_s(s, 1) for s in t.STEPS) < 560  # the default fits one GPU's call as estimated
+
+
+# ---------------------------------------------------------------------- the table
+def test_figure_rows():
+    assert t.figure_row("step 1", "x", 0.0123, "{:.1%}", "of {peak}").value == "1.2% of {peak}"
+    assert t.figure_row("step 1", "x", 3, "{} rungs").status == "pass"
+    for bad in (None, math.nan, math.inf, "3", True):
+        r = t.figure_row("step 1", "x", bad, "{:.1f}")
+        assert r.status == "fail" and r.value.startswith("missing")
+    assert t.figure_row("step 1", "x", 1.0, ok=False).status == "fail"
+    assert t.skip_row("step 2", "y", "one GPU\nmore").status == "skip: one GPU"
+    r = t.fail_row("step 3", "z", RuntimeError("first line\nsecond line"))
+    assert (r.status, r.value) == ("fail", "RuntimeError: first line")
+
+
+def test_add_records_a_reading_error_as_that_rows_failure():
+    rows = []
+    t.add(rows, "step 4", "w", lambda: t.figure_row("step 4", "w", 1.0))
+    t.add(rows, "step 4", "v", lambda: object().missing_attribute)
+    assert [r.status for r in rows] == ["pass", "fail"]
+    assert "AttributeError" in rows[1].value and rows[1].figure == "v"
+
+
+def test_table_written_as_markdown_and_json(tmp_path):
+    rows = [t.Row("step 1", "CUDA-event step time", "12.3 ms", "measured", "pass"),
+            t.Row("step 2", "SDPA cuDNN", "a | b", "-", "fail"),
+            t.skip_row("step 2", "NCCL DDP world", "one GPU"),
+            t.skip_row("step 7", "verify run", "time", "time: ~120 s needed, 20 s left")]
+    header = {"date": "2025-01-01T00:00:00+00:00", "torch": "2.11.0", "CUDA": "12.8", "GPU": "1 x NVIDIA H200"}
+    md, js = t.write_table(rows, header, tmp_path / "gpu-check")
+    text = md.read_text()
+    assert "| path | figure | value | label | pass/fail |" in text
+    assert "| step 1 | CUDA-event step time | 12.3 ms | measured | pass |" in text
+    assert "a \\| b" in text and "skip: one GPU" in text and "skip: time" in text
+    assert "- GPU: 1 x NVIDIA H200" in text and "- torch: 2.11.0" in text
+    assert "1 pass, 1 fail, 2 skipped" in text
+    data = json.loads(js.read_text())
+    assert data["header"] == header and [r["status"] for r in data["rows"]][:2] == ["pass", "fail"]
+    lines = t.format_table(rows).splitlines()
+    assert lines[0].split(" | ")[0].strip() == "path" and len(lines) == len(rows) + 2
+    assert len({ln.index("|") for ln in lines if "|" in ln}) == 1  # columns aligned
+
+
+# ---------------------------------------------------------------------- the job and the run loop
+def test_small_job_is_a_valid_job():
+    job = validate(load_job(gc.JOB_FILE).to_dict() | gc.SMALL_JOB | {"nproc_per_node": 2}, "gpu_check's small job")
+    assert "reduce-overhead" in job.compile_modes and job.dtype == "bfloat16" and job.device == "cuda"
+    assert job.verify_rounds == 2 and job.verify_steps == 5 and job.steps == 20 and job.warmup_steps == 5
+    assert job.profile_warmup_steps >= 1  # the window opens after a synchronised warm-up
+    assert job.fp8_steps >= job.fp8_window and job.d_model % 16 == 0  # torchao float8 takes multiples of 16
+
+
+def test_main_without_cuda_returns_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gc.main([]) == 2
+    assert "no CUDA device visible" in capsys.readouterr().out
+
+
+def test_main_records_failures_skips_for_time_and_prints_the_table_last(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = {}
+
+    def ok(ctx, rows):
+        seen["world"] = ctx.world
+        rows.append(t.figure_row("step 1", "CUDA-event step time", 12.3, "{:.1f} ms"))
+
+    def boom(ctx, rows):
+        rows.append(t.figure_row("step 2", "SDPA flash", 0.5, "{:.2f} ms"))
+        raise RuntimeError("NCCL error: unhandled system error\ntraceback...")
+
+    def never(ctx, rows):
+        raise AssertionError("a step over the time limit must not run")
+
+    monkeypatch.setattr(gc, "RUN", {"baseline": ok, "attention_comm": boom, "compile": never})
+    monkeypatch.setattr(gc, "estimate_s", lambda step, world: 1e6 if step == "compile" else 0.0)
+    rc = gc.main(["--steps", "baseline,attention_comm,compile", "--out", str(tmp_path)])
+    assert rc == 1 and seen["world"] == 2  # 16 GPUs visible: capped at two ranks
+    data = json.loads((tmp_path / "gpu-check" / "table.json").read_text())
+    got = [(r["path"], r["figure"], r["status"]) for r in data["rows"]]
+    assert got == [("step 1", "CUDA-event step time", "pass"), ("step 2", "SDPA flash", "pass"),
+                   ("step 2", "attention_comm run", "fail"), ("step 4", "compile run", "skip: time")]
+    assert data["rows"][2]["value"] == "RuntimeError: NCCL error: unhandled system error"
+    assert "capped at 2" in data["header"]["ranks"] and "NVIDIA H200" in data["header"]["GPU"]
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert out[-1] == "2 pass, 1 fail, 1 skipped" and out[-7].startswith("path")
+    assert (tmp_path / "gpu-check" / "table.md").read_text().count("\n| step") == 4
