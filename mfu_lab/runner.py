@@ -8,6 +8,7 @@ kept; the job's index page is refreshed either way.
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import sys
@@ -25,6 +26,7 @@ from mfu_lab.core.files import load_results
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.nodes import this_node
+from mfu_lab.core.paths import workbook_file
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import source_digest
 from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_failed, mark_running, resumable
@@ -102,6 +104,8 @@ def resolve_job(path: str | None, overrides: dict, out: str | None, writable: bo
         job, source = load_job(path, overrides), path
     elif (default := find_workbook_root() / "parameters" / "default.yaml").is_file():
         job, source = load_job(default, overrides), str(default)
+    elif (default := workbook_file("parameters/default.yaml")).is_file():  # the package's own, as the embedded job
+        job, source = load_job(default, overrides, anchor=False), str(default)
     else:
         job, source = validate(overrides, "embedded default job"), "embedded default job"
     if writable:
@@ -115,7 +119,11 @@ def select_steps(spec: str | None) -> list:
     keys = [k.strip() for k in spec.split(",") if k.strip()]
     bad = [k for k in keys if k not in BY_KEY]
     if bad:
-        raise JobError("command line (--steps)", [JobProblem("--steps", k, f"unknown step; choose from "
+        def hint(k: str) -> str:
+            close = difflib.get_close_matches(k, list(BY_KEY), n=1)
+            return f"did you mean '{close[0]}'? " if close else ""
+
+        raise JobError("command line (--steps)", [JobProblem("--steps", k, f"unknown step; {hint(k)}choose from "
                                                              f"{', '.join(BY_KEY)}") for k in bad])
     return [s for s in STEPS if s.key in keys]
 
@@ -262,9 +270,11 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     import papermill as pm  # lazy: over a second to import; `mfu-lab --help`, `validate`, `step` do without it
 
     folder = fresh_step_folder(job, info)
-    src, out_nb = root / "notebooks" / info.notebook, folder / info.notebook
+    # the package's own notebook: its checkout's, else the copy installed with it (mfu_lab.core.paths)
+    src, out_nb = workbook_file(Path("notebooks") / info.notebook), folder / info.notebook
     if not src.is_file():
-        raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
+        raise MfuLabError(f"notebook {src} not found: this mfu_lab was installed without its notebooks; reinstall "
+                          "it from the workbook's source (pip install <checkout>), or run it from the checkout")
     params = job.to_dict() | {"out_dir": str(job.output_root().parent)}
     with step_bracket(job, info, source, current_run_id(), notebook=out_nb, limit=execution_timeout), \
             kernel_files_in(job.output_root() / KERNEL_FILES):
@@ -408,11 +418,10 @@ def monitor_report(folder: str | Path, out: str | Path | None = None, quiet: boo
         monitor.run(folder, out)
         return None, out / monitor.SUMMARY_FILE
     root = find_workbook_root()
-    if not (root / "notebooks" / "00_monitor.ipynb").is_file():  # run from elsewhere: the package's own checkout
-        root = Path(__file__).resolve().parents[1]
-    src, nb = root / "notebooks" / "00_monitor.ipynb", out / "00_monitor.ipynb"
+    src, nb = workbook_file(Path("notebooks") / "00_monitor.ipynb"), out / "00_monitor.ipynb"  # checkout's, or shipped
     if not src.is_file():
-        raise MfuLabError(f"notebook {src} not found: run mfu-lab from the workbook checkout")
+        raise MfuLabError(f"notebook {src} not found: this mfu_lab was installed without its notebooks; reinstall "
+                          "it from the workbook's source (pip install <checkout>), or run it from the checkout")
     try:
         pm.execute_notebook(str(src), str(nb), parameters={"monitor_dir": str(folder), "out": str(out)},
                             progress_bar=False, cwd=str(root), kernel_name="python3",

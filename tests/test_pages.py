@@ -88,3 +88,34 @@ def test_the_summary_chart_says_what_each_bar_is_and_gives_ddp_its_own_bar():
     assert [p[0] for p in pts] == ["01_baseline", "02_attention_and_comm", "02_attention_and_comm/DDP"]
     meanings = bar_meanings(results)
     assert "one process" in meanings[1] and meanings[2].startswith("data-parallel, 8 ranks")
+
+
+def test_a_mistake_in_a_p_override_is_the_command_lines_not_the_files(tmp_path):
+    import pytest
+
+    from mfu_lab.core.errors import JobError
+    from mfu_lab.core.job import load_job
+
+    from .conftest import TINY
+
+    with pytest.raises(JobError) as e:
+        load_job(TINY, {"micro_bacth": 4})
+    assert e.value.source == "command line (-p KEY=VALUE)" and "did you mean 'micro_batch'" in str(e.value)
+    bad = tmp_path / "job.yaml"
+    bad.write_text("stepz: 3\n")
+    with pytest.raises(JobError) as e:
+        load_job(bad, {"micro_bacth": 4})
+    assert e.value.source == f"{bad} and the command line (-p KEY=VALUE)"
+    with pytest.raises(JobError) as e:
+        load_job(bad, {})
+    assert e.value.source == str(bad)
+
+
+def test_run_and_step_suggest_a_step_name_for_a_typo():
+    import pytest
+
+    from mfu_lab.core.errors import JobError
+    from mfu_lab.runner import select_steps
+
+    with pytest.raises(JobError, match="did you mean 'kernels'"):
+        select_steps("baseline,kernal")

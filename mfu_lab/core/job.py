@@ -22,6 +22,7 @@ from typing import Any
 
 from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.paths import anchored_paths, find_workbook_root, input_path
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -58,20 +59,22 @@ class Job:
     # --- job ---
     job_name: str = _key("default", "names the output folder <out_dir>/<job_name>", pattern="job_name")
     device: str = _key("auto", "auto | cpu | cuda", choices=DEVICES)
-    out_dir: str = _key("outputs", "results folder; relative paths are taken from the workbook root")
+    out_dir: str = _key("outputs", "results folder; a relative path is taken from the checkout holding the job file, "
+                        "else from the current folder (README, 'Job files')")
     seed: int = _key(0, "seed for weights and synthetic data", min=0)
     keep: list = _key([], "job keys the tuned job (outputs/<job>/tuned.yaml) keeps at this file's values, whatever "
                       "the steps recommend, e.g. [dtype, compile_mode]", items="key", empty=True)
     monitor_dir: str = _key("", "the folder mfu_lab.monitor.Monitor writes in this job's production runs; the "
-                            "index then shows what it measured and the ledger's operations bar uses it; relative "
-                            "paths are taken from the workbook root; empty for none")
+                            "index then shows what it measured and the ledger's operations bar uses it; a relative "
+                            "path is looked for next to the job file, then in the checkout; empty for none")
     # --- the workbook's own cost ---
     thorough: bool = _key(False, "exhaustive sweeps: every candidate of steps 2, 4 and 5 measured in full and warm "
                           "compiles always timed (mfu-lab run --thorough); false races them (README, 'Cost')")
     budget_min: float = _key(0.0, "minutes the run's steps may take in all, spread over the steps by the rule in the "
                              "README ('Cost'); each step shortens to fit and says what it left out; 0: no budget",
                              min=0.0)
-    race_steps: int = _key(2, "measured steps of each candidate in a racing sweep's first round (steps 2 and 4)",
+    race_steps: int = _key(2, "measured steps of each candidate in a racing sweep's first round (step 2: "
+                           "attention, DDP)",
                            min=2)
     # --- model ---
     model: str = _key("gpt", "'gpt' (the reference decoder) or 'package.module:function'", pattern="model")
@@ -171,7 +174,8 @@ class Job:
                             min_exclusive=1.0)
     # --- placement (step 6) ---
     cluster: str = _key("parameters/clusters/example_h100.yaml", "cluster file (switches, nodes, GPUs, links; see "
-                        "parameters/clusters/); relative paths are taken from the workbook root")
+                        "parameters/clusters/); a relative path is looked for next to the job file, then in "
+                        "the checkout, then in the workbook's own parameters/")
     gpus: int = _key(0, "GPUs the job is placed on (0: the efficient size the sweep finds)", min=0)
     tp: int = _key(0, "tensor-parallel size (0: the fastest the model finds); must divide n_heads", min=0)
     pp: int = _key(0, "pipeline-parallel stages (0: the fastest the model finds); must divide n_layers", min=0)
@@ -215,7 +219,8 @@ class Job:
         return dataclasses.asdict(self)
 
     def output_root(self, workbook_root: Path | None = None) -> Path:
-        """``<out_dir>/<job_name>``, with a relative out_dir taken from the workbook root."""
+        """``<out_dir>/<job_name>``, with a relative out_dir taken from the workbook root (:mod:`mfu_lab.core.paths`;
+        a job loaded from a file outside that root holds its out_dir already made absolute)."""
         base = Path(self.out_dir).expanduser()
         if not base.is_absolute():
             base = (workbook_root or find_workbook_root()) / base
@@ -226,32 +231,15 @@ class Job:
 
     def monitor_path(self, workbook_root: Path | None = None) -> Path | None:
         """The job's monitor folder (a relative path taken from the workbook root), None when not named."""
-        if not self.monitor_dir:
-            return None
-        p = Path(self.monitor_dir).expanduser()
-        return p if p.is_absolute() else (workbook_root or find_workbook_root()) / p
+        return input_path(self.monitor_dir, "monitor_dir", root=workbook_root) if self.monitor_dir else None
 
     def cluster_path(self, workbook_root: Path | None = None) -> Path:
-        """The job's cluster file, a relative path taken from the workbook root."""
-        p = Path(self.cluster).expanduser()
-        return p if p.is_absolute() else (workbook_root or find_workbook_root()) / p
+        """The job's cluster file: a relative path taken from the workbook root, else from the workbook's own
+        files (``parameters/clusters/`` of the checkout the package runs from, or of the installed package)."""
+        return input_path(self.cluster, "cluster", root=workbook_root)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Job)}
-
-
-def find_workbook_root(start: Path | None = None) -> Path:
-    """The mfu-lab checkout containing ``start`` (default: cwd), else ``start`` itself.
-
-    A checkout is recognised by ``notebooks/01_baseline.ipynb`` beside ``parameters/``.
-    This makes ``out_dir: outputs`` mean the same folder whether the notebook runs
-    from the repository root (CLI, papermill) or from ``notebooks/`` (JupyterLab).
-    """
-    start = (start or Path.cwd()).resolve()
-    for d in (start, *start.parents):
-        if (d / "notebooks" / "01_baseline.ipynb").is_file() and (d / "parameters").is_dir():
-            return d
-    return start
 
 
 # ---------------------------------------------------------------------- checking
@@ -402,8 +390,13 @@ def validate(values: dict[str, Any], source: str) -> Job:
     return job
 
 
-def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> Job:
-    """Read and validate a job file (safe YAML). ``overrides`` win over the file."""
+def load_job(path: str | Path, overrides: dict[str, Any] | None = None, anchor: bool = True) -> Job:
+    """Read and validate a job file (safe YAML). ``overrides`` win over the file.
+
+    Relative paths the file gives (``cluster``, ``monitor_dir``) are looked for in the file's folder first, and a
+    file in a checkout takes ``out_dir`` from that checkout (:mod:`mfu_lab.core.paths`): where that puts them
+    elsewhere than the same text would point without the file, the job holds them as absolute paths.
+    ``anchor=False`` reads the file as the embedded default job (relative paths from the workbook root)."""
     path = Path(path)
     if not path.is_file():
         raise JobError(str(path), [JobProblem("(file)", str(path), "no such job file")])
@@ -416,8 +409,21 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> Job:
     if not isinstance(data, dict):
         raise JobError(str(path), [JobProblem("(file)", type(data).__name__,
                                               "must be a mapping of key: value lines")])
+    written = {k for k in data if isinstance(k, str)} - set(overrides or {})
     data.update(overrides or {})
-    return validate(data, str(path))
+    try:
+        job = validate(data, str(path))
+    except JobError as e:  # a mistake in -p KEY=VALUE is the command line's, not the file's
+        given = {k for k in overrides or {}}
+        mine = [p for p in e.problems if p.key in given]
+        if mine:
+            where = "command line (-p KEY=VALUE)" if len(mine) == len(e.problems) else \
+                f"{path} and the command line (-p KEY=VALUE)"
+            raise JobError(where, e.problems) from None
+        raise
+    # relative paths taken from the job file's folder are made absolute: a notebook's kernel gets them as values
+    anchored = anchored_paths(job.to_dict(), path, written) if anchor else {}
+    return dataclasses.replace(job, **anchored) if anchored else job
 
 
 _LITERALS = (str, int, float, bool, list, dict, type(None))  # what papermill can inject

@@ -131,7 +131,9 @@ def source_digest() -> str:
     notebooks. Two checkouts with the same digest run the same code, committed or not."""
     package = Path(__file__).resolve().parents[1]
     files = sorted(p for p in package.rglob("*") if p.is_file() and p.suffix in (".py", ".j2", ".css", ".json"))
-    notebooks = package.parent / "notebooks"
+    from mfu_lab.core.paths import workbook_file  # the checkout's notebooks, or those installed with the package
+
+    notebooks = workbook_file("notebooks")
     files += sorted(notebooks.glob("*.ipynb")) if notebooks.is_dir() else []
     h = hashlib.sha256()
     for p in files:
