@@ -49,6 +49,9 @@ def run_id_set(run_id: str) -> Iterator[str]:
 
 
 KERNEL_FILES = ".kernels"
+# The kernel's own log (its transport warning at every start, ZMQ tracebacks when Ctrl-C reaches it) is plumbing,
+# not the step's: a cell's error is in the executed notebook and its report, and the runner says what failed.
+QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 
 
 @contextmanager
@@ -284,7 +287,7 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
         try:
             pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
                                 kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
-                                execution_timeout=execution_timeout)
+                                execution_timeout=execution_timeout, extra_arguments=QUIET_KERNEL)
         finally:
             os.environ.pop("MFU_LAB_INDEX_BY_RUNNER", None)
     return folder / "report.html"
@@ -425,7 +428,7 @@ def monitor_report(folder: str | Path, out: str | Path | None = None, quiet: boo
     try:
         pm.execute_notebook(str(src), str(nb), parameters={"monitor_dir": str(folder), "out": str(out)},
                             progress_bar=False, cwd=str(root), kernel_name="python3",
-                            stdout_file=None if quiet else _Indented(sys.stdout))
+                            stdout_file=None if quiet else _Indented(sys.stdout), extra_arguments=QUIET_KERNEL)
     finally:
         if nb.is_file():  # a failed cell still leaves a report of what ran, with the error in it
             export_html(nb, out / "report.html")

@@ -119,3 +119,31 @@ def test_run_and_step_suggest_a_step_name_for_a_typo():
 
     with pytest.raises(JobError, match="did you mean 'kernels'"):
         select_steps("baseline,kernal")
+
+
+@__import__("pytest").mark.e2e
+def test_ctrl_c_during_a_run_is_quiet_and_clean(tmp_path):
+    """Ctrl-C reaches the whole foreground process group (the runner and the notebook's kernel): the terminal gets
+    the runner's one "interrupted" message, no kernel transport warning or ZMQ traceback; exit 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import ROOT, TINY
+
+    p = subprocess.Popen([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(tmp_path), "--steps",
+                          "baseline", "-p", "synthetic_load_ms=400", "-p", "steps=60"], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    running = tmp_path / "tiny" / "01_baseline" / "running.json"
+    deadline = time.monotonic() + 120
+    while not running.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(6)  # the kernel is up and the step is measuring
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    both = out + err
+    assert p.returncode == 130, both[-3000:]
+    assert "interrupted" in both and "ZMQError" not in both and "IPKernelApp" not in both, both[-3000:]
+    assert "Traceback" not in err, err[-3000:]
