@@ -27,7 +27,7 @@ def baseline(mfu=0.5, median=0.100, p10=0.095, p90=0.105, flops=1e12, micro_batc
                         "step_time_p10_s": metric(p10, "s"), "step_time_p90_s": metric(p90, "s"),
                         "model_flops_per_step": metric(flops, "FLOP", "analytic")},
             "ledger": {"items": [{"name": "mfu", "fraction": mfu, "source": "measured", "explanation": ""},
-                                 {"name": "hardware", "fraction": 1 - mfu, "source": "measured", "explanation": ""}]},
+                                 {"name": "efficiency", "fraction": 1 - mfu, "source": "measured", "explanation": ""}]},
             "advice": [{"severity": "info", "message": "b-info", "because": "x"},
                        {"severity": "act", "message": "b-act", "because": "y"}]}
 

@@ -6,7 +6,7 @@ on their line; the rest are the workbook's own choices for when a figure is wort
 
 # --- the device
 HOT_C = 80.0  # practitioners' rule: sustained GPU temperatures above 80 °C mean throttling; the gate's default
-CLOCK_LOW = 0.90  # mean SM clock below 90% of its maximum, with a power or thermal reason: operations loss
+CLOCK_LOW = 0.90  # busy SM clock below 90% of the rated clock (core.health), with a power or thermal reason
 
 # --- where the step time goes (steps 1 and 3)
 DATA_WAIT_LIMIT = 0.03  # above 3% of the step, the loader is worth fixing first

@@ -25,8 +25,9 @@ class ReportFigure(Figure):
 
 
 COLORS = {"compute": "#3b6fb6", "data": "#e8912d", "host": "#9a9a9a",
-          "mfu": "#2f9e44", "hardware": "#c92a2a", "structure": "#7048e8", "software": "#e8912d",
-          "operations": "#868e96", "peak": "#495057"}
+          "mfu": "#2f9e44", "recompute": "#1098ad", "efficiency": "#c92a2a", "structure": "#7048e8",
+          "software": "#e8912d", "operations": "#868e96", "peak": "#495057",
+          "hardware": "#c92a2a"}  # "hardware": the placement plots' waiting and deadlock marks
 
 
 def ledger_waterfall(ledger, title: str = "MFU ledger: where the peak goes") -> Figure:
@@ -57,16 +58,17 @@ def _waterfall(ax, ledger, title: str, fontsize: int = 12) -> None:
     for item in losses:
         x += 1
         bottom = level - item.fraction
-        ax.bar(x, item.fraction, bottom=bottom, color=COLORS[item.name])
+        ax.bar(x, item.fraction, bottom=bottom, color=COLORS.get(item.name, COLORS["host"]))
         label = f"-{item.fraction:.1%}" if abs(item.fraction) >= 0.0005 else "0%"
         ax.text(x, max(level, bottom), label, ha="center", va="bottom", fontsize=8)
-        labels.append(f"{item.name}\nloss")
+        name = getattr(item, "label", f"{item.name} loss")  # the ledger's own name, a word or two a line
+        labels.append(name.replace(" loss", "\nloss").replace(" ", "\n", 1))
         level = bottom
     x += 1
     ax.bar(x, mfu_item.fraction, color=COLORS["mfu"])
     ax.text(x, mfu_item.fraction, f"{mfu_item.fraction:.1%}", ha="center", va="bottom", fontsize=9, weight="bold")
     labels.append("MFU")
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8 if fontsize >= 12 else 7)  # side by side: smaller
     ax.set_ylim(min(0.0, level) - 0.02, 1.1)
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_ylabel("share of peak FLOP/s x time")

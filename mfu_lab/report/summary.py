@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mfu_lab.core.ledger import upgrade
 from mfu_lab.core.registry import BY_KEY, STEPS
 
 SEVERITY_ORDER = {"act": 0, "look": 1, "info": 2}
@@ -192,13 +193,14 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
 def ledger_before_after(results: dict[str, dict[str, Any]]) -> tuple[tuple[str, dict] | None, tuple[str, dict] | None]:
     """(title, ledger dict) before and after. Both come from step 7 (verify) when it measured the tuned job: the
     original and the tuned job in the same interleaved rounds, by the same method, so the bars compare like
-    with like. Without step 7: step 1's ledger before, and no "after" (no step measured the tuned job)."""
+    with like. Without step 7: step 1's ledger before, and no "after" (no step measured the tuned job). An earlier
+    run's item names are mapped to today's (:func:`mfu_lab.core.ledger.upgrade`)."""
     ledgers = (results.get("verify") or {}).get("ledgers") or {}
     if ledgers.get("before") and ledgers.get("after"):
-        return (("Before: the original job (step 7, interleaved rounds)", ledgers["before"]),
-                ("After: the tuned job (step 7, the same rounds)", ledgers["after"]))
+        return (("Before: the original job (step 7, interleaved rounds)", upgrade(ledgers["before"])),
+                ("After: the tuned job (step 7, the same rounds)", upgrade(ledgers["after"])))
     b = results.get("baseline", {}).get("ledger")
-    return (("Before: the job as it came (step 1, one process)", b) if b else None), None
+    return (("Before: the job as it came (step 1, one process)", upgrade(b)) if b else None), None
 
 
 def with_operations(ledger: dict[str, Any], ops: float, note: str) -> dict[str, Any]:

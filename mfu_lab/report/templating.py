@@ -16,6 +16,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
+from mfu_lab.core.ledger import LABELS, RENAMED
 from mfu_lab.report.format import badge, compile_s, duration, flagged, fmt, ms, ms0, num, share
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -37,7 +38,7 @@ def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, finalize=_finalize, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)
-    env.globals.update(badge=badge, fmt=fmt, flagged=flagged)
+    env.globals.update(badge=badge, fmt=fmt, flagged=flagged, ledger_label=ledger_label)
     env.filters.update(ms=ms, ms0=ms0, num=num, pct=_pct, compile_s=compile_s, duration=duration, share=share)
     return env
 
@@ -45,6 +46,11 @@ def environment() -> jinja2.Environment:
 def render(template: str, **context: Any) -> Markup:
     """A whole template rendered with ``context``, as safe HTML."""
     return Markup(environment().get_template(template).render(**context))
+
+
+def ledger_label(name: str) -> str:
+    """A ledger item's name as people read it ("compute efficiency loss"), an earlier run's name included."""
+    return LABELS.get(RENAMED.get(name, name), name)
 
 
 def macros(template: str) -> Any:

@@ -30,7 +30,7 @@ from mfu_lab.core.budget import Clock
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
-from mfu_lab.core.ledger import Ledger, ddp_ledger
+from mfu_lab.core.ledger import HardwareFlops, Ledger, ddp_ledger, hardware_flops
 from mfu_lab.core.measure import run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
@@ -217,11 +217,11 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
     return rows
 
 
-def _ddp_ledger(row: CommRow, ev: dict, world: int) -> Ledger:
+def _ddp_ledger(row: CommRow, ev: dict, world: int, hw: HardwareFlops | None, why_not: str) -> Ledger:
     wall = statistics.fmean(ev["wall_s"])
     data = statistics.fmean(ev["data_s"]) / wall
     exposed = max(0.0, wall - statistics.fmean(ev["no_sync_wall_s"])) / wall
-    return ddp_ledger(row.mfu, exposed, data, world)
+    return ddp_ledger(row.mfu, exposed, data, world, hw, why_not)
 
 
 @guarded("attention_comm")
@@ -310,7 +310,11 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     ledger = None
     if best_comm:
         ev = sweep.outcomes[config_key(vars(best_comm))]
-        ledger = _ddp_ledger(best_comm, ev, world)
+        # the FLOP count is the job's own attention's: its recompute share holds when the ranks ran that kernel
+        own = best_att is None or best_att is job_impl
+        ledger = _ddp_ledger(best_comm, ev, world, hardware_flops(flops) if own else None,
+                             "" if own else f"the ranks ran {best_att.name}, the FLOPs were counted with the job's "
+                             "own attention")
 
     rec = _recommend(job, best_att, best_comm, ref)
     metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)

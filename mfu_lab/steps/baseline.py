@@ -26,7 +26,7 @@ from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import FlopReport, count_step_flops
 from mfu_lab.core.health import HealthSampler, HealthSummary
 from mfu_lab.core.job import Job
-from mfu_lab.core.ledger import Ledger, single_process_ledger
+from mfu_lab.core.ledger import Ledger, hardware_flops, single_process_ledger
 from mfu_lab.core.measure import Stats, Timings, run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
@@ -138,7 +138,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         tok_note = "tokens per step x steps / total wall " + window
         mfu_how = (f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time) "
                    + window)
-    ledger = single_process_ledger(timings, mfu_value, health)
+    ledger = single_process_ledger(timings, mfu_value, health, hardware_flops(report))  # recompute = HFU - MFU
     data_f, compute_f = ledger_part(timings, "data_s"), ledger_part(timings, "compute_s")
     metrics = {
         "mfu": Metric(mfu_value, "fraction", "measured", mfu_how),
@@ -190,7 +190,8 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
 
 
 def advise(r: BaselineResult) -> list[Advice]:
-    """Step 1's advice from its figures: data waits, host time, spread, hardware loss, FLOP agreement, heat."""
+    """Step 1's advice from its figures: data waits, host time, spread, compute efficiency loss, FLOP agreement,
+    heat."""
     job, m = r.job, r.metrics
     out: list[Advice] = []
     data, host, cv = m["data_wait_fraction"].value, m["host_fraction"].value, m["step_time_cv"].value
@@ -200,7 +201,7 @@ def advise(r: BaselineResult) -> list[Advice]:
         out.append(Advice("look", "The machine was shared while step 1 measured: its step times are a shared "
                           "machine's. Advice a slower step would explain (the MFU levers, unsteady steps) is "
                           "withheld; rerun on an idle machine before acting on these figures.", c.text()))
-    mfu_v, hw = m["mfu"].value, r.ledger.get("hardware").fraction
+    mfu_v, hw = m["mfu"].value, r.ledger.get("efficiency").fraction
     on_gpu = r.peak["device_type"] == "cuda"
 
     if data > DATA_WAIT_LIMIT:
@@ -220,9 +221,10 @@ def advise(r: BaselineResult) -> list[Advice]:
                           "garbage collection, and measure more steps before trusting small differences.",
                           f"coefficient of variation of step time is {cv:.1%} (limit {CV_LIMIT:.0%})"))
     if hw < 0:
-        out.append(Advice("act", "MFU exceeds the share of time spent computing, so the peak is too low: "
-                          "set peak_flops in the job to the device's true dense peak.",
-                          f"MFU {mfu_v:.1%} > compute share {m['compute_fraction'].value:.1%}"))
+        out.append(Advice("act", "HFU (MFU and the recomputed work) exceeds the share of time spent computing, so "
+                          "the peak is too low: set peak_flops in the job to the device's true dense peak.",
+                          f"HFU {m['hfu'].value:.1%} (MFU {mfu_v:.1%}) > compute share "
+                          f"{m['compute_fraction'].value:.1%}"))
     elif hw > 0.5 and not shared:
         levers = []
         if on_gpu and job["dtype"] == "float32":
@@ -232,7 +234,7 @@ def advise(r: BaselineResult) -> list[Advice]:
         levers.append(f"raise micro_batch (now {job['micro_batch']}) while memory allows, for larger matmuls")
         levers.append("fuse memory-bound ops (step 3 finds them, step 4 compiles them)")
         out.append(Advice("act", "Most of the peak is lost while the device is busy: " + "; ".join(levers) + ".",
-                          f"hardware loss is {hw:.1%} of peak at MFU {mfu_v:.1%}"))
+                          f"compute efficiency loss is {hw:.1%} of peak at MFU {mfu_v:.1%}"))
     dis = r.flops.disagreement
     if dis is not None and dis > FLOP_TOLERANCE:
         out.append(Advice("look", "Counted and analytic FLOPs disagree: MFU rests on the analytic figure; "
@@ -247,7 +249,7 @@ def advise(r: BaselineResult) -> list[Advice]:
         if ratio is not None and ratio < CLOCK_LOW and (h.throttled_fraction or 0) > 0:
             out.append(Advice("act", "Clocks were held down by power or heat (" + ", ".join(h.reasons_seen) + "): "
                               "this is operations loss no code change recovers.",
-                              f"mean SM clock {ratio:.0%} of maximum"))
+                              f"mean SM clock while busy {ratio:.0%} of {h.reference_clock[1]}"))
     if job["activation_checkpointing"]:
         out.append(Advice("info", "Activation checkpointing recomputes each block's forward: HFU exceeds MFU by "
                           "that work. Keep it only if the memory it frees buys a larger micro-batch.",

@@ -39,7 +39,7 @@ from mfu_lab.core.budget import Clock
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
-from mfu_lab.core.ledger import trace_ledger
+from mfu_lab.core.ledger import HardwareFlops, hardware_flops, trace_ledger
 from mfu_lab.core.measure import stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
@@ -285,8 +285,9 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
     # ---- FLOPs and peak for MFU, as in step 1
     x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
-    flops = count_step_flops(model, build_train_step(job, model, device.type), x0.to(torch_device),
-                             y0.to(torch_device), cache_dir=job.output_root()).model_flops_per_step
+    report = count_step_flops(model, build_train_step(job, model, device.type), x0.to(torch_device),
+                              y0.to(torch_device), cache_dir=job.output_root())
+    flops, hw = report.model_flops_per_step, hardware_flops(report)
     peak, *peak_label, _ = reference_peak(job, device)
     del model
 
@@ -310,7 +311,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     ledgers: dict[str, Any] = {}
     if eager_trace.is_file():
         a = tr.analyse(tr.load_trace(eager_trace), top_n=1)
-        ledgers["eager"] = _trace_ledger(a, flops, peak, device.type)
+        ledgers["eager"] = _trace_ledger(a, flops, peak, device.type, hw)
     if ref3 is None and eager_trace.is_file():
         ref3 = {"source": "the eager run's own trace (step 3 has not run)", "ops_per_step": a.ops_per_step,
                 "kind": a.kind, "patterns": [c.pattern for c in a.fusion]}
@@ -354,7 +355,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         if trace.is_file():
             a = tr.analyse(tr.load_trace(trace), top_n=1)
             t.ops_per_step, t.fusion_left, t.trace_file = a.ops_per_step, [c.pattern for c in a.fusion], trace.name
-            ledgers[mode] = _trace_ledger(a, flops, peak, device.type)
+            ledgers[mode] = _trace_ledger(a, flops, peak, device.type, hw)
 
     eta.finish()
 
@@ -409,9 +410,11 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     return result
 
 
-def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str) -> dict[str, Any]:
-    """Step 3's ledger rule applied to one trial's profiled steps (MFU over the profiled window)."""
-    return jsonable(trace_ledger(a.breakdown, fl.mfu(flops, a.steps / a.window_s, peak), device_type)) \
+def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str,
+                  hw: HardwareFlops | None) -> dict[str, Any]:
+    """Step 3's ledger rule applied to one trial's profiled steps (MFU over the profiled window); the recompute
+    share from the eager step's FLOP count (compiling fuses kernels, it does not add or drop matmuls)."""
+    return jsonable(trace_ledger(a.breakdown, fl.mfu(flops, a.steps / a.window_s, peak), device_type, hw)) \
         if a.window_s else {}
 
 

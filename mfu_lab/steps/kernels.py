@@ -26,7 +26,7 @@ from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
-from mfu_lab.core.ledger import Ledger, trace_ledger
+from mfu_lab.core.ledger import Ledger, hardware_flops, trace_ledger
 from mfu_lab.core.measure import Timings, profile_steps, run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
@@ -275,7 +275,7 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     n = len(unprofiled.measured("wall_s"))
     mfu_plain = fl.mfu(flops.model_flops_per_step, n / sum(unprofiled.measured("wall_s")), peak)
     mfu_profiled = fl.mfu(flops.model_flops_per_step, a.steps / a.window_s, peak)
-    ledger = trace_ledger(a.breakdown, mfu_profiled, device.type)
+    ledger = trace_ledger(a.breakdown, mfu_profiled, device.type, hardware_flops(flops))
     b = a.breakdown
     best = a.fusion[0] if a.fusion else None
     est_total = sum(c.est_saving_per_step_s or 0.0 for c in a.fusion)

@@ -33,7 +33,7 @@ from mfu_lab.core.faults import guarded
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.health import HealthSummary
 from mfu_lab.core.job import Job, validate
-from mfu_lab.core.ledger import Ledger, single_process_ledger
+from mfu_lab.core.ledger import HardwareFlops, Ledger, single_process_ledger
 from mfu_lab.core.measure import Timings, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY, STEPS
@@ -59,6 +59,8 @@ class Rung:
     step_p90_s: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None
+    hardware_flops_ratio: float | None = None  # hardware / model FLOPs per step (recompute), as the rung counted
+    flops_source: str = ""
     peak_flops_per_s: float | None = None
     peak_source: str = ""
     speedup: float | None = None  # original median / this median
@@ -178,6 +180,9 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
                 continue
             rung.warmup_s, rung.loss = ready["warmup_s"], list(ready["warmup_loss"])
             flops[rung.name] = ready["model_flops_per_step"]
+            if ready["model_flops_per_step"]:
+                rung.hardware_flops_ratio = ready["hardware_flops_per_step"] / ready["model_flops_per_step"]
+                rung.flops_source = ready.get("flops_source", "")
         if not procs:
             return []
         by_name = {r.name: r for r in rungs}
@@ -331,8 +336,9 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     health = HealthSummary(False, "not sampled by the verify step")
     ledgers = {}
     if before and after and after is not before:
-        ledgers = {name: single_process_ledger(_timings(r), r.mfu or 0.0, health)
-                   for name, r in (("before", before), ("after", after))}
+        ledgers = {name: single_process_ledger(_timings(r), r.mfu or 0.0, health, HardwareFlops(
+                   r.hardware_flops_ratio, r.flops_source, "as the rung's process counted them")
+                   if r.hardware_flops_ratio else None) for name, r in (("before", before), ("after", after))}
     ddp = verify_ddp(job, device.type, chosen, work / "ddp", say)
     for r in rungs:
         if r.name == "communication":
