@@ -227,7 +227,7 @@ def explore_compile(result) -> Explorer:
 def draw_fp8(result, policies: list[str]) -> tuple[ReportFigure, str]:
     """Loss curves of the reference and the selected policies (emulated FP8 on devices without FP8 units)."""
     ref = [t for t in result.trials if t.status == "reference"]
-    sel = [t for t in result.trials if t.status != "reference" and t.name in policies]
+    sel = [t for t in result.trials if t.status != "reference" and t.name in policies and t.loss]
     fig = plots.fp8_losses(dataclasses.replace(result, trials=ref + sel))
     gaps = "; ".join(f"{t.name}: {t.status}" + (f", last-window gap {t.final_gap:+.2%}" if t.final_gap is not None
                                                else "") for t in sel)
@@ -235,7 +235,7 @@ def draw_fp8(result, policies: list[str]) -> tuple[ReportFigure, str]:
 
 
 def explore_fp8(result) -> Explorer:
-    names = [t.name for t in result.trials if t.status != "reference"]
+    names = [t.name for t in result.trials if t.status != "reference" and t.loss]  # a policy not run has no curve
     return Explorer("Compare FP8 policies' loss curves", {"policies": _multi(names, names, "policies")},
                     lambda policies: draw_fp8(result, list(policies)))
 

@@ -11,7 +11,8 @@ Modules, one concern each:
 * :mod:`.templating`: the Jinja2 environment
 * :mod:`.tables_baseline` ... :mod:`.tables_placement`: each step's tables and its section of the index page
 * :mod:`.summary`: the job's story across steps (pure functions of the results)
-* :mod:`.index`: the index page; :mod:`.export`: notebooks as HTML; :mod:`.views`: what the notebooks show
+* :mod:`.index`: the index page; :mod:`.export`: notebooks as HTML, results first; :mod:`.found`: the block a step
+  report opens with; :mod:`.views`: what the notebooks show
 * :mod:`.browser`: pages checked in headless Chromium
 """
 

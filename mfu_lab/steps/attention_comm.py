@@ -145,6 +145,7 @@ def _attention_section(job, device, torch_device, flops_per_step, peak, progress
         kernel = att.kernel_signature(impl.fn, check_shape, job.dtype, torch_device)
         rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, kernel=kernel))
         fns[impl.name] = impl.fn
+    eta.finish()
 
     def train(name: str, steps: int) -> list[float]:
         model = build_model(job).to(torch_device).train()
