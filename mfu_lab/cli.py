@@ -245,6 +245,19 @@ def cmd_monitor_report(args) -> int:
     return EXIT_OK
 
 
+def cmd_lab(args) -> int:
+    from mfu_lab import lab
+
+    if args.port is not None and not 0 < args.port < 65536:
+        raise JobError("command line", [JobProblem("--port", args.port, "must be a port number, 1 to 65535")])
+    job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
+    prepared = lab.prepare_lab(job, fresh=args.fresh)
+    cmd, env = lab.lab_command(prepared.folder, args.port, not args.no_browser), lab.kernel_env(job, prepared.folder)
+    print("\n".join(lab.describe(job, source, prepared, cmd, env, args.port, start=not args.prepare_only)),
+          flush=True)
+    return EXIT_OK if args.prepare_only else lab.start(cmd, env)
+
+
 def cmd_gate(args) -> int:
     ok, lines = gate(args.max_temp_c)
     for line in lines:
@@ -333,6 +346,19 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--out", help="where to write report.html and summary.json (default: DIR)")
     mr.add_argument("-q", "--quiet", action="store_true", help="do not stream the notebook's output")
     mr.set_defaults(func=cmd_monitor_report)
+
+    lb = sub.add_parser("lab", help="the job's own copy of the step notebooks (parameters injected, not run) in "
+                        "outputs/<job>/lab/, opened in JupyterLab")
+    lb.add_argument("job", nargs="?", help="job file (default: parameters/default.yaml)")
+    lb.add_argument("-p", "--param", **param)
+    lb.add_argument("--out", help="results folder (overrides out_dir); the lab is <out>/<job_name>/lab")
+    lb.add_argument("--fresh", action="store_true", help="replace the lab's notebooks with new copies (the default "
+                    "keeps each one that exists: your edits and outputs)")
+    lb.add_argument("--no-browser", action="store_true", help="start JupyterLab without opening a browser")
+    lb.add_argument("--port", type=int, help="JupyterLab's port (default: its own, 8888 or the next free one)")
+    lb.add_argument("--prepare-only", action="store_true", help="prepare the lab and print the command that "
+                    "starts JupyterLab on it, without starting it")
+    lb.set_defaults(func=cmd_lab)
 
     g = sub.add_parser("gate", help="pre-launch health gate: every NVIDIA GPU on this node cool and unthrottled")
     g.add_argument("--max-temp-c", type=float, default=HOT_C, help=f"fail a GPU above this temperature ({HOT_C:g})")
