@@ -1,7 +1,7 @@
 """The ``mfu-lab`` command.
 
-    mfu-lab run [JOB] [--steps baseline,...] [--out DIR] [-p key=value ...] [--resume] [--keep-going]
-                  [--execution-timeout SECONDS]
+    mfu-lab run [JOB] [--steps baseline,...] [--out DIR] [-p key=value ...] [--resume] [--keep-going] [--thorough]
+                  [--budget MIN] [--execution-timeout SECONDS]
         execute the step notebooks with papermill, export HTML, refresh the index
     mfu-lab step STEP --job JOB [-p key=value ...]
         run one step in plain Python (no Jupyter needed), write result.json and the index
@@ -15,6 +15,8 @@
         what changed between two runs, metric by metric, beyond the noise
     mfu-lab monitor report DIR [--out FOLDER]
         read a production monitor's folder (mfu_lab.monitor.Monitor): report.html and summary.json
+    mfu-lab lab [JOB] [-p key=value ...] [--out DIR] [--fresh] [--prepare-only]
+        the job's own copy of the notebooks in outputs/<job>/lab, opened in JupyterLab
 
 Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, arguments).
 """
