@@ -24,6 +24,9 @@ def test_step2_runs_after_step1_and_reports_everything(full_run):
     assert r.races["attention"].mode == "racing" and r.races["ddp"].mode == "racing"
     assert "sdpa (torch's choice)" in r.races["attention"].rounds[-1].medians  # the job's own: never dropped
     assert by_name["sdpa efficient"].status == "unavailable" and by_name["sdpa efficient"].reason
+    # on a CPU torch's choice is the flash kernel: one training step timed for both, the other said why
+    assert by_name["sdpa flash"].status == "same kernel" and "sdpa (torch's choice)" in by_name["sdpa flash"].reason
+    assert all("sdpa flash" not in rnd.medians for rnd in r.races["attention"].rounds)
     assert by_name["flash_attn package"].status == "unavailable"
     job_own = by_name["sdpa (torch's choice)"]
     assert job_own.speedup == pytest.approx(1.0)
@@ -78,3 +81,17 @@ def test_lossy_hooks_are_recommended_with_a_warning():
     default = CommRow("none", 25, False, "ok", step_median_s=1.0, step_p10_s=0.9, step_p90_s=1.1, exposed_share=0.1,
                       mfu=0.5)
     assert _recommend(Job(), None, default, {})["comm_text"].startswith("Keep DDP's defaults")
+
+
+def test_one_training_step_is_timed_per_kernel_and_the_jobs_own_row_speaks_for_its_kernel():
+    from mfu_lab.steps.attention_race import AttentionRow, _one_per_kernel
+
+    flash, own, math_, unfused = (AttentionRow("sdpa flash", "ok", kernel="flash"),
+                                  AttentionRow("sdpa (torch's choice)", "ok", kernel="flash"),
+                                  AttentionRow("sdpa math", "ok", kernel="math"),
+                                  AttentionRow("unfused", "ok", kernel=""))
+    kept = _one_per_kernel([flash, own, math_, unfused], own)
+    assert kept == [own, math_, unfused]  # the job's own row times the flash kernel, whatever the order
+    assert flash.status == "same kernel" and "sdpa (torch's choice)" in flash.reason
+    again, other = AttentionRow("sdpa flash", "ok", kernel="flash"), AttentionRow("flash 2", "ok", kernel="flash")
+    assert _one_per_kernel([again, other], None) == [again] and other.status == "same kernel"  # no job row: the first

@@ -216,3 +216,23 @@ def test_a_torchao_failure_is_recorded_and_the_rest_kept(monkeypatch, tiny_job):
     speed = step.real_speed_or_failure(tiny_job, ["mlp"], torch.device("cpu"), print, skipped)
     assert speed == {"status": "failed", "reason": "RuntimeError: torchao: float8 needs in_features divisible by 16"}
     assert skipped == [{"what": "FP8 speed (torchao)", "reason": speed["reason"]}]
+
+
+def test_the_fp8_reference_is_the_ladders_float32_curve_and_equals_a_fresh_run_of_it(ran):
+    """No repeated work (issue 20): a float32 job's FP8 reference is the ladder's float32 curve, not a second
+    training; an independent run of the reference's own training reproduces it step for step."""
+    from mfu_lab.core.workload import build_loader
+    from mfu_lab.steps.precision_ladder import train_trial
+
+    job, r = ran
+    ref = r.trials[0]
+    assert ref.status == "reference" and ref.reason == fp8.LADDER_REUSED and len(ref.grad_norm) == job.fp8_steps
+    quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
+    batches = list(build_loader(quiet, max(job.fp8_sensitivity_batches, job.fp8_steps), "cpu"))[:job.fp8_steps]
+    watch = f8.Watch(None, job.fp8_tolerance, job.fp8_window, job.fp8_spike)
+    losses, norms, why, _ = train_trial(job, [], job.fp8_recipe, batches, torch.device("cpu"), watch)
+    assert why is None and losses == pytest.approx(ref.loss, rel=1e-6) and norms == pytest.approx(ref.grad_norm,
+                                                                                                 rel=1e-5)
+    # another precision than the ladder's float32 rung: the reference is trained as the job trains
+    assert fp8._ladder_reference(dataclasses.replace(job, dtype="bfloat16"), r.precision) is None
+    assert fp8._ladder_reference(job, {"rungs": []}) is None

@@ -12,6 +12,13 @@ runs in rounds. The first round times every candidate for a few steps. A candida
 The final round measures the survivors side by side with the full protocol, and the step's usual rule picks among
 them. With ``exhaustive`` (``--thorough``) every candidate goes to the final round. A budget that runs out cuts the
 survivors to the leader and the references (:func:`survivors` with ``keep_share=0``), said in the log.
+
+A pick is then confirmed (:func:`confirm`), in both modes: each candidate above was measured once, as one block of
+steps (one slot of a launch, one fresh process), and on a shared or small machine the drift between blocks (10% on
+a 2-core CPU) is larger than the spread inside one, so a p10-p90 that clears the reference's can be luck. The pick
+and the reference are measured again in alternating turns (reference, pick, reference, pick...), and the pick
+stands only when the bootstrap interval of its speedup over the reference lies above 1.0
+(:func:`mfu_lab.core.sidebyside.bootstrap_speedup`). Otherwise the reference stays, and the log says why.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from mfu_lab.core.sidebyside import bootstrap_speedup
 from mfu_lab.core.thresholds import RACE_KEEP_SHARE, RACE_MAX_FINALISTS, RACE_NOISE_FLOOR
 
 
@@ -37,6 +45,50 @@ class RoundLog:
 
 
 @dataclass
+class Confirmation:
+    """The sweep's pick measured again beside the reference, in alternating turns; it stands only when proven."""
+
+    candidate: str
+    reference: str
+    status: str = "ok"  # ok | failed | skipped (the budget, one rank...)
+    reason: str = ""
+    turns: int = 0  # alternations: each runs the reference, then the candidate
+    steps: int = 0  # timed steps per candidate per turn
+    order: list[str] = field(default_factory=list)  # who ran, in the order run
+    reference_median_s: float | None = None
+    candidate_median_s: float | None = None
+    speedup: float | None = None  # the reference's median / the candidate's (above 1: the candidate is faster)
+    low: float | None = None
+    high: float | None = None
+    seconds: float | None = None
+
+    @property
+    def proven(self) -> bool:
+        """The candidate is faster beyond the noise: its speedup's interval lies above 1.0."""
+        return self.status == "ok" and self.low is not None and self.low > 1.0
+
+    def text(self) -> str:
+        if self.status != "ok":
+            return f"{self.candidate} not confirmed against {self.reference} ({self.reason}): {self.reference} stays"
+        verdict = (f"confirmed: {self.candidate} stands" if self.proven else
+                   f"not proven (the interval reaches {self.low:.2f}x): {self.reference} stays")
+        return (f"{self.candidate} against {self.reference}, {self.turns} alternating turns of {self.steps} steps: "
+                f"{self.reference_median_s * 1e3:.1f} -> {self.candidate_median_s * 1e3:.1f} ms per step, "
+                f"{self.speedup:.2f}x [{self.low:.2f}, {self.high:.2f}] (measured side by side); {verdict}")
+
+
+def confirm(candidate: str, reference: str, reference_s: list[float], candidate_s: list[float], turns: int,
+            steps: int, order: list[str], seconds: float | None = None) -> Confirmation:
+    """The confirmation of ``candidate`` over ``reference`` from their pooled per-step times of the turns."""
+    if not reference_s or not candidate_s:
+        return Confirmation(candidate, reference, "failed", "a turn returned no steps", turns, steps, order,
+                            seconds=seconds)
+    sp = bootstrap_speedup(reference_s, candidate_s)
+    return Confirmation(candidate, reference, "ok", "", turns, steps, order, statistics.median(reference_s),
+                        statistics.median(candidate_s), sp.value, sp.low, sp.high, seconds)
+
+
+@dataclass
 class RaceLog:
     """How a sweep ran: ``racing`` or ``exhaustive``, its rounds, and the references that were never dropped."""
 
@@ -44,19 +96,22 @@ class RaceLog:
     references: list[str]
     rounds: list[RoundLog] = field(default_factory=list)
     note: str = ""  # shortened to fit the budget, a failure in a round...
+    confirmation: Confirmation | None = None  # the pick measured again beside the reference, when one was picked
 
     def text(self) -> str:
+        tail = (f"; {self.note}" if self.note else "") + (f"; {self.confirmation.text()}" if self.confirmation
+                                                          else "")
         if self.mode == "exhaustive":
             n = len(self.rounds[0].medians) if self.rounds else 0
-            return f"exhaustive: all {n} candidates measured in full" + (f"; {self.note}" if self.note else "")
+            return f"exhaustive: all {n} candidates measured in full" + tail
         if not self.rounds:
-            return "racing: nothing to race" + (f"; {self.note}" if self.note else "")
+            return "racing: nothing to race" + tail
         first = self.rounds[0]
         out = (f"racing: {len(first.medians)} candidates screened for {first.steps} steps each, "
                f"{len(first.kept)} went on to the final round ({', '.join(first.kept)})")
         if first.dropped:
             out += f"; {len(first.dropped)} dropped after round 1"
-        return out + (f"; {self.note}" if self.note else "")
+        return out + tail
 
     def to_plot(self) -> dict[str, Any]:
         """Candidates against rounds (the medians each reached), for the report's race plot."""

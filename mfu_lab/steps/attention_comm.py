@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.analysis import attention as att
 from mfu_lab.analysis import racing
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
@@ -31,42 +30,21 @@ from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import HardwareFlops, Ledger, ddp_ledger, hardware_flops
-from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.measure import stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
-from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
+from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
+from mfu_lab.steps.attention_race import IMPOSSIBLE_SHARE, JOB_IMPL, AttentionRow, _pick, attention_section
 from mfu_lab.steps.baseline import step1_reference
-from mfu_lab.steps.comm_race import race_ddp
+from mfu_lab.steps.comm_race import confirm_pick, race_ddp
+from mfu_lab.steps.comm_race import name as config_name
 from mfu_lab.workers.launch import config_key, one_rank_reason, sweep_configs, world_layout
 
 INFO = BY_KEY["attention_comm"]
 SYNC_TOLERANCE = 1e-6  # checksum difference above which ranks are out of sync
-JOB_IMPL = {"sdpa": "sdpa (torch's choice)", "unfused": "unfused"}  # the job's attention among the candidates
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets
 LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
-IMPOSSIBLE_SHARE = ("attention share above 100%: n_layers x the standalone timing exceeds the whole step, so the "
-                    "standalone timing does not represent the kernel's cost inside the step; not used for any "
-                    "recommendation")
-
-
-@dataclass
-class AttentionRow:
-    name: str
-    status: str  # ok | wrong | unavailable
-    reason: str = ""
-    rel_error: float | None = None
-    tolerance: float | None = None
-    attn_median_s: float | None = None  # forward + backward of one attention layer
-    attn_p10_s: float | None = None
-    attn_p90_s: float | None = None
-    step_median_s: float | None = None
-    step_p10_s: float | None = None
-    step_p90_s: float | None = None
-    mfu: float | None = None
-    speedup: float | None = None  # baseline step time / this step time
-    attention_share: float | None = None  # n_layers x attention time / step time
-    kernel: str = ""  # aten operators the forward dispatches to (same kernel, same signature)
 
 
 @dataclass
@@ -115,81 +93,6 @@ def _baseline_reference(job: Job, device_name: str) -> dict | None:
     ref = step1_reference(job, device_name)
     keys = ("source", "mfu", "step_mean_s", "step_median_s", "peak", "peak_source", "peak_note")
     return {k: ref[k] for k in keys} if ref else None
-
-
-def _attention_section(job, device, torch_device, flops_per_step, peak, progress, clock) -> tuple[list, Any]:
-    """Every implementation checked against unfused float32 and timed alone; then their training steps raced
-    (:mod:`mfu_lab.analysis.racing`): ``race_steps`` steps each, the survivors (the job's own attention always) for
-    the job's ``steps``, side by side. ``thorough``: every correct implementation for the full ``steps``."""
-    hd = job.d_model // job.n_heads
-    check_shape = (min(2, job.micro_batch), job.n_heads, job.seq_len, hd)
-    time_shape = (job.micro_batch, job.n_heads, job.seq_len, hd)
-    rows, fns = [], {}
-    impls = att.candidates(device.type, job.dtype)
-    eta = progress.eta("attention implementations", len(impls))
-    for n, impl in enumerate(impls, 1):
-        progress(f"attention [{n}/{len(impls)}] {impl.name}" + eta.tag(n - 1))
-        if impl.fn is None:
-            rows.append(AttentionRow(impl.name, "unavailable", impl.skipped))
-            continue
-        c = att.check(impl.fn, check_shape, job.dtype, torch_device, job.seed)
-        if c.error:
-            rows.append(AttentionRow(impl.name, "unavailable", c.error, tolerance=c.tolerance))
-            continue
-        if not c.ok:
-            rows.append(AttentionRow(impl.name, "wrong", f"relative error {c.rel_error:.2e} > tolerance "
-                                     f"{c.tolerance:.0e} against unfused float32; not timed, never recommended",
-                                     c.rel_error, c.tolerance))
-            continue
-        a = att.time_fwd_bwd(impl.fn, time_shape, job.dtype, torch_device)
-        kernel = att.kernel_signature(impl.fn, check_shape, job.dtype, torch_device)
-        rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, kernel=kernel))
-        fns[impl.name] = impl.fn
-    eta.finish()
-
-    def train(name: str, steps: int) -> list[float]:
-        model = build_model(job).to(torch_device).train()
-        model.set_attention(fns[name])
-        t = run_steps(build_train_step(eager(job), model, device.type), build_loader(job, job.warmup_steps + steps,
-                      device.type), torch_device, job.warmup_steps, steps)
-        return t.measured("wall_s")
-
-    ok = [r for r in rows if r.status == "ok"]
-    own = next((r for r in ok if r.name == JOB_IMPL[job.attention]), None)
-    refs = [own.name] if own else []
-    log = racing.RaceLog("exhaustive" if job.thorough else "racing", refs)
-    walls: dict[str, list[float]] = {}
-    final = [r.name for r in ok]
-    if not job.thorough and len(ok) > 2:
-        t0 = time.perf_counter()
-        screen = {r.name: train(r.name, job.race_steps) for r in ok}
-        final, dropped = racing.survivors(screen, refs)
-        grow = (job.warmup_steps + job.steps) / (job.warmup_steps + job.race_steps)
-        per = (time.perf_counter() - t0) / len(ok) * grow
-        if not clock.fits(per * len(final)):
-            cut = [k for k in final[1:] if k not in refs]
-            final = [k for k in final if k not in cut]
-            dropped |= {k: "budget: the final round measures the leader and the job's attention only" for k in cut}
-            clock.shorten("attention final round", f"{', '.join(cut)} not measured for the full {job.steps} steps")
-        log.rounds.append(racing.log_round(1, job.race_steps, screen, final, dropped, time.perf_counter() - t0))
-        for r in ok:
-            if r.name in dropped:
-                walls[r.name] = screen[r.name]
-                r.status, r.reason = "dropped", dropped[r.name] + f" (figures from {job.race_steps} steps)"
-    t0 = time.perf_counter()
-    for name in final:
-        walls[name] = train(name, job.steps)
-    log.rounds.append(racing.log_round(len(log.rounds) + 1, job.steps, {k: walls[k] for k in final}, final, {},
-                                       time.perf_counter() - t0))
-    for r in rows:
-        if r.name in walls:
-            st = stats(walls[r.name])
-            r.step_median_s, r.step_p10_s, r.step_p90_s = st.median, st.p10, st.p90
-            r.mfu = fl.mfu(flops_per_step, len(walls[r.name]) / sum(walls[r.name]), peak)
-            r.attention_share = job.n_layers * r.attn_median_s / st.median
-            if r.attention_share > 1.0:  # impossible: flagged in the table, used for nothing
-                r.reason = "; ".join(x for x in (r.reason, IMPOSSIBLE_SHARE) if x)
-    return rows, log
 
 
 def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: float, world: int) -> list[CommRow]:
@@ -250,7 +153,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     # ---- attention
     att_race = None
     if isinstance(model, GPT):
-        rows, att_race = _attention_section(job, device, torch_device, fps, peak, say, clock)
+        rows, att_race = attention_section(job, device, torch_device, fps, peak, say, clock)
     else:
         rows = []
         skipped.append({"what": "attention comparison", "reason": "a user model's attention cannot be swapped by "
@@ -264,15 +167,11 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         skipped.append({"what": "step 1 baseline", "reason": src})
     for r in ok_rows:  # side by side in this run, against the job's own attention
         r.speedup = job_impl.step_median_s / r.step_median_s if job_impl else None
-    # Only a different kernel can be a real change: rows running the job's own kernel are the job's attention.
-    best_att = _pick([r for r in ok_rows if job_impl is None or r is job_impl or r.kernel != job_impl.kernel],
-                     job_impl)
-    if job_impl:
-        same = [r.name for r in ok_rows if r is not job_impl and r.kernel == job_impl.kernel]
-        if same:
-            skipped.append({"what": "switching to " + ", ".join(same),
-                            "reason": f"runs the same kernel as the job's attention here ({job_impl.kernel}); "
-                                      "their timing differences are run-to-run noise"})
+    # Only a different kernel can be a real change: a row sharing a timed row's kernel was not timed again.
+    best_att = _pick(ok_rows, job_impl)
+    for r in rows:
+        if r.status == "same kernel":
+            skipped.append({"what": f"timing {r.name}'s training step", "reason": r.reason})
 
     # ---- communication
     nnodes, nproc = world_layout(job, device.type)
@@ -308,6 +207,14 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     good = [r for r in comm_rows if r.status == "ok"]
     ddp_default = next((r for r in good if (r.hook, float(r.bucket_mb), r.grad_as_bucket_view) == DDP_DEFAULT), None)
     best_comm = _pick(good, ddp_default)
+    if best_comm is not None and ddp_default is not None and best_comm is not ddp_default:
+        say(f"communication: {config_name(_cfg(best_comm))} led; measured again beside DDP's defaults, alternating")
+        race.confirmation = confirm_pick(job, device.type, best_att.name if best_att else None, _cfg(ddp_default),
+                                         _cfg(best_comm), work, clock, sweep.launches[-1] if sweep.launches else {},
+                                         _configs_in_last_launch(race))
+        say(f"communication: {race.confirmation.text()}")
+        if not race.confirmation.proven:
+            best_comm = ddp_default
     ledger = None
     if best_comm:
         ev = sweep.outcomes[config_key(vars(best_comm))]
@@ -317,7 +224,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
                              "" if own else f"the ranks ran {best_att.name}, the FLOPs were counted with the job's "
                              "own attention")
 
-    rec = _recommend(job, best_att, best_comm, ref)
+    rec = _recommend(job, best_att, best_comm, ref, race.confirmation)
     metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)
     result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
                                  rows, sweep.layout | {"launches": sweep.launches}, comm_rows, sweep.allreduce, ledger,
@@ -332,20 +239,16 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     return result
 
 
-def _pick(rows: list, reference):
-    """The fastest row, but only if it beats ``reference`` beyond the noise; else the reference.
-
-    Beyond the noise: its p90 step time is below the reference's p10 (the ranges do not overlap).
-    """
-    if not rows:
-        return None
-    fastest = min(rows, key=lambda r: r.step_median_s)
-    if reference is None or (fastest is not reference and fastest.step_p90_s < reference.step_p10_s):
-        return fastest
-    return reference
+def _cfg(row: CommRow) -> dict:
+    return {"hook": row.hook, "bucket_mb": row.bucket_mb, "grad_as_bucket_view": row.grad_as_bucket_view}
 
 
-def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | None, ref: dict) -> dict:
+def _configs_in_last_launch(race: racing.RaceLog) -> int:
+    return len(race.rounds[-1].medians) if race.rounds else 1
+
+
+def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | None, ref: dict,
+               confirmation: racing.Confirmation | None = None) -> dict:
     rec: dict[str, Any] = {}
     if best_att:
         rec["attention"] = best_att.name
@@ -368,11 +271,14 @@ def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | Non
             figures += ("; this hook compresses gradients (lossy), so confirm the loss curve matches before "
                         "adopting it")
         if (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view) == DDP_DEFAULT:
-            rec["comm_text"] = ("Keep DDP's defaults (bucket_cap_mb=25, no hook): no configuration was faster "
-                                f"beyond the noise; {figures}.")
+            why = ("no configuration was faster beyond the noise" if confirmation is None else
+                   f"{confirmation.candidate} led the sweep, but measured again beside them: {confirmation.text()}")
+            rec["comm_text"] = f"Keep DDP's defaults (bucket_cap_mb=25, no hook): {why}; {figures}."
         else:
+            confirmed = f"; {confirmation.text()}" if confirmation is not None else ""
             rec["comm_text"] = (f"Use DDP(bucket_cap_mb={best_comm.bucket_mb}, gradient_as_bucket_view="
-                                f"{best_comm.grad_as_bucket_view}) with hook '{best_comm.hook}': {figures}.")
+                                f"{best_comm.grad_as_bucket_view}) with hook '{best_comm.hook}': {figures}"
+                                f"{confirmed}.")
     return rec
 
 

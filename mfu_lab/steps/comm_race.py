@@ -4,7 +4,9 @@ among them) are measured in full (timed steps, a profiled step, the sync check, 
 by side in a second launch. ``thorough`` measures every configuration in full in one launch, as before.
 
 Configurations the backend is known to refuse (:func:`mfu_lab.workers.launch.known_refusal`) are recorded as
-unsupported without a launch, in both modes.
+unsupported without a launch, in both modes. In both modes, a configuration the step would pick over DDP's default
+is then confirmed (:func:`confirm_pick`): the two alternate in a launch of their own, and the pick stands only when
+its speedup's bootstrap interval lies above 1.0 (:func:`mfu_lab.analysis.racing.confirm`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from pathlib import Path
 from mfu_lab.analysis import racing
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.job import Job
-from mfu_lab.workers.launch import SweepOutcome, config_key, known_refusal, run_sweep, sweep_configs, world_layout
+from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
+from mfu_lab.workers.launch import (
+    SweepOutcome,
+    alternate,
+    config_key,
+    known_refusal,
+    run_sweep,
+    sweep_configs,
+    world_layout,
+)
 
 
 def name(cfg: dict) -> str:
@@ -90,3 +101,27 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
                 ev, event="failed", error="screened, but the final round's launch ended before it")
     final.launches = screen.launches + final.launches
     return finish(final), log, configs
+
+
+def confirm_pick(job: Job, device_type: str, attention: str | None, reference: dict, pick: dict, work: Path,
+                 clock: Clock, last_launch: dict, configs_in_it: int) -> racing.Confirmation:
+    """``pick`` and ``reference`` alternated ``RACE_CONFIRM_TURNS`` times in one launch (timed steps only).
+
+    Its time is estimated from the last launch of the sweep, by step slots: that launch's seconds x the
+    confirmation's steps / that launch's steps (warm-up, timed, profiled and no_sync steps per configuration)."""
+    turns = RACE_CONFIRM_TURNS
+    slots = 2 * turns * (job.comm_warmup_steps + job.comm_steps)
+    full = configs_in_it * (job.comm_warmup_steps + 2 * job.comm_steps + 1)
+    estimate = last_launch.get("seconds", 0.0) * slots / max(1, full)
+    if not clock.fits(estimate):
+        why = f"{clock.left_s():.0f} s of the step's share left, the confirmation needs about {estimate:.0f} s"
+        clock.shorten("DDP confirmation", f"{name(pick)} not measured again beside {name(reference)} ({why}); "
+                      "the default stays")
+        return racing.Confirmation(name(pick), name(reference), "skipped", "budget: " + why)
+    run = alternate(job, device_type, attention, [reference, pick], turns, work / "confirm")
+    if run.error:
+        return racing.Confirmation(name(pick), name(reference), "failed", run.error, turns, job.comm_steps,
+                                   seconds=run.seconds)
+    names = {config_key(reference): name(reference), config_key(pick): name(pick)}
+    return racing.confirm(name(pick), name(reference), run.walls[config_key(reference)], run.walls[config_key(pick)],
+                          turns, job.comm_steps, [names[k] for k in run.order], run.seconds)

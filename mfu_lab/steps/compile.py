@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from mfu_lab.analysis import racing
 from mfu_lab.analysis import recompiles as cp
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core import device as dev
@@ -46,6 +47,7 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment, jsonable
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import reference_peak
+from mfu_lab.steps.compile_confirm import confirm_mode
 
 INFO = BY_KEY["compile"]
 WARM_STEPS = 3  # measured steps of the warm-cache run (only its compile time is used)
@@ -99,6 +101,7 @@ class CompileResult(StepResult):
     advice: list[Advice]
     # mode -> the MFU ledger of its profiled steps (eager included): the index's "after" waterfall
     ledgers: dict[str, Any] = field(default_factory=dict)
+    confirmation: racing.Confirmation | None = None  # the leading mode measured again beside eager
 
 
 Result = CompileResult  # the step contract: every step module names its result class Result
@@ -222,6 +225,15 @@ def _recommend(eager: Trial, trials: list[Trial], audit: cp.ShapeAudit, real: cp
                text=f"Compile with torch.compile(model, {arg}): step {eager.step_median_s * 1e3:.1f} -> "
                     f"{best.step_median_s * 1e3:.1f} ms ({best.speedup:.2f}x); {pays}.")
     return rec
+
+
+def _confirmed(rec: dict[str, Any], confirmation: racing.Confirmation) -> dict[str, Any]:
+    """The recommendation once its mode was measured again beside eager: kept when proven, else stay eager."""
+    if confirmation.proven:
+        return rec | {"text": f"{rec['text'][:-1]}; {confirmation.text()}."}
+    return {"shapes_first": rec["shapes_first"], "compile": False, "led": rec["mode"],
+            "text": f"Stay eager: mode {rec['mode']} led ({rec['text'].split(': ', 1)[1][:-1]}), but measured again "
+                    f"beside eager: {confirmation.text()}."}
 
 
 def advise(r: CompileResult) -> list[Advice]:
@@ -368,6 +380,12 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                                  "removed": [p for p in ref3["patterns"] if p not in t.fusion_left],
                                  "left": [p for p in ref3["patterns"] if p in t.fusion_left]}
     rec = _recommend(eager, trials, audit, real)
+    confirmation = None
+    if rec.get("compile"):  # a mode faster beyond the noise across two processes: measured again side by side
+        confirmation = confirm_mode(job, rec["mode"], caches / rec["mode"], work / "confirm", clock,
+                                    eager.seconds or 0.0, eager.step_median_s, say)
+        say(confirmation.text())
+        rec = _confirmed(rec, confirmation)
     best = next((t for t in trials if t.mode == rec.get("mode")), None)
     chosen = best or eager
     # the figures of the recommended mode, or of the fastest mode that ran when none is recommended
@@ -401,7 +419,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
     result = CompileResult("compile", job.to_dict(), environment(device.name, device.type), metrics, audit,
-                           [real, *demo], breaks, eager, trials, step3, rec, [], ledgers, skipped=skipped)
+                           [real, *demo], breaks, eager, trials, step3, rec, [], ledgers, confirmation, skipped=skipped)
     result.budget = clock.record()
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start

@@ -167,6 +167,20 @@ def real_speed_or_failure(job: Job, groups: list[str], device: torch.device, say
         return {"status": "failed", "reason": why}
 
 
+LADDER_REUSED = ("the precision ladder's float32 loss curve: the same model, seed, batches, precision and "
+                 "divergence watch, so not trained a second time")
+
+
+def _ladder_reference(job: Job, precision: dict[str, Any]) -> tuple[list[float], list[float], float] | None:
+    """(losses, gradient norms, seconds) of the ladder's float32 curve when it is the FP8 reference's training: the
+    job trains in float32 at the rung's matmul precision, and the curve ran every FP8 step without stopping."""
+    r = next((r for r in precision.get("rungs", []) if r["name"] == "float32"), None)
+    if (r is None or (job.dtype, job.matmul_precision) != (r["dtype"], r["matmul_precision"]) or r.get("diverged")
+            or len(r.get("loss") or []) != job.fp8_steps or len(r.get("grad_norm") or []) != job.fp8_steps):
+        return None
+    return list(r["loss"]), list(r["grad_norm"]), r.get("loss_s") or 0.0
+
+
 def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: list[dict[str, str]]) -> dict[str, Any]:
     """The precision ladder; an error outside any one rung is recorded, and the FP8 part still runs."""
     try:
@@ -269,6 +283,13 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
             trials.append(PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "skipped", "budget: " + why,
                                       study=study))
             clock.shorten(f"FP8 policy {name}", why)
+            continue
+        ladder_curve = None if gs else _ladder_reference(job, precision)
+        if ladder_curve:  # the same training the ladder's float32 rung already ran: its curve, not a second run
+            losses, norms, last_s = ladder_curve
+            reference = losses
+            trials.append(PolicyTrial(name, gs, recipe, 0.0, "reference", LADDER_REUSED, losses, norms))
+            say(f"[{i}/{len(plan)}] {name}: {LADDER_REUSED}")
             continue
         t_trial = time.perf_counter()
         say(f"[{i}/{len(plan)}] {name}: {job.fp8_steps} steps" + (f", FP8 on {', '.join(gs)} ({recipe})" if gs

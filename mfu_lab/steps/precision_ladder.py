@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,8 @@ class Rung:
     stopped_at: int | None = None
     scaler_skipped: int = 0  # float16 steps the loss scaler skipped (an overflow lowered its scale)
     loss: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)  # per step of the loss curve (the divergence watch's)
+    loss_s: float | None = None  # seconds the loss curve took to train
     loss_skipped: str = ""  # why no loss curve was trained (racing: not proven faster, so never adoptable)
 
     def fail(self, what: str, err: BaseException) -> None:
@@ -130,13 +133,14 @@ def _loss_check(job: Job, rungs: list[Rung], batches, device: torch.device, say)
             r.status, r.reason = pr.FAILED, "no float32 loss curve to compare with"
             continue
         watch = f8.Watch(reference, job.loss_tolerance, job.fp8_window, job.fp8_spike)
+        t0 = time.perf_counter()
         try:
-            losses, _, why, at = train_trial(as_job(job, r), [], job.fp8_recipe, batches, device, watch)
+            losses, norms, why, at = train_trial(as_job(job, r), [], job.fp8_recipe, batches, device, watch)
         except Exception as err:  # noqa: BLE001 - one rung's failure must not end the step
             r.fail("loss curve", err)
             say(f"  {r.name}: loss curve failed: {r.reason}")
             continue
-        r.loss, r.diverged, r.stopped_at = losses, why or "", at
+        r.loss, r.grad_norm, r.loss_s, r.diverged, r.stopped_at = losses, norms, time.perf_counter() - t0, why or "", at
         r.scaler_skipped = len(losses) - len(watch.grad_norms)
         if r.name == REFERENCE:
             reference = losses

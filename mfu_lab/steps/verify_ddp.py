@@ -2,8 +2,9 @@
 
 Bucket size, communication hook and ``gradient_as_bucket_view`` change nothing in one process, so they are
 verified where they act: the step-2 worker (mfu_lab.workers.ddp_rank) runs the configurations
-``[original, tuned] x min(verify_rounds, 5)`` in that order, each a fresh DDP model for ``comm_steps`` steps; the
-per-step times of all rounds are pooled per configuration and compared with a bootstrap interval.
+``[original, tuned] x min(verify_rounds, 5)`` in that order (:func:`mfu_lab.workers.launch.alternate`), each a fresh
+DDP model timed for ``comm_steps`` steps; the per-step times of all rounds are pooled per configuration and compared
+with a bootstrap interval.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from mfu_lab.analysis.tuning import Change
 from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
 from mfu_lab.core.sidebyside import bootstrap_speedup
-from mfu_lab.workers.launch import config_key, launch, world_layout
+from mfu_lab.workers.launch import alternate, config_key, world_layout
 
-DDP_ROUNDS = 5  # each DDP turn builds a fresh DDP model and runs comm_steps steps twice: far dearer than a round
+DDP_ROUNDS = 5  # each DDP turn builds a fresh DDP model and warms it up: far dearer than a round
 
 
 def ddp_configs(job: Job, chosen: list[Change]) -> tuple[dict, dict] | None:
@@ -42,21 +43,13 @@ def verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say
         return {"status": "skipped", "reason": f"the job runs {nnodes * nproc} process: no data parallelism to "
                 "verify; run the verify step on a node with 2+ GPUs (or nproc_per_node: 2+)"}
     original, tuned = configs
-    plan = [original, tuned] * min(job.verify_rounds, DDP_ROUNDS)
-    say(f"DDP: {len(plan)} configurations alternated in one launch of {nnodes * nproc} processes")
-    spec = {"job": job.to_dict(), "device_type": device_type, "attention": None, "configs": plan,
-            "allreduce_max_bytes": None, "fault": None}
-    run = launch(job, spec, work, 0, nnodes, nproc)
-    done = [e for e in run.events if e["event"] == "done"]
-    if run.returncode != 0 or len(done) != len(plan):
-        other = next((e.get("error") for e in run.events if e["event"] in ("error", "unsupported")), "")
-        return {"status": "failed", "reason": other or f"the launch ended with code {run.returncode} after "
-                f"{len(done)} of {len(plan)} configurations", "configs": [original, tuned]}
-    walls = {config_key(original): [], config_key(tuned): []}
-    order = []
-    for e in done:
-        walls[config_key(e["config"])] += e["wall_s"]
-        order.append("original" if config_key(e["config"]) == config_key(original) else "tuned")
+    turns = min(job.verify_rounds, DDP_ROUNDS)
+    say(f"DDP: {2 * turns} configurations alternated in one launch of {nnodes * nproc} processes")
+    run = alternate(job, device_type, None, [original, tuned], turns, work)
+    if run.error:
+        return {"status": "failed", "reason": run.error, "configs": [original, tuned]}
+    walls = run.walls
+    order = ["original" if k == config_key(original) else "tuned" for k in run.order]
     a, b = walls[config_key(original)], walls[config_key(tuned)]
     sp = bootstrap_speedup(a, b)
     sa, sb = stats(a), stats(b)

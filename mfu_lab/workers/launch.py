@@ -296,3 +296,37 @@ def known_refusal(cfg: dict, backend: str, grad_bytes: int) -> str | None:
         return (f"gloo: PowerSGD with more than one gradient bucket ({grad_bytes / 2**20:.1f} MB of gradients in "
                 f"{cfg['bucket_mb']:g} MB buckets) aborts the launch with a gloo enforce failure; not launched")
     return None
+
+
+@dataclass
+class Alternation:
+    """Configurations alternated in one launch: each one's per-step times pooled over its turns."""
+
+    walls: dict[tuple, list[float]]  # config_key -> the timed steps of all its turns
+    order: list[tuple]  # config keys in the order their turns ran
+    error: str = ""  # set when the launch did not finish every turn
+    seconds: float = 0.0
+
+
+def alternate(job: Job, device_type: str, attention: str | None, configs: list[dict], turns: int, work: Path,
+              progress=None) -> Alternation:
+    """``configs`` run ``turns`` times in that order (A B, A B, ...) in one launch, each turn a fresh DDP model
+    timed for ``comm_steps`` steps after ``comm_warmup_steps`` (the race's screening protocol: nothing else is
+    measured), so drift over the launch lands on every configuration alike."""
+    nnodes, nproc = world_layout(job, device_type)
+    plan = list(configs) * turns
+    spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": plan,
+            "allreduce_max_bytes": None, "fault": None, "screen": job.comm_steps}
+    run = launch(job, spec, work, 0, nnodes, nproc, progress)
+    done = [e for e in run.events if e["event"] == "done"]
+    walls: dict[tuple, list[float]] = {config_key(c): [] for c in configs}
+    order = []
+    for e in done:
+        walls[config_key(e["config"])] += e["wall_s"]
+        order.append(config_key(e["config"]))
+    error = ""
+    if run.returncode != 0 or len(done) != len(plan):
+        other = next((e.get("error") for e in run.events if e["event"] in ("error", "unsupported")), "")
+        error = other or (f"the launch ended with code {run.returncode} after {len(done)} of {len(plan)} turns"
+                          + (f": {error_lines(run.rank_stderr)}" if error_lines(run.rank_stderr) else ""))
+    return Alternation(walls, order, error, run.seconds)

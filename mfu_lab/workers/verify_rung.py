@@ -39,14 +39,14 @@ class RungProcess:
     ended and reported, never waited on forever.
     """
 
-    def __init__(self, spec: dict, work: Path, timeout_s: float):
+    def __init__(self, spec: dict, work: Path, timeout_s: float, env: dict[str, str] | None = None):
         work.mkdir(parents=True, exist_ok=True)
         spec_path = work / f"rung_{spec['rung']}.json"
         spec_path.write_text(json.dumps(spec))
         self.name, self.timeout_s = spec["rung"], timeout_s
         self.stderr_path = work / f"rung_{spec['rung']}.log"
         self._err = open(self.stderr_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}  # env: e.g. a compile cache to reuse
         self.proc = subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.verify_rung", "--spec", str(spec_path)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
                                      env=env, start_new_session=True)

@@ -1,0 +1,145 @@
+"""Step 2's attention comparison: every implementation checked against unfused float32 and timed alone, one per
+kernel, then their training steps raced (:mod:`mfu_lab.analysis.racing`) and the pick made beyond the noise.
+
+Used by :mod:`mfu_lab.steps.attention_comm`, which owns the step's result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mfu_lab.analysis import attention as att
+from mfu_lab.analysis import racing
+from mfu_lab.core import flops as fl
+from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
+
+JOB_IMPL = {"sdpa": "sdpa (torch's choice)", "unfused": "unfused"}  # the job's attention among the candidates
+IMPOSSIBLE_SHARE = ("attention share above 100%: n_layers x the standalone timing exceeds the whole step, so the "
+                    "standalone timing does not represent the kernel's cost inside the step; not used for any "
+                    "recommendation")
+
+
+@dataclass
+class AttentionRow:
+    name: str
+    status: str  # ok | wrong | unavailable | same kernel | dropped
+    reason: str = ""
+    rel_error: float | None = None
+    tolerance: float | None = None
+    attn_median_s: float | None = None  # forward + backward of one attention layer
+    attn_p10_s: float | None = None
+    attn_p90_s: float | None = None
+    step_median_s: float | None = None
+    step_p10_s: float | None = None
+    step_p90_s: float | None = None
+    mfu: float | None = None
+    speedup: float | None = None  # baseline step time / this step time
+    attention_share: float | None = None  # n_layers x attention time / step time
+    kernel: str = ""  # aten operators the forward dispatches to (same kernel, same signature)
+
+
+def attention_section(job, device, torch_device, flops_per_step, peak, progress, clock) -> tuple[list, Any]:
+    """Every implementation checked against unfused float32 and timed alone; then their training steps raced
+    (:mod:`mfu_lab.analysis.racing`): ``race_steps`` steps each, the survivors (the job's own attention always) for
+    the job's ``steps``, side by side. ``thorough``: every correct implementation for the full ``steps``."""
+    hd = job.d_model // job.n_heads
+    check_shape = (min(2, job.micro_batch), job.n_heads, job.seq_len, hd)
+    time_shape = (job.micro_batch, job.n_heads, job.seq_len, hd)
+    rows, fns = [], {}
+    impls = att.candidates(device.type, job.dtype)
+    eta = progress.eta("attention implementations", len(impls))
+    for n, impl in enumerate(impls, 1):
+        progress(f"attention [{n}/{len(impls)}] {impl.name}" + eta.tag(n - 1))
+        if impl.fn is None:
+            rows.append(AttentionRow(impl.name, "unavailable", impl.skipped))
+            continue
+        c = att.check(impl.fn, check_shape, job.dtype, torch_device, job.seed)
+        if c.error:
+            rows.append(AttentionRow(impl.name, "unavailable", c.error, tolerance=c.tolerance))
+            continue
+        if not c.ok:
+            rows.append(AttentionRow(impl.name, "wrong", f"relative error {c.rel_error:.2e} > tolerance "
+                                     f"{c.tolerance:.0e} against unfused float32; not timed, never recommended",
+                                     c.rel_error, c.tolerance))
+            continue
+        a = att.time_fwd_bwd(impl.fn, time_shape, job.dtype, torch_device)
+        kernel = att.kernel_signature(impl.fn, check_shape, job.dtype, torch_device)
+        rows.append(AttentionRow(impl.name, "ok", "", c.rel_error, c.tolerance, a.median, a.p10, a.p90, kernel=kernel))
+        fns[impl.name] = impl.fn
+    eta.finish()
+
+    def train(name: str, steps: int) -> list[float]:
+        model = build_model(job).to(torch_device).train()
+        model.set_attention(fns[name])
+        t = run_steps(build_train_step(eager(job), model, device.type), build_loader(job, job.warmup_steps + steps,
+                      device.type), torch_device, job.warmup_steps, steps)
+        return t.measured("wall_s")
+
+    ok = [r for r in rows if r.status == "ok"]
+    own = next((r for r in ok if r.name == JOB_IMPL[job.attention]), None)
+    ok = _one_per_kernel(ok, own)
+    refs = [own.name] if own else []
+    log = racing.RaceLog("exhaustive" if job.thorough else "racing", refs)
+    walls: dict[str, list[float]] = {}
+    final = [r.name for r in ok]
+    if not job.thorough and len(ok) > 2:
+        t0 = time.perf_counter()
+        screen = {r.name: train(r.name, job.race_steps) for r in ok}
+        final, dropped = racing.survivors(screen, refs)
+        grow = (job.warmup_steps + job.steps) / (job.warmup_steps + job.race_steps)
+        per = (time.perf_counter() - t0) / len(ok) * grow
+        if not clock.fits(per * len(final)):
+            cut = [k for k in final[1:] if k not in refs]
+            final = [k for k in final if k not in cut]
+            dropped |= {k: "budget: the final round measures the leader and the job's attention only" for k in cut}
+            clock.shorten("attention final round", f"{', '.join(cut)} not measured for the full {job.steps} steps")
+        log.rounds.append(racing.log_round(1, job.race_steps, screen, final, dropped, time.perf_counter() - t0))
+        for r in ok:
+            if r.name in dropped:
+                walls[r.name] = screen[r.name]
+                r.status, r.reason = "dropped", dropped[r.name] + f" (figures from {job.race_steps} steps)"
+    t0 = time.perf_counter()
+    for name in final:
+        walls[name] = train(name, job.steps)
+    log.rounds.append(racing.log_round(len(log.rounds) + 1, job.steps, {k: walls[k] for k in final}, final, {},
+                                       time.perf_counter() - t0))
+    for r in rows:
+        if r.name in walls:
+            st = stats(walls[r.name])
+            r.step_median_s, r.step_p10_s, r.step_p90_s = st.median, st.p10, st.p90
+            r.mfu = fl.mfu(flops_per_step, len(walls[r.name]) / sum(walls[r.name]), peak)
+            r.attention_share = job.n_layers * r.attn_median_s / st.median
+            if r.attention_share > 1.0:  # impossible: flagged in the table, used for nothing
+                r.reason = "; ".join(x for x in (r.reason, IMPOSSIBLE_SHARE) if x)
+    return rows, log
+
+
+def _one_per_kernel(ok: list[AttentionRow], own: AttentionRow | None) -> list[AttentionRow]:
+    """The rows whose training steps are timed: one per kernel (the job's own attention for its kernel, else the
+    first row that dispatches to it). The others run the same code, so their steps are not timed again: they are
+    marked ``same kernel`` and neither raced nor recommended."""
+    keep: dict[str, AttentionRow] = {}
+    for r in ([own] if own else []) + [r for r in ok if r is not own]:
+        if not r.kernel or r.kernel not in keep:
+            keep[r.kernel or r.name] = r
+        else:
+            r.status = "same kernel"
+            r.reason = (f"dispatches to the same kernel as {keep[r.kernel].name} here ({r.kernel}): its training "
+                        "step is that one's, so it is not timed again (a difference would be run-to-run noise)")
+    return [r for r in ok if r.status == "ok"]
+
+
+def _pick(rows: list, reference):
+    """The fastest row, but only if it beats ``reference`` beyond the noise; else the reference.
+
+    Beyond the noise: its p90 step time is below the reference's p10 (the ranges do not overlap).
+    """
+    if not rows:
+        return None
+    fastest = min(rows, key=lambda r: r.step_median_s)
+    if reference is None or (fastest is not reference and fastest.step_p90_s < reference.step_p10_s):
+        return fastest
+    return reference

@@ -1,0 +1,84 @@
+"""Step 4's pick, confirmed: eager and the leading compile mode timed side by side before the mode is recommended.
+
+Each trial of step 4 runs in a fresh process, one after the other, and a fresh process on a small or shared machine
+can land 10% faster or slower than the next (measured on a 2-core CPU: the same eager step 218 ms in one run, 241 ms
+in another). A mode whose p90 lies below eager's p10 across two such processes can therefore be luck. Here eager
+and the mode each get a warm process of their own (:class:`mfu_lab.workers.verify_rung.RungProcess`; the mode's
+reuses the cold trial's compile cache, so it compiles in seconds), then ``RACE_CONFIRM_TURNS`` interleaved rounds
+(:func:`mfu_lab.core.sidebyside.interleave`) time both, and the mode stands only when the bootstrap interval of its
+speedup over eager lies above 1.0 (:func:`mfu_lab.analysis.racing.confirm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from mfu_lab.analysis import racing
+from mfu_lab.core.budget import Clock
+from mfu_lab.core.job import Job
+from mfu_lab.core.sidebyside import interleave
+from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
+from mfu_lab.core.workload import eager
+from mfu_lab.workers.verify_rung import RungProcess
+
+
+def turn_steps(job: Job) -> int:
+    """Timed steps per candidate per round: the trial's steps spread over the rounds, at least the race's."""
+    return max(job.race_steps, job.steps // (RACE_CONFIRM_TURNS + 1))
+
+
+def confirm_mode(job: Job, mode: str, cache: Path, work: Path, clock: Clock, eager_trial_s: float,
+                 eager_step_s: float, say) -> racing.Confirmation:
+    """Eager against ``mode`` in interleaved rounds; ``cache`` is the cold trial's compile cache folder.
+
+    Its time is estimated as eager's whole trial (a process start, warm-up and steps) plus the rounds' steps at
+    eager's median step, for both candidates."""
+    rounds, steps = RACE_CONFIRM_TURNS, turn_steps(job)
+    estimate = eager_trial_s + 2 * rounds * steps * eager_step_s
+    if not clock.fits(estimate):
+        why = f"{clock.left_s():.0f} s of the step's share left, the confirmation needs about {estimate:.0f} s"
+        clock.shorten("compile confirmation", f"mode {mode} not measured again beside eager ({why}); eager stays")
+        return racing.Confirmation(mode, "eager", "skipped", "budget: " + why)
+    t0 = time.perf_counter()
+    base = dataclasses.replace(eager(job), verify_warmup_steps=job.compile_warmup_steps)
+    specs = {"eager": base, mode: dataclasses.replace(base, compile_mode=mode)}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    say(f"confirming {mode}: eager and {mode} in warm processes of their own, {rounds} interleaved rounds of "
+        f"{steps} steps")
+    procs: dict[str, RungProcess] = {}
+    try:
+        for name, j in specs.items():  # started together: each builds, counts and warms up while the other does
+            procs[name] = RungProcess({"rung": name.replace("/", "_"), "job": j.to_dict(),
+                                       "steps_total": rounds * steps}, work, job.compile_timeout_s,
+                                      env if name != "eager" else None)
+        failed: dict[str, str] = {}
+        for name, proc in procs.items():
+            try:
+                proc.ready()
+            except RuntimeError as e:
+                failed[name] = str(e)
+        if failed:
+            return racing.Confirmation(mode, "eager", "failed", "; ".join(failed.values()), rounds, steps,
+                                       seconds=time.perf_counter() - t0)
+
+        def runner(name):
+            def run(k):
+                try:
+                    return procs[name].run(k)
+                except RuntimeError as e:
+                    failed[name] = str(e)
+                    return None
+            return run
+
+        got = interleave({name: runner(name) for name in procs}, rounds, steps,
+                         lambda line: say("  " + line))
+    finally:
+        for proc in procs.values():
+            proc.close()
+    if failed:
+        return racing.Confirmation(mode, "eager", "failed", "; ".join(failed.values()), rounds, steps,
+                                   seconds=time.perf_counter() - t0)
+    return racing.confirm(mode, "eager", got.series["eager"].wall_s, got.series[mode].wall_s, rounds, steps,
+                          [name for _, name in got.order], time.perf_counter() - t0)
