@@ -24,6 +24,7 @@ Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, argument
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from mfu_lab.runner import (
 )
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command whose reader closed the pipe
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -381,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     except MfuLabError as e:
         print(f"mfu-lab: error: {e}", file=sys.stderr)
         return EXIT_STEP_FAILED
+    except BrokenPipeError:  # the reader went away (`mfu-lab keys | head`): nothing went wrong here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return EXIT_BROKEN_PIPE
     except OSError as e:  # a folder or file the command needed could not be read or written
         print(f"mfu-lab: {filesystem_problem(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -32,6 +32,18 @@ def test_keys_lists_every_key(capsys):
     assert "micro_batch" in out and "peak_flops" in out
 
 
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """`mfu-lab keys | head`: the reader leaves before the command writes; no traceback, no misleading advice."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "mfu_lab", "keys"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # closed before the child (still importing) writes a line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "Broken pipe" not in err and "folder" not in err, err
+
+
 def test_step_runs_in_plain_python(tmp_path, capsys):
     assert main(["step", "baseline", "--job", str(TINY), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
