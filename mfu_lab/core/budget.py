@@ -1,9 +1,9 @@
 """The run's time budget (``budget_min``, ``mfu-lab run --budget``), spread over the steps by one stated rule.
 
 Rule: each step gets the budget times its weight over the sum of the weights of steps 1-7. The weights are each
-step's wall time in a ``--thorough`` run of the default job on a 2-core Intel CPU (step 1 28 s, step 2 266 s,
-step 3 42 s, step 4 158 s, step 5 130 s, step 6 44 s; step 7, run after the others, as step 4), so a budget cuts
-every step in the same proportion. A step run alone gets the same share it would get in a whole run.
+step's wall time in a ``--thorough`` run of the default job on a 2-core Intel CPU (``benchmarks/bench_cost.py``,
+2026-12-01: step 1 14 s, step 2 158 s, step 3 23 s, step 4 93 s, step 5 104 s, step 6 21 s, step 7 36 s), so a
+budget cuts every step in the same proportion. A step run alone gets the same share it would get in a whole run.
 
 A step that measures in rounds (steps 2, 4 and 5) checks its clock at each round's start: when the next round would
 end past the step's share, it shortens the round (fewer candidates, fewer steps, no warm-cache compile) and records
@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-WEIGHTS = {"baseline": 28, "attention_comm": 266, "kernels": 42, "compile": 158, "fp8": 130, "placement": 44,
-           "verify": 158}
+WEIGHTS = {"baseline": 14, "attention_comm": 158, "kernels": 23, "compile": 93, "fp8": 104, "placement": 21,
+           "verify": 36}
 
 
 def plan(budget_min: float, keys: list[str] | None = None) -> dict[str, float]:
