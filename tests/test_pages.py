@@ -88,6 +88,13 @@ def test_the_summary_chart_says_what_each_bar_is_and_gives_ddp_its_own_bar():
     assert [p[0] for p in pts] == ["01_baseline", "02_attention_and_comm", "02_attention_and_comm/DDP"]
     meanings = bar_meanings(results)
     assert "one process" in meanings[1] and meanings[2].startswith("data-parallel, 8 ranks")
+    assert not any("peak" in x for x in meanings)  # one precision on every bar: nothing to warn about
+    # step 7's tuned job trains in bfloat16: its bar stands on another peak than step 1's, and every bar says which
+    results = {"baseline": {"metrics": {"mfu": m(0.6)}, "job": {"dtype": "float32"}},
+               "verify": {"metrics": {"mfu": m(0.19)}, "job": {"dtype": "float32"},
+                          "rungs": [{"mfu": 0.6, "dtype": "float32"}, {"mfu": 0.19, "dtype": "bfloat16"}]}}
+    meanings = bar_meanings(results)
+    assert meanings[0].endswith("against the float32 peak") and meanings[1].endswith("against the bfloat16 peak")
 
 
 def test_a_mistake_in_a_p_override_is_the_command_lines_not_the_files(tmp_path):

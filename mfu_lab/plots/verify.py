@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.ticker
 
 from mfu_lab.plots.base import ReportFigure
@@ -24,7 +26,9 @@ def staircase(result) -> ReportFigure | Unavailable:
     for y, r in zip(ys, rungs):
         color = RUNG_COLORS.get(r.name.split()[0], "#868e96")
         if r.step_median_s is None:
-            ax.text(0, y, f"  {r.status}: {r.reason[:90]}", va="center", fontsize=7, color="#868e96")
+            why = textwrap.shorten(f"{r.status}: {r.reason}", 170, placeholder=" ... (the table gives the rest)")
+            ax.text(0, y, textwrap.fill(why, 85, initial_indent="  ", subsequent_indent="  "), va="center",
+                    fontsize=7, color="#868e96")
             continue
         err = [[max(0, (r.step_median_s - r.step_p10_s) * 1e3)], [max(0, (r.step_p90_s - r.step_median_s) * 1e3)]]
         ax.barh(y, r.step_median_s * 1e3, color=color, xerr=err)

@@ -135,17 +135,26 @@ def mfu_points(results: dict[str, dict[str, Any]]) -> list[tuple[str, float, str
     return out
 
 
+def _peak_dtype(result: dict[str, Any], mfu: float) -> str:
+    """The precision whose peak an MFU is against: the job's, or for step 7 the rung that gave it."""
+    rung = next((r for r in result.get("rungs") or [] if r.get("mfu") == mfu and r.get("dtype")), None)
+    return rung["dtype"] if rung else (result.get("job") or {}).get("dtype", "")
+
+
 def bar_meanings(results: dict[str, dict[str, Any]]) -> list[str]:
     """Each bar's meaning, in the order of :func:`mfu_points`: one process or data-parallel, eager or compiled,
-    measured or modelled."""
-    out = []
-    for folder, _, source in mfu_points(results):
+    measured or modelled; and, when the bars stand on different precisions' peaks, which peak each is against."""
+    out, peaks = [], []
+    for folder, value, source in mfu_points(results):
         key = next(i.key for i in STEPS if folder.startswith(i.folder))
+        peaks.append(_peak_dtype(results[key], value))
         if folder.endswith("/DDP"):
             world = (results[key].get("comm_layout") or {}).get("world_size")
             out.append(f"data-parallel, {world} ranks, recommended DDP configuration ({source})")
         else:
             out.append(f"{BAR_MEANING.get(key, 'as the step measured it')} ({source})")
+    if len(set(peaks)) > 1:  # an MFU against another peak is not comparable by height: say which
+        out = [f"{m}, against the {p} peak" for m, p in zip(out, peaks)]
     return out
 
 
