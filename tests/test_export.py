@@ -112,6 +112,10 @@ def test_a_report_opens_with_what_the_step_found_and_keeps_every_result(tmp_path
     assert "1.30x step 1" in found and "1.0%" in found
     assert "FUSED-ATTENTION-MARK" in found and "ACT-MARK" in found and "LOOK-MARK" not in found
     assert "micro_batch 4 (step 1: 8)" in found and "not like for like" in found
+    text = re.sub(r"<[^>]+>", "", found)  # sentences stay apart once the template's tags are gone
+    assert not re.search(r"[a-z]\.[A-Z]", text), re.search(r".{30}[a-z]\.[A-Z].{30}", text)
+    same = re.sub(r"<[^>]+>", "", _found(_export(tmp_path / "same", _result(0.013), base=_result(0.010))))
+    assert "Both measured with the same workload parameters" in same and not re.search(r"[a-z]\.[A-Z]", same)
     for bookkeeping in ("job_name", "out_dir", "steps"):  # not workload parameters: not named
         assert bookkeeping not in found.split("Measured with other job parameters")[1].split(".")[0]
     # code: hidden by default, one click away

@@ -71,7 +71,8 @@ class Confirmation:
         if self.status != "ok":
             return f"{self.candidate} not confirmed against {self.reference} ({self.reason}): {self.reference} stays"
         verdict = (f"confirmed: {self.candidate} stands" if self.proven else
-                   f"not proven (the interval reaches {self.low:.2f}x): {self.reference} stays")
+                   f"slower: {self.reference} stays" if self.high < 1.0 else
+                   f"not proven (the interval includes 1.0): {self.reference} stays")
         return (f"{self.candidate} against {self.reference}, {self.turns} alternating turns of {self.steps} steps: "
                 f"{self.reference_median_s * 1e3:.1f} -> {self.candidate_median_s * 1e3:.1f} ms per step, "
                 f"{self.speedup:.2f}x [{self.low:.2f}, {self.high:.2f}] (measured side by side); {verdict}")
