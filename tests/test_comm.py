@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from mfu_lab.workers.launch import config_key, run_sweep, sweep_configs
+from mfu_lab.workers.launch import config_key, config_name, run_sweep, sweep_configs
 
 pytestmark = pytest.mark.e2e
 
@@ -125,3 +125,60 @@ def test_every_collective_of_the_ddp_worker_gets_the_ranks_device(monkeypatch):
         with pytest.raises(_Recorded):
             call()
     assert len(seen) >= 4 and set(seen) == {meta}
+
+
+def test_the_worker_never_rebinds_the_local_rank_it_gives_ddp():
+    """On CUDA, DDP(model, device_ids=[local]) runs once per configuration: the worker once stored the no_sync
+    timings under the same name, so every configuration after the first got device_ids=[<Timings>] and crashed
+    (CPU runs pass device_ids=None, so only a GPU would see it). The name keeps the local rank for the whole run."""
+    import ast
+    import inspect
+
+    from mfu_lab.workers import ddp_rank as dr
+
+    tree = ast.parse(inspect.getsource(dr.main))
+    main = tree.body[0]
+    bound = [n for n in ast.walk(main) if isinstance(n, ast.Name) and n.id == "local" and isinstance(n.ctx, ast.Store)]
+    assert len(bound) == 1, [n.lineno for n in bound]  # local = int(os.environ.get("LOCAL_RANK", 0)), and only that
+
+
+def _race(job, tmp_path, fault=None):
+    from mfu_lab.core.budget import Clock
+    from mfu_lab.steps import comm_race
+
+    return comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 16,
+                              reference=("none", 25.0, False), clock=Clock(None), fault=fault)
+
+
+def test_a_race_screens_and_measures_its_finalists_in_one_launch(tiny_job, tmp_path):
+    """Issue 20, one start-up per kind of worker: the worker picks the finalists itself, by the launcher's rule."""
+    job = small(tiny_job, comm_hooks=["none", "allreduce", "fp16_compress"], comm_bucket_mb=[1, 25])
+    sweep, log, configs = _race(job, tmp_path)
+    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
+    screened, final = log.rounds
+    assert len(screened.medians) == len(configs) == 6 and "none/25MB/copy" in final.medians  # the reference stays
+    assert set(final.medians) == set(screened.kept) and set(screened.dropped) | set(screened.kept) == set(
+        screened.medians)
+    for name in screened.kept:  # measured in full in the same launch: the timed, no_sync and profiled steps
+        ev = sweep.outcomes[config_key(next(c for c in configs if config_name(c) == name))]
+        assert ev["event"] == "done" and not ev.get("screen") and len(ev["no_sync_wall_s"]) == job.comm_steps
+    for name in screened.dropped:
+        ev = sweep.outcomes[config_key(next(c for c in configs if config_name(c) == name))]
+        assert ev["event"] == "dropped" and len(ev["wall_s"]) == job.race_steps  # its screening figures, kept
+
+
+def test_a_crash_in_the_final_round_is_recorded_and_the_other_finalists_still_measured(tiny_job, tmp_path):
+    # the job's own configuration is a second reference: at least two finalists, whatever the screen measured
+    job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25], ddp_hook="allreduce",
+                ddp_bucket_mb=1.0)
+    n = 4  # screened configurations: the finalists' indices count on from here
+    sweep, log, configs = _race(job, tmp_path, fault={"config": n, "rank": 1, "kind": "crash"})
+    assert len(configs) == n
+    first, *others = log.rounds[0].kept
+    assert others and {"none/25MB/copy", "allreduce/1MB/copy"} <= set(log.rounds[0].kept)
+    crashed = sweep.outcomes[config_key(next(c for c in configs if config_name(c) == first))]
+    assert crashed["event"] == "failed" and "injected crash" in crashed["stderr"]
+    assert len(sweep.launches) == 2  # the racing launch, then one for the finalists it did not reach
+    for name in others:
+        ev = sweep.outcomes[config_key(next(c for c in configs if config_name(c) == name))]
+        assert ev["event"] == "done" and not ev.get("screen"), ev

@@ -54,6 +54,8 @@ def test_known_refusals_are_recorded_without_a_launch(tmp_path, monkeypatch):
         for i, c in enumerate(configs):
             wall = [0.1 + 0.01 * i, 0.1 + 0.01 * i]
             out.outcomes[config_key(c)] = {"event": "done", "config": c, "wall_s": wall, "screen": bool(screen)}
+            if screen:  # as run_sweep keeps a screening's events (this stand-in's worker races no final round)
+                out.screened[config_key(c)] = out.outcomes[config_key(c)]
         return out
 
     monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
@@ -97,7 +99,10 @@ def test_a_budget_too_small_for_the_final_round_keeps_the_leader_and_the_referen
             finals.append([config_key(c) for c in configs])
         out = SweepOutcome({"world_size": 2}, [])
         for c in configs:  # a flat field: everything inside the leader's noise
-            out.outcomes[config_key(c)] = {"event": "done", "config": c, "wall_s": [0.100, 0.101]}
+            out.outcomes[config_key(c)] = {"event": "done", "config": c, "wall_s": [0.100, 0.101],
+                                           "screen": bool(screen)}
+            if screen:
+                out.screened[config_key(c)] = out.outcomes[config_key(c)]
         return out
 
     monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)

@@ -155,6 +155,27 @@ def survivors(samples: dict[str, list[float]], references: list[str] | tuple[str
     return kept, dropped
 
 
+def finalists(samples: dict[str, list[float]], references: list[str], spent_s: float, full_factor: float,
+              seconds_left: float | None) -> tuple[list[str], dict[str, str], list[str]]:
+    """(who goes to the final round, {dropped: why}, who the budget cut) after a first round that took ``spent_s``.
+
+    The final round is estimated at the first round's seconds per candidate x ``full_factor`` (a full measurement's
+    steps over a screening's) per finalist; when that ends past ``seconds_left`` (None: no budget), the final round
+    keeps only the leader and the references. The launcher and a worker that races inside one launch both decide
+    with this function."""
+    kept, dropped = survivors(samples, references)
+    per_config = spent_s / max(1, len(samples))
+    cut: list[str] = []
+    if seconds_left is not None and len(kept) * per_config * full_factor > seconds_left:
+        timed = [k for k in kept if samples.get(k)]
+        leader = min(timed, key=lambda k: statistics.median(samples[k])) if timed else None
+        cut = [k for k in kept if k != leader and k not in references]
+        for k in cut:
+            dropped[k] = "budget: the final round measures the leader and the references only"
+        kept = [k for k in kept if k not in cut]
+    return kept, dropped, cut
+
+
 def log_round(number: int, steps: int, samples: dict[str, list[float]], kept: list[str], dropped: dict[str, str],
               seconds: float | None = None) -> RoundLog:
     return RoundLog(number, steps, {k: statistics.median(v) if v else None for k, v in samples.items()}, kept,

@@ -1,7 +1,9 @@
 """Step 2's DDP sweep as a race (:mod:`mfu_lab.analysis.racing`): every configuration the backend accepts is timed
-for ``race_steps`` steps in one launch, then the survivors (DDP's default and the job's own configuration always
-among them) are measured in full (timed steps, a profiled step, the sync check, the same steps under no_sync) side
-by side in a second launch. ``thorough`` measures every configuration in full in one launch, as before.
+for ``race_steps`` steps, then the survivors (DDP's default and the job's own configuration always among them) are
+measured in full (timed steps, a profiled step, the sync check, the same steps under no_sync) side by side, in the
+same launch: the worker picks them by :func:`mfu_lab.analysis.racing.finalists`, so the race pays one start-up
+(after a crash or hang, the relaunch screens what is left and the finalists get a launch of their own).
+``thorough`` measures every configuration in full in one launch.
 
 Configurations the backend is known to refuse (:func:`mfu_lab.workers.launch.known_refusal`) are recorded as
 unsupported without a launch, in both modes. In both modes, a configuration the step would pick over DDP's default
@@ -22,15 +24,15 @@ from mfu_lab.workers.launch import (
     SweepOutcome,
     alternate,
     config_key,
+    config_name,
+    full_factor,
     known_refusal,
     run_sweep,
     sweep_configs,
     world_layout,
 )
 
-
-def name(cfg: dict) -> str:
-    return f"{cfg['hook']}/{cfg['bucket_mb']:g}MB/{'view' if cfg['grad_as_bucket_view'] else 'copy'}"
+name = config_name  # hook/bucketMB/view or copy, as the race and the report name a configuration
 
 
 def job_config(job: Job) -> dict:
@@ -38,8 +40,10 @@ def job_config(job: Job) -> dict:
 
 
 def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_event, grad_bytes: int,
-             reference: tuple, clock: Clock) -> tuple[SweepOutcome, racing.RaceLog, list[dict]]:
-    """(the sweep's outcomes, how it ran, the configurations in the order the report lists them)."""
+             reference: tuple, clock: Clock, fault: dict | None = None) -> tuple[SweepOutcome, racing.RaceLog,
+                                                                                   list[dict]]:
+    """(the sweep's outcomes, how it ran, the configurations in the order the report lists them); ``fault``: tests
+    only, passed to the first launch (:func:`mfu_lab.workers.launch.run_sweep`)."""
     nnodes, nproc = world_layout(job, device_type)
     backend = "nccl" if device_type == "cuda" else "gloo"
     configs = sweep_configs(job)
@@ -70,36 +74,40 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
         return finish(sweep), log, configs
 
     t0 = time.perf_counter()
-    screen = run_sweep(job, device_type, attention, work, on_event, configs=runnable, screen=job.race_steps)
-    samples = {name(c): (screen.outcomes.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
-    kept, dropped = racing.survivors(samples, refs)
-    spent = time.perf_counter() - t0
-    per_config = spent / max(1, len(runnable))
-    full_factor = (job.comm_warmup_steps + 2 * job.comm_steps + 1) / (job.comm_warmup_steps + job.race_steps)
-    if not clock.fits(len(kept) * per_config * full_factor):
-        leader = min((k for k in kept if samples[k]), key=lambda k: sorted(samples[k])[len(samples[k]) // 2])
-        cut = [k for k in kept if k != leader and k not in refs]
-        for k in cut:
-            dropped[k] = "budget: the final round measures the leader and the references only"
-        kept = [k for k in kept if k not in cut]
+    left = clock.left_s()
+    sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable, screen=job.race_steps,
+                      race={"references": refs, "deadline": None if left is None else time.time() + left},
+                      fault=fault)
+    samples = {name(c): (sweep.screened.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
+    decided = {r.get("number"): r for r in sweep.rounds}
+    if 1 in decided:  # the worker raced inside its launch: its decision, by the same rule
+        kept, dropped, cut, spent = decided[1]["kept"], decided[1]["dropped"], decided[1]["cut"], decided[1]["seconds"]
+    else:  # a relaunch screened the rest: decide here
+        spent = time.perf_counter() - t0
+        kept, dropped, cut = racing.finalists(samples, refs, spent, full_factor(job), clock.left_s())
+    if cut:
         clock.shorten("DDP final round", f"{len(cut)} configuration(s) inside the noise band not measured in full "
                       f"({', '.join(cut)}); the leader and the references were")
     log.rounds.append(racing.log_round(1, job.race_steps, samples, kept, dropped, spent))
     t1 = time.perf_counter()
-    final = run_sweep(job, device_type, attention, work, on_event, configs=[by_name[k] for k in kept],
-                      allreduce=False)
-    final.allreduce = screen.allreduce
-    full = {k: (final.outcomes.get(config_key(by_name[k])) or {}).get("wall_s") or [] for k in kept}
-    log.rounds.append(racing.log_round(2, job.comm_steps, full, kept, {}, time.perf_counter() - t1))
+    todo = [k for k in kept if (sweep.outcomes.get(config_key(by_name[k])) or {}).get("screen")]
+    if todo:  # finalists not measured in full in the first launch (it raced no final round, or ended early)
+        more = run_sweep(job, device_type, attention, work, on_event, configs=[by_name[k] for k in todo],
+                         allreduce=False)
+        sweep.outcomes.update(more.outcomes)
+        sweep.launches += more.launches
+    full = {k: (sweep.outcomes.get(config_key(by_name[k])) or {}).get("wall_s") or [] for k in kept}
+    final_s = (decided[2]["seconds"] if 2 in decided else 0.0) + (time.perf_counter() - t1 if todo else 0.0)
+    log.rounds.append(racing.log_round(2, job.comm_steps, full, kept, {}, final_s))
     for k, why in dropped.items():  # dropped configurations keep their screening figures, marked as such
-        ev = dict(screen.outcomes.get(config_key(by_name[k])) or {}, event="dropped", config=by_name[k], error=why)
-        final.outcomes[config_key(by_name[k])] = ev
-    for c in runnable:  # failed or refused at run time while screening: their record stands
-        ev = screen.outcomes.get(config_key(c))
-        if ev and config_key(c) not in final.outcomes:
-            final.outcomes[config_key(c)] = ev if ev["event"] != "done" else dict(
-                ev, event="failed", error="screened, but the final round's launch ended before it")
-    final.launches = screen.launches + final.launches
+        ev = dict(sweep.screened.get(config_key(by_name[k])) or {}, event="dropped", config=by_name[k], error=why)
+        sweep.outcomes[config_key(by_name[k])] = ev
+    for c in runnable:  # screened, then neither dropped nor measured in full: the final round ended before it
+        ev = sweep.outcomes.get(config_key(c))
+        if ev and ev.get("screen") and ev["event"] == "done":
+            sweep.outcomes[config_key(c)] = dict(ev, event="failed",
+                                                 error="screened, but the final round's launch ended before it")
+    final = sweep
     return finish(final), log, configs
 
 

@@ -28,10 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mfu_lab.analysis import racing
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.job import validate
 from mfu_lab.core.measure import run_steps
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
+from mfu_lab.workers.launch import config_name, full_factor
 
 BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PERFORMANCE.md)
 
@@ -225,7 +227,11 @@ def main() -> None:
         heartbeat(out, rank, where["config"], done)
 
     fault = spec.get("fault")  # tests only: {"config": index, "rank": r, "kind": "crash" | "hang"}
-    for index, cfg in enumerate(spec["configs"]):
+
+    def measure(index: int, cfg: dict, screen: int) -> list[float] | None:
+        """One configuration: a fresh DDP model, then ``screen`` timed steps (a race's first round) or the full
+        protocol (timed steps, a profiled step, the sync check, the same steps under no_sync). Its timed steps,
+        or None when the backend refused it."""
         emit(out, {"event": "start", "config": cfg})
         where["config"] = index
         heartbeat(out, rank, index, -1)  # -1: starting the configuration
@@ -241,13 +247,13 @@ def main() -> None:
             register_hook(ddp, cfg["hook"])
         except Exception as e:  # refused by this backend: record and go on
             emit(out, {"event": "unsupported", "config": cfg, "error": f"{type(e).__name__}: {e}"})
-            continue
+            return None
         ts = build_train_step(job, ddp, device.type)
-        if spec.get("screen"):  # a race's first round: the timed steps alone (analysis.racing)
-            t = run_steps(ts, loader(warm + spec["screen"]), device, warm, spec["screen"], beat)
+        if screen:  # a race's first round: the timed steps alone (analysis.racing)
+            t = run_steps(ts, loader(warm + screen), device, warm, screen, beat)
             emit(out, {"event": "done", "config": cfg, "screen": True, "wall_s": t.measured("wall_s"),
                        "data_s": t.measured("data_s")})
-            continue
+            return t.measured("wall_s")
         try:
             t = run_steps(ts, loader(warm + steps + 1), device, warm, steps, beat)
             x, y = next(iter(loader(1)))
@@ -265,14 +271,36 @@ def main() -> None:
                     return ts(x, y)
 
             # Side by side with the timed steps above, after the sync check (local updates diverge the ranks).
-            local = run_steps(local_step, loader(steps), device, 0, steps, beat)
+            alone = run_steps(local_step, loader(steps), device, 0, steps, beat)
         except Exception as e:
             emit(out, {"event": "error", "config": cfg, "error": f"{type(e).__name__}: {e}"})
             raise
         emit(out, {"event": "done", "config": cfg, "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s"),
-                   "no_sync_wall_s": local.measured("wall_s"), "comm_s": float(comm), "profiled_step_s": profiled_s,
+                   "no_sync_wall_s": alone.measured("wall_s"), "comm_s": float(comm), "profiled_step_s": profiled_s,
                    "param_checksum_max_diff": diff,
                    "loss": t.loss[-1]})
+        return t.measured("wall_s")
+
+    configs, screen = spec["configs"], spec.get("screen") or 0
+    t_screen = time.perf_counter()
+    walls = {config_name(cfg): measure(index, cfg, screen) for index, cfg in enumerate(configs)}
+    race = spec.get("race")
+    if race and screen:  # the race's final round in this launch: rank 0 decides, every rank measures the same
+        spent = time.perf_counter() - t_screen
+        decision: list = [None]
+        if rank == 0:
+            left = None if race.get("deadline") is None else race["deadline"] - time.time()
+            decision[0] = racing.finalists({k: v for k, v in walls.items() if v}, race["references"], spent,
+                                           full_factor(job), left)
+        dist.broadcast_object_list(decision, src=0)
+        kept, dropped, cut = decision[0]
+        emit(out, {"event": "round", "number": 1, "kept": kept, "dropped": dropped, "cut": cut, "seconds": spent})
+        by_name = {config_name(cfg): cfg for cfg in configs}
+        t_final = time.perf_counter()
+        for j, name in enumerate(kept):
+            measure(len(configs) + j, by_name[name], 0)
+        emit(out, {"event": "round", "number": 2, "kept": kept, "dropped": {}, "cut": [],
+                   "seconds": time.perf_counter() - t_final})
     if spec.get("profile"):
         profile_ranks(spec["profile"], fresh_model, loader, device, local, cuda, job, rank, beat, out)
     emit(out, {"event": "finished"})

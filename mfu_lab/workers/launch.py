@@ -46,6 +46,16 @@ def config_key(cfg: dict) -> tuple:
     return cfg["hook"], float(cfg["bucket_mb"]), bool(cfg["grad_as_bucket_view"])
 
 
+def config_name(cfg: dict) -> str:
+    """A configuration as the race and the report name it: hook/bucketMB/view or copy."""
+    return f"{cfg['hook']}/{cfg['bucket_mb']:g}MB/{'view' if cfg['grad_as_bucket_view'] else 'copy'}"
+
+
+def full_factor(job: Job) -> float:
+    """A full measurement's steps (warm-up, timed, profiled, no_sync) over a race's screening steps."""
+    return (job.comm_warmup_steps + 2 * job.comm_steps + 1) / (job.comm_warmup_steps + job.race_steps)
+
+
 @dataclass
 class Launch:
     returncode: int | None  # None: ended by the watchdog
@@ -193,16 +203,22 @@ class SweepOutcome:
     allreduce: list[dict]
     outcomes: dict[tuple, dict] = field(default_factory=dict)  # config key -> event (done/unsupported/failed...)
     launches: list[dict] = field(default_factory=list)
+    screened: dict[tuple, dict] = field(default_factory=dict)  # config key -> its screening's done event (a race)
+    rounds: list[dict] = field(default_factory=list)  # a worker's own race decisions ("round" events), in order
 
 
 def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, progress=None,
               allreduce_max_bytes: int | None = None, fault: dict | None = None, configs: list[dict] | None = None,
-              screen: int = 0, allreduce: bool = True) -> SweepOutcome:
+              screen: int = 0, allreduce: bool = True, race: dict | None = None) -> SweepOutcome:
     """Every configuration given (default: the job's whole sweep), relaunching past ones that hang or crash.
 
     ``screen``: a race's first round, each configuration timed for this many steps and nothing else (no profiled
-    step, no sync check, no no_sync steps). ``allreduce``: run the all-reduce benchmark in this launch.
-    ``fault`` (tests only) makes one rank crash or hang at one configuration of the first launch.
+    step, no sync check, no no_sync steps). ``race`` (with ``screen``): the worker then picks the finalists itself
+    (:func:`mfu_lab.analysis.racing.finalists`; ``{"references": [names], "deadline": epoch seconds or None}``) and
+    measures them in full in the same launch, so the race pays one start-up. Only the first launch races: after a
+    crash or hang the relaunch screens what is left, and the caller picks and measures the finalists.
+    ``allreduce``: run the all-reduce benchmark in this launch. ``fault`` (tests only) makes one rank crash or hang
+    at one configuration of the first launch (the finalists count on from the screened configurations).
     """
     nnodes, nproc = world_layout(job, device_type)
     remaining = sweep_configs(job) if configs is None else list(configs)
@@ -222,7 +238,8 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
     while remaining or need_allreduce:
         spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": remaining,
                 "allreduce_max_bytes": max_bytes if need_allreduce else None,
-                "fault": fault if attempt == 0 else None, "screen": screen}
+                "fault": fault if attempt == 0 else None, "screen": screen,
+                "race": race if attempt == 0 and screen else None}
         run = launch(job, spec, work / "screen" if screen else work, attempt, nnodes, nproc, progress)
         attempt += 1
         started = None
@@ -236,7 +253,11 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                 started = ev["config"]
             elif kind in ("done", "unsupported", "error"):
                 result.outcomes[config_key(ev["config"])] = ev
+                if kind == "done" and ev.get("screen"):
+                    result.screened[config_key(ev["config"])] = ev
                 started = None
+            elif kind == "round":
+                result.rounds.append(ev)
         finished = run.returncode == 0 and any(e["event"] == "finished" for e in run.events)
         result.launches.append({"attempt": attempt, "returncode": run.returncode, "seconds": run.seconds,
                                 "finished": finished, "free_memory": run.free_memory})
