@@ -26,7 +26,9 @@ def test_every_mode_is_run_or_skipped_with_a_reason(ran):
     by = {t.mode: t for t in r.trials}
     assert by["reduce-overhead"].status == "skipped" and "CUDA" in by["reduce-overhead"].reason
     t = by["default"]
-    assert t.status == "ok" and t.drift == 0.0 and t.drift_ok  # the eager backend runs the same kernels
+    # the eager backend runs the same kernels: at most float rounding apart (a busy machine can split a matmul's
+    # reduction differently between threads, one ulp of float32), far inside the 1e-3 tolerance
+    assert t.status == "ok" and t.drift <= 1e-6 and t.drift_ok
     assert t.speedup == pytest.approx(r.eager.step_median_s / t.step_median_s)
     assert t.compile_cold_s == pytest.approx(sum(t.first_steps_s) - 2 * t.step_median_s - (
         sum(r.eager.first_steps_s) - 2 * r.eager.step_median_s))
