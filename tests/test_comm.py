@@ -182,3 +182,13 @@ def test_a_crash_in_the_final_round_is_recorded_and_the_other_finalists_still_me
     for name in others:
         ev = sweep.outcomes[config_key(next(c for c in configs if config_name(c) == name))]
         assert ev["event"] == "done" and not ev.get("screen"), ev
+
+
+def test_a_race_confirms_its_pick_in_the_same_launch(tiny_job, tmp_path):
+    """Screen, final round and confirmation: one start-up. DDP's default is made 40 ms slower per step (a test
+    fault), so the race's pick clears it and is measured again beside it, alternating, in that launch."""
+    job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25])
+    sweep, log, configs = _race(job, tmp_path, fault={"kind": "slow", "name": "none/25MB/copy", "ms": 40})
+    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
+    assert sweep.confirm["reference"] == "none/25MB/copy" and sweep.confirm["done"]
+    assert [config_name(ev["config"]) for ev in sweep.turns] == ["none/25MB/copy", sweep.confirm["candidate"]] * 3

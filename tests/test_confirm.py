@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from mfu_lab.analysis import racing
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.job import Job, load_job
@@ -12,7 +14,7 @@ from mfu_lab.steps import comm_race, compile_confirm
 from mfu_lab.steps.attention_comm import CommRow, _recommend
 from mfu_lab.steps.compile import _confirmed
 from mfu_lab.workers import launch
-from mfu_lab.workers.launch import Alternation, config_key
+from mfu_lab.workers.launch import Alternation, SweepOutcome, config_key, run_sweep
 
 from .conftest import TINY
 
@@ -42,7 +44,7 @@ def test_the_ddp_pick_alternates_with_the_default_and_a_lucky_one_falls_back(tmp
         return Alternation(walls, [config_key(c) for c in configs] * turns, "", 3.0)
 
     monkeypatch.setattr(comm_race, "alternate", fake_alternate)
-    c = comm_race.confirm_pick(job, "cpu", None, DEFAULT, PICK, tmp_path, Clock(None), {"seconds": 20.0}, 5)
+    c = comm_race.confirm_pick(job, "cpu", None, SweepOutcome({}, []), DEFAULT, PICK, tmp_path, Clock(None), 0.5)
     assert calls == [([config_key(DEFAULT), config_key(PICK)], RACE_CONFIRM_TURNS)]  # the reference runs first
     assert c.order == ["none/25MB/copy", "powersgd/25MB/view"] * RACE_CONFIRM_TURNS and not c.proven
     default = CommRow("none", 25, False, "ok", step_median_s=0.48, step_p10_s=0.46, step_p90_s=0.5, exposed_share=0.1,
@@ -55,7 +57,7 @@ def test_a_budget_without_room_leaves_the_default_and_says_so(tmp_path, monkeypa
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
     monkeypatch.setattr(comm_race, "alternate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
     clock = Clock(planned_s=0.0)
-    c = comm_race.confirm_pick(job, "cpu", None, DEFAULT, PICK, tmp_path, clock, {"seconds": 20.0}, 5)
+    c = comm_race.confirm_pick(job, "cpu", None, SweepOutcome({}, []), DEFAULT, PICK, tmp_path, clock, 0.5)
     assert c.status == "skipped" and not c.proven and c.reason.startswith("budget:")
     assert clock.shortened and clock.shortened[0]["what"] == "DDP confirmation"
 
@@ -95,3 +97,79 @@ def test_an_unproven_mode_leaves_the_job_eager_and_says_which_led():
                             3, [])
     kept = _confirmed(rec, proven)
     assert kept["compile"] and kept["mode"] == rec["mode"] and "stands" in kept["text"]
+
+
+def test_the_sweeps_own_turns_confirm_its_pick_without_another_launch(tmp_path, monkeypatch):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
+    monkeypatch.setattr(comm_race, "alternate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    sweep = SweepOutcome({}, [])
+    sweep.confirm = {"event": "confirm", "candidate": "powersgd/25MB/view", "reference": "none/25MB/copy",
+                     "turns": 2, "skipped": "", "done": True, "seconds": 4.0}
+    sweep.turns = [{"event": "turn", "config": cfg, "turn": t, "wall_s": w}
+                   for t in (1, 2) for cfg, w in ((DEFAULT, [0.50, 0.51, 0.52]), (PICK, [0.30, 0.31, 0.29]))]
+    c = comm_race.confirm_pick(job, "cpu", None, sweep, DEFAULT, PICK, tmp_path, Clock(None), 0.5)
+    assert c.proven and c.order == ["none/25MB/copy", "powersgd/25MB/view"] * 2 and c.seconds == 4.0
+    other = dict(PICK, hook="fp16_compress")  # the step picked another configuration: its turns do not apply
+    with pytest.raises(AssertionError, match="launched"):
+        comm_race.confirm_pick(job, "cpu", None, sweep, DEFAULT, other, tmp_path, Clock(None), 0.5)
+
+
+def test_the_worker_confirms_the_steps_pick_among_ranks_in_sync_and_within_the_budget():
+    from mfu_lab.workers.ddp_rank import pick_to_confirm
+
+    def done(walls, diff=0.0):
+        return {"event": "done", "wall_s": walls, "param_checksum_max_diff": diff}
+
+    full = {"ref": done([1.0, 1.01, 1.02]), "fast": done([0.5, 0.51, 0.52]), "faster but out of sync": done(
+        [0.1, 0.1, 0.1], diff=1.0), "refused": None}
+    spec = {"reference": "ref", "turns": 3, "deadline": None}
+    assert pick_to_confirm(full, spec, 4) == {"candidate": "fast", "reference": "ref", "turns": 3, "skipped": ""}
+    assert pick_to_confirm({"ref": full["ref"], "close": done([0.99, 1.0, 1.03])}, spec, 4) is None  # overlaps
+    assert pick_to_confirm({"fast": full["fast"]}, spec, 4) is None  # no reference measured: nothing to confirm
+    import time
+
+    late = pick_to_confirm(full, dict(spec, deadline=time.time() + 1.0), 4)  # 2 x 3 turns x 4 steps x 1.02 s
+    assert late["candidate"] == "fast" and late["skipped"].startswith("budget:")
+
+
+def test_a_thorough_sweep_confirms_in_its_own_launch_what_the_steps_rule_picks(tmp_path):
+    """A real two-rank launch: the worker's decision is the step's rule on the same figures, and the pick it
+    confirms alternates with the reference in that launch."""
+    from mfu_lab.core.measure import stats
+
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
+                              comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False], comm_steps=3,
+                              comm_warmup_steps=1)
+    spec = {"reference": "none/25MB/copy", "turns": 2, "deadline": None}
+    # DDP's default made 40 ms slower per step (a test fault): some other configuration must clear it
+    sweep = run_sweep(job, "cpu", None, tmp_path, allreduce=False, confirm=spec,
+                      fault={"kind": "slow", "name": "none/25MB/copy", "ms": 40})
+    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
+    figures = {}
+    for ev in sweep.outcomes.values():
+        st = stats(ev["wall_s"])
+        figures[f"{ev['config']['hook']}/{ev['config']['bucket_mb']:g}MB/copy"] = (st.median, st.p10, st.p90)
+    pick = racing.beyond_noise(figures, "none/25MB/copy")
+    assert pick != "none/25MB/copy" and sweep.confirm["candidate"] == pick and sweep.confirm["done"]
+    names = [f"{ev['config']['hook']}/{ev['config']['bucket_mb']:g}MB/copy" for ev in sweep.turns]
+    assert names == ["none/25MB/copy", pick] * 2 and all(len(ev["wall_s"]) == 3 for ev in sweep.turns)
+    assert min(w for ev in sweep.turns[::2] for w in ev["wall_s"]) >= 0.040  # the reference's turns: its sleep
+    c = comm_race.confirm_pick(job, "cpu", None, sweep, DEFAULT, dict(DEFAULT, hook=pick.split("/")[0],
+                               bucket_mb=float(pick.split("/")[1][:-2])), tmp_path, Clock(None), 0.05)
+    assert c.status == "ok" and c.proven and c.turns == 2  # taken from the sweep's launch, and the gain is real
+
+
+def test_a_crash_in_a_confirmation_turn_keeps_every_measurement_and_confirms_in_a_launch_of_its_own(tmp_path):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
+                              comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False], comm_steps=3,
+                              comm_warmup_steps=1)
+    spec = {"reference": "none/25MB/copy", "turns": 2, "deadline": None}
+    faults = [{"kind": "slow", "name": "none/25MB/copy", "ms": 40},
+              {"kind": "crash", "config": 4, "rank": 1}]  # 4 configurations measured (0-3), then the first turn
+    sweep = run_sweep(job, "cpu", None, tmp_path, allreduce=False, confirm=spec, fault=faults)
+    assert all(ev["event"] == "done" for ev in sweep.outcomes.values()) and len(sweep.outcomes) == 4
+    assert "error" in sweep.confirm and not sweep.confirm.get("done") and len(sweep.launches) == 1
+    pick = sweep.confirm["candidate"]
+    pick_cfg = dict(DEFAULT, hook=pick.split("/")[0], bucket_mb=float(pick.split("/")[1][:-2]))
+    c = comm_race.confirm_pick(job, "cpu", None, sweep, DEFAULT, pick_cfg, tmp_path, Clock(None), 0.05)
+    assert c.status == "ok" and c.order == ["none/25MB/copy", pick] * RACE_CONFIRM_TURNS  # its own launch

@@ -78,6 +78,12 @@ class Confirmation:
                 f"{self.speedup:.2f}x [{self.low:.2f}, {self.high:.2f}] (measured side by side); {verdict}")
 
 
+def confirm_seconds(turns: int, steps_per_turn: int, step_s: float) -> float:
+    """A confirmation's estimated time: both candidates' turns, each ``steps_per_turn`` steps (warm-up included)
+    at ``step_s`` (the slower one's median step)."""
+    return 2 * turns * steps_per_turn * step_s
+
+
 def confirm(candidate: str, reference: str, reference_s: list[float], candidate_s: list[float], turns: int,
             steps: int, order: list[str], seconds: float | None = None) -> Confirmation:
     """The confirmation of ``candidate`` over ``reference`` from their pooled per-step times of the turns."""
@@ -153,6 +159,18 @@ def survivors(samples: dict[str, list[float]], references: list[str] | tuple[str
         kept.insert(0, leader)
     kept += [r for r in references if r in samples and r not in kept]
     return kept, dropped
+
+
+def beyond_noise(figures: dict, reference) -> Any:
+    """The step's pick from each candidate's (median, p10, p90) step time: the fastest by median, but only when its
+    p90 lies below the reference's p10 (the ranges do not overlap); else the reference. With no reference (None, or
+    not among ``figures``) the fastest; None for no candidates."""
+    if not figures:
+        return None
+    fastest = min(figures, key=lambda k: figures[k][0])
+    if reference is None or reference not in figures:
+        return fastest
+    return fastest if fastest != reference and figures[fastest][2] < figures[reference][1] else reference
 
 
 def finalists(samples: dict[str, list[float]], references: list[str], spent_s: float, full_factor: float,

@@ -30,5 +30,6 @@ FLOP_TOLERANCE = 0.02  # counted vs analytic FLOPs above 2% is shown as a disagr
 # --- racing sweeps (analysis.racing)
 RACE_NOISE_FLOOR = 0.03  # a candidate whose median is within 3% of the leader's is inside its noise band
 RACE_KEEP_SHARE = 1 / 3  # successive halving's cut: at most a third of the field goes on (references aside)...
+DDP_SYNC_TOLERANCE = 1e-6  # parameter checksum difference across ranks above which they are out of sync
 RACE_CONFIRM_TURNS = 3  # a sweep's pick and its reference alternated this many times each before it stands
 RACE_MAX_FINALISTS = 4  # ...and at most 4 candidates (at least 2), so a flat field of 40 does not keep 13

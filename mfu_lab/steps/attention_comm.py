@@ -34,6 +34,7 @@ from mfu_lab.core.measure import stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
+from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
 from mfu_lab.steps.attention_race import IMPOSSIBLE_SHARE, JOB_IMPL, AttentionRow, _pick, attention_section
 from mfu_lab.steps.baseline import step1_reference
@@ -42,7 +43,6 @@ from mfu_lab.steps.comm_race import name as config_name
 from mfu_lab.workers.launch import config_key, one_rank_reason, sweep_configs, world_layout
 
 INFO = BY_KEY["attention_comm"]
-SYNC_TOLERANCE = 1e-6  # checksum difference above which ranks are out of sync
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets
 LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
 
@@ -111,7 +111,7 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
             local = statistics.median(ev["no_sync_wall_s"])
             exposed = max(0.0, s.median - local)
             diff = ev["param_checksum_max_diff"]
-            row.status = "ok" if diff <= SYNC_TOLERANCE else "out of sync"
+            row.status = "ok" if diff <= DDP_SYNC_TOLERANCE else "out of sync"
             row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
             row.comm_s, row.no_sync_step_s, row.exposed_s, row.param_diff = ev["comm_s"], local, exposed, diff
             row.comm_share = min(1.0, ev["comm_s"] / ev["profiled_step_s"])  # both from the profiled step
@@ -209,9 +209,9 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     best_comm = _pick(good, ddp_default)
     if best_comm is not None and ddp_default is not None and best_comm is not ddp_default:
         say(f"communication: {config_name(_cfg(best_comm))} led; measured again beside DDP's defaults, alternating")
-        race.confirmation = confirm_pick(job, device.type, best_att.name if best_att else None, _cfg(ddp_default),
-                                         _cfg(best_comm), work, clock, sweep.launches[-1] if sweep.launches else {},
-                                         _configs_in_last_launch(race))
+        race.confirmation = confirm_pick(job, device.type, best_att.name if best_att else None, sweep,
+                                         _cfg(ddp_default), _cfg(best_comm), work, clock,
+                                         max(ddp_default.step_median_s, best_comm.step_median_s))
         say(f"communication: {race.confirmation.text()}")
         if not race.confirmation.proven:
             best_comm = ddp_default
@@ -241,10 +241,6 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
 
 def _cfg(row: CommRow) -> dict:
     return {"hook": row.hook, "bucket_mb": row.bucket_mb, "grad_as_bucket_view": row.grad_as_bucket_view}
-
-
-def _configs_in_last_launch(race: racing.RaceLog) -> int:
-    return len(race.rounds[-1].medians) if race.rounds else 1
 
 
 def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | None, ref: dict,

@@ -139,7 +139,7 @@ def _pick(rows: list, reference):
     """
     if not rows:
         return None
-    fastest = min(rows, key=lambda r: r.step_median_s)
-    if reference is None or (fastest is not reference and fastest.step_p90_s < reference.step_p10_s):
-        return fastest
-    return reference
+    pool = list(rows) + ([reference] if reference is not None and all(r is not reference for r in rows) else [])
+    figures = {i: (r.step_median_s, r.step_p10_s, r.step_p90_s) for i, r in enumerate(pool)}
+    ref = next((i for i, r in enumerate(pool) if r is reference), None)
+    return pool[racing.beyond_noise(figures, ref)]

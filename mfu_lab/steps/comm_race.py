@@ -7,8 +7,9 @@ same launch: the worker picks them by :func:`mfu_lab.analysis.racing.finalists`,
 
 Configurations the backend is known to refuse (:func:`mfu_lab.workers.launch.known_refusal`) are recorded as
 unsupported without a launch, in both modes. In both modes, a configuration the step would pick over DDP's default
-is then confirmed (:func:`confirm_pick`): the two alternate in a launch of their own, and the pick stands only when
-its speedup's bootstrap interval lies above 1.0 (:func:`mfu_lab.analysis.racing.confirm`).
+is then confirmed (:func:`confirm_pick`): the two alternate, in the sweep's own launch when the worker made the
+same pick (it applies the step's rule to the same figures), else in a launch of their own; the pick stands only
+when its speedup's bootstrap interval lies above 1.0 (:func:`mfu_lab.analysis.racing.confirm`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def job_config(job: Job) -> dict:
 
 
 def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_event, grad_bytes: int,
-             reference: tuple, clock: Clock, fault: dict | None = None) -> tuple[SweepOutcome, racing.RaceLog,
+             reference: tuple, clock: Clock, fault: dict | list | None = None) -> tuple[SweepOutcome, racing.RaceLog,
                                                                                    list[dict]]:
     """(the sweep's outcomes, how it ran, the configurations in the order the report lists them); ``fault``: tests
     only, passed to the first launch (:func:`mfu_lab.workers.launch.run_sweep`)."""
@@ -53,6 +54,10 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     refused = {config_key(c): why for c in configs if (why := known_refusal(c, backend, grad_bytes))}
     runnable = [c for c in configs if config_key(c) not in refused]
     refs = [name(c) for c in runnable if config_key(c) in (reference, config_key(own))]
+    ref_name = next((name(c) for c in runnable if config_key(c) == reference), None)
+    left = clock.left_s()
+    deadline = None if left is None else time.time() + left
+    confirm = {"reference": ref_name, "turns": RACE_CONFIRM_TURNS, "deadline": deadline} if ref_name else None
     log = racing.RaceLog("exhaustive" if job.thorough else "racing", refs)
     by_name = {name(c): c for c in runnable}
 
@@ -66,7 +71,8 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
 
     if job.thorough or nnodes * nproc < 2 or len(runnable) <= 2:
         t0 = time.perf_counter()
-        sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable)
+        sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable, confirm=confirm,
+                          fault=fault)
         done = {name(c): (sweep.outcomes.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
         log.rounds.append(racing.log_round(1, job.comm_steps, done, list(done), {}, time.perf_counter() - t0))
         if not job.thorough:
@@ -74,10 +80,8 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
         return finish(sweep), log, configs
 
     t0 = time.perf_counter()
-    left = clock.left_s()
     sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable, screen=job.race_steps,
-                      race={"references": refs, "deadline": None if left is None else time.time() + left},
-                      fault=fault)
+                      race={"references": refs, "deadline": deadline}, confirm=confirm, fault=fault)
     samples = {name(c): (sweep.screened.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
     decided = {r.get("number"): r for r in sweep.rounds}
     if 1 in decided:  # the worker raced inside its launch: its decision, by the same rule
@@ -111,25 +115,37 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     return finish(final), log, configs
 
 
-def confirm_pick(job: Job, device_type: str, attention: str | None, reference: dict, pick: dict, work: Path,
-                 clock: Clock, last_launch: dict, configs_in_it: int) -> racing.Confirmation:
-    """``pick`` and ``reference`` alternated ``RACE_CONFIRM_TURNS`` times in one launch (timed steps only).
+def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: SweepOutcome, reference: dict,
+                 pick: dict, work: Path, clock: Clock, step_s: float) -> racing.Confirmation:
+    """``pick`` measured again beside ``reference``, alternating ``RACE_CONFIRM_TURNS`` times (timed steps only).
 
-    Its time is estimated from the last launch of the sweep, by step slots: that launch's seconds x the
-    confirmation's steps / that launch's steps (warm-up, timed, profiled and no_sync steps per configuration)."""
+    The sweep's own launch confirms its pick in most runs (the worker applies the step's rule to the same figures):
+    those turns are taken as they are. Otherwise (the worker's pick differed, its turns were cut short by a crash
+    or a hang) the two alternate in a launch of their own, estimated by
+    :func:`mfu_lab.analysis.racing.confirm_seconds` at ``step_s``, the slower one's median step."""
+    ref_name, pick_name = name(reference), name(pick)
+    done = sweep.confirm or {}
+    if done.get("candidate") == pick_name and done.get("reference") == ref_name:
+        if done.get("skipped"):
+            clock.shorten("DDP confirmation", f"{pick_name} not measured again beside {ref_name} "
+                          f"({done['skipped']}); the default stays")
+            return racing.Confirmation(pick_name, ref_name, "skipped", done["skipped"])
+        if done.get("done"):
+            walls = {k: [w for ev in sweep.turns if name(ev["config"]) == k for w in ev["wall_s"]]
+                     for k in (ref_name, pick_name)}
+            return racing.confirm(pick_name, ref_name, walls[ref_name], walls[pick_name], done["turns"],
+                                  job.comm_steps, [name(ev["config"]) for ev in sweep.turns], done.get("seconds"))
     turns = RACE_CONFIRM_TURNS
-    slots = 2 * turns * (job.comm_warmup_steps + job.comm_steps)
-    full = configs_in_it * (job.comm_warmup_steps + 2 * job.comm_steps + 1)
-    estimate = last_launch.get("seconds", 0.0) * slots / max(1, full)
+    estimate = racing.confirm_seconds(turns, job.comm_warmup_steps + job.comm_steps, step_s)
     if not clock.fits(estimate):
         why = f"{clock.left_s():.0f} s of the step's share left, the confirmation needs about {estimate:.0f} s"
-        clock.shorten("DDP confirmation", f"{name(pick)} not measured again beside {name(reference)} ({why}); "
+        clock.shorten("DDP confirmation", f"{pick_name} not measured again beside {ref_name} ({why}); "
                       "the default stays")
-        return racing.Confirmation(name(pick), name(reference), "skipped", "budget: " + why)
+        return racing.Confirmation(pick_name, ref_name, "skipped", "budget: " + why)
     run = alternate(job, device_type, attention, [reference, pick], turns, work / "confirm")
     if run.error:
-        return racing.Confirmation(name(pick), name(reference), "failed", run.error, turns, job.comm_steps,
+        return racing.Confirmation(pick_name, ref_name, "failed", run.error, turns, job.comm_steps,
                                    seconds=run.seconds)
-    names = {config_key(reference): name(reference), config_key(pick): name(pick)}
-    return racing.confirm(name(pick), name(reference), run.walls[config_key(reference)], run.walls[config_key(pick)],
+    names = {config_key(reference): ref_name, config_key(pick): pick_name}
+    return racing.confirm(pick_name, ref_name, run.walls[config_key(reference)], run.walls[config_key(pick)],
                           turns, job.comm_steps, [names[k] for k in run.order], run.seconds)

@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mfu_lab.analysis import racing
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.job import validate
-from mfu_lab.core.measure import run_steps
+from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
 from mfu_lab.workers.launch import config_name, full_factor
 
@@ -182,6 +183,34 @@ def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, 
     emit(out, {"event": "profiled", "config": cfg, "wall_s": timings.measured("wall_s")})
 
 
+def slowed(step, seconds: float):
+    """``step`` with a sleep before each call (tests only: a configuration known to be slower)."""
+    def run(x, y):
+        time.sleep(seconds)
+        return step(x, y)
+    return run
+
+
+def pick_to_confirm(full: dict[str, dict | None], confirm: dict, steps_per_turn: int) -> dict | None:
+    """What to confirm after the full measurements: the step's pick (:func:`mfu_lab.analysis.racing.beyond_noise`
+    over the configurations whose ranks stayed in sync) when it is not the reference; with ``skipped`` set when the
+    turns would end past ``confirm["deadline"]``. None when the reference stands or was not measured."""
+    figures = {}
+    for name, ev in full.items():
+        if ev and ev.get("event") == "done" and (ev.get("param_checksum_max_diff") or 0.0) <= DDP_SYNC_TOLERANCE:
+            st = stats(ev["wall_s"])
+            figures[name] = (st.median, st.p10, st.p90)
+    ref = confirm["reference"]
+    pick = racing.beyond_noise(figures, ref) if ref in figures else None
+    if pick is None or pick == ref:
+        return None
+    need = racing.confirm_seconds(confirm["turns"], steps_per_turn, max(figures[ref][0], figures[pick][0]))
+    left = None if confirm.get("deadline") is None else confirm["deadline"] - time.time()
+    skipped = "" if left is None or need <= left else (f"budget: {left:.0f} s of the step's share left, the "
+                                                      f"confirmation needs about {need:.0f} s")
+    return {"candidate": pick, "reference": ref, "turns": confirm["turns"], "skipped": skipped}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
@@ -226,19 +255,23 @@ def main() -> None:
         emit(out, {"event": "step", "done": done, "total": total})
         heartbeat(out, rank, where["config"], done)
 
-    fault = spec.get("fault")  # tests only: {"config": index, "rank": r, "kind": "crash" | "hang"}
+    # tests only, one fault or a list: {"config": index, "rank": r, "kind": "crash" | "hang"}, or {"kind": "slow",
+    # "name": config name, "ms": m}: every step of that configuration sleeps m ms first (one the tests know is slower)
+    faults = spec.get("fault") or []
+    faults = faults if isinstance(faults, list) else [faults]
 
-    def measure(index: int, cfg: dict, screen: int) -> list[float] | None:
-        """One configuration: a fresh DDP model, then ``screen`` timed steps (a race's first round) or the full
-        protocol (timed steps, a profiled step, the sync check, the same steps under no_sync). Its timed steps,
-        or None when the backend refused it."""
+    def measure(index: int, cfg: dict, screen: int, tag: dict | None = None) -> dict | None:
+        """One configuration: a fresh DDP model, then ``screen`` timed steps (a race's first round, or with ``tag``
+        a confirmation's turn: its event kind and turn) or the full protocol (timed steps, a profiled step, the
+        sync check, the same steps under no_sync). The event it emitted, or None when the backend refused it."""
         emit(out, {"event": "start", "config": cfg})
         where["config"] = index
         heartbeat(out, rank, index, -1)  # -1: starting the configuration
-        if fault and fault["config"] == index and fault["rank"] == rank:
-            if fault["kind"] == "crash":
-                raise RuntimeError(f"injected crash on rank {rank} (test fault)")
-            time.sleep(10_000)  # injected hang
+        for fault in faults:
+            if fault.get("config") == index and fault.get("rank") == rank:
+                if fault["kind"] == "crash":
+                    raise RuntimeError(f"injected crash on rank {rank} (test fault)")
+                time.sleep(10_000)  # injected hang
         heartbeat(out, rank, index, 0)  # 0: building DDP (its constructor waits for every rank), then the steps
         model = fresh_model()
         ddp = DDP(model, device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
@@ -249,11 +282,16 @@ def main() -> None:
             emit(out, {"event": "unsupported", "config": cfg, "error": f"{type(e).__name__}: {e}"})
             return None
         ts = build_train_step(job, ddp, device.type)
-        if screen:  # a race's first round: the timed steps alone (analysis.racing)
+        for fault in faults:
+            if fault.get("kind") == "slow" and fault["name"] == config_name(cfg):
+                ts = slowed(ts, fault["ms"] / 1e3)
+        if screen:  # a race's first round or a confirmation's turn: the timed steps alone (analysis.racing)
             t = run_steps(ts, loader(warm + screen), device, warm, screen, beat)
-            emit(out, {"event": "done", "config": cfg, "screen": True, "wall_s": t.measured("wall_s"),
-                       "data_s": t.measured("data_s")})
-            return t.measured("wall_s")
+            ev = {"event": "done", "config": cfg, "screen": True, "wall_s": t.measured("wall_s"),
+                  "data_s": t.measured("data_s")}
+            ev = ev if tag is None else {k: v for k, v in ev.items() if k != "screen"} | tag
+            emit(out, ev)
+            return ev
         try:
             t = run_steps(ts, loader(warm + steps + 1), device, warm, steps, beat)
             x, y = next(iter(loader(1)))
@@ -275,32 +313,46 @@ def main() -> None:
         except Exception as e:
             emit(out, {"event": "error", "config": cfg, "error": f"{type(e).__name__}: {e}"})
             raise
-        emit(out, {"event": "done", "config": cfg, "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s"),
-                   "no_sync_wall_s": alone.measured("wall_s"), "comm_s": float(comm), "profiled_step_s": profiled_s,
-                   "param_checksum_max_diff": diff,
-                   "loss": t.loss[-1]})
-        return t.measured("wall_s")
+        ev = {"event": "done", "config": cfg, "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s"),
+              "no_sync_wall_s": alone.measured("wall_s"), "comm_s": float(comm), "profiled_step_s": profiled_s,
+              "param_checksum_max_diff": diff, "loss": t.loss[-1]}
+        emit(out, ev)
+        return ev
+
+    def decide(choose):  # rank 0 decides, every rank acts on the same decision
+        decision: list = [choose() if rank == 0 else None]
+        dist.broadcast_object_list(decision, src=0)
+        return decision[0]
 
     configs, screen = spec["configs"], spec.get("screen") or 0
+    by_name = {config_name(cfg): cfg for cfg in configs}
     t_screen = time.perf_counter()
-    walls = {config_name(cfg): measure(index, cfg, screen) for index, cfg in enumerate(configs)}
+    first = {config_name(cfg): measure(index, cfg, screen) for index, cfg in enumerate(configs)}
+    full, index = ({} if screen else first), len(configs)
     race = spec.get("race")
-    if race and screen:  # the race's final round in this launch: rank 0 decides, every rank measures the same
+    if race and screen:  # the race's final round in this launch
         spent = time.perf_counter() - t_screen
-        decision: list = [None]
-        if rank == 0:
-            left = None if race.get("deadline") is None else race["deadline"] - time.time()
-            decision[0] = racing.finalists({k: v for k, v in walls.items() if v}, race["references"], spent,
-                                           full_factor(job), left)
-        dist.broadcast_object_list(decision, src=0)
-        kept, dropped, cut = decision[0]
+        left = None if race.get("deadline") is None else race["deadline"] - time.time()
+        kept, dropped, cut = decide(lambda: racing.finalists({k: ev["wall_s"] for k, ev in first.items() if ev},
+                                                             race["references"], spent, full_factor(job), left))
         emit(out, {"event": "round", "number": 1, "kept": kept, "dropped": dropped, "cut": cut, "seconds": spent})
-        by_name = {config_name(cfg): cfg for cfg in configs}
         t_final = time.perf_counter()
-        for j, name in enumerate(kept):
-            measure(len(configs) + j, by_name[name], 0)
+        for name in kept:
+            full[name], index = measure(index, by_name[name], 0), index + 1
         emit(out, {"event": "round", "number": 2, "kept": kept, "dropped": {}, "cut": [],
                    "seconds": time.perf_counter() - t_final})
+    confirm = spec.get("confirm")
+    if confirm and full:  # the step's pick by its own rule, measured again beside the reference, alternating
+        d = decide(lambda: pick_to_confirm(full, confirm, warm + steps))
+        if d:
+            emit(out, {"event": "confirm"} | d)
+            if not d["skipped"]:
+                t_confirm = time.perf_counter()
+                for turn in range(1, d["turns"] + 1):
+                    for name in (d["reference"], d["candidate"]):
+                        measure(index, by_name[name], steps, {"event": "turn", "turn": turn})
+                        index += 1
+                emit(out, {"event": "confirm", "done": True, "seconds": time.perf_counter() - t_confirm} | d)
     if spec.get("profile"):
         profile_ranks(spec["profile"], fresh_model, loader, device, local, cuda, job, rank, beat, out)
     emit(out, {"event": "finished"})

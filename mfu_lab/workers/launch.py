@@ -205,11 +205,15 @@ class SweepOutcome:
     launches: list[dict] = field(default_factory=list)
     screened: dict[tuple, dict] = field(default_factory=dict)  # config key -> its screening's done event (a race)
     rounds: list[dict] = field(default_factory=list)  # a worker's own race decisions ("round" events), in order
+    confirm: dict | None = None  # the worker's confirmation: what it confirmed, or why not ("confirm" event)
+    turns: list[dict] = field(default_factory=list)  # the confirmation's turns ("turn" events), in the order run
 
 
 def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, progress=None,
-              allreduce_max_bytes: int | None = None, fault: dict | None = None, configs: list[dict] | None = None,
-              screen: int = 0, allreduce: bool = True, race: dict | None = None) -> SweepOutcome:
+              allreduce_max_bytes: int | None = None, fault: dict | list | None = None,
+              configs: list[dict] | None = None,
+              screen: int = 0, allreduce: bool = True, race: dict | None = None,
+              confirm: dict | None = None) -> SweepOutcome:
     """Every configuration given (default: the job's whole sweep), relaunching past ones that hang or crash.
 
     ``screen``: a race's first round, each configuration timed for this many steps and nothing else (no profiled
@@ -217,8 +221,11 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
     (:func:`mfu_lab.analysis.racing.finalists`; ``{"references": [names], "deadline": epoch seconds or None}``) and
     measures them in full in the same launch, so the race pays one start-up. Only the first launch races: after a
     crash or hang the relaunch screens what is left, and the caller picks and measures the finalists.
+    ``confirm`` (``{"reference": name, "turns": n, "deadline": epoch seconds or None}``): after the full
+    measurements the worker takes the step's pick by its rule (:func:`mfu_lab.workers.ddp_rank.pick_to_confirm`) and,
+    when it is not the reference, alternates the two for ``turns`` turns in the same launch (first launch only).
     ``allreduce``: run the all-reduce benchmark in this launch. ``fault`` (tests only) makes one rank crash or hang
-    at one configuration of the first launch (the finalists count on from the screened configurations).
+    at one configuration of the first launch (the finalists and turns count on from the screened configurations).
     """
     nnodes, nproc = world_layout(job, device_type)
     remaining = sweep_configs(job) if configs is None else list(configs)
@@ -239,10 +246,10 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
         spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": remaining,
                 "allreduce_max_bytes": max_bytes if need_allreduce else None,
                 "fault": fault if attempt == 0 else None, "screen": screen,
-                "race": race if attempt == 0 and screen else None}
+                "race": race if attempt == 0 and screen else None, "confirm": confirm if attempt == 0 else None}
         run = launch(job, spec, work / "screen" if screen else work, attempt, nnodes, nproc, progress)
         attempt += 1
-        started = None
+        started, confirming = None, False
         for ev in run.events:
             kind = ev["event"]
             if kind == "allreduce":
@@ -258,6 +265,11 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                 started = None
             elif kind == "round":
                 result.rounds.append(ev)
+            elif kind == "confirm":
+                result.confirm, confirming = ev, not ev.get("done") and not ev.get("skipped")
+            elif kind == "turn":
+                result.turns.append(ev)
+                started = None
         finished = run.returncode == 0 and any(e["event"] == "finished" for e in run.events)
         result.launches.append({"attempt": attempt, "returncode": run.returncode, "seconds": run.seconds,
                                 "finished": finished, "free_memory": run.free_memory})
@@ -267,6 +279,10 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                if run.returncode is None
                else f"the launch exited with code {run.returncode}")
         stderr = "\n".join(f"--- {r} ---\n{t}" for r, t in run.rank_stderr.items() if t.strip()) or run.launcher_stderr
+        if confirming:  # it ended in a confirmation's turn: every configuration was measured; the turns are not
+            detail = error_lines(run.rank_stderr)
+            result.confirm = dict(result.confirm, error=why + (f" ({detail})" if detail else ""))
+            break
         if started is None:  # failed outside any configuration (start-up, rendezvous...): stop here
             for cfg in remaining:
                 result.outcomes.setdefault(config_key(cfg), {"event": "failed", "config": cfg,
