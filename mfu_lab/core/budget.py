@@ -2,7 +2,7 @@
 
 Rule: each step gets the budget times its weight over the sum of the weights of steps 1-7. The weights are each
 step's wall time in a ``--thorough`` run of the default job on a 2-core Intel CPU (``benchmarks/bench_cost.py``,
-2026-12-01: step 1 14 s, step 2 158 s, step 3 23 s, step 4 93 s, step 5 104 s, step 6 21 s, step 7 36 s), so a
+2026-12-01: step 1 15 s, step 2 155 s, step 3 25 s, step 4 96 s, step 5 110 s, step 6 23 s, step 7 39 s), so a
 budget cuts every step in the same proportion. A step run alone gets the same share it would get in a whole run.
 
 A step that measures in rounds (steps 2, 4 and 5) checks its clock at each round's start: when the next round would
@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-WEIGHTS = {"baseline": 14, "attention_comm": 158, "kernels": 23, "compile": 93, "fp8": 104, "placement": 21,
-           "verify": 36}
+WEIGHTS = {"baseline": 15, "attention_comm": 155, "kernels": 25, "compile": 96, "fp8": 110, "placement": 23,
+           "verify": 39}
 
 
 def plan(budget_min: float, keys: list[str] | None = None) -> dict[str, float]:
