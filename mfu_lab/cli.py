@@ -373,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a short output meets a closed pipe here, not at exit (where nothing could catch it)
+        return code
     except JobError as e:
         print(f"mfu-lab: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -191,4 +191,5 @@ def test_a_race_confirms_its_pick_in_the_same_launch(tiny_job, tmp_path):
     sweep, log, configs = _race(job, tmp_path, fault={"kind": "slow", "name": "none/25MB/copy", "ms": 40})
     assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
     assert sweep.confirm["reference"] == "none/25MB/copy" and sweep.confirm["done"]
-    assert [config_name(ev["config"]) for ev in sweep.turns] == ["none/25MB/copy", sweep.confirm["candidate"]] * 3
+    ref, pick = "none/25MB/copy", sweep.confirm["candidate"]
+    assert [config_name(ev["config"]) for ev in sweep.turns] == [ref, pick, pick, ref, ref, pick]  # ABBA

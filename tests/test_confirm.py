@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from mfu_lab.analysis import racing
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.job import Job, load_job
+from mfu_lab.core.results import jsonable
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
 from mfu_lab.steps import comm_race, compile_confirm
 from mfu_lab.steps.attention_comm import CommRow, _recommend
@@ -68,7 +70,7 @@ def test_alternate_runs_the_configurations_turn_by_turn_in_one_launch(tmp_path):
     other = {"hook": "allreduce", "bucket_mb": 1, "grad_as_bucket_view": True}
     run = launch.alternate(job, "cpu", None, [DEFAULT, other], 2, tmp_path / "alt")
     assert run.error == "", run.error
-    assert run.order == [config_key(DEFAULT), config_key(other)] * 2
+    assert run.order == [config_key(DEFAULT), config_key(other), config_key(other), config_key(DEFAULT)]  # ABBA
     assert all(len(w) == 2 * job.comm_steps and min(w) > 0 for w in run.walls.values())
 
 
@@ -76,10 +78,10 @@ def test_a_compile_mode_is_confirmed_beside_eager_in_interleaved_rounds(tmp_path
     """Two real rung processes (dynamo with the eager backend, so no compiler runs): eager, mode, eager, mode..."""
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), compile_backend="eager")
     lines = []
-    c = compile_confirm.confirm_mode(job, "default", tmp_path / "cache", tmp_path / "confirm", Clock(None), 5.0,
-                                     0.01, lines.append)
+    c = compile_confirm.confirm_mode(job, "cpu", "default", tmp_path / "cache", tmp_path / "confirm", Clock(None),
+                                     5.0, 0.01, lines.append)
     assert c.status == "ok", c.reason
-    assert c.order == ["eager", "default"] * RACE_CONFIRM_TURNS and c.turns == RACE_CONFIRM_TURNS
+    assert c.order == ["eager", "default", "default", "eager", "eager", "default"] and c.turns == 3  # ABBA
     assert c.steps == compile_confirm.turn_steps(job) and c.speedup == c.reference_median_s / c.candidate_median_s
     assert any("round 1/" in line for line in lines)
 
@@ -135,7 +137,9 @@ def test_the_worker_confirms_the_steps_pick_among_ranks_in_sync_and_within_the_b
 def test_a_thorough_sweep_confirms_in_its_own_launch_what_the_steps_rule_picks(tmp_path):
     """A real two-rank launch: the worker's decision is the step's rule on the same figures, and the pick it
     confirms alternates with the reference in that launch."""
-    from mfu_lab.core.measure import stats
+    from mfu_lab.steps.attention_comm import _cfg, _comm_rows
+    from mfu_lab.steps.attention_race import _pick
+    from mfu_lab.workers.launch import config_name, sweep_configs
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
                               comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False], comm_steps=3,
@@ -145,15 +149,17 @@ def test_a_thorough_sweep_confirms_in_its_own_launch_what_the_steps_rule_picks(t
     sweep = run_sweep(job, "cpu", None, tmp_path, allreduce=False, confirm=spec,
                       fault={"kind": "slow", "name": "none/25MB/copy", "ms": 40})
     assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
-    figures = {}
-    for ev in sweep.outcomes.values():
-        st = stats(ev["wall_s"])
-        figures[f"{ev['config']['hook']}/{ev['config']['bucket_mb']:g}MB/copy"] = (st.median, st.p10, st.p90)
-    pick = racing.beyond_noise(figures, "none/25MB/copy")
+    # the step's own rule on the step's own rows (status, sync check and all), from the same events
+    rows = _comm_rows(sweep_configs(job), sweep, 1.0, 1.0, 2)
+    good = [r for r in rows if r.status == "ok"]
+    default = next(r for r in good if (r.hook, float(r.bucket_mb)) == ("none", 25.0))
+    pick = config_name(_cfg(_pick(good, default)))
     assert pick != "none/25MB/copy" and sweep.confirm["candidate"] == pick and sweep.confirm["done"]
-    names = [f"{ev['config']['hook']}/{ev['config']['bucket_mb']:g}MB/copy" for ev in sweep.turns]
-    assert names == ["none/25MB/copy", pick] * 2 and all(len(ev["wall_s"]) == 3 for ev in sweep.turns)
-    assert min(w for ev in sweep.turns[::2] for w in ev["wall_s"]) >= 0.040  # the reference's turns: its sleep
+    names = [config_name(ev["config"]) for ev in sweep.turns]
+    assert names == ["none/25MB/copy", pick, pick, "none/25MB/copy"] and all(len(ev["wall_s"]) == 3
+                                                                             for ev in sweep.turns)
+    assert min(w for ev in sweep.turns if config_name(ev["config"]) == "none/25MB/copy"
+               for w in ev["wall_s"]) >= 0.040  # the reference's turns carry its sleep
     c = comm_race.confirm_pick(job, "cpu", None, sweep, DEFAULT, dict(DEFAULT, hook=pick.split("/")[0],
                                bucket_mb=float(pick.split("/")[1][:-2])), tmp_path, Clock(None), 0.05)
     assert c.status == "ok" and c.proven and c.turns == 2  # taken from the sweep's launch, and the gain is real
@@ -172,4 +178,38 @@ def test_a_crash_in_a_confirmation_turn_keeps_every_measurement_and_confirms_in_
     pick = sweep.confirm["candidate"]
     pick_cfg = dict(DEFAULT, hook=pick.split("/")[0], bucket_mb=float(pick.split("/")[1][:-2]))
     c = comm_race.confirm_pick(job, "cpu", None, sweep, DEFAULT, pick_cfg, tmp_path, Clock(None), 0.05)
-    assert c.status == "ok" and c.order == ["none/25MB/copy", pick] * RACE_CONFIRM_TURNS  # its own launch
+    assert c.status == "ok" and c.order == ["none/25MB/copy", pick, pick, "none/25MB/copy", "none/25MB/copy",
+                                            pick]  # its own launch, ABBA
+
+
+def test_a_mode_that_leads_is_confirmed_inside_step_4_before_it_is_recommended(tmp_path, monkeypatch):
+    """compile.run end to end (dynamo's eager backend, so it runs in seconds), with the rule made to pick 'default'
+    as if it had led: the confirmation runs for real, and the recommendation follows what it measured."""
+    from mfu_lab.steps import compile as compiled
+
+    real = compiled._recommend
+
+    def led(eager, trials, audit, recompiles):
+        rec = real(eager, trials, audit, recompiles)
+        if rec.get("compile"):
+            return rec
+        t = next(t for t in trials if t.mode == "default")
+        return rec | {"compile": True, "mode": "default", "break_even_cold": 10.0,
+                      "text": f"Compile with torch.compile(model, mode='default'): step {eager.step_median_s * 1e3:.1f}"
+                              f" -> {t.step_median_s * 1e3:.1f} ms; pays for itself after 10 steps."}
+
+    monkeypatch.setattr(compiled, "_recommend", led)
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), compile_backend="eager",
+                              compile_modes=["default"])
+    r = compiled.run(job, progress=lambda line: None, write=False)
+    c = r.confirmation
+    assert c is not None and c.status == "ok" and c.candidate == "default" and c.reference == "eager"
+    assert c.order == ["eager", "default", "default", "eager", "eager", "default"]
+    if c.proven:
+        assert r.recommendation["compile"] and r.recommendation["mode"] == "default" and "stands" in \
+            r.recommendation["text"]
+    else:
+        assert not r.recommendation["compile"] and r.recommendation["led"] == "default"
+        assert r.recommendation["text"].startswith("Stay eager: mode default led (step ")
+        assert "measured again beside eager" in r.recommendation["text"]
+    assert compiled.CompileResult.from_dict(json.loads(json.dumps(jsonable(r)))).confirmation == c  # it round-trips

@@ -54,8 +54,9 @@ class Interleaved:
 
 
 def interleave(runners: Mapping[str, Callable[[int], Mapping[str, list[float]]]], rounds: int, steps: int,
-               progress: Callable[[str], None] | None = None) -> Interleaved:
-    """Run ``rounds`` rounds; in each, every runner once for ``steps`` steps, in the mapping's order.
+               progress: Callable[[str], None] | None = None, abba: bool = False) -> Interleaved:
+    """Run ``rounds`` rounds; in each, every runner once for ``steps`` steps, in the mapping's order (with ``abba``,
+    reversed every other round: A B, B A, A B... so a steady drift favours no runner).
 
     A runner takes a step count and returns that many steps' ``wall_s`` (and optionally ``data_s``,
     ``compute_s``, ``loss``), continuing its own training from where its last round stopped. A runner that
@@ -67,7 +68,8 @@ def interleave(runners: Mapping[str, Callable[[int], Mapping[str, list[float]]]]
     order: list[tuple[int, str]] = []
     out: set[str] = set()
     for r in range(1, rounds + 1):
-        for name, run in runners.items():
+        turn = list(runners.items())
+        for name, run in (turn[::-1] if abba and r % 2 == 0 else turn):
             if name in out:
                 continue
             chunk = run(steps)

@@ -207,6 +207,9 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     good = [r for r in comm_rows if r.status == "ok"]
     ddp_default = next((r for r in good if (r.hook, float(r.bucket_mb), r.grad_as_bucket_view) == DDP_DEFAULT), None)
     best_comm = _pick(good, ddp_default)
+    decided = sweep.confirm  # the worker's pick, by the same rule on rank 0's figures, the same on every node
+    if decided is not None and "error" not in decided and ddp_default is not None:
+        best_comm = next((r for r in good if config_name(_cfg(r)) == decided.get("candidate")), ddp_default)
     if best_comm is not None and ddp_default is not None and best_comm is not ddp_default:
         say(f"communication: {config_name(_cfg(best_comm))} led; measured again beside DDP's defaults, alternating")
         race.confirmation = confirm_pick(job, device.type, best_att.name if best_att else None, sweep,
@@ -268,7 +271,9 @@ def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | Non
                         "adopting it")
         if (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view) == DDP_DEFAULT:
             why = ("no configuration was faster beyond the noise" if confirmation is None else
-                   f"{confirmation.candidate} led the sweep, but measured again beside them: {confirmation.text()}")
+                   f"{confirmation.candidate} led the sweep" + (", but measured again beside them: " if
+                                                                confirmation.status == "ok" else "; ")
+                   + confirmation.text())
             rec["comm_text"] = f"Keep DDP's defaults (bucket_cap_mb=25, no hook): {why}; {figures}."
         else:
             confirmed = f"; {confirmation.text()}" if confirmation is not None else ""

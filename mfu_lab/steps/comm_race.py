@@ -95,6 +95,12 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     log.rounds.append(racing.log_round(1, job.race_steps, samples, kept, dropped, spent))
     t1 = time.perf_counter()
     todo = [k for k in kept if (sweep.outcomes.get(config_key(by_name[k])) or {}).get("screen")]
+    if todo and nnodes > 1:  # each node would decide on its own figures: no launch the others might not join
+        for k in todo:
+            sweep.outcomes[config_key(by_name[k])] = dict(
+                sweep.outcomes[config_key(by_name[k])], event="failed", error="several nodes: the racing launch "
+                "ended before measuring this finalist, and one node cannot start a launch the others would not join")
+        todo = []
     if todo:  # finalists not measured in full in the first launch (it raced no final round, or ended early)
         more = run_sweep(job, device_type, attention, work, on_event, configs=[by_name[k] for k in todo],
                          allreduce=False)
@@ -136,6 +142,10 @@ def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: Sweep
             return racing.confirm(pick_name, ref_name, walls[ref_name], walls[pick_name], done["turns"],
                                   job.comm_steps, [name(ev["config"]) for ev in sweep.turns], done.get("seconds"))
     turns = RACE_CONFIRM_TURNS
+    if world_layout(job, device_type)[0] > 1:  # every node's launcher would have to start the same launch
+        return racing.Confirmation(pick_name, ref_name, "skipped", "several nodes: the sweep's own launch ended "
+                                   "before it confirmed this pick, and one node cannot start a launch the others "
+                                   "would not join")
     estimate = racing.confirm_seconds(turns, job.comm_warmup_steps + job.comm_steps, step_s)
     if not clock.fits(estimate):
         why = f"{clock.left_s():.0f} s of the step's share left, the confirmation needs about {estimate:.0f} s"

@@ -231,9 +231,10 @@ def _confirmed(rec: dict[str, Any], confirmation: racing.Confirmation) -> dict[s
     """The recommendation once its mode was measured again beside eager: kept when proven, else stay eager."""
     if confirmation.proven:
         return rec | {"text": f"{rec['text'][:-1]}; {confirmation.text()}."}
+    how = ", but measured again beside eager: " if confirmation.status == "ok" else "; "
     return {"shapes_first": rec["shapes_first"], "compile": False, "led": rec["mode"],
-            "text": f"Stay eager: mode {rec['mode']} led ({rec['text'].split(': ', 1)[1][:-1]}), but measured again "
-                    f"beside eager: {confirmation.text()}."}
+            "text": f"Stay eager: mode {rec['mode']} led ({rec['text'].split(': ', 1)[1][:-1]}){how}"
+                    f"{confirmation.text()}."}
 
 
 def advise(r: CompileResult) -> list[Advice]:
@@ -382,8 +383,9 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     rec = _recommend(eager, trials, audit, real)
     confirmation = None
     if rec.get("compile"):  # a mode faster beyond the noise across two processes: measured again side by side
-        confirmation = confirm_mode(job, rec["mode"], caches / rec["mode"], work / "confirm", clock,
-                                    eager.seconds or 0.0, eager.step_median_s, say)
+        mode_trial = next(t for t in trials if t.mode == rec["mode"])
+        confirmation = confirm_mode(job, device.type, rec["mode"], caches / rec["mode"], work / "confirm", clock,
+                                    (eager.seconds or 0.0) + (mode_trial.seconds or 0.0), eager.step_median_s, say)
         say(confirmation.text())
         rec = _confirmed(rec, confirmation)
     best = next((t for t in trials if t.mode == rec.get("mode")), None)

@@ -5,8 +5,8 @@ can land 10% faster or slower than the next (measured on a 2-core CPU: the same 
 in another). A mode whose p90 lies below eager's p10 across two such processes can therefore be luck. Here eager
 and the mode each get a warm process of their own (:class:`mfu_lab.workers.verify_rung.RungProcess`; the mode's
 reuses the cold trial's compile cache, so it compiles in seconds), then ``RACE_CONFIRM_TURNS`` interleaved rounds
-(:func:`mfu_lab.core.sidebyside.interleave`) time both, and the mode stands only when the bootstrap interval of its
-speedup over eager lies above 1.0 (:func:`mfu_lab.analysis.racing.confirm`).
+(:func:`mfu_lab.core.sidebyside.interleave`, in ABBA order) time both, and the mode stands only when the bootstrap
+interval of its speedup over eager lies above 1.0 (:func:`mfu_lab.analysis.racing.confirm`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mfu_lab.analysis import racing
 from mfu_lab.core.budget import Clock
+from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job
 from mfu_lab.core.sidebyside import interleave
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
@@ -29,14 +30,16 @@ def turn_steps(job: Job) -> int:
     return max(job.race_steps, job.steps // (RACE_CONFIRM_TURNS + 1))
 
 
-def confirm_mode(job: Job, mode: str, cache: Path, work: Path, clock: Clock, eager_trial_s: float,
+def confirm_mode(job: Job, device_type: str, mode: str, cache: Path, work: Path, clock: Clock, trials_s: float,
                  eager_step_s: float, say) -> racing.Confirmation:
-    """Eager against ``mode`` in interleaved rounds; ``cache`` is the cold trial's compile cache folder.
+    """Eager against ``mode`` in interleaved rounds (ABBA); ``cache`` is the cold trial's compile cache folder.
 
-    Its time is estimated as eager's whole trial (a process start, warm-up and steps) plus the rounds' steps at
-    eager's median step, for both candidates."""
+    Its time is estimated from above: ``trials_s``, the eager and the cold trial's whole seconds (each a process
+    start, a build, a compile without a cache, warm-up and steps), plus the rounds' steps at eager's median step.
+    On a GPU the launcher's own memory is released first and the two processes start one after the other, so the
+    second does not meet the first's start-up peak."""
     rounds, steps = RACE_CONFIRM_TURNS, turn_steps(job)
-    estimate = eager_trial_s + 2 * rounds * steps * eager_step_s
+    estimate = trials_s + 2 * rounds * steps * eager_step_s
     if not clock.fits(estimate):
         why = f"{clock.left_s():.0f} s of the step's share left, the confirmation needs about {estimate:.0f} s"
         clock.shorten("compile confirmation", f"mode {mode} not measured again beside eager ({why}); eager stays")
@@ -48,17 +51,25 @@ def confirm_mode(job: Job, mode: str, cache: Path, work: Path, clock: Clock, eag
     say(f"confirming {mode}: eager and {mode} in warm processes of their own, {rounds} interleaved rounds of "
         f"{steps} steps")
     procs: dict[str, RungProcess] = {}
+    failed: dict[str, str] = {}
+    release_device_memory(device_type)  # the rungs get the GPU the launcher let go of (a no-op on a CPU)
+
+    def ready(name: str) -> None:
+        try:
+            procs[name].ready()
+        except (RuntimeError, OSError) as e:
+            failed[name] = str(e)
+
     try:
-        for name, j in specs.items():  # started together: each builds, counts and warms up while the other does
+        for name, j in specs.items():  # on a CPU started together: each builds and warms up while the other does
             procs[name] = RungProcess({"rung": name.replace("/", "_"), "job": j.to_dict(),
                                        "steps_total": rounds * steps}, work, job.compile_timeout_s,
                                       env if name != "eager" else None)
-        failed: dict[str, str] = {}
-        for name, proc in procs.items():
-            try:
-                proc.ready()
-            except RuntimeError as e:
-                failed[name] = str(e)
+            if device_type == "cuda":
+                ready(name)
+        if device_type != "cuda":
+            for name in procs:
+                ready(name)
         if failed:
             return racing.Confirmation(mode, "eager", "failed", "; ".join(failed.values()), rounds, steps,
                                        seconds=time.perf_counter() - t0)
@@ -67,13 +78,13 @@ def confirm_mode(job: Job, mode: str, cache: Path, work: Path, clock: Clock, eag
             def run(k):
                 try:
                     return procs[name].run(k)
-                except RuntimeError as e:
+                except (RuntimeError, OSError) as e:  # OSError: its stdin closed, the process had died
                     failed[name] = str(e)
                     return None
             return run
 
         got = interleave({name: runner(name) for name in procs}, rounds, steps,
-                         lambda line: say("  " + line))
+                         lambda line: say("  " + line), abba=True)
     finally:
         for proc in procs.values():
             proc.close()

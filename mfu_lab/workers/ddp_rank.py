@@ -344,12 +344,15 @@ def main() -> None:
     confirm = spec.get("confirm")
     if confirm and full:  # the step's pick by its own rule, measured again beside the reference, alternating
         d = decide(lambda: pick_to_confirm(full, confirm, warm + steps))
-        if d:
+        if not d:  # the reference stands: said, so every node's step follows this decision, not its own figures
+            emit(out, {"event": "confirm", "candidate": None, "reference": confirm["reference"], "done": True})
+        else:
             emit(out, {"event": "confirm"} | d)
             if not d["skipped"]:
                 t_confirm = time.perf_counter()
-                for turn in range(1, d["turns"] + 1):
-                    for name in (d["reference"], d["candidate"]):
+                for turn in range(1, d["turns"] + 1):  # ABBA: R P, P R, R P... so a steady drift lands on both
+                    pair = (d["reference"], d["candidate"])
+                    for name in pair if turn % 2 else pair[::-1]:
                         measure(index, by_name[name], steps, {"event": "turn", "turn": turn})
                         index += 1
                 emit(out, {"event": "confirm", "done": True, "seconds": time.perf_counter() - t_confirm} | d)

@@ -347,11 +347,11 @@ class Alternation:
 
 def alternate(job: Job, device_type: str, attention: str | None, configs: list[dict], turns: int, work: Path,
               progress=None) -> Alternation:
-    """``configs`` run ``turns`` times in that order (A B, A B, ...) in one launch, each turn a fresh DDP model
-    timed for ``comm_steps`` steps after ``comm_warmup_steps`` (the race's screening protocol: nothing else is
-    measured), so drift over the launch lands on every configuration alike."""
+    """``configs`` run ``turns`` times in one launch, in that order and then reversed (A B, B A, A B, ...), each turn
+    a fresh DDP model timed for ``comm_steps`` steps after ``comm_warmup_steps`` (the race's screening protocol:
+    nothing else is measured), so a steady drift over the launch lands on every configuration alike."""
     nnodes, nproc = world_layout(job, device_type)
-    plan = list(configs) * turns
+    plan = [c for t in range(turns) for c in (configs if t % 2 == 0 else configs[::-1])]  # ABBA: drift lands evenly
     spec = {"job": job.to_dict(), "device_type": device_type, "attention": attention, "configs": plan,
             "allreduce_max_bytes": None, "fault": None, "screen": job.comm_steps}
     run = launch(job, spec, work, 0, nnodes, nproc, progress)
