@@ -39,8 +39,7 @@ from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_st
 from mfu_lab.steps.attention_race import IMPOSSIBLE_SHARE, JOB_IMPL, AttentionRow, _pick, attention_section
 from mfu_lab.steps.baseline import step1_reference
 from mfu_lab.steps.comm_race import confirm_pick, race_ddp
-from mfu_lab.steps.comm_race import name as config_name
-from mfu_lab.workers.launch import config_key, one_rank_reason, sweep_configs, world_layout
+from mfu_lab.workers.launch import config_key, config_name, one_rank_reason, sweep_configs, world_layout
 
 INFO = BY_KEY["attention_comm"]
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets

@@ -117,8 +117,7 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
         if ev and ev.get("screen") and ev["event"] == "done":
             sweep.outcomes[config_key(c)] = dict(ev, event="failed",
                                                  error="screened, but the final round's launch ended before it")
-    final = sweep
-    return finish(final), log, configs
+    return finish(sweep), log, configs
 
 
 def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: SweepOutcome, reference: dict,
@@ -133,9 +132,7 @@ def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: Sweep
     done = sweep.confirm or {}
     if done.get("candidate") == pick_name and done.get("reference") == ref_name:
         if done.get("skipped"):
-            clock.shorten("DDP confirmation", f"{pick_name} not measured again beside {ref_name} "
-                          f"({done['skipped']}); the default stays")
-            return racing.Confirmation(pick_name, ref_name, "skipped", done["skipped"])
+            return _skipped(clock, pick_name, ref_name, done["skipped"])
         if done.get("done"):
             walls = {k: [w for ev in sweep.turns if name(ev["config"]) == k for w in ev["wall_s"]]
                      for k in (ref_name, pick_name)}
@@ -148,10 +145,8 @@ def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: Sweep
                                    "would not join")
     estimate = racing.confirm_seconds(turns, job.comm_warmup_steps + job.comm_steps, step_s)
     if not clock.fits(estimate):
-        why = f"{clock.left_s():.0f} s of the step's share left, the confirmation needs about {estimate:.0f} s"
-        clock.shorten("DDP confirmation", f"{pick_name} not measured again beside {ref_name} ({why}); "
-                      "the default stays")
-        return racing.Confirmation(pick_name, ref_name, "skipped", "budget: " + why)
+        return _skipped(clock, pick_name, ref_name, f"budget: {clock.left_s():.0f} s of the step's share left, the "
+                        f"confirmation needs about {estimate:.0f} s")
     run = alternate(job, device_type, attention, [reference, pick], turns, work / "confirm")
     if run.error:
         return racing.Confirmation(pick_name, ref_name, "failed", run.error, turns, job.comm_steps,
@@ -159,3 +154,10 @@ def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: Sweep
     names = {config_key(reference): ref_name, config_key(pick): pick_name}
     return racing.confirm(pick_name, ref_name, run.walls[config_key(reference)], run.walls[config_key(pick)],
                           turns, job.comm_steps, [names[k] for k in run.order], run.seconds)
+
+
+def _skipped(clock: Clock, pick: str, reference: str, why: str) -> racing.Confirmation:
+    """A confirmation the budget left out: said in the step's record, and the default stays."""
+    clock.shorten("DDP confirmation", f"{pick} not measured again beside {reference} "
+                  f"({why.removeprefix('budget: ')}); the default stays")  # shorten() says "budget:" itself
+    return racing.Confirmation(pick, reference, "skipped", why)

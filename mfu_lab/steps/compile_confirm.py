@@ -70,9 +70,6 @@ def confirm_mode(job: Job, device_type: str, mode: str, cache: Path, work: Path,
         if device_type != "cuda":
             for name in procs:
                 ready(name)
-        if failed:
-            return racing.Confirmation(mode, "eager", "failed", "; ".join(failed.values()), rounds, steps,
-                                       seconds=time.perf_counter() - t0)
 
         def runner(name):
             def run(k):
@@ -83,8 +80,8 @@ def confirm_mode(job: Job, device_type: str, mode: str, cache: Path, work: Path,
                     return None
             return run
 
-        got = interleave({name: runner(name) for name in procs}, rounds, steps,
-                         lambda line: say("  " + line), abba=True)
+        got = None if failed else interleave({name: runner(name) for name in procs}, rounds, steps,
+                                             lambda line: say("  " + line), abba=True)
     finally:
         for proc in procs.values():
             proc.close()
