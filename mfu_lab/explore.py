@@ -264,7 +264,7 @@ def what_if(job, result, gpus: int, tp: int = 0, pp: int = 0, oversubscription: 
     cluster = dataclasses.replace(cluster, **changes)
     cluster, cal, _ = calibrate(job, cluster, earlier_results(job))
     shape = Shape(**{k: v for k, v in result.shape.items() if k != "from"})
-    best = best_layout(cluster, shape, gpus, job.global_batch, cal, tp, pp, job.interleave)
+    best = best_layout(cluster, shape, gpus, job.global_batch, cal, tp, pp, job.cluster_interleave)
     if best is None:
         return WhatIf("-", [], f"no layout of {gpus} GPUs fits (tp {tp or 'auto'}, pp {pp or 'auto'}, global_batch "
                       f"{job.global_batch}, {cluster.n_gpus - cluster.occupied_gpus} GPUs free)")
@@ -325,8 +325,8 @@ def explore_placement(job, result) -> Explorer:
     style = {"description_width": "initial"}
     controls = {
         "gpus": w.Dropdown(options=sorted(set(sizes) | {start}), value=start, description="GPUs", style=style),
-        "tp": w.Dropdown(options=[0, 1, 2, 4, 8], value=job.tp, description="TP (0: best)", style=style),
-        "pp": w.Dropdown(options=[0, 1, 2, 4, 8], value=job.pp, description="PP (0: best)", style=style),
+        "tp": w.Dropdown(options=[0, 1, 2, 4, 8], value=job.cluster_tp, description="TP (0: best)", style=style),
+        "pp": w.Dropdown(options=[0, 1, 2, 4, 8], value=job.cluster_pp, description="PP (0: best)", style=style),
         "oversubscription": w.FloatSlider(c["oversubscription"], min=1.0, max=8.0, step=0.5,
                                           description="uplink oversubscription", style=style),
         "neighbour_gpus": w.IntSlider(c["occupied_gpus"], 0, c["gpus"] // 2, step=c["gpus_per_node"] // 2 or 1,

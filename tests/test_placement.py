@@ -262,7 +262,7 @@ def test_bad_cluster_files_name_the_file_key_and_what_is_allowed(tmp_path, text,
 
 def test_job_keys_for_placement_are_checked():
     with pytest.raises(JobError) as e:
-        load_job(TINY, {"global_batch": 10, "tp": 3, "pp": 3, "min_marginal_efficiency": 1.5})
+        load_job(TINY, {"global_batch": 10, "cluster_tp": 3, "cluster_pp": 3, "min_marginal_efficiency": 1.5})
     msg = str(e.value)
     assert "multiple of micro_batch (4)" in msg and "must divide n_heads (2)" in msg
     assert "must divide n_layers (2)" in msg and "<= 1" in msg

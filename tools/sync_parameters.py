@@ -21,7 +21,7 @@ from mfu_lab.core.registry import STEPS  # noqa: E402
 GROUPS = {"job_name": "job", "model": "model", "data": "data", "micro_batch": "training", "peak_flops": "device",
           "nproc_per_node": "distributed (step 2)", "profile_warmup_steps": "kernels (step 3)",
           "compile_modes": "compile (step 4)", "fp8_recipe": "FP8 (step 5)",
-          "cluster": "placement (step 6)", "verify_rounds": "verify (step 7)"}
+          "dp_mode": "layout (the job's own: FSDP, TP, SP, PP)", "cluster": "placement (step 6)", "verify_rounds": "verify (step 7)"}
 
 
 def parameters_source() -> str:

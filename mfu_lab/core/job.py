@@ -38,6 +38,9 @@ COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
 MATMUL_PRECISIONS = ("highest", "high")
 ADAMW_IMPLS = ("default", "foreach", "fused")
 PRECISION_RUNGS = ("tf32", "bfloat16", "float16")
+DP_MODES = ("ddp", "fsdp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+TP_STYLES = ("colwise", "rowwise", "sequence")
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -137,6 +140,24 @@ class Job:
     comm_warmup_steps: int = _key(1, "discarded DDP steps per configuration", min=0)
     comm_timeout_s: float = _key(60.0, "a DDP launch with no finished step for this long is ended as hung",
                                  min_exclusive=0.0)
+    # --- layout: how the job itself is split over its ranks (README, "Your job's layout") ---
+    dp_mode: str = _key("ddp", "data parallel: ddp (replicated, today's default) | fsdp (FSDP2 fully_shard per block "
+                        "and at the root)", choices=DP_MODES)
+    fsdp_reshard_after_forward: bool = _key(True, "FSDP2: free the gathered parameters after forward (gather again "
+                                            "in backward)")
+    fsdp_prefetch: int = _key(0, "FSDP2: explicit forward and backward prefetch depth in blocks (0: FSDP's implicit "
+                              "prefetch)", min=0)
+    fsdp_param_dtype: str = _key("", "FSDP2 MixedPrecisionPolicy param_dtype ('': the job's dtype)",
+                                 choices=("", *DTYPES))
+    fsdp_reduce_dtype: str = _key("", "FSDP2 MixedPrecisionPolicy reduce_dtype ('': float32)", choices=("", *DTYPES))
+    tp: int = _key(1, "tensor-parallel degree of the job (1: none); must divide n_heads and the world", min=1)
+    sp: bool = _key(False, "sequence parallel on top of tensor parallel (needs tp > 1)")
+    pp: int = _key(1, "pipeline stages of the job (1: none); pp x pp_virtual_stages must divide n_layers", min=1)
+    pp_schedule: str = _key("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES), choices=PP_SCHEDULES)
+    pp_microbatches: int = _key(4, "micro-batches micro_batch is split into under pp > 1 (at least pp)", min=1)
+    pp_virtual_stages: int = _key(1, "model chunks per pipeline rank (interleaved_1f1b needs 2 or more)", min=1)
+    tp_plan: dict = _key({}, "tensor-parallel plan of a user's model: module-name pattern -> colwise | rowwise | "
+                         "sequence ({}: the built-in plan of the reference GPT or a Llama-style model)")
     # --- kernels (step 3) ---
     profile_warmup_steps: int = _key(2, "profiled steps run first and not recorded (the profiler warms up)", min=0)
     profile_steps: int = _key(3, "training steps recorded by torch.profiler", min=1)
@@ -177,9 +198,12 @@ class Job:
                         "parameters/clusters/); a relative path is looked for next to the job file, then in "
                         "the checkout, then in the workbook's own parameters/")
     gpus: int = _key(0, "GPUs the job is placed on (0: the efficient size the sweep finds)", min=0)
-    tp: int = _key(0, "tensor-parallel size (0: the fastest the model finds); must divide n_heads", min=0)
-    pp: int = _key(0, "pipeline-parallel stages (0: the fastest the model finds); must divide n_layers", min=0)
-    interleave: int = _key(1, "interleaved pipeline chunks per stage (Megatron-LM's virtual stages)", min=1)
+    cluster_tp: int = _key(0, "step 6: tensor-parallel size on the cluster (0: the fastest the model finds); must "
+                           "divide n_heads", min=0)
+    cluster_pp: int = _key(0, "step 6: pipeline stages on the cluster (0: the fastest the model finds); must divide "
+                           "n_layers", min=0)
+    cluster_interleave: int = _key(1, "step 6: interleaved pipeline chunks per stage on the cluster (Megatron-LM's "
+                                   "virtual stages)", min=1)
     global_batch: int = _key(512, "samples per optimizer step on the cluster (data parallel x micro-batches x "
                              "micro_batch); a multiple of micro_batch", min=1)
     assumed_mfu: float = _key(0.4, "single-GPU MFU the model assumes when no earlier step measured the cluster's "
@@ -376,10 +400,10 @@ def validate(values: dict[str, Any], source: str) -> Job:
     if not bad & {"global_batch", "micro_batch"} and job.global_batch % job.micro_batch:
         problems.append(JobProblem("global_batch", job.global_batch, f"must be a multiple of micro_batch "
                                    f"({job.micro_batch})"))
-    if not bad & {"tp", "n_heads"} and job.tp and job.n_heads % job.tp:
-        problems.append(JobProblem("tp", job.tp, f"must divide n_heads ({job.n_heads})"))
-    if not bad & {"pp", "n_layers"} and job.pp and job.n_layers % job.pp:
-        problems.append(JobProblem("pp", job.pp, f"must divide n_layers ({job.n_layers})"))
+    if not bad & {"cluster_tp", "n_heads"} and job.cluster_tp and job.n_heads % job.cluster_tp:
+        problems.append(JobProblem("cluster_tp", job.cluster_tp, f"must divide n_heads ({job.n_heads})"))
+    if not bad & {"cluster_pp", "n_layers"} and job.cluster_pp and job.n_layers % job.cluster_pp:
+        problems.append(JobProblem("cluster_pp", job.cluster_pp, f"must divide n_layers ({job.n_layers})"))
     if not bad & {"min_marginal_efficiency"} and job.min_marginal_efficiency > 1:
         problems.append(JobProblem("min_marginal_efficiency", job.min_marginal_efficiency, "must be <= 1 (1 is "
                                    "perfect scaling)"))
