@@ -148,12 +148,19 @@ def test_main_without_cuda_returns_2(monkeypatch, capsys):
     assert "no CUDA device visible" in capsys.readouterr().out
 
 
-def test_main_records_failures_skips_for_time_and_prints_the_table_last(monkeypatch, tmp_path, capsys):
+def _fake_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def test_main_records_failures_skips_for_time_and_prints_the_table_last(monkeypatch, tmp_path, capsys):
+    _fake_gpus(monkeypatch)
+    # As if the module had been imported an hour ago (a long suite before this test): main() called without
+    # ``started`` counts --limit-s from its own start, so the steps that fit still run.
+    monkeypatch.setattr(gc, "T0", gc.T0 - 3600.0)
     seen = {}
 
     def ok(ctx, rows):
@@ -180,3 +187,18 @@ def test_main_records_failures_skips_for_time_and_prints_the_table_last(monkeypa
     out = capsys.readouterr().out.rstrip().splitlines()
     assert out[-1] == "2 pass, 1 fail, 1 skipped" and out[-7].startswith("path")
     assert (tmp_path / "gpu-check" / "table.md").read_text().count("\n| step") == 4
+
+
+def test_main_counts_the_limit_from_the_start_it_is_given(monkeypatch, tmp_path, capsys):
+    _fake_gpus(monkeypatch)
+
+    def never(ctx, rows):
+        raise AssertionError("a step over the time limit must not run")
+
+    monkeypatch.setattr(gc, "RUN", {"baseline": never})
+    monkeypatch.setattr(gc, "estimate_s", lambda step, world: 10.0)
+    started = gc.time.monotonic() - 1000.0  # the script passes its import time: start-up counts against the limit
+    rc = gc.main(["--steps", "baseline", "--limit-s", "560", "--out", str(tmp_path)], started=started)
+    rows = json.loads((tmp_path / "gpu-check" / "table.json").read_text())["rows"]
+    assert rc == 0 and [(r["figure"], r["status"]) for r in rows] == [("baseline run", "skip: time")]
+    assert "0 s left of --limit-s 560" in rows[0]["value"]
