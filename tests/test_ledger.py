@@ -124,3 +124,18 @@ def test_an_earlier_runs_hardware_item_reads_back_as_compute_efficiency():
     assert _ledger_obj(OLD).get("efficiency").fraction == 0.5
     ax = plots.ledger_waterfall(typed).axes[0]
     assert "compute\nefficiency\nloss" in [t.get_text() for t in ax.get_xticklabels()]
+
+
+def test_layout_ledger_names_collectives_by_kind_and_counts_the_bubble_once():
+    from mfu_lab.core.ledger import layout_ledger
+
+    led = layout_ledger(0.30, {"allgather": 0.05, "reduce_scatter": 0.03, "recv": 0.08, "send": 0.01}, 0.12, 0.02,
+                        "PP2 1f1b m4", 2)
+    assert led.total == pytest.approx(1.0)
+    # the bubble (12%) is larger than the send/recv waits (9%), which it contains: 5 + 3 + 12, not + 9
+    assert led.get("structure").fraction == pytest.approx(0.20)
+    text = led.get("structure").explanation
+    assert "allgather 5.0%" in text and "reduce_scatter 3.0%" in text and "pipeline bubble 12.0%" in text
+    assert led.get("efficiency").fraction == pytest.approx(1 - 0.30 - 0.20 - 0.02)
+    no_pp = layout_ledger(0.3, {"allreduce": 0.1}, None, 0.0, "TP2", 2)
+    assert no_pp.get("structure").fraction == pytest.approx(0.1) and "bubble" not in no_pp.get("structure").explanation

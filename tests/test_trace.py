@@ -153,6 +153,26 @@ def test_gpu_breakdown_by_hand():
     assert b.waiting_for_data == pytest.approx(0.03)  # idle 5-8 while the host is in the DataLoader
     assert b.idle == pytest.approx(0.28)  # 8-10, 35-36, 40-45, 80-100
     assert sum(b.parts().values()) == pytest.approx(1.0)
+    assert b.comm_by_kind == {"allreduce": {"total": pytest.approx(0.30), "exposed": pytest.approx(0.20)}}
+
+
+def test_collectives_are_split_by_kind_with_their_exposed_time():
+    """Two kinds on their own streams: an all-gather 0-20 wholly exposed, a reduce-scatter 45-65 of which 45-60
+    runs under the gemm (5 us exposed); kinds named from NCCL kernels, c10d operators and gloo events alike."""
+    t = gpu_trace()
+    t["traceEvents"] = [e for e in t["traceEvents"] if "AllReduce" not in e["name"]] + [
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "pid": 0, "tid": 21, "ts": 0,
+         "dur": 20, "args": {"stream": 21}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "pid": 0, "tid": 22,
+         "ts": 45, "dur": 20, "args": {"stream": 22}}]
+    by_kind = tr.analyse(t).breakdown.comm_by_kind
+    assert by_kind["allgather"]["total"] == pytest.approx(0.20)
+    assert by_kind["allgather"]["exposed"] == pytest.approx(0.10)  # 10-20 is under the first gemm (10-30)
+    assert by_kind["reduce_scatter"] == {"total": pytest.approx(0.20), "exposed": pytest.approx(0.05)}
+    assert [tr.comm_kind(n) for n in ("gloo:all_reduce", "c10d::_allgather_base_", "c10d::send", "c10d::recv_",
+                                      "c10d::reduce_scatter_tensor_coalesced_", "c10d::broadcast_")] == [
+        "allreduce", "allgather", "send", "recv", "reduce_scatter", "broadcast"]
+    assert tr.comm_kind("record_param_comms", {"Collective name": "_allgather_base"}) == "allgather"
 
 
 def test_gpu_top_table_by_hand():

@@ -38,6 +38,7 @@ from mfu_lab.analysis.trace_events import (
     MEMORY_BOUND,  # noqa: F401 - re-exported (callers use trace.MEMORY_BOUND)
     Event,
     categorise,  # noqa: F401 - re-exported (callers use trace.categorise)
+    comm_kind,
     inside,
     intersect,
     load_trace,  # noqa: F401 - re-exported (callers use trace.load_trace)
@@ -80,6 +81,10 @@ class Breakdown:
     idle: float
     comm_total: float  # all communication, hidden or not
     comm_overlapped: float  # communication under compute
+    # per collective kind (allgather, reduce_scatter, allreduce, send, recv, ...): {"total": share of the window,
+    # "exposed": share not under compute}; kinds may overlap each other, so the exposed shares can add up to a
+    # little more than ``communicating``
+    comm_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def parts(self) -> dict[str, float]:
         return {"computing": self.computing, "communicating (exposed)": self.communicating,
@@ -138,15 +143,21 @@ def _breakdown(tr: IndexedTrace) -> Breakdown:
     w0, w1 = tr.window
     window = [(w0, w1)]
     segs: dict[str, list] = defaultdict(list)
+    kinds: dict[str, list] = defaultdict(list)
     if tr.kind == "gpu":
         for d in tr.device:
             segs[d.category].append((d.ts, d.end))
+            if d.category == "communication":
+                kinds[comm_kind(d.name, d.args)].append((d.ts, d.end))
     else:
         for op in tr.ops:
             for s in self_spans(op):
                 segs[op.category].append(s)
+                if op.category == "communication":
+                    kinds[comm_kind(op.name, op.args)].append(s)
         for c in tr.host_comm:  # gloo's own work events (its threads' all-reduce)
             segs["communication"].append((c.ts, c.end))
+            kinds[comm_kind(c.name, c.args)].append((c.ts, c.end))
     comm = intersect(union(segs.pop("communication", [])), window)
     copy = intersect(union(segs.pop("memory copy", [])), window)
     segs.pop("data loading", None)  # a CPU run's loader work is the device waiting for data
@@ -157,10 +168,15 @@ def _breakdown(tr: IndexedTrace) -> Breakdown:
     total = w1 - w0
     c_total = measure(comm)
     overlapped = measure(intersect(comm, compute))
+    by_kind = {}
+    for kind, spans in sorted(kinds.items()):
+        mine = intersect(union(spans), window)
+        if mine:
+            by_kind[kind] = {"total": measure(mine) / total, "exposed": measure(subtract(mine, compute)) / total}
     return Breakdown(
         total / 1e6, tr.n_steps, measure(compute) / total, (c_total - overlapped) / total,
         measure(subtract(copy, union(compute + comm))) / total, measure(waiting) / total,
-        (measure(idle) - measure(waiting)) / total, c_total / total, overlapped / total)
+        (measure(idle) - measure(waiting)) / total, c_total / total, overlapped / total, by_kind)
 
 
 

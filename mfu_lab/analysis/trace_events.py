@@ -88,6 +88,21 @@ def categorise(name: str) -> str:
     return "other"
 
 
+# A collective's kind from its name, or from the profiler's "Collective name" argument (record_param_comms).
+COMM_KINDS: tuple[tuple[str, re.Pattern], ...] = tuple((k, re.compile(rx, re.I)) for k, rx in (
+    ("reduce_scatter", r"reduce_?scatter"), ("allgather", r"all_?gather"), ("allreduce", r"all_?reduce"),
+    ("alltoall", r"all_?to_?all"), ("broadcast", r"broadcast"), ("send", r"(^|[_:.])i?send"),
+    ("recv", r"(^|[_:.])i?recv"), ("barrier", r"barrier"),
+))
+
+
+def comm_kind(name: str, args: dict[str, Any] | None = None) -> str:
+    """allgather | reduce_scatter | allreduce | alltoall | broadcast | send | recv | barrier | other, for a
+    communication operator or gloo work event (``gloo:all_reduce``, ``c10d::_allgather_base_``, ...)."""
+    text = f"{(args or {}).get('Collective name', '')} {name}"
+    return next((k for k, rx in COMM_KINDS if rx.search(text)), "other")
+
+
 def is_view(name: str) -> bool:
     return short_name(name) in VIEW_OPS
 

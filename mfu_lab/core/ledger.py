@@ -207,3 +207,44 @@ def trace_ledger(b: Breakdown, mfu_profiled: float, device_type: str, hw: Hardwa
                       else "no operator running: Python, the autograd engine and the loop between operators)")),
         LedgerItem("operations", 0.0, "analytic", "not separated while profiling (clocks are read in step 1)"),
     ])
+
+
+P2P = ("send", "recv")
+
+
+def layout_ledger(mfu_value: float, exposed_by_kind: dict[str, float], bubble: float | None, data: float,
+                  layout_name: str, world: int, hw: HardwareFlops | None = None, why_not: str = "",
+                  comm_source: str = "measured") -> Ledger:
+    """The ledger of a job run in its own layout (FSDP, TP, SP, PP; step 1 under torchrun).
+
+    ``exposed_by_kind``: each collective kind's time not under compute, as a share of the step (from the ranks'
+    traces: :attr:`mfu_lab.analysis.trace.Breakdown.comm_by_kind`); ``bubble``: the pipeline's fill and drain
+    as a share of the step, measured per stage (None without a pipeline). A stage waiting out the bubble waits
+    in its receive, so the point-to-point part of the structure loss is the larger of the two, not their sum:
+    structure = exposed collectives other than send/recv + max(bubble, exposed send + recv).
+    """
+    recompute = recompute_item(mfu_value, hw, why_not)
+    p2p = sum(v for k, v in exposed_by_kind.items() if k in P2P)
+    others = {k: v for k, v in exposed_by_kind.items() if k not in P2P and v > 0}
+    pipeline = max(bubble or 0.0, p2p)
+    structure = sum(others.values()) + pipeline
+    parts = [f"{k} {v:.1%}" for k, v in sorted(others.items(), key=lambda kv: -kv[1])]
+    if bubble is not None:
+        parts.append(f"pipeline bubble {bubble:.1%} (fill and drain, measured per stage) against send/recv "
+                     f"waits {p2p:.1%}: the larger counts, {pipeline:.1%}")
+    elif p2p:
+        parts.append(f"send/recv {p2p:.1%}")
+    efficiency = 1.0 - mfu_value - recompute.fraction - structure - data
+    return Ledger([
+        LedgerItem("mfu", mfu_value, "measured", f"model FLOPs of all {world} ranks / (peak x measured step time), "
+                   f"{layout_name}"),
+        recompute,
+        LedgerItem("efficiency", efficiency, "measured",
+                   f"the rest, 1 - the other parts: {EFFICIENCY_WHY} (and the loop's host time, not separated "
+                   "under a layout)"),
+        LedgerItem("structure", structure, comm_source,
+                   "exposed communication by kind, share of the step not under compute on the slowest rank: "
+                   + ("; ".join(parts) if parts else "none exposed")),
+        LedgerItem("software", data, "measured", "data wait share of the step"),
+        LedgerItem("operations", 0.0, "analytic", "not sampled during the layout's launch"),
+    ])
