@@ -15,21 +15,16 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mfu_lab.core.job import FIELDS, Job  # noqa: E402
+from mfu_lab.core.job import FIELDS, KEY_GROUPS, Job  # noqa: E402
 from mfu_lab.core.registry import STEPS  # noqa: E402
-
-GROUPS = {"job_name": "job", "model": "model", "data": "data", "micro_batch": "training", "peak_flops": "device",
-          "nproc_per_node": "distributed (step 2)", "profile_warmup_steps": "kernels (step 3)",
-          "compile_modes": "compile (step 4)", "fp8_recipe": "FP8 (step 5)",
-          "dp_mode": "layout (the job's own: FSDP, TP, SP, PP)", "cluster": "placement (step 6)", "verify_rounds": "verify (step 7)"}
 
 
 def parameters_source() -> str:
     job = Job()
     lines = ["# Job parameters: papermill -f JOB.yaml or -p key value replace these; defaults: parameters/default.yaml"]
     for name, f in FIELDS.items():
-        if name in GROUPS:
-            lines.append(f"# --- {GROUPS[name]} ---")
+        if name in KEY_GROUPS:
+            lines.append(f"# --- {KEY_GROUPS[name]} ---")
         t = f.type if isinstance(f.type, str) else f.type.__name__
         t = '"Optional[float]"' if t == "float | None" else t  # quoted: papermill reads it, Python skips it
         v = getattr(job, name)

@@ -12,38 +12,45 @@ each key, the value given and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.job_rules import (
+    ADAMW_IMPLS,
+    ATTENTIONS,
+    COMM_HOOKS,
+    COMPILE_CHOICES,
+    COMPILE_DYNAMIC,
+    COMPILE_MODES,
+    DATA_SOURCES,
+    DEVICES,
+    DP_MODES,
+    DTYPES,
+    FP8_RECIPES,
+    JOB_NAME_RE,
+    LAST_BATCH,
+    MATMUL_PRECISIONS,
+    MODEL_RE,
+    PP_SCHEDULES,
+    PRECISION_RUNGS,
+    SEQ_POLICIES,
+    TP_STYLES,
+    cross_key_problems,
+    rule_problem,
+    stdlib_factory,
+    type_problem,
+    unknown_key_problem,
+)
 from mfu_lab.core.paths import anchored_paths, find_workbook_root, input_path
 
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-ATTENTIONS = ("sdpa", "unfused")
-DATA_SOURCES = ("synthetic", "synthetic_varlen")
-SEQ_POLICIES = ("longest", "pad", "bucket", "pack")
-LAST_BATCH = ("drop", "keep", "pad")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
-COMPILE_DYNAMIC = ("auto", "static", "dynamic")
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
-COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
-MATMUL_PRECISIONS = ("highest", "high")
-ADAMW_IMPLS = ("default", "foreach", "fused")
-PRECISION_RUNGS = ("tf32", "bfloat16", "float16")
-DP_MODES = ("ddp", "fsdp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-TP_STYLES = ("colwise", "rowwise", "sequence")
-JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
-_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+__all__ = ["ADAMW_IMPLS", "ATTENTIONS", "COMM_HOOKS", "COMPILE_CHOICES", "COMPILE_DYNAMIC", "COMPILE_MODES",
+           "DATA_SOURCES", "DEVICES", "DP_MODES", "DTYPES", "FIELDS", "FP8_RECIPES", "JOB_NAME_RE", "KEY_GROUPS",
+           "LAST_BATCH", "MATMUL_PRECISIONS", "MODEL_RE", "PP_SCHEDULES", "PRECISION_RUNGS", "SEQ_POLICIES",
+           "TP_STYLES", "Job", "JobError", "JobProblem", "find_workbook_root", "from_namespace", "load_job",
+           "stdlib_factory", "validate"]
 
 
 def _key(default, help: str, **rules):
@@ -157,7 +164,8 @@ class Job:
     pp_microbatches: int = _key(4, "micro-batches micro_batch is split into under pp > 1 (at least pp)", min=1)
     pp_virtual_stages: int = _key(1, "model chunks per pipeline rank (interleaved_1f1b needs 2 or more)", min=1)
     tp_plan: dict = _key({}, "tensor-parallel plan of a user's model: module-name pattern -> colwise | rowwise | "
-                         "sequence ({}: the built-in plan of the reference GPT or a Llama-style model)")
+                         "sequence ({}: the built-in plan of the reference GPT or a Llama-style model)",
+                         items="tp_style")
     # --- kernels (step 3) ---
     profile_warmup_steps: int = _key(2, "profiled steps run first and not recorded (the profiler warms up)", min=0)
     profile_steps: int = _key(3, "training steps recorded by torch.profiler", min=1)
@@ -264,102 +272,13 @@ class Job:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Job)}
-
-
-# ---------------------------------------------------------------------- checking
-def _type_problem(name: str, value: Any) -> tuple[Any, str | None]:
-    """Coerce ``value`` to the key's type; return (value, None) or (value, what is expected)."""
-    f = FIELDS[name]
-    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    meta = f.metadata
-    if value is None:
-        return value, None if meta.get("optional") else f"must be given (expected {t.replace(' | None', '')})"
-    if t == "bool":
-        return value, None if isinstance(value, bool) else "must be true or false"
-    if t == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            return value, "must be a whole number"
-        if abs(value) >= 2 ** 53:
-            return value, "must be below 2**53 (larger whole numbers cannot be stored exactly in the result files)"
-        return value, None
-    if t.startswith("float"):
-        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
-            value = float(value)  # YAML 1.1 reads 989e12 (no dot) as text
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return value, "must be a number"
-        value = float(value)
-        return value, None if math.isfinite(value) else "must be a finite number"
-    if t == "str":
-        return value, None if isinstance(value, str) else "must be text"
-    if t == "list":
-        if not isinstance(value, list) or (not value and not f.metadata.get("empty")):
-            return value, "must be a non-empty list, e.g. [1, 8, 25]"
-        return value, _items_problem(f.metadata["items"], value)
-    if t == "dict":
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            return value, "must be a mapping of names to values"
-        return value, None
-    raise AssertionError(f"unhandled type {t} for {name}")  # pragma: no cover - schema bug
-
-
-def _items_problem(kind: str, items: list) -> str | None:
-    for v in items:
-        if kind == "positive_number" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                                          or not math.isfinite(v)):
-            return f"item {v!r}: every item must be a finite number > 0"
-        if kind == "hook" and v not in COMM_HOOKS:
-            return f"item {v!r}: every item must be one of {', '.join(COMM_HOOKS)}"
-        if kind == "name" and (not isinstance(v, str) or not v):
-            return f"item {v!r}: every item must be a non-empty name"
-        if kind == "compile_mode" and v not in COMPILE_MODES:
-            return f"item {v!r}: every item must be one of {', '.join(COMPILE_MODES)}"
-        if kind == "precision" and v not in PRECISION_RUNGS:
-            return f"item {v!r}: every item must be one of {', '.join(PRECISION_RUNGS)}"
-        if kind == "key" and (not isinstance(v, str) or v not in FIELDS):
-            near = difflib.get_close_matches(str(v), FIELDS, n=1)
-            return f"item {v!r}: not a job key" + (f" (did you mean '{near[0]}'?)" if near else "")
-        if kind == "bool" and not isinstance(v, bool):
-            return f"item {v!r}: every item must be true or false"
-    if len(set(map(repr, items))) != len(items):
-        return "items must not repeat"
-    return None
-
-
-def _rule_problem(name: str, value: Any) -> str | None:
-    meta = FIELDS[name].metadata
-    if value is None:
-        return None
-    if "choices" in meta and value not in meta["choices"]:
-        return f"must be one of {', '.join(meta['choices'])}"
-    if "min" in meta and value < meta["min"]:
-        return f"must be >= {meta['min']}"
-    if "min_exclusive" in meta and value <= meta["min_exclusive"]:
-        return f"must be > {meta['min_exclusive']}"
-    if meta.get("pattern") == "job_name" and not JOB_NAME_RE.fullmatch(value):
-        return ("must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit "
-                "(it names a folder, so no path separators)")
-    if name == "out_dir" and (not value.strip() or "\x00" in value):
-        return "must be a folder path (not empty, no NUL character)"
-    if meta.get("pattern") == "model" and not MODEL_RE.fullmatch(value):
-        return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
-    if meta.get("pattern") == "model" and value != "gpt" and (top := stdlib_factory(value)):
-        return (f"names a function of Python's standard library ({top}): it cannot return a model, and a "
-                "job file that names code runs that code; name your own model factory")
-    return None
-
-
-def stdlib_factory(spec: str) -> str | None:
-    """The top-level module of a ``module:function`` model spec when it is Python's standard library (or
-    builtins), which cannot return a model; None otherwise. A module of the user's own that shares a standard
-    library name (``code/``, ``trace.py`` in the current folder or the workbook root) is the user's."""
-    top = spec.split(":")[0].split(".")[0]
-    if top == "builtins":
-        return top
-    if top not in sys.stdlib_module_names:
-        return None
-    roots = (Path.cwd(), find_workbook_root())
-    local = any((d / f"{top}.py").is_file() or (d / top / "__init__.py").is_file() for d in roots)
-    return None if local else top
+# The keys' groups, by the first key of each, in declaration order: `mfu-lab keys` and the notebooks' parameters
+# cells (tools/sync_parameters.py) head each group with its title.
+KEY_GROUPS = {"job_name": "job", "thorough": "the workbook's own cost", "model": "model", "data": "data",
+              "micro_batch": "training", "peak_flops": "device", "nproc_per_node": "distributed (step 2)",
+              "dp_mode": "layout (the job's own: FSDP, TP, SP, PP)",
+              "profile_warmup_steps": "kernels (step 3)", "compile_modes": "compile (step 4)",
+              "precision_rungs": "FP8 (step 5)", "cluster": "placement (step 6)", "verify_rounds": "verify (step 7)"}
 
 
 def validate(values: dict[str, Any], source: str) -> Job:
@@ -372,43 +291,17 @@ def validate(values: dict[str, Any], source: str) -> Job:
     clean: dict[str, Any] = {}
     for key, value in values.items():
         if not isinstance(key, str) or key not in FIELDS:
-            near = difflib.get_close_matches(str(key), FIELDS, n=1)
-            hint = f"did you mean '{near[0]}'? " if near else ""
-            problems.append(JobProblem(str(key), value, f"unknown key; {hint}allowed keys: {', '.join(FIELDS)}"))
+            problems.append(unknown_key_problem(key, value, FIELDS))
             continue
-        value, why = _type_problem(key, value)
-        why = why or _rule_problem(key, value)
+        value, why = type_problem(FIELDS[key], value, FIELDS)
+        why = why or rule_problem(key, FIELDS[key].metadata, value)
         if why:
             problems.append(JobProblem(key, value, why))
         else:
             clean[key] = value
     bad = {p.key for p in problems}
     job = Job(**clean)  # the clean keys over the defaults: cross-key checks of keys that are fine on their own
-    if not bad & {"d_model", "n_heads"}:
-        if job.d_model % job.n_heads:
-            problems.append(JobProblem("n_heads", job.n_heads, f"must divide d_model ({job.d_model})"))
-    if not bad & {"nnodes", "rdzv_endpoint"}:
-        if job.nnodes > 1 and not job.rdzv_endpoint:
-            problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint,
-                                       f"must be host:port when nnodes is {job.nnodes}"))
-        if job.rdzv_endpoint and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", job.rdzv_endpoint):
-            problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint, "must be host:port, e.g. node01:29500"))
-    if not bad & {"min_seq_len", "seq_len"} and job.min_seq_len > job.seq_len:
-        problems.append(JobProblem("min_seq_len", job.min_seq_len, f"must be <= seq_len ({job.seq_len})"))
-    if not bad & {"seq_buckets", "seq_len"} and job.seq_buckets > job.seq_len:
-        problems.append(JobProblem("seq_buckets", job.seq_buckets, f"must be <= seq_len ({job.seq_len})"))
-    if not bad & {"global_batch", "micro_batch"} and job.global_batch % job.micro_batch:
-        problems.append(JobProblem("global_batch", job.global_batch, f"must be a multiple of micro_batch "
-                                   f"({job.micro_batch})"))
-    if not bad & {"cluster_tp", "n_heads"} and job.cluster_tp and job.n_heads % job.cluster_tp:
-        problems.append(JobProblem("cluster_tp", job.cluster_tp, f"must divide n_heads ({job.n_heads})"))
-    if not bad & {"cluster_pp", "n_layers"} and job.cluster_pp and job.n_layers % job.cluster_pp:
-        problems.append(JobProblem("cluster_pp", job.cluster_pp, f"must divide n_layers ({job.n_layers})"))
-    if not bad & {"min_marginal_efficiency"} and job.min_marginal_efficiency > 1:
-        problems.append(JobProblem("min_marginal_efficiency", job.min_marginal_efficiency, "must be <= 1 (1 is "
-                                   "perfect scaling)"))
-    if not bad & {"assumed_mfu"} and job.assumed_mfu > 1:
-        problems.append(JobProblem("assumed_mfu", job.assumed_mfu, "must be <= 1 (a fraction of peak)"))
+    problems += cross_key_problems(job, bad)
     if problems:
         raise JobError(source, problems)
     return job

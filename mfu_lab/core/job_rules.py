@@ -1,0 +1,274 @@
+"""The rules a job's keys are checked against: the allowed values, one key at a time, then across keys.
+
+:func:`mfu_lab.core.job.validate` runs them and raises one :class:`JobError` with every problem. This module holds
+the checks and the value sets they use and imports nothing of :mod:`mfu_lab.core.job` (which re-exports the value
+sets): a check takes the key's dataclass field, or the :class:`~mfu_lab.core.job.Job` built from the keys that were
+fine on their own. The checks that need the world size or the model itself are in :mod:`mfu_lab.core.layout_check`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import sys
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from mfu_lab.core.errors import JobProblem
+from mfu_lab.core.paths import find_workbook_root
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTIONS = ("sdpa", "unfused")
+DATA_SOURCES = ("synthetic", "synthetic_varlen")
+SEQ_POLICIES = ("longest", "pad", "bucket", "pack")
+LAST_BATCH = ("drop", "keep", "pad")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+COMPILE_DYNAMIC = ("auto", "static", "dynamic")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
+COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
+MATMUL_PRECISIONS = ("highest", "high")
+ADAMW_IMPLS = ("default", "foreach", "fused")
+PRECISION_RUNGS = ("tf32", "bfloat16", "float16")
+DP_MODES = ("ddp", "fsdp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one model chunk per rank
+TP_STYLES = ("colwise", "rowwise", "sequence")
+FSDP_KEYS = ("fsdp_reshard_after_forward", "fsdp_prefetch", "fsdp_param_dtype", "fsdp_reduce_dtype")
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+# Keys whose meaning changed (issue 28): step 6's cluster-scale tp, pp and interleave became cluster_tp, cluster_pp
+# and cluster_interleave; the plain tp and pp are now the job's own layout. A job file written for the old names is
+# told so in one line, with the new key, before the generic "did you mean" could suggest something else.
+OLD_MEANINGS = {
+    ("tp", 0): "tp is now the job's own tensor-parallel degree (>= 1); step 6's cluster choice is cluster_tp "
+               "(0: the model picks)",
+    ("pp", 0): "pp is now the job's own number of pipeline stages (>= 1); step 6's cluster choice is cluster_pp "
+               "(0: the model picks)",
+}
+RENAMED_KEYS = {
+    "interleave": "unknown key; did you mean 'cluster_interleave' (step 6's interleaved chunks per stage on the "
+                  "cluster, formerly interleave) or 'pp_virtual_stages' (the job's own model chunks per pipeline "
+                  "rank)?",
+}
+
+
+def unknown_key_problem(key: Any, value: Any, keys: Collection[str]) -> JobProblem:
+    """A key that is not a job key: a renamed one says its new name, any other gets the nearest key, if any."""
+    if isinstance(key, str) and key in RENAMED_KEYS:
+        return JobProblem(key, value, RENAMED_KEYS[key])
+    near = difflib.get_close_matches(str(key), keys, n=1)
+    hint = f"did you mean '{near[0]}'? " if near else ""
+    return JobProblem(str(key), value, f"unknown key; {hint}allowed keys: {', '.join(keys)}")
+
+
+def type_problem(f: dataclasses.Field, value: Any, keys: Collection[str]) -> tuple[Any, str | None]:
+    """Coerce ``value`` to the key's type; return (value, None) or (value, what is expected). ``keys``: every job
+    key (a list of kind ``key`` names them)."""
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    meta = f.metadata
+    if value is None:
+        return value, None if meta.get("optional") else f"must be given (expected {t.replace(' | None', '')})"
+    if t == "bool":
+        return value, None if isinstance(value, bool) else "must be true or false"
+    if t == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return value, "must be a whole number"
+        if abs(value) >= 2 ** 53:
+            return value, "must be below 2**53 (larger whole numbers cannot be stored exactly in the result files)"
+        return value, None
+    if t.startswith("float"):
+        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads 989e12 (no dot) as text
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value, "must be a number"
+        value = float(value)
+        return value, None if math.isfinite(value) else "must be a finite number"
+    if t == "str":
+        return value, None if isinstance(value, str) else "must be text"
+    if t == "list":
+        if not isinstance(value, list) or (not value and not meta.get("empty")):
+            return value, "must be a non-empty list, e.g. [1, 8, 25]"
+        return value, items_problem(meta["items"], value, keys)
+    if t == "dict":
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            return value, "must be a mapping of names to values"
+        return value, mapping_problem(meta["items"], value) if "items" in meta else None
+    raise AssertionError(f"unhandled type {t} for {f.name}")  # pragma: no cover - schema bug
+
+
+def items_problem(kind: str, items: list, keys: Collection[str]) -> str | None:
+    for v in items:
+        if kind == "positive_number" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                                          or not math.isfinite(v)):
+            return f"item {v!r}: every item must be a finite number > 0"
+        if kind == "hook" and v not in COMM_HOOKS:
+            return f"item {v!r}: every item must be one of {', '.join(COMM_HOOKS)}"
+        if kind == "name" and (not isinstance(v, str) or not v):
+            return f"item {v!r}: every item must be a non-empty name"
+        if kind == "compile_mode" and v not in COMPILE_MODES:
+            return f"item {v!r}: every item must be one of {', '.join(COMPILE_MODES)}"
+        if kind == "precision" and v not in PRECISION_RUNGS:
+            return f"item {v!r}: every item must be one of {', '.join(PRECISION_RUNGS)}"
+        if kind == "key" and (not isinstance(v, str) or v not in keys):
+            if isinstance(v, str) and v in RENAMED_KEYS:
+                return f"item {v!r}: not a job key; {RENAMED_KEYS[v].removeprefix('unknown key; ')}"
+            near = difflib.get_close_matches(str(v), keys, n=1)
+            return f"item {v!r}: not a job key" + (f" (did you mean '{near[0]}'?)" if near else "")
+        if kind == "bool" and not isinstance(v, bool):
+            return f"item {v!r}: every item must be true or false"
+    if len(set(map(repr, items))) != len(items):
+        return "items must not repeat"
+    return None
+
+
+def mapping_problem(kind: str, mapping: dict) -> str | None:
+    """The entries of a mapping key (its keys are text already)."""
+    for k, v in mapping.items():
+        if kind == "tp_style":
+            if not k.strip():
+                return f"item {k!r}: every key must be a non-empty module-name pattern, e.g. 'layers.*.attn.q'"
+            if v not in TP_STYLES:
+                return f"item {k!r}: {v!r}: every value must be one of {', '.join(TP_STYLES)}"
+    return None
+
+
+def rule_problem(name: str, meta: dict, value: Any) -> str | None:
+    """The key's own rule (choices, bounds, patterns), after its type was checked; a value the key had under its
+    old meaning (``tp: 0``) is told the new key instead."""
+    if value is None:
+        return None
+    if not isinstance(value, (dict, list)) and (name, value) in OLD_MEANINGS and not isinstance(value, bool):
+        return OLD_MEANINGS[(name, value)]
+    if "choices" in meta and value not in meta["choices"]:
+        return f"must be one of {', '.join(meta['choices'])}"
+    if "min" in meta and value < meta["min"]:
+        return f"must be >= {meta['min']}"
+    if "min_exclusive" in meta and value <= meta["min_exclusive"]:
+        return f"must be > {meta['min_exclusive']}"
+    if meta.get("pattern") == "job_name" and not JOB_NAME_RE.fullmatch(value):
+        return ("must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit "
+                "(it names a folder, so no path separators)")
+    if name == "out_dir" and (not value.strip() or "\x00" in value):
+        return "must be a folder path (not empty, no NUL character)"
+    if meta.get("pattern") == "model" and not MODEL_RE.fullmatch(value):
+        return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
+    if meta.get("pattern") == "model" and value != "gpt" and (top := stdlib_factory(value)):
+        return (f"names a function of Python's standard library ({top}): it cannot return a model, and a "
+                "job file that names code runs that code; name your own model factory")
+    return None
+
+
+def stdlib_factory(spec: str) -> str | None:
+    """The top-level module of a ``module:function`` model spec when it is Python's standard library (or
+    builtins), which cannot return a model; None otherwise. A module of the user's own that shares a standard
+    library name (``code/``, ``trace.py`` in the current folder or the workbook root) is the user's."""
+    top = spec.split(":")[0].split(".")[0]
+    if top == "builtins":
+        return top
+    if top not in sys.stdlib_module_names:
+        return None
+    roots = (Path.cwd(), find_workbook_root())
+    local = any((d / f"{top}.py").is_file() or (d / top / "__init__.py").is_file() for d in roots)
+    return None if local else top
+
+
+def cross_key_problems(job: Any, bad: set[str]) -> list[JobProblem]:
+    """Checks across keys of ``job`` (a Job of the keys that were fine on their own); a check that involves a key
+    in ``bad`` (already refused) is skipped."""
+    problems: list[JobProblem] = []
+    if not bad & {"d_model", "n_heads"}:
+        if job.d_model % job.n_heads:
+            problems.append(JobProblem("n_heads", job.n_heads, f"must divide d_model ({job.d_model})"))
+    if not bad & {"nnodes", "rdzv_endpoint"}:
+        if job.nnodes > 1 and not job.rdzv_endpoint:
+            problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint,
+                                       f"must be host:port when nnodes is {job.nnodes}"))
+        if job.rdzv_endpoint and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", job.rdzv_endpoint):
+            problems.append(JobProblem("rdzv_endpoint", job.rdzv_endpoint, "must be host:port, e.g. node01:29500"))
+    if not bad & {"min_seq_len", "seq_len"} and job.min_seq_len > job.seq_len:
+        problems.append(JobProblem("min_seq_len", job.min_seq_len, f"must be <= seq_len ({job.seq_len})"))
+    if not bad & {"seq_buckets", "seq_len"} and job.seq_buckets > job.seq_len:
+        problems.append(JobProblem("seq_buckets", job.seq_buckets, f"must be <= seq_len ({job.seq_len})"))
+    if not bad & {"global_batch", "micro_batch"} and job.global_batch % job.micro_batch:
+        problems.append(JobProblem("global_batch", job.global_batch, f"must be a multiple of micro_batch "
+                                   f"({job.micro_batch})"))
+    if not bad & {"cluster_tp", "n_heads"} and job.cluster_tp and job.n_heads % job.cluster_tp:
+        problems.append(JobProblem("cluster_tp", job.cluster_tp, f"must divide n_heads ({job.n_heads})"))
+    if not bad & {"cluster_pp", "n_layers"} and job.cluster_pp and job.n_layers % job.cluster_pp:
+        problems.append(JobProblem("cluster_pp", job.cluster_pp, f"must divide n_layers ({job.n_layers})"))
+    if not bad & {"min_marginal_efficiency"} and job.min_marginal_efficiency > 1:
+        problems.append(JobProblem("min_marginal_efficiency", job.min_marginal_efficiency, "must be <= 1 (1 is "
+                                   "perfect scaling)"))
+    if not bad & {"assumed_mfu"} and job.assumed_mfu > 1:
+        problems.append(JobProblem("assumed_mfu", job.assumed_mfu, "must be <= 1 (a fraction of peak)"))
+    return problems + layout_problems(job, bad)
+
+
+def layout_problems(job: Any, bad: set[str]) -> list[JobProblem]:
+    """The job's own layout (dp_mode, fsdp_*, tp, sp, pp, pp_*, tp_plan) against its other keys, where the keys
+    alone show it; the world size and a factory model's heads and blocks are checked by
+    :func:`mfu_lab.core.layout_check.check_layout`."""
+    problems: list[JobProblem] = []
+
+    def ok(*keys: str) -> bool:
+        return not bad & set(keys)
+
+    gpt = job.model == "gpt"
+    if ok("sp", "tp") and job.sp and job.tp < 2:
+        problems.append(JobProblem("sp", job.sp, f"needs tp > 1 (tp is {job.tp}): sequence parallel splits the "
+                                   "activations over the tensor-parallel ranks"))
+    if ok("tp", "n_heads", "model") and gpt and job.n_heads % job.tp:
+        problems.append(JobProblem("tp", job.tp, f"must divide n_heads ({job.n_heads}; {job.n_heads} % {job.tp} = "
+                                   f"{job.n_heads % job.tp}): tensor parallel gives each rank whole heads"))
+    stages = job.pp * job.pp_virtual_stages
+    if ok("pp", "pp_virtual_stages", "n_layers", "model") and gpt and job.n_layers % stages:
+        problems.append(JobProblem("pp" if job.pp > 1 else "pp_virtual_stages", job.pp if job.pp > 1 else
+                                   job.pp_virtual_stages,
+                                   f"pp x pp_virtual_stages ({job.pp} x {job.pp_virtual_stages} = {stages}) must "
+                                   f"divide n_layers ({job.n_layers}): each model chunk holds whole blocks"))
+    if ok("pp", "pp_microbatches") and job.pp > 1 and job.pp_microbatches < job.pp:
+        problems.append(JobProblem("pp_microbatches", job.pp_microbatches, f"must be >= pp ({job.pp}): every "
+                                   "stage needs a micro-batch in flight (torch's Schedule1F1B refuses fewer)"))
+    if ok("pp_schedule", "pp_virtual_stages"):
+        if job.pp_schedule == "interleaved_1f1b" and job.pp_virtual_stages < 2:
+            problems.append(JobProblem("pp_virtual_stages", job.pp_virtual_stages, "must be >= 2 when pp_schedule "
+                                       "is interleaved_1f1b (each rank holds pp_virtual_stages model chunks); with "
+                                       "one chunk per rank use 1f1b"))
+        if job.pp_schedule in SINGLE_STAGE_SCHEDULES and job.pp_virtual_stages > 1:
+            problems.append(JobProblem("pp_virtual_stages", job.pp_virtual_stages, f"must be 1 when pp_schedule is "
+                                       f"{job.pp_schedule} (a single-stage schedule: one model chunk per rank); "
+                                       "interleaved_1f1b runs several chunks per rank"))
+    if ok("pp", "pp_schedule", "pp_microbatches") and job.pp > 1 and job.pp_schedule == "interleaved_1f1b" \
+            and job.pp_microbatches >= job.pp:
+        # torch 2.13, torch/distributed/pipelining/schedules.py, ScheduleInterleaved1F1B.__init__:
+        # number_of_rounds = max(1, n_microbatches // pp_group_size); n_microbatches % number_of_rounds must be 0
+        # (a multiple of pp always passes; torch relaxed the paper's n_microbatches % pp == 0 to this)
+        rounds = max(1, job.pp_microbatches // job.pp)
+        if job.pp_microbatches % rounds:
+            problems.append(JobProblem("pp_microbatches", job.pp_microbatches, f"must be a multiple of its rounds "
+                                       f"under interleaved_1f1b with pp {job.pp}: torch's ScheduleInterleaved1F1B "
+                                       f"runs max(1, pp_microbatches // pp) = {rounds} rounds and needs "
+                                       f"pp_microbatches % {rounds} == 0 (a multiple of pp always does, e.g. "
+                                       f"{job.pp_microbatches // job.pp * job.pp})"))
+    if ok("pp", "pp_microbatches", "micro_batch") and job.pp > 1 and job.micro_batch % job.pp_microbatches:
+        problems.append(JobProblem("micro_batch", job.micro_batch, f"must be a multiple of pp_microbatches "
+                                   f"({job.pp_microbatches}) when pp is {job.pp}: the pipeline splits each data-"
+                                   "parallel rank's micro_batch into pp_microbatches equal micro-batches"))
+    if ok("dp_mode") and job.dp_mode == "ddp":
+        defaults = {f.name: f.default for f in dataclasses.fields(job)}
+        for key in FSDP_KEYS:
+            if ok(key) and getattr(job, key) != defaults[key]:
+                problems.append(JobProblem(key, getattr(job, key), f"needs dp_mode: fsdp (dp_mode is ddp, which "
+                                           f"replicates the model; {key} is an FSDP2 setting; its default is "
+                                           f"{defaults[key]!r})"))
+    if ok("tp_plan", "model") and gpt and job.tp_plan:
+        problems.append(JobProblem("tp_plan", job.tp_plan, "must be {} when model is gpt: the reference GPT has its "
+                                   "built-in plan (tp_plan is for a model: package.module:function)"))
+    return problems
