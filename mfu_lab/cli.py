@@ -35,7 +35,7 @@ from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecution
 from mfu_lab.core.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, write_json_atomic
 from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
-from mfu_lab.core.job import FIELDS, Job, load_job, validate
+from mfu_lab.core.job import FIELDS, KEY_GROUPS, Job, load_job, validate
 from mfu_lab.core.nodes import merge_into
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.runstate import JobBusy
@@ -149,10 +149,12 @@ def cmd_validate(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    """Every key, its default and what it does, in columns; a default too long for its column gets a line of its
-    own and the text goes on under the column, so the columns never drift."""
+    """Every key, its default and what it does, in columns, under its group's title (KEY_GROUPS); a default too
+    long for its column gets a line of its own and the text goes on under the column, so the columns never drift."""
     job, width = Job(), 16
     for name, f in FIELDS.items():
+        if name in KEY_GROUPS:
+            print(f"{'' if name == next(iter(FIELDS)) else chr(10)}--- {KEY_GROUPS[name]} ---")
         default = repr(getattr(job, name))
         if len(default) > width:
             print(f"{name:<26} default {default}\n{'':<{26 + 9 + width}} {f.metadata['help']}")

@@ -32,6 +32,31 @@ def test_keys_lists_every_key(capsys):
     assert "micro_batch" in out and "peak_flops" in out
 
 
+def test_keys_are_listed_under_their_groups_in_declaration_order(capsys):
+    from mfu_lab.core.job import FIELDS, KEY_GROUPS
+
+    assert main(["keys"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    titles = [line.strip("- ") for line in lines if line.startswith("--- ")]
+    assert titles == list(KEY_GROUPS.values())
+    listed = [line.split()[0] for line in lines if line and not line.startswith((" ", "--- "))]
+    assert listed == list(FIELDS)  # every key once, in the order Job declares them
+    group, where = None, {}
+    for line in lines:
+        if line.startswith("--- "):
+            group = line.strip("- ")
+        elif line and not line.startswith(" "):
+            where[line.split()[0]] = (group, line)
+    layout = "layout (the job's own: FSDP, TP, SP, PP)"
+    for key in ("dp_mode", "fsdp_reshard_after_forward", "fsdp_prefetch", "fsdp_param_dtype", "fsdp_reduce_dtype",
+                "tp", "sp", "pp", "pp_schedule", "pp_microbatches", "pp_virtual_stages", "tp_plan"):
+        assert where[key][0] == layout, key
+        assert FIELDS[key].metadata["help"] in where[key][1], key
+    for key in ("cluster_tp", "cluster_pp", "cluster_interleave"):
+        assert where[key][0] == "placement (step 6)", key
+    assert "interleave" not in where
+
+
 def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     """`mfu-lab keys | head`: the reader leaves before the command writes; no traceback, no misleading advice."""
     import subprocess

@@ -150,18 +150,22 @@ class Job:
     # --- layout: how the job itself is split over its ranks (README, "Your job's layout") ---
     dp_mode: str = _key("ddp", "data parallel: ddp (replicated, today's default) | fsdp (FSDP2 fully_shard per block "
                         "and at the root)", choices=DP_MODES)
-    fsdp_reshard_after_forward: bool = _key(True, "FSDP2: free the gathered parameters after forward (gather again "
-                                            "in backward)")
-    fsdp_prefetch: int = _key(0, "FSDP2: explicit forward and backward prefetch depth in blocks (0: FSDP's implicit "
-                              "prefetch)", min=0)
-    fsdp_param_dtype: str = _key("", "FSDP2 MixedPrecisionPolicy param_dtype ('': the job's dtype)",
+    fsdp_reshard_after_forward: bool = _key(True, "FSDP2 (dp_mode: fsdp): free the gathered parameters after "
+                                            "forward (gather again in backward)")
+    fsdp_prefetch: int = _key(0, "FSDP2 (dp_mode: fsdp): explicit forward and backward prefetch depth in "
+                              "blocks (0: FSDP's implicit prefetch)", min=0)
+    fsdp_param_dtype: str = _key("", "FSDP2 (dp_mode: fsdp) MixedPrecisionPolicy param_dtype ('': the job's dtype)",
                                  choices=("", *DTYPES))
-    fsdp_reduce_dtype: str = _key("", "FSDP2 MixedPrecisionPolicy reduce_dtype ('': float32)", choices=("", *DTYPES))
-    tp: int = _key(1, "tensor-parallel degree of the job (1: none); must divide n_heads and the world", min=1)
+    fsdp_reduce_dtype: str = _key("", "FSDP2 (dp_mode: fsdp) MixedPrecisionPolicy reduce_dtype ('': float32)",
+                                  choices=("", *DTYPES))
+    tp: int = _key(1, "tensor-parallel degree of the job (1: none); must divide the heads (n_heads for gpt); tp x pp "
+                   "must divide the world (nproc_per_node x nnodes)", min=1)
     sp: bool = _key(False, "sequence parallel on top of tensor parallel (needs tp > 1)")
-    pp: int = _key(1, "pipeline stages of the job (1: none); pp x pp_virtual_stages must divide n_layers", min=1)
+    pp: int = _key(1, "pipeline stages of the job (1: none); pp x pp_virtual_stages must divide the blocks (n_layers "
+                   "for gpt)", min=1)
     pp_schedule: str = _key("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES), choices=PP_SCHEDULES)
-    pp_microbatches: int = _key(4, "micro-batches micro_batch is split into under pp > 1 (at least pp)", min=1)
+    pp_microbatches: int = _key(4, "micro-batches each rank's micro_batch is split into under pp > 1 (at least pp; "
+                                "must divide micro_batch)", min=1)
     pp_virtual_stages: int = _key(1, "model chunks per pipeline rank (interleaved_1f1b needs 2 or more)", min=1)
     tp_plan: dict = _key({}, "tensor-parallel plan of a user's model: module-name pattern -> colwise | rowwise | "
                          "sequence ({}: the built-in plan of the reference GPT or a Llama-style model)",
