@@ -138,14 +138,38 @@ def cmd_validate(args) -> int:
 
         check_folder(job.monitor_path())
         mon = f"; monitor folder {job.monitor_path()}: {len(rank_files(job.monitor_path()))} rank file(s)"
-    print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable{mon})")
+    layout = layout_here(job, f"{args.job} and the command line (-p KEY=VALUE)" if args.param else str(args.job))
+    print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable{mon}"
+          f"{layout})")
     if not job.uses_reference_model:
         module, func = job.model.split(":")
+        heads = (" Its heads and blocks, which tp and pp must divide, are read from it on the meta device "
+                 "(mfu_lab.core.layout_check) before a layout runs." if job.tp > 1 or job.pp > 1 else "")
         print(f"note: this job names code. Every step will import the module '{module}' (from the workbook root, "
               f"the current folder or the installed packages) and call {func}(**model_kwargs): a job file that "
-              "names code runs that code, so run only job files you trust. validate did not import it.")
+              f"names code runs that code, so run only job files you trust. validate did not import it.{heads}")
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
     return EXIT_OK
+
+
+def layout_here(job: Job, source: str) -> str:
+    """The job's layout against the world it gets on this machine (workers.launch.world_layout), as "; layout ..."
+    for validate's line, or JobError naming ``source``; '' for plain DDP. The reference GPT's heads and blocks are
+    checked too; a factory model is not imported (validate runs no code a job file names)."""
+    if job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1:
+        return ""
+    import torch
+
+    from mfu_lab.core.layout_check import check_layout, dp_degree
+    from mfu_lab.workers.launch import world_layout
+
+    device_type = "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
+    nnodes, nproc = world_layout(job, device_type)
+    if job.uses_reference_model:
+        check_layout(job, nnodes * nproc, device_type, source)
+    dp = dp_degree(job, nnodes * nproc, device_type, source)
+    return (f"; layout over {nnodes * nproc} {device_type.upper()} ranks: {job.dp_mode} {dp} x tp {job.tp}"
+            f"{' + sp' if job.sp else ''} x pp {job.pp}")
 
 
 def cmd_keys(args) -> int:

@@ -18,6 +18,22 @@ def test_validate_prints_the_resolved_job(capsys):
     assert "micro_batch: 2" in capsys.readouterr().out
 
 
+def test_validate_checks_the_layout_against_this_machines_world(capsys):
+    """On a CPU, nproc_per_node 0 is 2 ranks: tp 2 fits, tp 2 x pp 2 does not (tiny.yaml: 2 heads, 2 layers)."""
+    assert main(["validate", str(TINY), "-p", "tp=2", "-p", "sp=true"]) == 0
+    assert "layout over 2 CPU ranks: ddp 1 x tp 2 + sp x pp 1" in capsys.readouterr().out
+    assert main(["validate", str(TINY), "-p", "dp_mode=fsdp"]) == 0
+    assert "layout over 2 CPU ranks: fsdp 2 x tp 1 x pp 1" in capsys.readouterr().out
+    assert main(["validate", str(TINY), "-p", "tp=2", "-p", "pp=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{TINY} and the command line (-p KEY=VALUE)" in err
+    assert "key 'tp' = 2: tp x pp (2 x 2 = 4) must divide the world of 2 ranks (nproc_per_node 0: 2 on CPU" in err
+    assert main(["validate", str(TINY), "-p", "tp=2", "-p", "pp=2", "-p", "nproc_per_node=4"]) == 0
+    assert "layout over 4 CPU ranks: ddp 1 x tp 2 x pp 2" in capsys.readouterr().out
+    assert main(["validate", str(TINY)]) == 0
+    assert "layout" not in capsys.readouterr().out.splitlines()[0]  # plain DDP: today's line
+
+
 def test_bad_command_line_values_exit_2(capsys):
     assert main(["run", str(TINY), "--steps", "baseline,nosuch"]) == 2
     assert "nosuch" in capsys.readouterr().err
