@@ -59,10 +59,19 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def _pg(pg):
+    """The ProcessGroup behind a c10d op's argument (a TorchScript object at the dispatcher), or None."""
+    try:
+        from torch.distributed import ProcessGroup
+        return ProcessGroup.unbox(pg) if isinstance(pg, torch.ScriptObject) else pg
+    except Exception:  # no distributed build, or an object that is not a process group
+        return None
+
+
 def _pg_size(pg) -> int:
     try:
-        return int(pg.size())
-    except Exception:  # a ScriptObject without size(): unknown
+        return int(_pg(pg).size())
+    except Exception:  # unknown
         return 0
 
 
@@ -75,7 +84,10 @@ def _named_size(name) -> int:
 
 
 def _pg_name(pg) -> str:
-    return str(getattr(pg, "group_name", "") or "")
+    try:
+        return str(_pg(pg).group_name)
+    except Exception:
+        return ""
 
 
 # op name -> (kind, bytes(args), group size(args), group name(args)); every schema is in the op's docstring:
