@@ -112,37 +112,74 @@ class Layout:
     dp: int
     m: int  # micro-batches per pipeline per optimizer step (gradient accumulation)
     v: int = 1  # interleaved chunks per pipeline stage
+    fsdp: bool = False  # FSDP2 (ZeRO-3) over the dp ranks instead of DDP: weights, gradients, Adam's state sharded
+    gpipe: bool = False  # GPipe keeps all m micro-batches' activations in flight; 1F1B (the default) min(p, m)
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
     def label(self) -> str:
-        return f"TP{self.tp} PP{self.pp}{f'x{self.v}' if self.v > 1 else ''} DP{self.dp} m{self.m}"
+        return (f"TP{self.tp} PP{self.pp}{f'x{self.v}' if self.v > 1 else ''} {'FSDP' if self.fsdp else 'DP'}{self.dp}"
+                f" m{self.m}")
+
+
+def state_bytes(s: Shape, lay: Layout) -> dict[str, float]:
+    """Per-GPU parameter, gradient and optimizer-state bytes, and DDP's bucket copy of the gradients.
+
+    16 B/param with AdamW: float32 weights (4) + gradients (4) + Adam's two moments (8), each GPU holding
+    1/(t*p) of the parameters; FSDP (ZeRO-3, Rajbhandari et al. 2020, section 5) shards all three over the dp
+    ranks too: 16/(t*p*d) B/param (FSDPMemTracker's shard bytes on CPU, FIELD-NOTES). DDP keeps a second copy of
+    the gradients in its buckets (+grad_bytes per param) unless ``gradient_as_bucket_view``; FSDP has none.
+    FSDP's transient unsharded block (the gathered parameters and gradients of the blocks in flight) is not
+    counted.
+    """
+    shard = s.params / (lay.tp * lay.pp) / (lay.dp if lay.fsdp else 1)
+    buckets = 0.0 if lay.fsdp or s.grad_as_bucket_view else s.grad_bytes * shard
+    return {"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard, "ddp_buckets": buckets}
+
+
+def activation_bytes_per_layer(s: Shape, tp: int) -> float:
+    """Activation bytes one layer saves for backward per micro-batch (Korthikanti et al. 2022, section 4).
+
+    In 16-bit units, tensor parallel without sequence parallel: s*b*h*(10 + 24/t) with dropout, of which 2*s*b*h
+    are the two dropout masks, so s*b*h*(8 + 24/t) without (within 1% at t = 1 and 2, FIELD-NOTES); an unfused
+    score matrix adds 5*a*s^2*b/t with dropout (softmax output, its mask and the masked output) and 2*a*s^2*b/t
+    without (the softmax output). With sequence parallel every term divides by t, s*b*h*(8 + 24)/t, plus the
+    all-gathered attention input that DTensor keeps whole for q, k and v's backward, s*b*h*bytes (FIELD-NOTES:
+    36.25 s*b*h measured against Korthikanti's 32 at t = 2 in float32).
+    """
+    sbh = s.seq_len * s.micro_batch * s.d_model
+    mask = 2 if s.dropout else 0
+    if s.sequence_parallel:
+        per_layer = sbh * (8 + mask + 24) / tp * s.act_bytes / 2 + sbh * s.act_bytes
+    else:
+        per_layer = sbh * (8 + mask + 24 / tp) * s.act_bytes / 2
+    if s.unfused_attention:
+        per_layer += ((5 if s.dropout else 2) * s.n_heads * s.seq_len ** 2 * s.micro_batch / tp
+                      * s.act_bytes / 2)
+    return per_layer
+
+
+def activation_bytes(s: Shape, lay: Layout) -> float:
+    """The first pipeline stage's activations in flight, per GPU.
+
+    With checkpointing each layer keeps its input at the residual stream's dtype (1/t of it under sequence
+    parallel) and one layer is live at a time. 1F1B keeps min(p, m) micro-batches in flight on stage one, GPipe
+    all m (Narayanan et al. 2021, section 2.2).
+    """
+    sbh = s.seq_len * s.micro_batch * s.d_model
+    per_layer = activation_bytes_per_layer(s, lay.tp)
+    layers = s.n_layers / lay.pp
+    kept = s.residual_bytes * sbh / (lay.tp if s.sequence_parallel else 1)
+    acts = (layers * kept + per_layer) if s.checkpointing else layers * per_layer
+    return acts * (lay.m if lay.gpipe else min(lay.pp, lay.m))
 
 
 def memory_bytes(s: Shape, lay: Layout) -> float:
-    """Per-GPU memory: 16 bytes per parameter shard (20 with DDP's bucket copy) plus the first pipeline stage's
-    activations in flight.
-
-    16 B/param: float32 weights (4) + gradients (4) + Adam's two moments (8), no ZeRO sharding; DDP keeps a second
-    copy of the gradients in its buckets (+4 B/param) unless ``gradient_as_bucket_view``.
-    Activations per layer per micro-batch, in 16-bit units (Korthikanti et al. 2022, section 4, tensor parallel
-    without sequence parallel): s*b*h*(10 + 24/t) with dropout, of which 2*s*b*h are the two dropout masks, so
-    s*b*h*(8 + 24/t) without; an unfused score matrix adds 5*a*s^2*b/t with dropout (softmax output, its mask and
-    the masked output) and 2*a*s^2*b/t without (the softmax output). With checkpointing each layer keeps its
-    input at the residual stream's dtype and one layer is live at a time. 1F1B keeps min(p, m) micro-batches in
-    flight on stage one.
-    """
-    sbh = s.seq_len * s.micro_batch * s.d_model
-    per_layer = sbh * ((10 if s.dropout else 8) + 24 / lay.tp) * s.act_bytes / 2
-    if s.unfused_attention:
-        per_layer += ((5 if s.dropout else 2) * s.n_heads * s.seq_len ** 2 * s.micro_batch / lay.tp
-                      * s.act_bytes / 2)
-    layers = s.n_layers / lay.pp
-    acts = (layers * s.residual_bytes * sbh + per_layer) if s.checkpointing else layers * per_layer
-    per_param = 16 + (0 if s.grad_as_bucket_view else s.grad_bytes)
-    return per_param * s.params / (lay.tp * lay.pp) + acts * min(lay.pp, lay.m)
+    """Per-GPU memory: the parameters', gradients' and optimizer's shards (:func:`state_bytes`) plus the first
+    pipeline stage's activations in flight (:func:`activation_bytes`)."""
+    return sum(state_bytes(s, lay).values()) + activation_bytes(s, lay)
 
 
 def enumerate_layouts(s: Shape, gpus: int, global_batch: int, tp: int = 0, pp: int = 0, v: int = 1,
