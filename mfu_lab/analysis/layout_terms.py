@@ -133,7 +133,7 @@ def _placement_layout(layout) -> tuple[pl.Layout, bool]:
     dp = int(getattr(layout, "dp", 0) or getattr(layout, "world", tp * pp) // (tp * pp))
     m = int(getattr(layout, "pp_microbatches", 1)) if pp > 1 else 1
     lay = pl.Layout(tp, pp, dp, m, int(getattr(layout, "pp_virtual_stages", 1)) if pp > 1 else 1,
-                    fsdp=getattr(layout, "dp_mode", "ddp") == "fsdp" and dp > 1,
+                    fsdp=getattr(layout, "dp_mode", "ddp") == "fsdp",  # no DDP bucket copy, even at dp 1
                     gpipe=pp > 1 and getattr(layout, "pp_schedule", "1f1b") == "gpipe")
     return lay, bool(getattr(layout, "sp", False)) and tp > 1
 
