@@ -210,3 +210,111 @@ def test_an_older_result_without_the_precision_ladder_still_loads(broken):
     from mfu_lab.report.tables_fp8 import fp8_section, precision_table
 
     assert "Precision ladder" not in str(fp8_section(d)) and "No precision ladder" in str(precision_table(old))
+
+
+# ------------------------------------------------------------------ the matmul probe rules rungs out before timing
+def test_the_probe_rule_takes_the_probes_own_noise():
+    ref = pr.probe_summary([100e9, 98e9, 103e9, 101e9, 99e9])
+    assert pr.cannot_be_faster(pr.probe_summary([1.0e9, 1.1e9, 0.9e9, 1.0e9, 1.05e9]), ref)
+    assert not pr.cannot_be_faster(pr.probe_summary([97e9, 99e9, 100e9, 96e9, 98e9]), ref)  # overlaps: may win
+    assert not pr.cannot_be_faster(pr.probe_summary([200e9] * 5), ref)
+    assert not pr.cannot_be_faster({}, ref) and not pr.cannot_be_faster(ref, {})  # no probe: nothing ruled out
+    assert ref["label"] == "measured" and ref["p10"] < ref["flops_per_s"] < ref["p90"]
+    with pytest.raises(ValueError):
+        pr.probe_summary([])
+
+
+def fake_probe(monkeypatch, rates):
+    """Replace the matmul probe (never the machine's own bf16 speed): each rung's rate in GFLOP/s, +-1% in turn."""
+    wobble = {}
+
+    def probe(rung, device):
+        wobble[rung.name] = wobble.get(rung.name, -1) + 1
+        return rates[rung.name] * 1e9 * (1 + 0.01 * (wobble[rung.name] % 3 - 1))
+
+    monkeypatch.setattr(pl, "probe", probe)
+
+
+def spy_ladder(monkeypatch, tmp_path, rates, **changes):
+    """Step 5's ladder (through fp8._precision) on the tiny job with the probe faked; which dtypes were built
+    (training and timing both build a model), and which rungs were timed."""
+    from types import SimpleNamespace
+
+    from mfu_lab.core.workload import build_loader
+
+    fake_probe(monkeypatch, rates)
+    built, timed = [], []
+    real_build, real_init = pl.build_model, pl._Runner.__init__
+    monkeypatch.setattr(pl, "build_model", lambda j: built.append(j.dtype) or real_build(j))
+
+    def init(self, job, rung, *a, **k):
+        timed.append(rung.name)
+        real_init(self, job, rung, *a, **k)
+
+    monkeypatch.setattr(pl._Runner, "__init__", init)
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), fp8_steps=4, precision_rounds=2,
+                              precision_rungs=["bfloat16", "float16"], **changes)
+    device = dev.resolve_device("cpu")
+    skipped = []
+    out = fp8._precision(job, list(build_loader(job, job.fp8_steps, "cpu")), device, lambda m: None, skipped)
+    by = {g["name"]: g for g in out["rungs"]}
+    return job, out, by, built, timed, skipped, SimpleNamespace(precision=out, job=job.to_dict())
+
+
+def test_a_rung_whose_probe_cannot_reach_float32s_is_neither_trained_nor_timed(monkeypatch, tmp_path):
+    job, out, by, built, timed, skipped, result = spy_ladder(
+        monkeypatch, tmp_path, {"float32": 100.0, "bfloat16": 1.0, "float16": 150.0})
+    bf = by["bfloat16"]
+    assert bf["status"] == pr.CANNOT_BE_FASTER == "cannot be faster here"
+    assert "bfloat16" not in built and "bfloat16" not in timed  # no model built: neither trained nor timed
+    assert bf["step_median_s"] is None and bf["loss"] == [] and bf["speedup"] is None
+    assert all(n != "bfloat16" for _, n in out["order"])
+    p = bf["probe"]  # both rates, measured
+    assert p["label"] == "measured" and p["cannot_be_faster"] is True
+    assert p["flops_per_s"] == pytest.approx(1e9, rel=0.02)
+    assert p["float32_flops_per_s"] == pytest.approx(1e11, rel=0.02)
+    assert p["p10"] <= p["flops_per_s"] <= p["p90"] < p["float32_p10"] <= p["float32_p90"]
+    assert by["float32"]["probe"]["flops_per_s"] == p["float32_flops_per_s"]
+    assert "1 GFLOP/s" in bf["reason"] and "float32's 100 GFLOP/s" in bf["reason"] and "--thorough" in bf["reason"]
+    assert any(s["what"] == "precision bfloat16" and s["reason"].startswith("cannot be faster here: its matmul")
+               for s in skipped)
+    # the faster rung is still timed beside float32, and the choice says why bf16 was not
+    assert by["float16"]["status"] != pr.CANNOT_BE_FASTER and "float16" in timed
+    assert [n for _, n in out["order"]] == ["float32", "float16"] * job.precision_rounds
+    assert by["float16"]["step_median_s"] > 0 and by["float16"]["probe"]["flops_per_s"] > 1e11
+    text = out["choice"]["text"]
+    assert "bfloat16 cannot be faster here (its matmul probe reached 1 GFLOP/s" in text
+    assert "ruled out before any training by 5 matmul probes" in text
+    from mfu_lab import plots
+    from mfu_lab.report.tables_fp8 import precision_table
+
+    html = str(precision_table(result))
+    assert "cannot be faster here" in html and "1 GFLOP/s" in html and "float32 100" in html
+    plots.precision(result)
+
+
+def test_thorough_still_times_a_rung_the_probe_rules_out(monkeypatch, tmp_path):
+    job, out, by, built, timed, skipped, _ = spy_ladder(
+        monkeypatch, tmp_path, {"float32": 100.0, "bfloat16": 1.0, "float16": 1.0}, thorough=True)
+    for name in ("bfloat16", "float16"):
+        g = by[name]
+        assert name in timed and g["status"] != pr.CANNOT_BE_FASTER and g["step_median_s"] > 0
+        assert len(g["loss"]) == job.fp8_steps  # trained too
+        assert g["probe"]["cannot_be_faster"] and "timed anyway because --thorough" in g["reason"]
+    assert [n for _, n in out["order"]] == ["float32", "bfloat16", "float16"] * job.precision_rounds
+
+
+def test_every_rung_ruled_out_leaves_float32s_loss_curve_untimed(monkeypatch, tmp_path):
+    job, out, by, built, timed, skipped, result = spy_ladder(
+        monkeypatch, tmp_path, {"float32": 100.0, "bfloat16": 1.0, "float16": 2.0})
+    assert timed == [] and out["order"] == [] and set(built) == {"float32"}
+    assert {by[n]["status"] for n in ("bfloat16", "float16")} == {pr.CANNOT_BE_FASTER}
+    assert len(by["float32"]["loss"]) == job.fp8_steps  # the FP8 part reuses it as its reference
+    assert "not timed" in by["float32"]["reason"] and not out["choice"]["adopted"]
+
+
+def test_a_rung_within_float32s_probe_noise_is_timed(monkeypatch, tmp_path):
+    _, out, by, built, timed, _, _ = spy_ladder(
+        monkeypatch, tmp_path, {"float32": 100.0, "bfloat16": 99.5, "float16": 100.5})
+    assert timed == ["float32", "bfloat16", "float16"]
+    assert not any(g["probe"].get("cannot_be_faster") for g in out["rungs"] if g["probe"])

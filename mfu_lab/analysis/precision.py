@@ -5,12 +5,21 @@ interleaved rounds, has a 95% interval entirely above 1.0 (proven faster, not ju
 and its loss curve from the same seed and batches stayed within the job's ``loss_tolerance`` of float32's
 without the divergence watch stopping it. Among the rungs that pass both, the fastest (highest median
 speedup) is adopted; when none passes, the job keeps its own precision.
+
+Before any of that, a rung must be able to win at all: a few short matmul probes of each precision
+(:func:`mfu_lab.core.device.measure_matmul_peak`, well under a second in all) measure its matmul rate beside
+float32's. A rung whose probes cannot reach float32's within the probes' own noise (its p90 below float32's
+p10, :func:`cannot_be_faster`) is recorded as "cannot be faster here" with both rates and is neither trained
+nor timed (``--thorough`` still times it): bf16 and fp16 on a CPU without native units run in software, 15x
+slower and more, and timing them took tens of minutes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from mfu_lab.core.measure import percentile
 
 CPUINFO = Path("/proc/cpuinfo")
 # CPU flags of native bf16 arithmetic: x86 AVX-512 BF16 and AMX BF16 (Linux /proc/cpuinfo "flags"), and the
@@ -21,7 +30,40 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 REFERENCE, ADOPTED, OK = "reference", "adopted", "ok"
 NOT_FASTER, SLOWER, OFF, DIVERGED = "not faster", "slower", "off", "diverged"
 SKIPPED, FAILED = "skipped", "failed"
-UNJUDGED = (REFERENCE, SKIPPED, FAILED)  # statuses the rule leaves as they are
+CANNOT_BE_FASTER = "cannot be faster here"  # its matmul probe cannot reach float32's: not trained or timed
+UNJUDGED = (REFERENCE, SKIPPED, FAILED, CANNOT_BE_FASTER)  # statuses the rule leaves as they are
+
+PROBES = 5  # short matmul probes per precision, interleaved; their own p10-p90 is the noise
+
+
+def probe_summary(rates: list[float]) -> dict:
+    """One precision's matmul probes (FLOP/s, measured): median and p10-p90 over the probes."""
+    if not rates:
+        raise ValueError("no probe rates to summarise")
+    return {"flops_per_s": percentile(rates, 50), "p10": percentile(rates, 10), "p90": percentile(rates, 90),
+            "rates": list(rates), "label": "measured"}
+
+
+def cannot_be_faster(rung: dict, reference: dict) -> bool:
+    """True when a rung's matmul probes cannot reach float32's within the probes' noise: even its fast end (p90)
+    is below float32's slow end (p10). Overlapping probes, or missing ones, rule nothing out."""
+    try:
+        return float(rung["p90"]) < float(reference["p10"])
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def gflops(summary: dict) -> str:
+    """'1.0 GFLOP/s (p10-p90 0.9-1.1)' of a probe summary."""
+    return (f"{summary['flops_per_s'] / 1e9:.3g} GFLOP/s (p10-p90 {summary['p10'] / 1e9:.3g}-"
+            f"{summary['p90'] / 1e9:.3g})")
+
+
+def probe_reason(rung: dict, reference: dict, thorough: bool = False) -> str:
+    """Why a rung cannot be faster here, with both rates (one clause: no ';', which the choice splits on)."""
+    then = "timed anyway because --thorough" if thorough else "not trained or timed (--thorough times it)"
+    return (f"its matmul probe reached {gflops(rung)} against float32's {gflops(reference)}, measured, below "
+            f"float32's within the probes' noise: {then}")
 
 
 def native_bf16(text: str | None = None) -> dict:

@@ -66,7 +66,7 @@ def fp8_losses(result) -> ReportFigure:
 
 STATUS_COLORS = {"reference": "#495057", "adopted": "#2f9e44", "ok": "#74b816", "not faster": "#868e96",
                  "slower": "#e8912d", "off": "#c92a2a", "diverged": "#c92a2a", "skipped": "#dee2e6",
-                 "failed": "#dee2e6"}
+                 "failed": "#dee2e6", "cannot be faster here": "#dee2e6"}
 RUNG_COLORS = {"tf32": "#e8912d", "bfloat16": "#3b6fb6", "float16": "#7048e8"}
 
 
@@ -82,7 +82,12 @@ def precision(result) -> ReportFigure:
         color = STATUS_COLORS.get(r["status"], "#868e96")
         if r.get("step_median_s") is None:
             ax.bar(i, top * 0.05, color="none", edgecolor="#868e96", hatch="//")
-            ax.text(i, top * 0.07, r["status"], ha="center", va="bottom", fontsize=8)
+            pb = r.get("probe") or {}
+            note = r["status"].replace("cannot be faster here", "cannot be\nfaster here")
+            if pb.get("cannot_be_faster"):  # both probe rates: why it was not timed
+                note += (f"\nmatmul {pb['flops_per_s'] / 1e9:.3g}\nvs float32 "
+                         f"{pb['float32_flops_per_s'] / 1e9:.3g}\nGFLOP/s")
+            ax.text(i, top * 0.07, note, ha="center", va="bottom", fontsize=7 if "\n" in note else 8)
             continue
         med, lo, hi = (r[k] * 1e3 for k in ("step_median_s", "step_p10_s", "step_p90_s"))
         ax.bar(i, med, color=color, yerr=[[med - lo], [hi - med]], capsize=4)

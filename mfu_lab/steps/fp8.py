@@ -6,7 +6,10 @@ precision, the reference) -> TF32 matmuls (GPUs of capability 8.0 and up; skippe
 interleaved rounds (speedup with a 95% bootstrap interval) and trains from the same seed on the same batches
 under the divergence watch; the fastest rung proven faster whose loss stays within ``loss_tolerance`` is
 adopted (:func:`mfu_lab.analysis.precision.judge`), else the job keeps its precision. On a CPU the step
-records whether it has native bf16 (``/proc/cpuinfo`` flags): without it, bf16 autocast runs in software.
+records whether it has native bf16 (``/proc/cpuinfo`` flags): without it, bf16 autocast runs in software. Before
+any rung is built, a few short matmul probes (under a second) measure each rung's rate beside float32's; a rung
+that cannot reach float32's within the probes' noise is recorded as "cannot be faster here" with both rates and
+is neither trained nor timed (``thorough`` still times it).
 
 Then FP8 layer groups: (1) it records every linear layer's input and output gradient on real batches and
 measures each layer group's FP8 error against float32 (signal-to-noise in dB, underflow and saturation)
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from mfu_lab.analysis import fp8_numerics as f8
+from mfu_lab.analysis import precision as pr
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
@@ -45,7 +49,7 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
-from mfu_lab.steps.precision_ladder import ladder, train_trial
+from mfu_lab.steps.precision_ladder import NOT_RUN, ladder, train_trial
 
 INFO = BY_KEY["fp8"]
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
@@ -194,8 +198,9 @@ def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: li
                           f"{job.matmul_precision}): the precision ladder failed ({why})", "speedup": None,
                           "speedup_low": None, "speedup_high": None, "final_gap": None, "label": "measured"}}
     for r in out["rungs"]:
-        if r["status"] in ("skipped", "failed"):
-            skipped.append({"what": f"precision {r['name']}", "reason": r["reason"]})
+        if r["status"] in NOT_RUN:  # cannot run here, failed, or its matmul probe cannot reach float32's
+            skipped.append({"what": f"precision {r['name']}", "reason": f"{r['status']}: {r['reason']}"
+                            if r["status"] == pr.CANNOT_BE_FASTER else r["reason"]})
     return out
 
 
@@ -204,9 +209,12 @@ def advise(r: Fp8Result) -> list[Advice]:
     pc = r.precision.get("choice")
     if pc:
         change = pc["adopted"] and (pc["dtype"], pc["matmul_precision"]) != (r.job["dtype"], r.job["matmul_precision"])
+        ruled = [g["name"] for g in r.precision.get("rungs", []) if g.get("status") == pr.CANNOT_BE_FASTER]
         out.append(Advice("act" if change else "info", pc["text"], "step times of each precision in interleaved "
                           "rounds against float32 (speedup with a 95% bootstrap interval, measured) and loss curves "
-                          "from the same seed and batches under the divergence watch"))
+                          "from the same seed and batches under the divergence watch" + (
+                              f"; {', '.join(ruled)}: matmul probes beside float32's (measured), not timed"
+                              if ruled else "")))
     out += [Advice("act" if r.choice.get("groups") else "info", r.choice["text"],
                    "loss curves from the same seed and batches, under the divergence watch")]
     sens = r.sensitivity.get(r.job["fp8_recipe"] if r.job["fp8_recipe"] != "rowwise_with_gw_hp" else "rowwise", [])

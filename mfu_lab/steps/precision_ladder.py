@@ -6,7 +6,10 @@ speedup carries a bootstrap interval; its loss curve over ``fp8_steps`` steps ru
 divergence watch as the FP8 trials, against float32's curve. :func:`mfu_lab.analysis.precision.judge`
 adopts the fastest rung that is proven faster and kept the loss; otherwise the job keeps its precision.
 A rung that cannot run here is skipped with its reason, and one that raises is recorded as failed while the
-others go on.
+others go on. Before anything is built, every rung's matmul rate is probed beside float32's (:func:`probe`); a
+rung that cannot reach float32's within the probes' noise is recorded as "cannot be faster here" with both
+rates and is neither trained nor timed (:func:`mfu_lab.analysis.precision.cannot_be_faster`), unless the job is
+``thorough``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ SETTINGS = {"float32": ("float32", "highest"), "tf32": ("float32", "high"),
             "bfloat16": ("bfloat16", "highest"), "float16": ("float16", "highest")}
 WORDS = {"float32": "float32", "tf32": "TF32 matmuls", "bfloat16": "bfloat16 autocast",
          "float16": "float16 autocast with a loss scaler"}
+PROBE_N = {"cpu": 256, "cuda": 2048}  # square matmul size of the probes: big enough to be compute-bound
+PROBE_S = 0.02  # seconds each probe times (after its warm-up call): PROBES x rungs probes stay well under 1 s
+NOT_RUN = (pr.SKIPPED, pr.FAILED, pr.CANNOT_BE_FASTER)  # statuses of a rung that is not (or no longer) trained
 NO_NATIVE_BF16 = ("this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag in /proc/cpuinfo), so bf16 autocast "
                   "is emulated in software and much slower, and it is not adopted")
 
@@ -60,6 +66,7 @@ class Rung:
     grad_norm: list[float] = field(default_factory=list)  # per step of the loss curve (the divergence watch's)
     loss_s: float | None = None  # seconds the loss curve took to train
     loss_skipped: str = ""  # why no loss curve was trained (racing: not proven faster, so never adoptable)
+    probe: dict = field(default_factory=dict)  # its matmul probes (measured), float32's beside a ruled-out rung's
 
     def fail(self, what: str, err: BaseException) -> None:
         if self.status != pr.FAILED:
@@ -91,6 +98,50 @@ def unavailable(rung: Rung, device: dev.DeviceInfo) -> str:
     if cap < TF32_CAPABILITY and not torch.version.hip:
         return f"CUDA capability {cap[0]}.{cap[1]} has no TF32 tensor cores (8.0 and up do)"
     return ""
+
+
+def probe(rung: Rung, device: dev.DeviceInfo) -> float:
+    """One short probe of the rung's matmul rate (FLOP/s, measured): the CPU peak's own measurement
+    (:func:`mfu_lab.core.device.measure_matmul_peak`) at one size and a ~20 ms budget, in the rung's dtype (what
+    autocast casts a linear layer's inputs to) and float32 matmul precision."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(rung.matmul_precision)
+    try:
+        return dev.measure_matmul_peak(getattr(torch, rung.dtype), device.type, sizes=(PROBE_N.get(device.type, 256),),
+                                       budget_s=PROBE_S)[0]
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _probe_all(job: Job, rungs: list[Rung], device: dev.DeviceInfo, say) -> None:
+    """Probe every runnable rung, interleaved (each once per round, ``PROBES`` rounds); rule out, before they are
+    built, the rungs whose rate cannot reach float32's within the probes' noise (``thorough``: only say so)."""
+    live = [r for r in rungs if r.status not in NOT_RUN]
+    rates: dict[str, list[float]] = {r.name: [] for r in live}
+    t0 = time.perf_counter()
+    try:
+        for _ in range(pr.PROBES):
+            for r in live:
+                rates[r.name].append(probe(r, device))
+    except Exception as err:  # noqa: BLE001 - without probes every rung is timed, as before
+        say(f"matmul probes failed ({type(err).__name__}: {err}): every rung is timed")
+        return
+    n = PROBE_N.get(device.type, 256)
+    how = (f"{pr.PROBES} interleaved probes of square {n} x {n} matmuls, each the best over {PROBE_S * 1e3:.0f} ms "
+           "(core.device.measure_matmul_peak, the CPU peak's measurement)")
+    for r in live:
+        r.probe = pr.probe_summary(rates[r.name]) | {"how": how}
+    ref = rungs[0].probe
+    say(f"matmul probes ({time.perf_counter() - t0:.2f} s): " + ", ".join(
+        f"{r.name} {pr.gflops(r.probe)}" for r in live))
+    for r in live:
+        if r is rungs[0] or not pr.cannot_be_faster(r.probe, ref):
+            continue
+        r.probe |= {"cannot_be_faster": True, "float32_flops_per_s": ref["flops_per_s"], "float32_p10": ref["p10"],
+                    "float32_p90": ref["p90"], "reason": pr.probe_reason(r.probe, ref, job.thorough)}
+        if not job.thorough:
+            r.status, r.reason = pr.CANNOT_BE_FASTER, r.probe["reason"]
+        say(f"  {r.name}: {pr.CANNOT_BE_FASTER}: {r.probe['reason']}")
 
 
 def as_job(job: Job, rung: Rung) -> Job:
@@ -127,7 +178,7 @@ def _loss_check(job: Job, rungs: list[Rung], batches, device: torch.device, say)
     """Each runnable rung's loss curve under the divergence watch, against float32's; final-window gap."""
     reference: list[float] | None = None
     for r in rungs:
-        if r.status in (pr.SKIPPED, pr.FAILED):
+        if r.status in NOT_RUN:
             continue
         if r.name != REFERENCE and reference is None:
             r.status, r.reason = pr.FAILED, "no float32 loss curve to compare with"
@@ -182,7 +233,7 @@ def _speed(job: Job, rungs: list[Rung], batches, device: torch.device, say) -> l
     """Interleaved timing of every runnable rung; fills step times and speedups; returns the order run."""
     runners: dict[str, _Runner] = {}
     for r in rungs:
-        if r.status in (pr.SKIPPED, pr.FAILED):
+        if r.status in NOT_RUN:
             continue
         try:
             runners[r.name] = _Runner(job, r, batches, device, say)
@@ -223,15 +274,20 @@ def ladder(job: Job, batches: list, device: dev.DeviceInfo, say) -> dict[str, An
         return {"rungs": [dataclasses.asdict(rungs[0])], "order": [], "native_bf16": native,
                 "choice": choose(job, rungs, None)}
     try:
+        _probe_all(job, rungs, device, say)
+        timed = any(r.status not in NOT_RUN for r in rungs[1:])
+        if not timed:  # nothing left to race float32 against: its loss curve only (the FP8 reference reuses it)
+            rungs[0].reason = "not timed: no other precision can be faster here or run here"
         if job.thorough:
             say(f"precision ladder: loss curves over {job.fp8_steps} steps, same seed and batches")
             _loss_check(job, rungs, batches[:job.fp8_steps], torch_device, say)
-            order = _speed(job, rungs, batches, torch_device, say)
+            order = _speed(job, rungs, batches, torch_device, say) if timed else []
         else:  # race: time first; only a rung proven faster can be adopted, so only those need a loss curve
-            order = _speed(job, rungs, batches, torch_device, say)
-            check = [r for r in rungs if r is rungs[0] or r.speedup_low is None or r.speedup_low > 1.0]
+            order = _speed(job, rungs, batches, torch_device, say) if timed else []
+            check = [r for r in rungs if r is rungs[0] or r.status not in NOT_RUN and (
+                r.speedup_low is None or r.speedup_low > 1.0)]
             for r in rungs:
-                if r not in check and r.status not in (pr.SKIPPED, pr.FAILED):
+                if r not in check and r.status not in NOT_RUN:
                     r.loss_skipped = ("loss curve not trained: not proven faster than float32, so it cannot be "
                                       "adopted (--thorough trains it)")
             say(f"precision ladder: loss curves over {job.fp8_steps} steps for {', '.join(r.name for r in check)}")
@@ -256,9 +312,11 @@ def settle(job: Job, rungs: list[Rung], native: dict | None) -> str | None:
     for r, (status, reason) in zip(rungs, verdicts):
         if r.status not in pr.UNJUDGED:
             r.status, r.reason = status, reason
-        slow = status == pr.SLOWER or (status == pr.NOT_FASTER and (r.speedup or 1.0) < 1.0)
+        slow = status in (pr.SLOWER, pr.CANNOT_BE_FASTER) or (status == pr.NOT_FASTER and (r.speedup or 1.0) < 1.0)
         if r.dtype == "bfloat16" and slow and native and native["native"] is False:
             r.reason += f"; {NO_NATIVE_BF16}"
+        if r.probe.get("cannot_be_faster") and r.status != pr.CANNOT_BE_FASTER:  # timed anyway: --thorough
+            r.reason += f"; {r.probe['reason']}"
         if r.scaler_skipped:
             r.reason += f"; the loss scaler skipped {r.scaler_skipped} step(s) on overflow"
     return adopted
@@ -275,7 +333,7 @@ def _figures(r: Rung) -> str:
 
 def _note(r: Rung) -> str:
     """The part of a rung's reason the choice repeats: why it could not run, or why its bf16 is slow."""
-    if r.status in (pr.SKIPPED, pr.FAILED, pr.DIVERGED):
+    if r.status in (pr.SKIPPED, pr.FAILED, pr.DIVERGED, pr.CANNOT_BE_FASTER):
         return f" ({r.reason.split(';')[0]})"
     return f"; {NO_NATIVE_BF16}" if NO_NATIVE_BF16 in r.reason else ""
 
@@ -285,6 +343,10 @@ def choose(job: Job, rungs: list[Rung], adopted: str | None) -> dict[str, Any]:
     tol, k = job.loss_tolerance, max(2, job.steps // job.precision_rounds)
     how = (f"{job.precision_rounds} interleaved rounds of {k} steps; loss over {job.fp8_steps} steps from the same "
            f"seed and batches, tolerance {tol:.0%}")
+    out = [r.name for r in rungs if r.status == pr.CANNOT_BE_FASTER]
+    if out:
+        how += (f"; {', '.join(out)} ruled out before any training by {pr.PROBES} matmul probes beside float32's "
+                "(measured), so not timed")
     pick = next((r for r in rungs if r.name == adopted), None) or next(r for r in rungs if r.own)
     if adopted:
         verb, mine = ("Keep", " (the job's own precision)") if pick.own else ("Train in", "")
@@ -297,6 +359,9 @@ def choose(job: Job, rungs: list[Rung], adopted: str | None) -> dict[str, Any]:
                 f"proven faster with its loss kept" + (f" — {'; '.join(others)}" if others else "") + f" ({how})")
         if pick.own and pick.status in (pr.OFF, pr.DIVERGED):
             text += f". The job's own {pick.name} did not keep float32's loss ({pick.reason}): consider float32"
+        if pick.own and pick.status == pr.CANNOT_BE_FASTER:
+            text += (f". The job's own {pick.name} cannot be faster than float32 here "
+                     f"({pick.reason.split(';')[0]}): consider float32")
     measured = pick.name != REFERENCE
     return {"dtype": pick.dtype, "matmul_precision": pick.matmul_precision, "rung": pick.name,
             "adopted": adopted is not None, "text": text,
