@@ -39,10 +39,29 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
+    def split_qkv(self) -> None:
+        """Replace the fused ``qkv`` by ``q``, ``k`` and ``v`` Linears holding the same weights, so tensor parallel
+        shards each one per head (core.parallelize). Same FLOPs, same results; forward then works on the heads
+        its Linears hold (all of them, or this rank's share)."""
+        d = self.proj.in_features
+        w, b = self.qkv.weight.detach(), self.qkv.bias.detach()
+        for i, name in enumerate("qkv"):
+            lin = nn.Linear(d, d, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(w[i * d:(i + 1) * d])
+                lin.bias.copy_(b[i * d:(i + 1) * d])
+            setattr(self, name, lin)
+        del self.qkv
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        d = x.shape[-1]
+        hs = self.proj.in_features // self.n_heads  # head size
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(d, dim=2)
+        else:  # split for tensor parallel: each Linear may hold this rank's heads only
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, hs).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
         if callable(self.attention):  # an implementation from mfu_lab.analysis.attention (step 2 swaps them)
             y = self.attention(q, k, v)
         elif self.attention == "sdpa":
@@ -51,7 +70,7 @@ class CausalSelfAttention(nn.Module):
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
             y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
