@@ -150,11 +150,17 @@ def _breakdown(tr: IndexedTrace) -> Breakdown:
             if d.category == "communication":
                 kinds[comm_kind(d.name, d.args)].append((d.ts, d.end))
     else:
-        for op in tr.ops:
+        last: dict[Any, str] = {}  # per thread, the kind of the collective issued last
+        for op in sorted(tr.ops, key=lambda o: o.ts):
+            kind = comm_kind(op.name, op.args) if op.category == "communication" else ""
+            if kind == "other" and "wait" in op.name:  # a functional collective's wait_tensor: the last one's
+                kind = last.get((op.pid, op.tid), "other")
+            elif kind and kind != "other":
+                last[(op.pid, op.tid)] = kind
             for s in self_spans(op):
                 segs[op.category].append(s)
-                if op.category == "communication":
-                    kinds[comm_kind(op.name, op.args)].append(s)
+                if kind:
+                    kinds[kind].append(s)
         for c in tr.host_comm:  # gloo's own work events (its threads' all-reduce)
             segs["communication"].append((c.ts, c.end))
             kinds[comm_kind(c.name, c.args)].append((c.ts, c.end))
@@ -173,6 +179,13 @@ def _breakdown(tr: IndexedTrace) -> Breakdown:
         mine = intersect(union(spans), window)
         if mine:
             by_kind[kind] = {"total": measure(mine) / total, "exposed": measure(subtract(mine, compute)) / total}
+    # a collective seen twice (the caller's wait and gloo's own thread) must not count twice: where the kinds'
+    # exposed shares add up to more than the exposed union, they are scaled down to it, in proportion
+    exposed_sum = sum(v["exposed"] for v in by_kind.values())
+    exposed_union = (c_total - overlapped) / total
+    if exposed_sum > exposed_union > 0:
+        for v in by_kind.values():
+            v["exposed"] *= exposed_union / exposed_sum
     return Breakdown(
         total / 1e6, tr.n_steps, measure(compute) / total, (c_total - overlapped) / total,
         measure(subtract(copy, union(compute + comm))) / total, measure(waiting) / total,

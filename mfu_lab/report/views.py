@@ -12,11 +12,12 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from mfu_lab.core.results import jsonable
-from mfu_lab.report.format import fmt
+from mfu_lab.report.format import badge, fmt
 from mfu_lab.report.tables_attention_comm import attention_table, comm_table
 from mfu_lab.report.tables_compile import audit_table, recompile_table, step3_table, trials_table
 from mfu_lab.report.tables_fp8 import policies_table, precision_table, sensitivity_table
 from mfu_lab.report.tables_kernels import breakdown_table, fusion_table, ranks_table, top_table
+from mfu_lab.report.tables_layout import layout_table
 from mfu_lab.report.tables_placement import (
     calibration_table,
     check_table,
@@ -60,6 +61,25 @@ def ledger_view(result) -> Html:
     """The ledger as a table: each part, its share of peak, its source and how it was computed."""
     items = _as_dict(result)["ledger"]["items"]
     return _part(macros("parts.html.j2").ledger_table(items, sum(i["fraction"] for i in items), "part"))
+
+
+def layout_view(result) -> Html:
+    """Steps 1, 3 and 7: the job in its own layout (loss check, ranks, collectives, bubble), or a line saying it
+    ran in one process."""
+    d = _as_dict(result)
+    return _part(layout_table(d.get("layout")) + fit_line(d.get("fit")))
+
+
+def fit_line(fit: dict | None) -> Markup:
+    """Step 1's memory check before the run, in one sentence."""
+    if not fit:
+        return Markup("")
+    if not fit.get("checked"):
+        return Markup("<p>Memory before the run: {}</p>").format(fit.get("reason", "not checked"))
+    text = "<p>Memory before the run {} ({}): {} per rank for {}, against {} available per rank ({}).</p>"
+    return Markup(text).format(
+        Markup(badge("analytic")), fit["formula"], fmt(fit["bytes_per_rank"], "bytes"), fit["layout"],
+        fmt(fit["available_per_rank"], "bytes"), fit["available_how"])
 
 
 def advice_view(result) -> Html:

@@ -26,6 +26,8 @@ from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import FlopReport, count_step_flops
 from mfu_lab.core.health import HealthSampler, HealthSummary
 from mfu_lab.core.job import Job
+from mfu_lab.core.layout import Layout
+from mfu_lab.core.layout_check import check_layout
 from mfu_lab.core.ledger import Ledger, hardware_flops, single_process_ledger
 from mfu_lab.core.measure import Stats, Timings, run_steps, stats
 from mfu_lab.core.progress import as_progress
@@ -41,6 +43,9 @@ from mfu_lab.core.thresholds import (
     PEAK_RECHECK,
 )
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps import baseline_layout
+from mfu_lab.steps.fit import check_fit
+from mfu_lab.workers.launch import world_layout
 
 INFO = BY_KEY["baseline"]
 
@@ -58,6 +63,8 @@ class BaselineResult(StepResult):
     flops: FlopReport
     peak: dict[str, Any]
     advice: list[Advice]
+    layout: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job in its layout (steps.baseline_layout)
+    fit: dict[str, Any] = dataclasses.field(default_factory=dict)  # memory per rank against what is available
 
 
 Result = BaselineResult  # the step contract: every step module names its result class Result
@@ -82,6 +89,14 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     skipped = []
     if job.pin_memory and device.type == "cpu":
         skipped.append({"what": "pin_memory", "reason": "pinned memory only speeds host-to-GPU copies; CPU run"})
+    nnodes, nproc = world_layout(job, device.type)
+    world = nnodes * nproc
+    in_layout = not (job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1)
+    if in_layout:
+        check_layout(job, world, device.type)
+    fit = check_fit(job, device.type, world if in_layout else 1, node_world=world)  # before anything is allocated
+    if in_layout:
+        return _run_in_layout(job, device, world, fit, p, skipped, t_start, write)
     peak = dev.resolve_peak(device, job.dtype, job.peak_flops, job.matmul_precision)
 
     model = build_model(job).to(torch_device).train()
@@ -181,7 +196,28 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     }
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
-        report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], skipped=skipped)
+        report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], fit=fit,
+        skipped=skipped)
+    result.advice = advise(result)
+    result.elapsed_s = time.perf_counter() - t_start
+    if write:
+        save(job, result)
+    return result
+
+
+def _run_in_layout(job: Job, device: dev.DeviceInfo, world: int, fit: dict, p, skipped: list, t_start: float,
+                   write: bool) -> BaselineResult:
+    """Step 1 for a job in its own layout (FSDP, TP, SP, PP): see :mod:`mfu_lab.steps.baseline_layout`."""
+    layout = Layout.from_job(job, world)
+    p.say(f"running the job in its layout {layout.name} on {world} ranks (torchrun); the loss is checked "
+          "against one process first")
+    m = baseline_layout.measure(job, device, world, p)
+    health = HealthSummary(False, "not sampled during the layout's torchrun launch")
+    skipped.append({"what": "device health (NVML)", "reason": health.skipped_reason})
+    result = BaselineResult(
+        "baseline", job.to_dict(), environment(device.name, device.type), m.metrics, m.timings,
+        stats(m.timings.measured("wall_s")), m.ledger, health, m.flops, m.peak, [], layout=m.layout, fit=fit,
+        skipped=skipped)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
@@ -194,7 +230,7 @@ def advise(r: BaselineResult) -> list[Advice]:
     heat."""
     job, m = r.job, r.metrics
     out: list[Advice] = []
-    data, host, cv = m["data_wait_fraction"].value, m["host_fraction"].value, m["step_time_cv"].value
+    data, host, cv = m["data_wait_fraction"].value or 0.0, m["host_fraction"].value or 0.0, m["step_time_cv"].value
     c = r.timings.contention
     shared = bool(c and c.shared)
     if shared:
@@ -224,7 +260,8 @@ def advise(r: BaselineResult) -> list[Advice]:
         out.append(Advice("act", "HFU (MFU and the recomputed work) exceeds the share of time spent computing, so "
                           "the peak is too low: set peak_flops in the job to the device's true dense peak.",
                           f"HFU {m['hfu'].value:.1%} (MFU {mfu_v:.1%}) > compute share "
-                          f"{m['compute_fraction'].value:.1%}"))
+                          + (f"{m['compute_fraction'].value:.1%}" if m["compute_fraction"].value is not None
+                             else "(1 - structure - software loss)")))
     elif hw > 0.5 and not shared:
         levers = []
         if on_gpu and job["dtype"] == "float32":

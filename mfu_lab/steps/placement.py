@@ -138,21 +138,22 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
         skipped.append({"what": "model check against step 2", "reason": check.reason})
 
     p.say("size sweep")
-    sweep, size = size_sweep(cluster, shape, cal, job.global_batch, job.min_marginal_efficiency, job.cluster_tp, job.cluster_pp,
-                             job.cluster_interleave)
+    sweep, size = size_sweep(cluster, shape, cal, job.global_batch, job.min_marginal_efficiency,
+                             job.cluster_tp, job.cluster_pp, job.cluster_interleave)
 
     gpus = job.gpus or size
-    chosen = (best_layout(cluster, shape, gpus, job.global_batch, cal, job.cluster_tp, job.cluster_pp, job.cluster_interleave)
-              if gpus else None)
+    chosen = (best_layout(cluster, shape, gpus, job.global_batch, cal, job.cluster_tp, job.cluster_pp,
+                          job.cluster_interleave) if gpus else None)
     strategies, shared, hint = [], [], {}
     if chosen is None:
         skipped.append({"what": "placement comparison", "reason": f"no layout of {gpus} GPUs fits the job "
-                        f"(global_batch {job.global_batch}, micro_batch {job.micro_batch}, tp {job.cluster_tp}, pp {job.cluster_pp})"})
+                        f"(global_batch {job.global_batch}, micro_batch {job.micro_batch}, cluster_tp "
+                        f"{job.cluster_tp}, cluster_pp {job.cluster_pp})"})
     else:
         p.say(f"placing {gpus} GPUs ({chosen.layout.label()}) four ways")
         strategies = strategy_rows(cluster, shape, chosen.layout, cal, job.seed)
-        shared, why = shared_rows(cluster, shape, cal, job.placement_jobs, gpus, job.global_batch, job.cluster_tp, job.cluster_pp,
-                                  job.cluster_interleave)
+        shared, why = shared_rows(cluster, shape, cal, job.placement_jobs, gpus, job.global_batch,
+                                  job.cluster_tp, job.cluster_pp, job.cluster_interleave)
         if why:
             skipped.append({"what": "several jobs sharing the cluster", "reason": why})
         hint = hints(job, cluster, chosen, (earlier.get("baseline") or {}).get("health"))
