@@ -2,7 +2,7 @@
 
 Correctness only: each layout's loss over its first steps equals one process's on the same seed and batches
 (mfu_lab.workers.layout_rank.TOLERANCE), and the counted collectives, memory and bubble come back filled.
-Several layouts share one launch. About 1.5 minutes here (88 s on 2 busy cores): 7 launches of 9-20 s each.
+Several layouts share one launch. 1.5 to 2.5 minutes here (88 s to 135 s on 2 shared cores): 7 launches of 7-35 s.
 """
 
 import dataclasses

@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from mfu_lab.core.errors import StepError
 from mfu_lab.core.job import Job
+from mfu_lab.core.layout_check import dp_degree
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: pipeline stages span nodes, tensor parallel stays in a node
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -37,11 +37,8 @@ class Layout:
 
     @classmethod
     def from_job(cls, job: Job, world: int) -> Layout:
-        """The job's layout over ``world`` ranks; a degree that does not divide the world is refused."""
-        if world < 1 or world % (job.tp * job.pp):
-            raise StepError(f"job keys 'tp' = {job.tp} and 'pp' = {job.pp}: tp x pp = {job.tp * job.pp} must "
-                            f"divide the world size ({world} ranks)")
-        return cls(world=world, dp=world // (job.tp * job.pp), tp=job.tp, pp=job.pp, sp=job.sp and job.tp > 1,
+        """The job's layout over ``world`` ranks; tp x pp that does not divide the world is refused (JobError)."""
+        return cls(world=world, dp=dp_degree(job, world), tp=job.tp, pp=job.pp, sp=job.sp and job.tp > 1,
                    dp_mode=job.dp_mode, reshard_after_forward=job.fsdp_reshard_after_forward,
                    prefetch=job.fsdp_prefetch, param_dtype=job.fsdp_param_dtype or job.dtype,
                    reduce_dtype=job.fsdp_reduce_dtype or "float32", pp_schedule=job.pp_schedule,

@@ -25,6 +25,7 @@ from mfu_lab.core.layout import Layout
 from mfu_lab.workers.launch import _rank_stderr, _read, _torchrun_cmd, error_lines, stalled_ranks, world_layout
 
 WORKER = "mfu_lab.workers.layout_rank"
+STARTUP_S = 120.0  # the watchdog's allowance before the ranks' first event (torch's import and rendezvous)
 
 
 @dataclass
@@ -129,7 +130,7 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
     env.setdefault("OMP_NUM_THREADS", "1")
     release_device_memory(spec["device_type"])
     procs = _procs()
-    t0, seen, hung = time.perf_counter(), 0, False
+    t0, seen, hung, allowed = time.perf_counter(), 0, False, job.comm_timeout_s
     with open(work / f"launcher_{attempt}.log", "w") as err:
         proc = _popen(cmd, env, err, procs)
         try:
@@ -144,7 +145,9 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
                             for ev in events[seen:]:
                                 progress(ev)
                             seen = len(events)
-                    if time.monotonic() - last_change > job.comm_timeout_s:
+                    # before the ranks' first event (imports, rendezvous) at least STARTUP_S: a busy host is slow
+                    allowed = job.comm_timeout_s if size else max(job.comm_timeout_s, STARTUP_S)
+                    if time.monotonic() - last_change > allowed:
                         hung = True
                         break
                     time.sleep(0.2)
@@ -156,7 +159,8 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
             progress(ev)
     return {"returncode": None if hung else proc.returncode, "events": events, "rank_stderr": _rank_stderr(log_dir),
             "launcher_stderr": (work / f"launcher_{attempt}.log").read_text(errors="replace")[-3000:],
-            "stalled": stalled_ranks(work / "beats") if hung else "", "seconds": time.perf_counter() - t0}
+            "stalled": stalled_ranks(work / "beats") if hung else "", "seconds": time.perf_counter() - t0,
+            "waited_s": allowed}
 
 
 class _nothing:
@@ -203,7 +207,7 @@ def run_layouts(job: Job, device_type: str, work: Path, items: list[dict], progr
             break
         detail = error_lines(run["rank_stderr"])
         status = "hung" if run["returncode"] is None else "crashed"
-        why = (f"no progress for {job.comm_timeout_s:.0f} s: the launch was ended; {run['stalled']}"
+        why = (f"no progress for {run['waited_s']:.0f} s: the launch was ended; {run['stalled']}"
                if status == "hung" else f"the launch exited with code {run['returncode']}")
         why += f" ({detail})" if detail else ""
         stderr = "\n".join(f"--- {r} ---\n{t}" for r, t in run["rank_stderr"].items() if t.strip()) \

@@ -38,23 +38,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mfu_lab.analysis.layout_terms import memory_per_rank, memory_shape
+from mfu_lab.core.commcount import CollectiveCounter
 from mfu_lab.core.errors import JobError, StepError
 from mfu_lab.core.job import Job, validate
 from mfu_lab.core.layout import Layout, build_mesh
+from mfu_lab.core.layout_check import check_layout
 from mfu_lab.core.measure import IGNORE, profile_steps
+from mfu_lab.core.meta_shape import job_shape
 from mfu_lab.core.parallelize import Parallelized, blocks_of, parallelize, untie_head
 from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 from mfu_lab.workers.ddp_rank import emit, heartbeat
 
-try:
-    from mfu_lab.core.commcount import CollectiveCounter
-except ImportError:  # TODO(issue 28): helper "counting" has not committed core.commcount yet: counts stay empty
-    CollectiveCounter = None
-
 CHECK_STEPS = 3
-# Relative loss gap a layout may show against its reference. Measured here (tests/test_layouts.py, gloo, 2 ranks):
-# float32 layouts differ by <= 4e-7 (summation order only); bf16 MixedPrecisionPolicy against bf16 autocast by
-# ~1e-3 (the policy also runs the norms and the loss's logits in bf16, autocast keeps them in float32).
+# Relative loss gap a layout may show against its reference. Measured here (tests/test_layouts.py, gloo, torch 2.13):
+# float32 layouts differ by at most 1.7e-7 (summation order: a float32 ulp is 1.2e-7), so 1e-5 leaves room for
+# larger models and other kernels while catching any real error (a wrong shard moves the loss by 1e-3 or more);
+# the bf16 MixedPrecisionPolicy against one process's bf16 autocast differed by 2.5e-5, and 5e-3 is about one
+# bfloat16 ulp of the loss (2^-8 = 3.9e-3), the scale at which GPU kernels' bf16 roundings may move it.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
 
 
@@ -76,24 +77,24 @@ def rows(batch, dp_rank: int, mb: int, device: torch.device):
 
 
 def fits_one_process(job: Job, dp: int, device: torch.device, local_world: int) -> tuple[bool, str]:
-    """Whether one process can train the job on the global batch: 16 bytes per parameter (float32 weights,
-    gradients, AdamW's two moments) plus activations, s*b*h*(8 + 24)*4/2 bytes per layer in float32
-    (FIELD-NOTES, measured within 1%) and three float32 logits tensors; against free GPU memory or this
-    rank's share of the host's available memory."""
+    """Whether one process can train the job on the global batch (dp x micro_batch samples): parameters,
+    gradients, AdamW's state and activations by analysis.layout_terms.memory_per_rank (the model sized on the
+    meta device), against free GPU memory or this rank's share of the host's available memory."""
     try:
-        with torch.device("meta"):
-            n = sum(p.numel() for p in build_model(job).parameters())
-    except Exception as e:  # a factory that cannot build on the meta device: assume it fits, and say so
+        shape = job_shape(job)
+    except Exception as e:  # noqa: BLE001 - a factory that cannot build on the meta device: assume it fits, say so
         return True, f"not estimated ({type(e).__name__} on the meta device)"
-    b, s = dp * job.micro_batch, job.seq_len
-    need = 16 * n + job.n_layers * s * b * job.d_model * 64 + 3 * b * s * job.vocab_size * 4
+    ms = memory_shape(shape.params, shape.n_layers or job.n_layers, shape.n_heads or job.n_heads,
+                      shape.d_model or job.d_model, job.seq_len, dp * job.micro_batch,
+                      4 if job.dtype == "float32" else 2, job.activation_checkpointing, job.attention == "unfused")
+    need = memory_per_rank(ms, Layout(world=1, dp=1))["total"].value
     if device.type == "cuda":  # pragma: no cover - GPU only
         free = torch.cuda.mem_get_info(device)[0]
     else:
         import psutil
 
         free = psutil.virtual_memory().available // local_world
-    return need <= free, f"needs about {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free to this rank"
+    return need <= free, f"needs about {need / 2**30:.2f} GiB (analytic), {free / 2**30:.2f} GiB free to this rank"
 
 
 def reference_losses(job: Job, layout: Layout, batches: list, device: torch.device) -> list[float]:
@@ -225,25 +226,10 @@ def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str
 
 
 def counted_step(par: Parallelized, x, y) -> dict:
-    if CollectiveCounter is None:  # TODO(issue 28): wire core.commcount when it lands
-        return {}
-    import inspect
-
-    # DDP's reducer all-reduces from C++, past the dispatcher: a counter that takes ``ddp`` counts it by a hook
-    kw = {"ddp": (par.ddp,)} if par.ddp is not None and "ddp" in inspect.signature(CollectiveCounter).parameters \
-        else {}
-    with CollectiveCounter(**kw) as counter:
+    """One step under core.commcount's counter: {kind: {"count", "bytes"}} of this rank's collectives."""
+    with CollectiveCounter() as counter:
         par.step(x, y)
     return counter.summary()
-
-
-def check_layout_rules(job: Job, world: int, device_type: str) -> None:
-    """helper "keys"' core.layout_check (raises JobError), once committed; until then Layout.from_job's check."""
-    try:
-        from mfu_lab.core.layout_check import check_layout
-    except ImportError:
-        return
-    check_layout(job, world, device_type)
 
 
 LAYOUT_KEYS = ("dp_mode", "fsdp_reshard_after_forward", "fsdp_prefetch", "fsdp_param_dtype", "fsdp_reduce_dtype",
@@ -278,7 +264,7 @@ def reference_check(job: Job, layout: Layout, item: dict, base: dict, batches: l
     rjob = validate(values, "the loss check's reference layout")
     try:
         rlayout = Layout.from_job(rjob, world)
-        check_layout_rules(rjob, world, device.type)
+        check_layout(rjob, world, device.type)
     except (StepError, JobError) as e:
         check["reference"] = f"none: the reference layout {ref} cannot run here ({e})"
         notes.append("loss not checked: no reference layout fits")
@@ -302,7 +288,7 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     rank, world, device, out = ctx["rank"], ctx["world"], ctx["device"], ctx["out"]
     job = validate({**base, **item.get("overrides", {})}, f"layout {index + 1} of the worker spec")
     layout = Layout.from_job(job, world)
-    check_layout_rules(job, world, device.type)
+    check_layout(job, world, device.type)
     notes = list(ctx["notes"])
     emit(out, {"event": "start", "index": index, "name": layout.name})
     heartbeat(out, rank, index, -1)
