@@ -40,6 +40,8 @@ from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
 from mfu_lab.steps.verify_ddp import verify_ddp
+from mfu_lab.steps.verify_layout import measure_in_layout
+from mfu_lab.workers.launch import world_layout
 from mfu_lab.workers.verify_rung import RungProcess
 
 INFO = BY_KEY["verify"]
@@ -310,7 +312,12 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
             r.peak_flops_per_s, r.peak_source = peaks[r.dtype]
     work = job.step_dir(INFO.folder) / "work"
     timed = sum(r.status == "ok" for r in rungs) > 1  # the original and at least one rung to time against it
-    order = _measure(job, rungs, jobs, work, say) if timed else []
+    nnodes, nproc = world_layout(job, device.type)
+    in_layout = not (job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1)
+    if in_layout and timed:
+        order = measure_in_layout(job, rungs, jobs, work, say, device, nnodes * nproc)
+    else:
+        order = _measure(job, rungs, jobs, work, say) if timed else []
     if not timed:
         why = ("no change was adopted: the tuned job is the original" if len(rungs) == 1 else
                "no adopted change can be timed in one process here (" + "; ".join(

@@ -1,0 +1,77 @@
+"""The verify step for a job in its own layout (FSDP2, TP, SP, PP): the staircase's rungs run in that layout.
+
+A job that is more than plain DDP is not one process, so its rungs cannot be one process each either. Each rung
+(the original, then each adopted change on top of the one below) is a set of job keys; every rung runs in the
+job's layout through one torchrun launch of the layout worker (:func:`mfu_lab.workers.layout_launch.run_layouts`),
+in :data:`ROUNDS` rounds whose order alternates (A B C, C B A: a steady drift favours no rung), each turn checked
+against one process's loss first, then ``warmup_steps`` discarded and ``verify_steps`` timed. A rung's step time
+is the slowest rank's per step, pooled over its turns; its MFU is its model FLOPs (counted on the meta device) x
+the data-parallel degree / (the world's peak x its median step): one GPU's peak x the world, or on a CPU the
+whole CPU's, which the ranks share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from mfu_lab.core import device as dev
+from mfu_lab.core.job import Job
+from mfu_lab.core.measure import stats
+from mfu_lab.steps.baseline_layout import meta_flops, on_events, slowest_rank_steps
+from mfu_lab.workers.layout_launch import run_layouts
+
+ROUNDS = 2  # each turn rebuilds the layout and checks its loss: far dearer than a single-process round
+
+
+def overrides(rung_job: Job, job: Job) -> dict[str, Any]:
+    """The keys in which a rung's job differs from the job itself."""
+    a, b = rung_job.to_dict(), job.to_dict()
+    return {k: v for k, v in a.items() if b.get(k) != v}
+
+
+def measure_in_layout(job: Job, rungs: list, jobs: list[Job], work: Path, say, device: dev.DeviceInfo,
+                      world: int) -> list[list]:
+    """Fill every measurable rung from turns in the job's layout; returns the order run ([round, rung])."""
+    ok = [(r, j) for r, j in zip(rungs, jobs) if r.status == "ok"]
+    if not ok:
+        return []
+    rounds = max(1, min(job.verify_rounds, ROUNDS))
+    plan = [(k, r, j) for k in range(rounds) for r, j in (ok if k % 2 == 0 else ok[::-1])]
+    say(f"the job's layout: {len(ok)} rung(s) x {rounds} rounds in one torchrun launch of {world} ranks, each "
+        f"turn checked against one process, then {job.verify_steps} timed steps")
+    runs = run_layouts(job, device.type, work / "layout", [{"overrides": overrides(j, job)} for _, _, j in plan],
+                       progress=on_events(say), steps=job.verify_steps)
+    flops = {r.name: meta_flops(dataclasses.replace(j, compile_mode="off"), device.type) for r, j in ok}
+    scale = world if device.type == "cuda" else 1  # on a CPU the ranks share the one CPU's peak
+    pooled: dict[str, dict[str, list]] = {r.name: {"wall": [], "loss": []} for r, _ in ok}
+    for (_, rung, _), run in zip(plan, runs):
+        if run.status != "ok":
+            rung.status, rung.reason = "failed", f"in its layout {run.layout.get('name')}: {run.status}: {run.reason}"
+            continue
+        pooled[rung.name]["wall"] += slowest_rank_steps(run)
+        pooled[rung.name]["loss"] += list(run.losses)
+        dp = run.layout["dp"]
+        pooled[rung.name]["dp"] = dp
+        pooled[rung.name]["name"] = run.layout["name"]
+    for rung, _ in ok:
+        p = pooled[rung.name]
+        if rung.status != "ok" or not p["wall"]:
+            continue
+        rung.wall_s, rung.loss = p["wall"], p["loss"]
+        rung.data_s = [0.0] * len(rung.wall_s)  # the rank worker times whole optimizer steps
+        rung.compute_s = list(rung.wall_s)
+        st = stats(rung.wall_s)
+        rung.step_median_s, rung.step_p10_s, rung.step_p90_s = st.median, st.p10, st.p90
+        rung.tokens_per_s = job.tokens_per_step * p["dp"] / st.median
+        report = flops[rung.name]
+        if rung.peak_flops_per_s:
+            rung.peak_flops_per_s *= scale
+            rung.mfu = report.model_flops_per_step * p["dp"] / (rung.peak_flops_per_s * st.median)
+        rung.hardware_flops_ratio = report.hardware_flops_per_step / report.model_flops_per_step
+        rung.flops_source = report.model_flops_source + " (meta device)"
+        where = f"in the job's layout {p['name']} ({world} ranks, slowest rank per step, {len(rung.wall_s)} steps " \
+                f"over {rounds} alternating rounds)"
+        rung.reason = f"{rung.reason}; {where}" if rung.reason else where
+    return [[k, r.name] for k, r, _ in plan]

@@ -1,0 +1,72 @@
+"""Steps 1 and 7 with the job in its own layout (FSDP2, TP+SP, PP), end to end, and the memory check before a
+run. Each launch is a torchrun of 2 gloo ranks on a tiny GPT: about 20-40 s each here (2 shared cores); the file
+takes about 2-3 minutes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mfu_lab.core.errors import StepError
+from mfu_lab.core.job import load_job
+from mfu_lab.steps import baseline, fit
+
+from .conftest import ROOT, TINY
+
+
+def run(*args):
+    return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_steps_1_and_7_run_a_tp_sp_job_in_its_layout_through_papermill(tmp_path):
+    p = run(sys.executable, "-m", "mfu_lab", "run", str(TINY), "--steps", "baseline,verify", "--out", str(tmp_path),
+            "-p", "tp=2", "-p", "sp=true", "-q")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "tiny" / "01_baseline" / "result.json").read_text())
+    lay = r["layout"]
+    assert lay["layout"]["name"] == "TP2+SP" and lay["world"] == 2 and lay["backend"] == "gloo"
+    assert lay["loss_check"]["passed"] and lay["loss_check"]["reference"].startswith("single process")
+    assert lay["loss_check"]["max_rel_gap"] <= lay["loss_check"]["tolerance"]
+    kinds = {c["kind"]: c for c in lay["collective_rows"]}
+    # TP with SP: every all-reduce of the block becomes an all-gather + a reduce-scatter (analysis.layout_terms)
+    assert kinds["allgather"]["count"] > 0 and kinds["reduce_scatter"]["count"] > 0
+    assert len(lay["ranks"]) == 2 and all(x["peak_bytes"] > 0 and x["shard_bytes"]["params"] > 0
+                                          for x in lay["ranks"])
+    ledger = r["ledger"]["items"]
+    assert sum(i["fraction"] for i in ledger) == pytest.approx(1.0)
+    structure = next(i for i in ledger if i["name"] == "structure")
+    assert "allgather" in structure["explanation"] and structure["fraction"] > 0
+    assert r["metrics"]["mfu"]["value"] > 0 and "whole CPU" in r["metrics"]["peak_flops_per_s"]["note"]
+    assert r["fit"]["checked"] and r["fit"]["bytes_per_rank"] < r["fit"]["available_per_rank"]
+    report = (tmp_path / "tiny" / "01_baseline" / "report.html").read_text()
+    assert "TP2+SP" in report and "Loss check" in report
+    assert "TP2+SP" in (tmp_path / "tiny" / "index.html").read_text()
+    v = json.loads((tmp_path / "tiny" / "07_verify" / "result.json").read_text())
+    assert v["status"] == "ok"
+
+
+def test_step_1_measures_the_pipeline_bubble_per_stage(tmp_path):
+    job = load_job(TINY, {"out_dir": str(tmp_path), "pp": 2, "pp_schedule": "interleaved_1f1b",
+                          "pp_virtual_stages": 2, "pp_microbatches": 4, "n_layers": 4})
+    r = baseline.run(job, progress=lambda s: None)
+    b = r.layout["bubble"]
+    assert r.layout["layout"]["name"] == "PP2 interleaved_1f1b v2 m4"
+    assert b["analytic"] == pytest.approx((2 - 1) / (2 * 4))  # (p-1)/(v*m)
+    assert len(b["per_stage"]) >= 2 and all(0 <= s["fraction"] < 1 for s in b["per_stage"])
+    assert r.metrics["pipeline_bubble"].source == "measured"
+    assert {"send", "recv"} <= {c["kind"] for c in r.layout["collective_rows"]}
+    assert any("untied" in n for n in r.layout["notes"])  # the tied head cannot be tied across stages
+
+
+def test_a_job_that_does_not_fit_is_told_which_layouts_would_before_anything_is_allocated(tmp_path):
+    big = load_job(TINY, {"out_dir": str(tmp_path), "n_layers": 32, "n_heads": 32, "d_model": 4096,
+                          "vocab_size": 32000, "seq_len": 2048, "micro_batch": 4, "dtype": "bfloat16"})
+    with pytest.raises(StepError) as e:
+        fit.check_fit(big, "cuda", 8, available=(80 * 2 ** 30, "8 x 80 GB"))
+    msg = str(e.value)
+    assert "does not fit its layout DDP8" in msg and "fsdp" in msg and "GiB per rank" in msg
+    with pytest.raises(StepError) as e:  # through step 1 on this machine: refused before a model is built
+        baseline.run(big, progress=lambda s: None, write=False)
+    assert "does not fit" in str(e.value)
+    assert not (tmp_path / "tiny" / "01_baseline" / "result.json").exists()
