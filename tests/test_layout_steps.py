@@ -70,3 +70,13 @@ def test_a_job_that_does_not_fit_is_told_which_layouts_would_before_anything_is_
         baseline.run(big, progress=lambda s: None, write=False)
     assert "does not fit" in str(e.value)
     assert not (tmp_path / "tiny" / "01_baseline" / "result.json").exists()
+
+
+def test_step_2_times_attention_and_leaves_ddp_settings_alone_for_a_job_in_a_layout(tmp_path):
+    from mfu_lab.steps import attention_comm
+
+    job = load_job(TINY, {"out_dir": str(tmp_path), "dp_mode": "fsdp"})
+    r = attention_comm.run(job, progress=lambda s: None, write=False)
+    assert r.attention and all(row.status != "ok" for row in r.comm)  # nothing of DDP's was launched
+    why = next(s["reason"] for s in r.skipped if s["what"] == "DDP sweep and all-reduce benchmark")
+    assert "FSDP2" in why and "DDP's buckets and hooks" in why

@@ -40,6 +40,18 @@ def job_config(job: Job) -> dict:
     return {"hook": job.ddp_hook, "bucket_mb": job.ddp_bucket_mb, "grad_as_bucket_view": job.ddp_grad_as_bucket_view}
 
 
+def layout_beyond_ddp(job: Job) -> str:
+    """Why step 2's DDP race does not apply to the job ('' when it does): a job trained with FSDP, tensor or
+    pipeline parallel does not communicate through DDP's buckets and hooks."""
+    if job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1:
+        return ""
+    what = ", ".join(x for x in ("FSDP2" if job.dp_mode == "fsdp" else "", f"tp {job.tp}" if job.tp > 1 else "",
+                                 f"pp {job.pp}" if job.pp > 1 else "") if x)
+    return (f"the job trains in its own layout ({what}), which does not communicate through DDP's buckets and "
+            "hooks: DDP's settings are not raced; step 1 measures the layout's collectives, and racing layouts "
+            "against each other is step 6's (the issue 'Layouts raced')")
+
+
 def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_event, grad_bytes: int,
              reference: tuple, clock: Clock, fault: dict | list | None = None) -> tuple[SweepOutcome, racing.RaceLog,
                                                                                    list[dict]]:
@@ -69,6 +81,15 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
                 on_event(ev)
         return sweep
 
+    beyond = layout_beyond_ddp(job)
+    if beyond:  # FSDP, TP or PP: DDP's buckets and hooks are not how this job communicates
+        sweep = SweepOutcome({"nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc,
+                              "backend": backend, "skipped": beyond}, [])
+        for c in runnable:
+            sweep.outcomes[config_key(c)] = ev = {"event": "skipped", "config": c, "error": beyond}
+            on_event(ev)
+        log.note = "not raced: " + beyond
+        return finish(sweep), log, configs
     if job.thorough or nnodes * nproc < 2 or len(runnable) <= 2:
         t0 = time.perf_counter()
         sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable, confirm=confirm,
