@@ -80,3 +80,17 @@ def test_step_2_times_attention_and_leaves_ddp_settings_alone_for_a_job_in_a_lay
     assert r.attention and all(row.status != "ok" for row in r.comm)  # nothing of DDP's was launched
     why = next(s["reason"] for s in r.skipped if s["what"] == "DDP sweep and all-reduce benchmark")
     assert "FSDP2" in why and "DDP's buckets and hooks" in why
+
+
+def test_the_readmes_llama_7b_job_validates_and_fits_fsdp8_not_ddp8_on_h200s():
+    """The README's example: a transformers Llama of Llama-2 7B's shape, sized on the meta device (~5 s)."""
+    import dataclasses
+
+    job = load_job(ROOT / "parameters" / "llama7b_8gpu.yaml")
+    h200 = (140e9, "an H200's free memory")
+    r = fit.check_fit(job, "cuda", 8, available=h200)
+    assert r["layout"].startswith("FSDP8") and r["params"] == 6_738_415_616
+    assert r["by_kind"]["params"] == pytest.approx(6_738_415_616 * 4 / 8)  # float32 master weights, sharded 8 ways
+    with pytest.raises(StepError, match="does not fit its layout DDP8.*fsdp8"):
+        fit.check_fit(dataclasses.replace(job, dp_mode="ddp", fsdp_param_dtype="", fsdp_reduce_dtype=""), "cuda", 8,
+                      available=h200)

@@ -79,3 +79,15 @@ def check_fit(job: Job, device_type: str, world: int, node_world: int | None = N
            "to one of them." if fit else
            f"No layout of {node_world or world} ranks fits: use more nodes (nnodes), a smaller micro_batch, "
            "activation_checkpointing: true, or a smaller model."))
+
+
+def one_process_note(job: Job, what: str, in_layout_instead: str) -> dict[str, str] | None:
+    """A skipped-list entry for a step that measures on one process (steps 4 and 5) while the job trains in its
+    own layout: what it measured instead, and where the layout's figure comes from; None for a plain job."""
+    if job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1:
+        return None
+    parts = [p for p in ("FSDP2" if job.dp_mode == "fsdp" else "", f"tp {job.tp}" if job.tp > 1 else "",
+                         f"pp {job.pp}" if job.pp > 1 else "") if p]
+    return {"what": f"{what} in the job's layout ({', '.join(parts)})",
+            "reason": f"measured on one process holding the whole model, not per rank in the layout: "
+                      f"{in_layout_instead}; step 7 runs the adopted change in the layout, side by side"}

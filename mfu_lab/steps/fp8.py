@@ -49,6 +49,7 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps.fit import one_process_note
 from mfu_lab.steps.precision_ladder import NOT_RUN, ladder, train_trial
 
 INFO = BY_KEY["fp8"]
@@ -252,6 +253,11 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
+    note = one_process_note(job, "precision ladder and FP8 trials",
+                            "under FSDP2 the MixedPrecisionPolicy (fsdp_param_dtype, fsdp_reduce_dtype) replaces "
+                            "autocast, and under TP or PP each rank runs its shard at the same precision")
+    if note:
+        skipped.append(note)
     no_hw = fp8_hardware(device)
     path = "emulated" if no_hw else "fp8 hardware"
     label = "emulated"  # the loss curves and errors always come from emulation; only speed can be measured
