@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_check_table import (  # noqa: E402
+    DEFAULT_STEPS,
     PATHS,
     STEPS,
     Ctx,
@@ -83,8 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "outputs"), help="results folder (<out>/gpu-check/)")
     pick = ap.add_mutually_exclusive_group()
-    pick.add_argument("--steps", type=steps_type, default=list(STEPS),
-                      help=f"comma-separated, run in this order: {','.join(STEPS)} (default: all)")
+    pick.add_argument("--steps", type=steps_type, default=list(DEFAULT_STEPS),
+                      help=f"comma-separated, run in this order: {','.join(STEPS)} (default: all but layouts, "
+                           "which is a call of its own: --steps layouts)")
     pick.add_argument("--quick", action="store_true", help="step 1 alone (= --steps baseline)")
     pick.add_argument("--monitor-only", action="store_true", help="the monitor's GPU paths alone (= --steps monitor)")
     ap.add_argument("--skip-verify", action="store_true", help="leave step 7 out")
@@ -385,9 +387,47 @@ def step_verify(ctx: Ctx, rows: list[Row]) -> None:
     print(f"  DDP: {d.get('text') or d.get('reason')}")
 
 
+def step_layouts(ctx: Ctx, rows: list[Row]) -> None:
+    """The job in its own layout over NCCL (README, "Your job's layout"): FSDP2 at world 1 with a bf16
+    MixedPrecisionPolicy (one GPU can check NCCL, the policy, the memory readings and CUDA-event timing); with 2+
+    GPUs also TP2+SP and an interleaved PP2. FSDP x TP and PP x FSDP wait for a node of 4+ GPUs."""
+    from mfu_lab.steps import baseline
+
+    p = "layouts"
+    runs = [("FSDP2 world 1, bf16 policy", dict(dp_mode="fsdp", nproc_per_node=1, fsdp_param_dtype="bfloat16"))]
+    if ctx.world >= 2:
+        runs += [("TP2+SP", dict(tp=2, sp=True, nproc_per_node=2)),
+                 ("PP2 interleaved v2 m4", dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
+                                                pp_microbatches=4, n_layers=4, nproc_per_node=2))]
+    else:
+        rows.append(skip_row(p, "TP2+SP, PP2 over NCCL", f"{ctx.visible} GPU visible: TP and PP need 2 ranks, and "
+                             "two NCCL ranks cannot share one GPU"))
+    for name, over in runs:
+        job = dataclasses.replace(ctx.job, job_name=f"gpu-check-{name.split()[0].lower()}", **over)
+        add(rows, p, f"{name}: step 1 in the layout", lambda job=job, name=name: _layout_rows(
+            baseline.run(job), p, name, rows))
+
+
+def _layout_rows(b, p: str, name: str, rows: list[Row]) -> Row:
+    lay, m = b.layout, b.metrics
+    lc = lay["loss_check"]
+    rows.append(figure_row(p, f"{name}: loss check vs one process", lc["max_rel_gap"], "{:.2e}",
+                           f"tolerance {lc['tolerance']:.0e}, {lc['reference']}", ok=bool(lc["passed"])))
+    rows.append(figure_row(p, f"{name}: CUDA-event step time", ms(m["step_time_median_s"].value), "{:.1f} ms",
+                           ok="CUDA events" in b.timings.method and lay["backend"] == "nccl"))
+    peak = max(r["peak_bytes"] or 0 for r in lay["ranks"])
+    rows.append(figure_row(p, f"{name}: peak memory per rank", peak / 2 ** 30, "{:.2f} GiB",
+                           lay["ranks"][0]["peak_source"], ok=peak > 0 and "cuda" in lay["ranks"][0]["peak_source"]))
+    kinds = ", ".join(f"{c['kind']} {c['count']}" for c in lay["collective_rows"]) or "none"
+    print(f"\n{name}: {b.timings.method}; MFU {m['mfu'].value:.1%}; collectives {kinds}; notes {lay['notes']}")
+    print("  ledger " + ", ".join(f"{i.name} {i.fraction:.1%}" for i in b.ledger.items))
+    return figure_row(p, f"{name}: MFU, all ranks", m["mfu"].value, "{:.1%}", f"collectives: {kinds}",
+                      ok=finite(m["mfu"].value) and m["mfu"].value > 0)
+
+
 RUN = {"monitor": step_monitor, "baseline": step_baseline, "attention_comm": step_attention_comm,
        "kernels": step_kernels, "compile": step_compile, "fp8": step_fp8, "placement": step_placement,
-       "verify": step_verify}
+       "verify": step_verify, "layouts": step_layouts}
 
 
 def main(argv: list[str] | None = None, started: float | None = None) -> int:

@@ -40,7 +40,8 @@ def test_steps_typo_names_allowed_values_and_a_suggestion():
 
 
 def test_steps_argument_and_aliases(capsys):
-    assert gc.parse_args([]).steps == list(t.STEPS)
+    assert gc.parse_args([]).steps == list(t.DEFAULT_STEPS) == [s for s in t.STEPS if s != "layouts"]
+    assert gc.parse_args(["--steps", "layouts"]).steps == ["layouts"]  # a call of its own
     assert gc.parse_args(["--steps", "fp8,compile"]).steps == ["compile", "fp8"]
     assert gc.parse_args(["--quick"]).steps == ["baseline"]
     assert gc.parse_args(["--monitor-only"]).steps == ["monitor"]
@@ -89,7 +90,8 @@ def test_estimates_and_pace():
     assert t.pace([10.0], [1.0]) == t.PACE_RANGE[0]
     assert t.estimate_s("attention_comm", 2) > t.estimate_s("attention_comm", 1)
     assert t.estimate_s("baseline", 2) == t.estimate_s("baseline", 1)
-    assert sum(t.estimate_s(s, 1) for s in t.STEPS) < 560  # the default fits one GPU's call as estimated
+    assert sum(t.estimate_s(s, 1) for s in t.DEFAULT_STEPS) < 560  # the default fits one GPU's call as estimated
+    assert t.estimate_s("layouts", 8) < 560  # the layouts part fits a call of its own
 
 
 # ---------------------------------------------------------------------- the table
