@@ -74,8 +74,9 @@ def layout_of(job: Job, overrides: dict, world: int) -> dict:
     try:
         layout = Layout.from_job(validate({**job.to_dict(), **overrides}, "layout"), world)
         return layout.to_dict() | {"name": layout.name}
-    except Exception as e:  # noqa: BLE001 - the worker refuses it with the same reason; here it only names it
-        return {"name": f"? ({type(e).__name__})", "overrides": overrides}
+    except Exception:  # noqa: BLE001 - the worker refuses it with the reason; here it is only named
+        return {"name": " ".join(f"{k}={v}" for k, v in overrides.items()) or "the job's layout",
+                "overrides": overrides}
 
 
 def _popen(cmd: list[str], env: dict, err, procs):

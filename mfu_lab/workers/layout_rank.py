@@ -290,6 +290,9 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     layout = Layout.from_job(job, world)
     check_layout(job, world, device.type)
     notes = list(ctx["notes"])
+    if layout.dp > 1 and (job.data != "synthetic" or job.last_batch == "pad"):
+        notes.append("padded batches: data-parallel ranks average their own mean losses (and gradients), which "
+                     "weighs tokens unlike one process's mean over the global batch; the loss check may show it")
     emit(out, {"event": "start", "index": index, "name": layout.name})
     heartbeat(out, rank, index, -1)
     # tests only: {"layout": index, "rank": r, "kind": "crash" | "hang"}, or {"layout": index, "kind": "perturb"}
@@ -388,7 +391,7 @@ def main() -> None:
     else:
         threads = threads_per_rank(local_world)
         torch.set_num_threads(threads)
-        notes.append(f"{threads} intra-op thread(s) per rank: {local_world} ranks share this host's cores")
+        notes.append(f"{threads} intra-op thread(s) per rank: this host's cores shared by its {local_world} rank(s)")
         notes.append("gloo has no reduce-scatter: it runs an all-reduce of the whole tensor")
         notes.append("CPU timings of collectives do not transfer to GPUs; counts and bytes do")
     backend = "nccl" if cuda else "gloo"
