@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
+import signal
 import sys
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
+from mfu_lab.core import procs
 from mfu_lab.core.errors import MfuLabError
 from mfu_lab.core.job import Job
 from mfu_lab.core.paths import find_workbook_root, workbook_file
@@ -201,13 +202,16 @@ def describe(job: Job, source: str, lab: Lab, cmd: list[str], env: dict[str, str
 
 def start(cmd: list[str], env: dict[str, str]) -> int:
     """Run JupyterLab until it stops; its exit status. Ctrl-C is JupyterLab's to answer (it asks, or stops on
-    a second one), so this process waits on through it."""
+    a second one), so this process waits on through it. JupyterLab stays in this process's group (Ctrl-C reaches
+    it) and gets SIGTERM, on which it shuts its kernels down, when this process ends, however it ends (procs)."""
     if not find_spec("jupyterlab"):
         raise MfuLabError("JupyterLab is not installed here: pip install jupyterlab (the lab's notebooks are "
                           "prepared; mfu-lab lab starts it once it is there)")
-    proc = subprocess.Popen(cmd, env={**os.environ, **env})
-    while True:
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            continue
+    with procs.group():
+        proc = procs.popen(cmd, env={**os.environ, **env}, new_session=False, death_signal=signal.SIGTERM,
+                           grace_s=10.0)
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue

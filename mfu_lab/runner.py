@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.core import procs
 from mfu_lab.core.budget import plan_text
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
@@ -198,7 +199,8 @@ def _failure(exc: BaseException, notebook: Path | None, limit: float | None, job
     """``(status, ename, evalue)`` recorded for a step that raised ``exc``, in each path's own words: papermill
     reports the failing cell's error name and value; a plain-Python step its exception's type and message."""
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted", "Interrupted", "stopped by Ctrl-C" + (" (KeyboardInterrupt)" if notebook else "")
+        how = "SIGTERM" if isinstance(exc, procs.Terminated) else "Ctrl-C"
+        return "interrupted", "Interrupted", f"stopped by {how}" + (" (KeyboardInterrupt)" if notebook else "")
     if notebook is None:
         return "failed", type(exc).__name__, str(exc)
     if type(exc).__name__ == "CellTimeoutError":
@@ -270,8 +272,6 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     The step folder says what state the step is in while and after it runs (``runstate``): running,
     then either a new result, or failed / interrupted / timeout with the error, the previous result kept.
     """
-    import papermill as pm  # lazy: over a second to import; `mfu-lab --help`, `validate`, `step` do without it
-
     folder = fresh_step_folder(job, info)
     # the package's own notebook: its checkout's, else the copy installed with it (mfu_lab.core.paths)
     src, out_nb = workbook_file(Path("notebooks") / info.notebook), folder / info.notebook
@@ -285,12 +285,23 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
         # kernel inherits MFU_LAB_INDEX_BY_RUNNER: the bracket rewrites the index after the step, not the kernel.
         os.environ["MFU_LAB_INDEX_BY_RUNNER"] = "1"
         try:
-            pm.execute_notebook(str(src), str(out_nb), parameters=params, progress_bar=False, cwd=str(root),
-                                kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
-                                execution_timeout=execution_timeout, extra_arguments=QUIET_KERNEL)
+            papermill(src, out_nb, params, root, quiet, execution_timeout)
         finally:
             os.environ.pop("MFU_LAB_INDEX_BY_RUNNER", None)
     return folder / "report.html"
+
+
+def papermill(src: Path, out: Path, params: dict, cwd: Path, quiet: bool, timeout: float | None = None) -> None:
+    """One notebook through papermill, its printed lines streamed (indented) unless ``quiet``. Its kernel, and so
+    every process the kernel starts, ends with this call however it ends (``procs``: SIGTERM is taken as Ctrl-C,
+    and a kill of this process ends the kernel through its PDEATHSIG)."""
+    import papermill as pm  # lazy: over a second to import; `mfu-lab --help`, `validate`, `step` do without it
+
+    with procs.interrupt_on_sigterm(), procs.group():
+        pm.execute_notebook(str(src), str(out), parameters=params, progress_bar=False, cwd=str(cwd),
+                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
+                            execution_timeout=timeout, extra_arguments=QUIET_KERNEL,
+                            kernel_manager_class=procs.kernel_manager_class())
 
 
 def warn_damaged(job: Job) -> list[str]:
@@ -307,7 +318,7 @@ def warn_damaged(job: Job) -> list[str]:
 def run_one_step(info, job: Job, source: str, wait: bool = False):
     """One step in plain Python (no notebook) inside the bracket, holding the job's folder; its result. A failure
     raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
-    with job_lock(job.output_root(), "(starting)", wait) as holder:
+    with procs.interrupt_on_sigterm(), job_lock(job.output_root(), "(starting)", wait) as holder:
         # one reserved id for the lock, the running marker and the history line (record reads it from RUN_ENV)
         run_id = run_id_from_env() or new_run_id(job_root=job.output_root())
         holder(run_id)
@@ -322,7 +333,7 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
     the folders of the steps that failed (after the first failure the rest are skipped unless ``keep_going``).
     A resumed run keeps the id of the run it goes on with."""
     job_root = job.output_root()
-    with job_lock(job_root, "(starting)", wait) as holder:
+    with procs.interrupt_on_sigterm(), job_lock(job_root, "(starting)", wait) as holder:
         same_code = {"source_digest": source_digest()}
         run_id = (resumed_run_id(job_root, job.to_dict(), same_code) if resume else None) \
             or new_run_id(job_root=job_root)
@@ -416,7 +427,7 @@ def monitor_report(folder: str | Path, out: str | Path | None = None, quiet: boo
     out = Path(out).expanduser().resolve() if out else folder
     out.mkdir(parents=True, exist_ok=True)
     try:
-        import papermill as pm
+        import papermill  # noqa: F401 - only whether it is there
     except ImportError:
         monitor.run(folder, out)
         return None, out / monitor.SUMMARY_FILE
@@ -426,9 +437,7 @@ def monitor_report(folder: str | Path, out: str | Path | None = None, quiet: boo
         raise MfuLabError(f"notebook {src} not found: this mfu_lab was installed without its notebooks; reinstall "
                           "it from the workbook's source (pip install <checkout>), or run it from the checkout")
     try:
-        pm.execute_notebook(str(src), str(nb), parameters={"monitor_dir": str(folder), "out": str(out)},
-                            progress_bar=False, cwd=str(root), kernel_name="python3",
-                            stdout_file=None if quiet else _Indented(sys.stdout), extra_arguments=QUIET_KERNEL)
+        papermill(src, nb, {"monitor_dir": str(folder), "out": str(out)}, root, quiet)
     finally:
         if nb.is_file():  # a failed cell still leaves a report of what ran, with the error in it
             export_html(nb, out / "report.html")

@@ -19,7 +19,6 @@ import json
 import os
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from mfu_lab.analysis import recompiles as cp
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
-from mfu_lab.core import store
+from mfu_lab.core import procs, store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.faults import guarded
@@ -122,9 +121,9 @@ def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, 
     log = work / f"{tag}.stderr.log"
     dev.release_device_memory("cuda")  # the trial gets the GPU the launcher let go of (a no-op without CUDA)
     t0 = time.perf_counter()
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.compile_trial", "--spec", str(spec_path)],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+    with open(log, "w") as err, procs.group():  # the trial ends with this call, however it ends
+        proc = procs.popen([sys.executable, "-m", "mfu_lab.workers.compile_trial", "--spec", str(spec_path)],
+                           stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         deadline = time.monotonic() + timeout_s
         timed_out = False
         sel = selectors.DefaultSelector()
@@ -132,7 +131,7 @@ def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, 
         while True:
             if time.monotonic() > deadline:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
+                procs.kill(proc)
                 break
             if sel.select(timeout=0.5):
                 line = proc.stdout.readline()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from mfu_lab.analysis.placement_check import Coloc
+from mfu_lab.core import procs
 from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.files import read_json
 from mfu_lab.core.job import Job
@@ -34,43 +35,42 @@ def colocate(job: Job, work: Path, device_type: str, say) -> Coloc:
     def launch(n: int, tag: str) -> list[dict]:
         go = work / f"{tag}.go"
         go.unlink(missing_ok=True)
-        procs, specs = [], []
+        copies, specs, logs = [], [], []
         release_device_memory("cuda")  # the copies get the GPU the launcher let go of (a no-op without CUDA)
-        for i in range(n):
-            spec = {"job": job.to_dict(), "warmup": max(1, job.warmup_steps), "steps": job.coloc_steps,
-                    "ready": str(work / f"{tag}{i}.ready"), "go": str(go), "out": str(work / f"{tag}{i}.json"),
-                    "wait_s": READY_TIMEOUT_S}
-            for k in ("ready", "out"):
-                Path(spec[k]).unlink(missing_ok=True)
-            path = work / f"{tag}{i}.spec.json"
-            path.write_text(json.dumps(spec))
-            err = open(work / f"{tag}{i}.log", "w")
-            procs.append((subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.coloc", "--spec", str(path)],
-                                           stdout=err, stderr=err, env=env, cwd=os.getcwd()), err))
-            specs.append(spec)
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while not all(Path(s["ready"]).exists() for s in specs):
-                dead = [i for i, (p, _) in enumerate(procs) if p.poll() is not None]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"copy {dead[0] if dead else '?'} ended or stalled before its measured steps")
-                time.sleep(0.05)
-            go.write_text("go")
-            for p, _ in procs:
-                p.wait(timeout=READY_TIMEOUT_S)
-            if any(p.returncode for p, _ in procs):
-                raise RuntimeError("a copy exited with an error")
-            return [read_json(Path(s["out"])) for s in specs]
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            for p, _ in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            tail = "".join((work / f"{tag}{i}.log").read_text(errors="replace")[-800:] for i in range(n))
-            raise RuntimeError(f"{e}; its log ends: {tail.strip()[-800:]}") from None
-        finally:
-            for _, f in procs:
-                f.close()
+        with procs.group() as group:  # the copies end with this call, however it ends (procs)
+            try:
+                for i in range(n):
+                    spec = {"job": job.to_dict(), "warmup": max(1, job.warmup_steps), "steps": job.coloc_steps,
+                            "ready": str(work / f"{tag}{i}.ready"), "go": str(go),
+                            "out": str(work / f"{tag}{i}.json"), "wait_s": READY_TIMEOUT_S}
+                    for k in ("ready", "out"):
+                        Path(spec[k]).unlink(missing_ok=True)
+                    path = work / f"{tag}{i}.spec.json"
+                    path.write_text(json.dumps(spec))
+                    logs.append(open(work / f"{tag}{i}.log", "w"))  # noqa: SIM115 - closed below
+                    copies.append(group.popen([sys.executable, "-m", "mfu_lab.workers.coloc", "--spec", str(path)],
+                                              stdout=logs[-1], stderr=logs[-1], env=env, cwd=os.getcwd()))
+                    specs.append(spec)
+                deadline = time.monotonic() + READY_TIMEOUT_S
+                while not all(Path(s["ready"]).exists() for s in specs):
+                    dead = [i for i, p in enumerate(copies) if p.poll() is not None]
+                    if dead or time.monotonic() > deadline:
+                        raise RuntimeError(f"copy {dead[0] if dead else '?'} ended or stalled before its measured "
+                                           "steps")
+                    time.sleep(0.05)
+                go.write_text("go")
+                for p in copies:
+                    p.wait(timeout=READY_TIMEOUT_S)
+                if any(p.returncode for p in copies):
+                    raise RuntimeError("a copy exited with an error")
+                return [read_json(Path(s["out"])) for s in specs]
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                group.kill_all()
+                tail = "".join((work / f"{tag}{i}.log").read_text(errors="replace")[-800:] for i in range(n))
+                raise RuntimeError(f"{e}; its log ends: {tail.strip()[-800:]}") from None
+            finally:
+                for f in logs:
+                    f.close()
 
     try:
         say(f"co-location: the job alone ({job.coloc_steps} steps)")

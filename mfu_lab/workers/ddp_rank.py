@@ -32,6 +32,7 @@ from mfu_lab.analysis import racing
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.job import validate
 from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.procs import die_with_parent
 from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
 from mfu_lab.workers.launch import config_name, full_factor
@@ -212,6 +213,7 @@ def pick_to_confirm(full: dict[str, dict | None], confirm: dict, steps_per_turn:
 
 
 def main() -> None:
+    die_with_parent()  # torchrun started this rank in a session of its own: it must not outlive torchrun
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     spec = json.loads(Path(ap.parse_args().spec).read_text())

@@ -14,12 +14,12 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mfu_lab.core import procs
 from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job
 
@@ -144,9 +144,12 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
     stderr_path = work / f"launcher_{attempt}.log"
     free = release_device_memory(spec.get("device_type", "cpu"))
     t0 = time.perf_counter()
-    with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(_torchrun_cmd(job, nnodes, nproc, log_dir, spec_path), stdout=err, stderr=err,
-                                env=env, start_new_session=True, cwd=os.getcwd())
+    with open(stderr_path, "w") as err, procs.group():  # torchrun and its ranks end with this call, however it ends
+        # SIGTERM first: torchrun then ends its ranks (each in a session of its own) before it exits; the ranks
+        # also die with torchrun (procs.die_with_parent) and torchrun with this process (PDEATHSIG SIGTERM)
+        proc = procs.popen(_torchrun_cmd(job, nnodes, nproc, log_dir, spec_path), stdout=err, stderr=err,
+                           env={**env, **procs.launcher_env()}, cwd=os.getcwd(), death_signal=signal.SIGTERM,
+                           grace_s=20.0)
         last_size, last_change, seen = -1, time.monotonic(), 0
         while proc.poll() is None:
             size = progress_file.stat().st_size if progress_file.exists() else 0
@@ -158,12 +161,7 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
                         progress(ev)
                     seen = len(events)
             if time.monotonic() - last_change > job.comm_timeout_s:
-                os.killpg(proc.pid, signal.SIGTERM)  # the launcher and every rank
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                procs.kill(proc)  # SIGTERM, 20 s for torchrun to end its ranks, then SIGKILL
                 break
             time.sleep(0.2)
     events = _read(progress_file)

@@ -21,13 +21,14 @@ import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
+
+from mfu_lab.core import procs
 
 PREFIX = "@mfu-lab@"
 
@@ -47,9 +48,10 @@ class RungProcess:
         self.stderr_path = work / f"rung_{spec['rung']}.log"
         self._err = open(self.stderr_path, "w")
         env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}  # env: e.g. a compile cache to reuse
-        self.proc = subprocess.Popen([sys.executable, "-m", "mfu_lab.workers.verify_rung", "--spec", str(spec_path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                     env=env, start_new_session=True)
+        # a session of its own, dies with this process (procs.popen); ended by close(), or at the latest when the
+        # open procs.group() of the caller ends or the interpreter exits
+        self.proc = procs.popen([sys.executable, "-m", "mfu_lab.workers.verify_rung", "--spec", str(spec_path)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         self._lines: queue.Queue = queue.Queue()
 
         def pump():
@@ -83,6 +85,10 @@ class RungProcess:
         return self._next()
 
     def close(self) -> None:
+        """Ask the process to quit and wait up to 10 s, then end it; at once when Ctrl-C (or SIGTERM) is why the
+        caller is closing it (a rung in the middle of its steps would read the quit only after them)."""
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            procs.kill(self.proc)
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 self.proc.stdin.write(json.dumps({"quit": 1}) + "\n")
@@ -90,10 +96,16 @@ class RungProcess:
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(OSError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass
+            finally:  # its group too, even when the wait was interrupted
+                procs.kill(self.proc)
         self._err.close()
+
+    def __enter__(self) -> RungProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def reply(obj: dict) -> None:
