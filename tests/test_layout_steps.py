@@ -53,6 +53,8 @@ def test_step_1_measures_the_pipeline_bubble_per_stage(tmp_path):
     b = r.layout["bubble"]
     assert r.layout["layout"]["name"] == "PP2 interleaved_1f1b v2 m4"
     assert b["analytic"] == pytest.approx((2 - 1) / (2 * 4))  # (p-1)/(v*m)
+    assert b["analytic_of_step"] == pytest.approx((2 - 1) / (2 * 4 + 2 - 1))  # the same bubble as a share of the step
+    assert [r["pp_rank"] for r in b["per_pp_rank"]] == [0, 1]
     assert len(b["per_stage"]) >= 2 and all(0 <= s["fraction"] < 1 for s in b["per_stage"])
     assert r.metrics["pipeline_bubble"].source == "measured"
     assert {"send", "recv"} <= {c["kind"] for c in r.layout["collective_rows"]}

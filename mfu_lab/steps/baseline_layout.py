@@ -131,21 +131,33 @@ def headline_metrics(job: Job, run: LayoutRun, report: FlopReport, peak_total: f
         "final_loss": Metric(run.losses[-1] if run.losses else None, "nats", "measured",
                              "training loss of the last measured step"),
         "world_size": Metric(float(run.world), "ranks", "measured", f"{run.layout['name']} over {run.backend}"),
-        "loss_check_gap": Metric(run.loss_check.get("max_rel_gap"), "fraction", "measured",
-                                 f"largest relative loss gap against {run.loss_check.get('reference')} over "
-                                 f"{run.loss_check.get('steps')} steps (tolerance "
-                                 f"{run.loss_check.get('tolerance')})"),
+        "loss_check_gap": Metric((run.loss_check or {}).get("max_rel_gap"), "fraction", "measured",
+                                 f"largest relative loss gap against {(run.loss_check or {}).get('reference')} "
+                                 f"over {(run.loss_check or {}).get('steps')} steps (tolerance "
+                                 f"{(run.loss_check or {}).get('tolerance')})"),
     }
     peaks = [m.get("peak_bytes") for m in run.memory if m.get("peak_bytes") is not None]
     if peaks:
         metrics["peak_memory_bytes"] = Metric(float(max(peaks)), "bytes", "measured",
                                               f"the largest rank's peak ({run.memory[0].get('peak_source', '')})")
     if run.bubble:
-        worst = max(run.bubble["per_stage"], key=lambda s: s["fraction"])
-        metrics["pipeline_bubble"] = Metric(worst["fraction"], "fraction", "measured",
-                                            f"fill + drain of stage {worst['stage']} over its step (the largest); "
-                                            f"(p-1)/(v*m) = {run.bubble['analytic']:.1%}")
+        rank, worst = bubble_share(run)
+        metrics["pipeline_bubble"] = Metric(
+            worst, "fraction", "measured",
+            f"idle before the first and after the last of pipeline rank {rank}'s stages, over its step (the "
+            f"largest of the pipeline ranks); analytic (p-1)/(v*m+p-1) = {run.bubble.get('analytic_of_step', 0):.1%} "
+            f"of the step ((p-1)/(v*m) = {run.bubble['analytic']:.1%} of the compute); fill and drain only: idle "
+            "inside the step is not counted")
     return metrics, timings, mfu_value
+
+
+def bubble_share(run: LayoutRun) -> tuple[int, float]:
+    """(pipeline rank, its measured fill + drain over its step) for the rank where it is largest: a rank idles
+    until its earliest stage starts and after its latest one ends (``per_pp_rank``; ``per_stage`` for an older
+    record)."""
+    rows = run.bubble.get("per_pp_rank") or [dict(s, pp_rank=s["stage"]) for s in run.bubble["per_stage"]]
+    worst = max(rows, key=lambda s: s["fraction"])
+    return worst["pp_rank"], worst["fraction"]
 
 
 def peak_of_world(job: Job, device: dev.DeviceInfo, world: int) -> tuple[float, str, str]:
@@ -159,7 +171,7 @@ def peak_of_world(job: Job, device: dev.DeviceInfo, world: int) -> tuple[float, 
 
 def ledger_for(run: LayoutRun, mfu_value: float, report: FlopReport, traces: list[dict[str, Any]], data: float):
     kinds, where = exposed_by_kind(traces)
-    bubble = (max(s["fraction"] for s in run.bubble["per_stage"]) if run.bubble else None)
+    bubble = bubble_share(run)[1] if run.bubble else None
     led = layout_ledger(mfu_value, kinds, bubble, data, run.layout["name"], run.world, hardware_flops(report),
                         comm_source="measured")
     led.get("structure").explanation += f" ({where})"
@@ -197,8 +209,12 @@ def measure(job: Job, device: dev.DeviceInfo, world: int, progress=None) -> Meas
     """Run the job in its layout (profiled once per rank) and turn the run into step 1's figures."""
     say = as_progress(progress).say
     run = launch(job, device.type, BY_KEY["baseline"].folder, progress=progress, profile=True)
-    say(f"  {run.layout['name']}: loss check passed (largest relative gap {run.loss_check['max_rel_gap']:.2g} "
-        f"against {run.loss_check['reference']}); {len(run.step_times_s[0])} timed steps per rank")
+    lc = run.loss_check or {}
+    gap = lc.get("max_rel_gap")
+    say(f"  {run.layout['name']}: " + (f"loss check passed (largest relative gap {gap:.2g} against "
+                                       f"{lc.get('reference')})" if gap is not None else
+                                       f"loss not checked ({lc.get('reference', 'no reference')})")
+        + f"; {len(run.step_times_s[0])} timed steps per rank")
     report = meta_flops(job, device.type)
     peak_total, source, note = peak_of_world(job, device, world)
     metrics, timings, mfu_value = headline_metrics(job, run, report, peak_total, source, note)
