@@ -156,3 +156,77 @@ def test_notebook_runs_under_papermill_with_plots_and_an_offline_report(full_run
     index = (job_root / "index.html").read_text()
     assert "Step 3 · kernels" in index and 'href="03_kernels/report.html"' in index
     assert_offline(index)
+
+
+# ------------------------------------------------------------------ the job in its own layout
+LAYOUT_JOB = dict(model="gpt", n_layers=2, n_heads=2, d_model=32, seq_len=16, vocab_size=64, micro_batch=4, steps=2,
+                  warmup_steps=1, profile_steps=1, profile_warmup_steps=1, nproc_per_node=2)
+
+
+def _our_processes():
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def in_layout(tmp_path_factory):
+    """Step 3 on the tiny GPT in two layouts at world 2 over gloo: TP2, then FSDP2, one torchrun launch each (the
+    loss check, 1 warm-up + 2 timed steps and one traced step per rank). Both together: 33 s here on 2 cores, 69 s
+    while others shared them."""
+    out = tmp_path_factory.mktemp("kl")
+    runs = {}
+    for name, extra in (("TP2", {"tp": 2}), ("FSDP2", {"dp_mode": "fsdp"})):
+        job = load_job(TINY, LAYOUT_JOB | extra | {"job_name": name.lower(), "out_dir": str(out)})
+        runs[name] = (job, kernels.run(job))
+    return runs
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name,kinds", [("TP2", ["allreduce"]), ("FSDP2", ["allgather", "reduce_scatter"])])
+def test_a_layout_job_traces_every_rank_with_collectives_as_categories(in_layout, name, kinds):
+    """Each rank of the job's own layout traced, its collectives by kind, the layout ledger; no process left.
+    The fixture's two runs take 33-69 s here (see it); the tests themselves, under a second."""
+    job, r = in_layout[name]
+    assert not _our_processes()  # run_layout ended torchrun and its ranks
+    lay = r.layout
+    assert lay["name"] == name and lay["world"] == 2 and lay["backend"] == "gloo" and lay["status"] == "ok"
+    assert lay["loss_check"]["passed"] and r.ddp["status"] == "skipped"
+    assert any(s["what"] == "one-process profile" for s in r.skipped)
+    folder = job.step_dir("03_kernels")
+    assert [p.rank for p in lay["profiles"]] == [0, 1]
+    for p in lay["profiles"]:
+        assert (folder / p.trace_file).is_file() and p.trace_file.startswith("layout/trace_0_rank")
+        b = p.breakdown
+        assert sum(b.parts().values()) == pytest.approx(1.0)
+        assert any(b.comm_by_kind.get(k, {}).get("total", 0) > 0 for k in ("allreduce", "allgather"))
+        for k in kinds:
+            assert b.comm_by_kind[k]["total"] > 0 and 0 <= b.comm_by_kind[k]["exposed"] <= b.comm_by_kind[k]["total"]
+        assert p.top and p.top_share > 0  # its own top operators, from its own trace
+    assert r.trace_file == lay["profiles"][0].trace_file and r.analysis.top  # rank 0's trace is the main analysis
+    assert r.ledger.total == pytest.approx(1.0)
+    structure = r.ledger.get("structure")
+    worst = max(lay["profiles"], key=lambda p: p.breakdown.communicating)
+    assert lay["most_exposed_rank"] == worst.rank
+    assert structure.fraction == pytest.approx(sum(v["exposed"] for v in worst.breakdown.comm_by_kind.values()))
+    assert all(k in structure.explanation for k in kinds) and kernels.kl.GLOO_NOTE in structure.explanation
+    assert r.ledger.get("mfu").fraction == pytest.approx(r.metric("profiled_mfu"))
+    for k in kinds:
+        assert r.metric(f"exposed_{k}_share") == worst.breakdown.comm_by_kind[k]["exposed"]
+    again = kernels.KernelsResult.from_dict(json.loads((folder / "result.json").read_text()))
+    assert again.layout["profiles"][1] == lay["profiles"][1]
+
+
+@pytest.mark.e2e
+def test_a_layout_jobs_report_and_index_say_which_layout_ran(in_layout):
+    from mfu_lab import report
+    from mfu_lab.report.tables_kernels import compare_line
+
+    job, r = in_layout["TP2"]
+    view = report.layout_view(r) + report.ranks_view(r)
+    assert "<b>TP2</b>" in view and "allreduce" in view and "gloo&#x27;s collective times on a CPU" in view
+    assert "Rank 1 (pp0 dp0 tp1): its top" in view
+    assert "TP2" in compare_line(r) and "TP2" in r.ledger_title()
+    index = (job.output_root() / "index.html").read_text()
+    assert "The job ran in its own layout, <b>TP2</b>" in index and 'href="03_kernels/layout/trace_0_rank1' in index

@@ -13,6 +13,8 @@ CATEGORY_COLORS = {"matmul": "#3b6fb6", "attention": "#7048e8", "normalisation":
                    "optimizer": "#0c8599", "data loading": "#a0522d", "other": "#ced4da"}
 BREAKDOWN_COLORS = {"computing": "#3b6fb6", "communicating (exposed)": "#7048e8", "copying memory": "#868e96",
                     "waiting for data": "#e8912d", "idle": "#c92a2a"}
+KIND_COLORS = {"allgather": "#9c36b5", "reduce_scatter": "#e64980", "allreduce": "#7048e8", "send": "#1098ad",
+               "recv": "#0b7285", "broadcast": "#5f3dc4", "all_to_all": "#d6336c", "barrier": "#495057"}
 
 
 def _short(name: str, n: int = 48) -> str:
@@ -37,7 +39,10 @@ def top_kernels(result) -> ReportFigure:
     ax.tick_params(axis="y", labelsize=7)
     unit = "kernels" if a.kind == "gpu" else "operators (self time)"
     ax.set_xlabel("ms per profiled step (label: share of the step)")
-    ax.set_title(f"Top {len(a.top)} {unit}: {a.top_share:.1%} of the step")
+    lay = getattr(result, "layout", None) or {}
+    whose = f", rank 0 of {lay['name']}" if lay else ""
+    caveat = f"\n{lay['caveat']}" if lay.get("caveat") else ""
+    ax.set_title(f"Top {len(a.top)} {unit}{whose}: {a.top_share:.1%} of the step{caveat}", fontsize=10)
     cats = [(c, s) for c, s in a.category_share.items() if s > 0][::-1]
     ax2.barh([c for c, _ in cats], [s for _, s in cats], color=[CATEGORY_COLORS[c] for c, _ in cats])
     for i, (_, s) in enumerate(cats):
@@ -51,7 +56,11 @@ def top_kernels(result) -> ReportFigure:
 
 def time_breakdown(result, per_rank: bool = False) -> ReportFigure:
     """The profiled window split into computing, exposed communication, copies, data wait and idle: one bar
-    for the one-process profile, or (``per_rank``) one bar per rank of the data-parallel profile."""
+    for the one-process profile, or (``per_rank``) one bar per rank of the data-parallel profile, or of the job's
+    own layout, where the exposed communication is split by collective kind."""
+    lay = getattr(result, "layout", None) or {}
+    if per_rank and lay.get("profiles"):
+        return _layout_ranks(lay)
     if per_rank:
         rows = [(f"rank {r.rank}", r.breakdown) for r in result.ddp.get("ranks", [])][::-1]
         title = (f"Data-parallel, per rank ({result.ddp.get('world_size')} ranks over {result.ddp.get('backend')}, "
@@ -96,5 +105,45 @@ def fusion_candidates(result, n: int = 10) -> ReportFigure:
     ax.set_xlabel("ms per step")
     ax.set_title("Fusion candidates, ranked by estimated saving")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def _parts_by_kind(b) -> dict[str, tuple[float, str]]:
+    """A rank's traced step in parts, the exposed communication split by kind: {label: (share, colour)}."""
+    out = {"computing": (b.computing, BREAKDOWN_COLORS["computing"])}
+    kinds = {k: v["exposed"] for k, v in sorted(b.comm_by_kind.items()) if v["exposed"] > 0}
+    for i, (k, v) in enumerate(kinds.items()):
+        out[f"{k} (exposed)"] = (v, KIND_COLORS.get(k, ["#ae3ec9", "#f783ac", "#74c0fc"][i % 3]))
+    rest = b.communicating - sum(kinds.values())
+    if rest > 1e-4:
+        out["communicating (exposed, no kind)"] = (rest, BREAKDOWN_COLORS["communicating (exposed)"])
+    for name in ("copying memory", "waiting for data", "idle"):
+        out[name] = (b.parts()[name], BREAKDOWN_COLORS[name])
+    return out
+
+
+def _layout_ranks(lay: dict) -> ReportFigure:
+    """One bar per rank of the job's own layout, its exposed communication split by collective kind."""
+    rows = [(f"rank {p.rank} ({p.coords})", _parts_by_kind(p.breakdown)) for p in lay["profiles"]][::-1]
+    caveat = f"\n{lay['caveat']}" if lay.get("caveat") else ""
+    fig = ReportFigure(figsize=(11, 1.8 + 0.5 * len(rows)))
+    ax = fig.subplots()
+    seen: set[str] = set()
+    for y, (_, parts) in enumerate(rows):
+        left = 0.0
+        for name, (share, colour) in parts.items():
+            ax.barh([y], [share], left=left, color=colour, label=None if name in seen else name)
+            seen.add(name)
+            if share > 0.06:
+                ax.text(left + share / 2, y, f"{share:.0%}", ha="center", va="center", color="white", fontsize=9)
+            left += share
+    ax.set_xlim(0, 1)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for label, _ in rows])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_title(f"{lay['name']}, per rank ({lay['world']} ranks over {lay['backend']}): the traced step, exposed "
+                 f"communication by collective kind{caveat}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)
     fig.tight_layout()
     return fig

@@ -7,6 +7,9 @@ a time breakdown of the profiled steps in the ledger's terms, time by category,
 and fusion candidates with their memory traffic at the device's measured
 bandwidth. The trace is kept, gzipped, as ``<out>/<job>/03_kernels/trace.json.gz``
 next to ``result.json``.
+
+A job that is more than plain DDP (``dp_mode: fsdp``, ``tp`` > 1 or ``pp`` > 1) is traced in its own layout instead,
+every rank of it, with the collectives as categories and the layout ledger: see :mod:`mfu_lab.steps.kernels_layout`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from mfu_lab.core.thresholds import (
     PROFILER_OVERHEAD_LIMIT,
 )
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
+from mfu_lab.steps import kernels_layout as kl
 from mfu_lab.steps.baseline import reference_peak, step1_reference
 from mfu_lab.workers.launch import error_lines, launch, world_layout
 
@@ -74,13 +78,27 @@ class KernelsResult(StepResult):
     trace_file: str
     advice: list[Advice]
     ddp: dict[str, Any] = field(default_factory=dict)  # the per-rank profile: status, config, ranks
+    # the job in its own layout (steps.kernels_layout): the run's summary, "name", "profiles" (one per rank), "caveat"
+    layout: dict[str, Any] = field(default_factory=dict)
+    fit: dict[str, Any] = field(default_factory=dict)  # the layout's memory per rank against what is available
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelsResult:
-        """As every result, by field name; the per-rank profiles inside ``ddp`` (a free-form dict) too."""
+        """As every result, by field name; the per-rank profiles inside ``ddp`` and ``layout`` (free-form dicts)
+        too."""
         r = super().from_dict(d)
         r.ddp = {**r.ddp, "ranks": [rebuild(RankProfile, x) for x in r.ddp.get("ranks", [])]}
+        if r.layout:
+            r.layout = {**r.layout, "profiles": [rebuild(kl.LayoutRankProfile, x) for x in r.layout["profiles"]]}
         return r
+
+    def ledger_title(self) -> str:
+        """The ledger plot's title: which steps it is of, and under a layout which one ran (and gloo's caveat)."""
+        if not self.layout:
+            return "MFU ledger of the profiled steps"
+        caveat = f"\n{self.layout['caveat']}" if self.layout.get("caveat") else ""
+        return (f"MFU ledger of {self.layout['name']}'s traced step, rank {self.layout['most_exposed_rank']} "
+                f"(the most exposed){caveat}")
 
 
 Result = KernelsResult  # the step contract: every step module names its result class Result
@@ -183,7 +201,9 @@ def advise(r: KernelsResult) -> list[Advice]:
     if b.waiting_for_data > DATA_WAIT_LIMIT:
         out.append(Advice("act", "The device waits for the next batch: load in background workers (num_workers, "
                           "prefetch_factor, pin_memory on GPU)", f"waiting for data {b.waiting_for_data:.1%}"))
-    if b.communicating > COMM_LIMIT:
+    if r.layout:
+        out += kl.advice(r.layout, device_type != "cuda")
+    elif b.communicating > COMM_LIMIT:
         out.append(Advice("act", "Communication is exposed: use step 2's bucket size and hook to overlap it",
                           f"exposed communication {b.communicating:.1%} (aim under {COMM_LIMIT:.0%})"))
     if b.idle > IDLE_LIMIT:
@@ -220,6 +240,83 @@ def advise(r: KernelsResult) -> list[Advice]:
     return out
 
 
+def _compare(ref: dict[str, Any] | None, median_s: float, profiled_s: float) -> dict[str, Any]:
+    """This run's step time against step 1's, when step 1 ran on this device."""
+    compare: dict[str, Any] = {"this_median_s": median_s, "profiled_median_s": profiled_s}
+    if ref:
+        compare |= {k: ref[k] for k in ("source", "median_s", "p10_s", "p90_s", "mfu")}
+        compare["consistent"] = ref["p10_s"] <= median_s <= ref["p90_s"] or abs(median_s / ref["median_s"] - 1) <= 0.05
+        compare["difference"] = median_s / ref["median_s"] - 1
+    return compare
+
+
+def _trace_metrics(a: tr.TraceAnalysis, bandwidth: float, bw_note: str, whose: str = "") -> dict[str, Metric]:
+    """The figures read from the trace: top-N share, the breakdown, categories, bandwidth, fusion, optimizer."""
+    b = a.breakdown
+    best = a.fusion[0] if a.fusion else None
+    est_total = sum(c.est_saving_per_step_s or 0.0 for c in a.fusion)
+    mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
+    window = f"over {a.steps} profiled steps{whose}"
+    return {
+        "top_n_share": Metric(a.top_share, "fraction", "measured",
+                              f"self time of the top {len(a.top)} {'kernels' if a.kind == 'gpu' else 'operators'} "
+                              f"/ profiled window ({window})"),
+        "computing_share": Metric(b.computing, "fraction", "measured", "device computing / profiled window" + whose),
+        "exposed_comm_share": Metric(b.communicating, "fraction", "measured", "communication outside compute" + whose),
+        "copying_share": Metric(b.copying, "fraction", "measured", "memory copies outside compute" + whose),
+        "data_wait_share": Metric(b.waiting_for_data, "fraction", "measured", "idle while the host loads data" + whose),
+        "idle_share": Metric(b.idle, "fraction", "measured",
+                             "nothing running on the device, outside data loading" + whose),
+        "matmul_attention_share": Metric(a.category_share["matmul"] + a.category_share["attention"], "fraction",
+                                         "measured", "self time of matmul and attention / profiled window" + whose),
+        "memory_bound_share": Metric(mem, "fraction", "measured",
+                                     "self time of elementwise, normalisation, reduction and memory copy / window"
+                                     + whose),
+        "memory_bandwidth_bytes_per_s": Metric(bandwidth, "bytes/s", "measured", bw_note),
+        "ops_per_step": Metric(a.ops_per_step, "kernels" if a.kind == "gpu" else "operators", "counted",
+                               "kernels and copies (GPU) / operators (CPU) in the trace, per profiled step; step 4 "
+                               "compares its compiled count with this" + whose),
+        "fusion_candidates": Metric(float(len(a.fusion)), "patterns", "counted",
+                                    "distinct runs of 2+ adjacent memory-bound operations in the trace" + whose),
+        "fusion_saving_per_step_s": Metric(est_total, "s", "analytic",
+                                           "sum over candidates of 2 x intermediate bytes / measured bandwidth"),
+        "top_candidate_share": Metric(best.share_of_step if best else 0.0, "fraction", "measured",
+                                      f"measured time of '{best.pattern}' runs / step" if best else "no candidate"),
+        "optimizer_share": Metric(a.optimizer.get("share_of_step", 0.0), "fraction", "measured",
+                                  "Optimizer.step span / profiled step" + whose),
+    }
+
+
+def _run_in_layout(job: Job, device: dev.DeviceInfo, say, t_start: float, write: bool) -> KernelsResult:
+    """Step 3 for a job in its own layout: every rank traced (see :mod:`mfu_lab.steps.kernels_layout`)."""
+    nnodes, nproc = world_layout(job, device.type)
+    lp = kl.profile(job, device, nnodes * nproc, say)
+    a, m, name = lp.analysis, lp.metrics, lp.layout["name"]
+    rank0 = f" (rank 0's trace of {name})"
+    median, traced = stats(lp.unprofiled.measured("wall_s")).median, lp.profiled.wall_s[0]
+    metrics = {
+        "mfu": m["mfu"], "profiled_mfu": m["profiled_mfu"], "step_time_median_s": m["step_time_median_s"],
+        "profiled_step_time_median_s": Metric(traced, "s", "measured", lp.profiled.method),
+        "profiler_overhead": Metric(traced / median - 1, "fraction", "measured",
+                                    "the most exposed rank's traced step / the unprofiled median (slowest rank per "
+                                    "step) - 1; a traced span, not the profiled step's wall-clock"),
+        "tokens_per_s": m["tokens_per_s"],
+    } | _trace_metrics(a, lp.bandwidth, lp.bandwidth_note, rank0) | {
+        k: v for k, v in m.items() if k not in ("mfu", "profiled_mfu", "step_time_median_s", "tokens_per_s")}
+    if lp.layout["caveat"]:  # every figure that holds a collective's time, on a CPU
+        for k in ("exposed_comm_share", "profiled_mfu", "profiler_overhead"):
+            metrics[k] = dataclasses.replace(metrics[k], note=f"{metrics[k].note} ({lp.layout['caveat']})")
+    ddp = {"status": "skipped", "reason": f"the job runs in its own layout {name}: every rank is traced instead"}
+    result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, lp.ledger,
+                           lp.unprofiled, lp.profiled, _compare(lp.reference, median, traced), lp.trace_file, [],
+                           ddp, layout=lp.layout, fit=lp.fit, skipped=lp.skipped)
+    result.advice = advise(result)
+    result.elapsed_s = time.perf_counter() - t_start
+    if write:
+        save(job, result)
+    return result
+
+
 @guarded("kernels")
 def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     """Profile the job's training step; see the module docstring."""
@@ -228,6 +325,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
+    if kl.in_layout(job):
+        return _run_in_layout(job, device, say, t_start, write)
     out_dir = job.step_dir(INFO.folder)
     trace_path = out_dir / TRACE_FILE
 
@@ -266,21 +365,11 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
 
     plain, prof = stats(unprofiled.measured("wall_s")), stats(profiled.measured("wall_s"))
     overhead = prof.median / plain.median - 1
-    compare: dict[str, Any] = {"this_median_s": plain.median, "profiled_median_s": prof.median}
-    if ref:
-        compare |= {k: ref[k] for k in ("source", "median_s", "p10_s", "p90_s", "mfu")}
-        compare["consistent"] = ref["p10_s"] <= plain.median <= ref["p90_s"] or abs(
-            plain.median / ref["median_s"] - 1) <= 0.05
-        compare["difference"] = plain.median / ref["median_s"] - 1
+    compare = _compare(ref, plain.median, prof.median)
     n = len(unprofiled.measured("wall_s"))
     mfu_plain = fl.mfu(flops.model_flops_per_step, n / sum(unprofiled.measured("wall_s")), peak)
     mfu_profiled = fl.mfu(flops.model_flops_per_step, a.steps / a.window_s, peak)
     ledger = trace_ledger(a.breakdown, mfu_profiled, device.type, hardware_flops(flops))
-    b = a.breakdown
-    best = a.fusion[0] if a.fusion else None
-    est_total = sum(c.est_saving_per_step_s or 0.0 for c in a.fusion)
-    mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
-    window = f"over {a.steps} profiled steps"
     metrics = {
         "mfu": Metric(mfu_plain, "fraction", "measured",
                       f"{flops.model_flops_source} model FLOPs x steps / (peak x wall), {n} unprofiled steps of "
@@ -292,30 +381,7 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
                                     "side by side in this run"),
         "tokens_per_s": Metric(job.tokens_per_step * n / sum(unprofiled.measured("wall_s")), "tokens/s", "measured",
                                "unprofiled steps"),
-        "top_n_share": Metric(a.top_share, "fraction", "measured",
-                              f"self time of the top {len(a.top)} {'kernels' if a.kind == 'gpu' else 'operators'} "
-                              f"/ profiled window ({window})"),
-        "computing_share": Metric(b.computing, "fraction", "measured", "device computing / profiled window"),
-        "exposed_comm_share": Metric(b.communicating, "fraction", "measured", "communication outside compute"),
-        "copying_share": Metric(b.copying, "fraction", "measured", "memory copies outside compute"),
-        "data_wait_share": Metric(b.waiting_for_data, "fraction", "measured", "idle while the host loads data"),
-        "idle_share": Metric(b.idle, "fraction", "measured", "nothing running on the device, outside data loading"),
-        "matmul_attention_share": Metric(a.category_share["matmul"] + a.category_share["attention"], "fraction",
-                                         "measured", "self time of matmul and attention / profiled window"),
-        "memory_bound_share": Metric(mem, "fraction", "measured",
-                                     "self time of elementwise, normalisation, reduction and memory copy / window"),
-        "memory_bandwidth_bytes_per_s": Metric(bandwidth, "bytes/s", "measured", bw_note),
-        "ops_per_step": Metric(a.ops_per_step, "kernels" if a.kind == "gpu" else "operators", "counted",
-                               "kernels and copies (GPU) / operators (CPU) in the trace, per profiled step; step 4 "
-                               "compares its compiled count with this"),
-        "fusion_candidates": Metric(float(len(a.fusion)), "patterns", "counted",
-                                    "distinct runs of 2+ adjacent memory-bound operations in the trace"),
-        "fusion_saving_per_step_s": Metric(est_total, "s", "analytic",
-                                           "sum over candidates of 2 x intermediate bytes / measured bandwidth"),
-        "top_candidate_share": Metric(best.share_of_step if best else 0.0, "fraction", "measured",
-                                      f"measured time of '{best.pattern}' runs / step" if best else "no candidate"),
-        "optimizer_share": Metric(a.optimizer.get("share_of_step", 0.0), "fraction", "measured",
-                                  "Optimizer.step span / profiled step"),
+    } | _trace_metrics(a, bandwidth, bw_note) | {
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
     ranks = ddp.get("ranks", [])
