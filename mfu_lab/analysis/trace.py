@@ -161,9 +161,11 @@ def _breakdown(tr: IndexedTrace) -> Breakdown:
                 segs[op.category].append(s)
                 if kind:
                     kinds[kind].append(s)
+        by_ops = bool(kinds)  # the caller's own collective operators name their kinds
         for c in tr.host_comm:  # gloo's own work events (its threads' all-reduce)
             segs["communication"].append((c.ts, c.end))
-            kinds[comm_kind(c.name, c.args)].append((c.ts, c.end))
+            if not by_ops:  # gloo runs a reduce-scatter as an all-reduce: its thread's names are not the kinds
+                kinds[comm_kind(c.name, c.args)].append((c.ts, c.end))
     comm = intersect(union(segs.pop("communication", [])), window)
     copy = intersect(union(segs.pop("memory copy", [])), window)
     segs.pop("data loading", None)  # a CPU run's loader work is the device waiting for data

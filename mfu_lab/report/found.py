@@ -25,7 +25,7 @@ from mfu_lab.core.registry import STEPS, StepInfo
 from mfu_lab.core.runstate import step_state
 from mfu_lab.report.format import fmt
 from mfu_lab.report.index import WORKLOAD_KEYS
-from mfu_lab.report.summary import BAR_MEANING
+from mfu_lab.report.summary import bar_meaning
 from mfu_lab.report.templating import render
 
 TEMPLATE = "found.html.j2"
@@ -128,7 +128,7 @@ def _since_step1(info: StepInfo, d: dict[str, Any], folder: Path) -> dict[str, A
     except DamagedFile as e:
         return {"text": f"Step 1's result cannot be read ({e.why}), so there is no MFU to compare with."}
     now, then = _figure(d.get("metrics"), "mfu"), _figure(base.get("metrics"), "mfu")
-    out: dict[str, Any] = {"now": now, "then": then, "meaning": BAR_MEANING.get(info.key, ""),
+    out: dict[str, Any] = {"now": now, "then": then, "meaning": bar_meaning(info.key, d),
                            "differs": job_differences(d.get("job"), base.get("job"), d.get("environment"),
                                                       base.get("environment"))}
     if now and then and isinstance(now["value"], int | float) and isinstance(then["value"], int | float) \

@@ -120,6 +120,18 @@ BAR_MEANING = {"baseline": "the job as it came, one process, eager",
                "verify": "the tuned job, one process, side by side with the original"}
 
 
+def bar_meaning(key: str, result: dict[str, Any]) -> str:
+    """What a step's MFU bar measures: :data:`BAR_MEANING`, or for a job run in its own layout (steps 1, 3 and
+    7 under torchrun) the layout and its ranks."""
+    lay = (result or {}).get("layout") or {}
+    name = (lay.get("layout") or {}).get("name")
+    if name and key in ("baseline", "kernels"):
+        return f"the job in its layout {name}, {lay.get('world')} ranks, slowest rank per step"
+    if key == "verify" and any("in the job's layout" in (r.get("reason") or "") for r in result.get("rungs") or []):
+        return "the tuned job in its layout, side by side with the original"
+    return BAR_MEANING.get(key, "as the step measured it")
+
+
 def mfu_points(results: dict[str, dict[str, Any]]) -> list[tuple[str, float, str]]:
     """(step folder, MFU, its label) for every step that reports one, in workbook order; step 2's data-parallel
     MFU is a point of its own (folder ``02_…/DDP``), since it is a different measurement (N ranks)."""
@@ -152,7 +164,7 @@ def bar_meanings(results: dict[str, dict[str, Any]]) -> list[str]:
             world = (results[key].get("comm_layout") or {}).get("world_size")
             out.append(f"data-parallel, {world} ranks, recommended DDP configuration ({source})")
         else:
-            out.append(f"{BAR_MEANING.get(key, 'as the step measured it')} ({source})")
+            out.append(f"{bar_meaning(key, results[key])} ({source})")
     if len(set(peaks)) > 1:  # an MFU against another peak is not comparable by height: say which
         out = [f"{m}, against the {p} peak" for m, p in zip(out, peaks)]
     return out

@@ -59,15 +59,21 @@ def slowest_rank_steps(run: LayoutRun) -> list[float]:
     return [max(ts) for ts in zip(*per_rank)]
 
 
+def coords(rank: int, lay: dict[str, Any]) -> str:
+    """A rank's place on the mesh, whose dimensions are (pp, dp, tp), tp innermost (core.layout.build_mesh)."""
+    tp, dp = lay["tp"], lay["dp"]
+    return f"pp {rank // (tp * dp)}, dp {(rank // tp) % dp}, tp {rank % tp}"
+
+
 def rank_rows(run: LayoutRun) -> list[dict[str, Any]]:
-    """One row per rank: its median step and its memory."""
+    """One row per rank: its place on the mesh, its median step and its memory."""
     rows = []
     for rank, times in enumerate(run.step_times_s):
         mem = run.memory[rank] if rank < len(run.memory) else {}
         rows.append({"rank": rank, "median_s": statistics.median(times) if times else None,
                      "peak_bytes": mem.get("peak_bytes"), "peak_source": mem.get("peak_source", ""),
                      "shard_bytes": mem.get("shard_bytes") or {"params": None, "grads": None, "optimizer": None},
-                     "coords": mem.get("coords", "")})
+                     "coords": coords(rank, run.layout)})
     return rows
 
 
