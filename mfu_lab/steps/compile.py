@@ -47,6 +47,7 @@ from mfu_lab.core.results import Metric, StepResult, environment, jsonable
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import reference_peak
 from mfu_lab.steps.compile_confirm import confirm_mode
+from mfu_lab.steps.fit import one_process_note
 
 INFO = BY_KEY["compile"]
 WARM_STEPS = 3  # measured steps of the warm-cache run (only its compile time is used)
@@ -271,6 +272,10 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
+    note = one_process_note(job, "compile trials", "in the layout each rank would compile its own blocks "
+                            "(core.parallelize compiles per block, after TP and before FSDP)")
+    if note:
+        skipped.append(note)
     out_dir = job.step_dir(INFO.folder)
 
     # ---- 1. the data's shapes, one epoch
