@@ -11,6 +11,7 @@ from __future__ import annotations
 import platform
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -195,12 +196,34 @@ def measure_matmul_peak(dtype: torch.dtype, device: str = "cpu", sizes=(512, 102
     return best, note
 
 
-def resolve_peak(device: DeviceInfo, dtype: str, override: float | None, matmul_precision: str | None = None) -> Peak:
-    """The peak MFU is measured against: the job's override, the datasheet (GPU; for float32 the TF32 or the
-    float32 row, by the job's ``matmul_precision``), or measured (CPU)."""
+def override_for(override: float | Mapping[str, float] | None, dtype: str, matmul_precision: str | None = None,
+                 job_dtype: str | None = None, job_matmul_precision: str | None = None) -> float | None:
+    """The job's ``peak_flops`` for ``dtype``, or None: a mapping's entry for that dtype; a single number only for
+    the job's own dtype (``job_dtype``; None: ``dtype`` is the job's). An override is never carried across dtypes,
+    nor, for float32, across matmul precisions: with ``job_matmul_precision`` given, a float32 figure is for the
+    job's float32 (TF32 or true float32) and a float32 rung at the other precision gets none."""
+    if override is None:
+        return None
+    if isinstance(override, Mapping):
+        value = override.get(dtype)
+    else:
+        value = override if dtype == (job_dtype or dtype) else None
+    if (value is not None and dtype == "float32" and job_matmul_precision is not None
+            and float32_precision_key(matmul_precision) != float32_precision_key(job_matmul_precision)):
+        return None
+    return value
+
+
+def resolve_peak(device: DeviceInfo, dtype: str, override: float | Mapping[str, float] | None,
+                 matmul_precision: str | None = None, job_dtype: str | None = None,
+                 job_matmul_precision: str | None = None) -> Peak:
+    """The peak MFU is measured against: the job's override for this dtype (:func:`override_for`), the datasheet
+    (GPU; for float32 the TF32 or the float32 row, by ``matmul_precision``), or measured (CPU). A GPU without a
+    datasheet row and no override for the dtype is a DeviceError asking for ``peak_flops``."""
     key = DTYPE_KEY[dtype]
-    if override is not None:
-        return Peak(override, "datasheet", key, "peak_flops given in the job file")
+    value = override_for(override, dtype, matmul_precision, job_dtype, job_matmul_precision)
+    if value is not None:
+        return Peak(float(value), "datasheet", key, f"peak_flops given in the job file (for {dtype})")
     if device.type == "cuda":
         return datasheet_peak(device.name, dtype, matmul_precision)
     flops, note = measure_matmul_peak(getattr(torch, dtype))
