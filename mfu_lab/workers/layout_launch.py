@@ -14,11 +14,11 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mfu_lab.core import procs
 from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job, validate
 from mfu_lab.core.layout import Layout
@@ -79,38 +79,6 @@ def layout_of(job: Job, overrides: dict, world: int) -> dict:
                 "overrides": overrides}
 
 
-def _popen(cmd: list[str], env: dict, err, procs):
-    if procs is not None:
-        return procs.popen(cmd, stdout=err, stderr=err, env={**env, **procs.launcher_env()}, cwd=os.getcwd(),
-                           death_signal=signal.SIGTERM, grace_s=20.0)
-    return subprocess.Popen(cmd, stdout=err, stderr=err, env=env, start_new_session=True, cwd=os.getcwd())
-
-
-def _end(proc, procs) -> None:
-    if procs is not None:
-        procs.kill(proc)
-        return
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun ends its ranks on SIGTERM
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in its group
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _procs():
-    try:
-        from mfu_lab.core import procs
-    except ImportError:  # until helper "procs" commits core.procs: own session, killpg on every way out
-        return None
-    return procs
-
-
 def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dict:
     """One torchrun launch of the worker, ended when it stalls for ``job.comm_timeout_s``; its events, exit code
     (None: ended by the watchdog), the ranks' stderr and, on a hang, which rank stopped where."""
@@ -130,12 +98,12 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(work / f"error_{attempt}.json")}
     env.setdefault("OMP_NUM_THREADS", "1")
     release_device_memory(spec["device_type"])
-    procs = _procs()
     t0, seen, hung, allowed = time.perf_counter(), 0, False, job.comm_timeout_s
     with open(work / f"launcher_{attempt}.log", "w") as err:
-        proc = _popen(cmd, env, err, procs)
+        proc = procs.popen(cmd, stdout=err, stderr=err, env={**env, **procs.launcher_env()}, cwd=os.getcwd(),
+                           death_signal=signal.SIGTERM, grace_s=20.0)
         try:
-            with procs.interrupt_on_sigterm() if procs else _nothing():
+            with procs.interrupt_on_sigterm():
                 last_size, last_change = -1, time.monotonic()
                 while proc.poll() is None:
                     size = progress_file.stat().st_size if progress_file.exists() else 0
@@ -153,7 +121,7 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
                         break
                     time.sleep(0.2)
         finally:
-            _end(proc, procs)  # every way out: a finished torchrun has nothing left; else it and its ranks end
+            procs.kill(proc)  # every way out: a finished torchrun has nothing left; else it and its ranks end
     events = _read(progress_file)
     if progress:
         for ev in events[seen:]:
@@ -162,14 +130,6 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
             "launcher_stderr": (work / f"launcher_{attempt}.log").read_text(errors="replace")[-3000:],
             "stalled": stalled_ranks(work / "beats") if hung else "", "seconds": time.perf_counter() - t0,
             "waited_s": allowed}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run_layouts(job: Job, device_type: str, work: Path, items: list[dict], progress=None, profile: bool = False,

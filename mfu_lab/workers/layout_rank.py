@@ -23,7 +23,6 @@ heartbeat; the per-rank figures are gathered to every rank first, so each node's
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -47,6 +46,7 @@ from mfu_lab.core.layout_check import check_layout
 from mfu_lab.core.measure import IGNORE, profile_steps
 from mfu_lab.core.meta_shape import job_shape
 from mfu_lab.core.parallelize import Parallelized, blocks_of, parallelize, untie_head
+from mfu_lab.core.procs import die_with_parent
 from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 from mfu_lab.workers.ddp_rank import emit, heartbeat
 
@@ -377,10 +377,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     spec = json.loads(Path(ap.parse_args().spec).read_text())
-    with contextlib.suppress(ImportError):  # helper "procs": this rank dies with torchrun, however it ends
-        from mfu_lab.core.procs import die_with_parent
-
-        die_with_parent()
+    die_with_parent()  # torchrun started this rank in a session of its own: it must not outlive torchrun
     out = Path(spec["out"])
     cuda = torch.cuda.is_available() and spec["device_type"] == "cuda"
     local = int(os.environ.get("LOCAL_RANK", 0))
