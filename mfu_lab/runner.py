@@ -285,13 +285,13 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
         # kernel inherits MFU_LAB_INDEX_BY_RUNNER: the bracket rewrites the index after the step, not the kernel.
         os.environ["MFU_LAB_INDEX_BY_RUNNER"] = "1"
         try:
-            papermill(src, out_nb, params, root, quiet, execution_timeout)
+            execute_notebook(src, out_nb, params, root, quiet, execution_timeout)
         finally:
             os.environ.pop("MFU_LAB_INDEX_BY_RUNNER", None)
     return folder / "report.html"
 
 
-def papermill(src: Path, out: Path, params: dict, cwd: Path, quiet: bool, timeout: float | None = None) -> None:
+def execute_notebook(src: Path, out: Path, params: dict, cwd: Path, quiet: bool, timeout: float | None = None) -> None:
     """One notebook through papermill, its printed lines streamed (indented) unless ``quiet``. Its kernel, and so
     every process the kernel starts, ends with this call however it ends (``procs``: SIGTERM is taken as Ctrl-C,
     and a kill of this process ends the kernel through its PDEATHSIG)."""
@@ -437,7 +437,7 @@ def monitor_report(folder: str | Path, out: str | Path | None = None, quiet: boo
         raise MfuLabError(f"notebook {src} not found: this mfu_lab was installed without its notebooks; reinstall "
                           "it from the workbook's source (pip install <checkout>), or run it from the checkout")
     try:
-        papermill(src, nb, {"monitor_dir": str(folder), "out": str(out)}, root, quiet)
+        execute_notebook(src, nb, {"monitor_dir": str(folder), "out": str(out)}, root, quiet)
     finally:
         if nb.is_file():  # a failed cell still leaves a report of what ran, with the error in it
             export_html(nb, out / "report.html")

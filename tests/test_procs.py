@@ -241,7 +241,7 @@ pc.colocate(job, Path({str(t.tmp / 'work')!r}), "cpu", print)
 
 
 def _kernel(t: Tree) -> str:
-    """runner.papermill (how mfu-lab run executes a notebook): the kernel dies with it, the kernel's child with
+    """runner.execute_notebook (how mfu-lab run executes a notebook): the kernel dies with it, the kernel's child with
     the kernel."""
     import nbformat
 
@@ -252,8 +252,8 @@ def _kernel(t: Tree) -> str:
     nbformat.write(nb, str(t.tmp / "in.ipynb"))
     return f"""
 from mfu_lab import runner
-runner.papermill(Path({str(t.tmp / 'in.ipynb')!r}), Path({str(t.tmp / 'out.ipynb')!r}), {{}},
-                 Path({str(t.tmp)!r}), quiet=True)
+runner.execute_notebook(Path({str(t.tmp / 'in.ipynb')!r}), Path({str(t.tmp / 'out.ipynb')!r}), {{}},
+                         Path({str(t.tmp)!r}), quiet=True)
 """
 
 
