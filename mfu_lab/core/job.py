@@ -130,8 +130,9 @@ class Job:
                                  "precision, gradient compression) may reach and still be adopted",
                                  min_exclusive=0.0)
     # --- device ---
-    peak_flops: float | None = _key(None, "peak FLOP/s for the training dtype; overrides the table / measurement",
-                                   min_exclusive=0.0, optional=True)
+    peak_flops: float | None = _key(None, "peak FLOP/s for the training dtype, or per dtype as {float32: 6.7e13, "
+                                   "bfloat16: 9.9e14}; overrides the table / measurement for that dtype only",
+                                   min_exclusive=0.0, optional=True, per_dtype=True)
     # --- distributed (step 2) ---
     nproc_per_node: int = _key(0, "processes per node for DDP (0: one per visible GPU, or 2 on CPU)", min=0)
     nnodes: int = _key(1, "nodes in the DDP launch (more than 1 needs rdzv_endpoint)", min=1)

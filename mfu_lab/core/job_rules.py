@@ -75,6 +75,8 @@ def type_problem(f: dataclasses.Field, value: Any, keys: Collection[str]) -> tup
     meta = f.metadata
     if value is None:
         return value, None if meta.get("optional") else f"must be given (expected {t.replace(' | None', '')})"
+    if meta.get("per_dtype"):
+        return per_dtype_number(value)
     if t == "bool":
         return value, None if isinstance(value, bool) else "must be true or false"
     if t == "int":
@@ -101,6 +103,35 @@ def type_problem(f: dataclasses.Field, value: Any, keys: Collection[str]) -> tup
             return value, "must be a mapping of names to values"
         return value, mapping_problem(meta["items"], value) if "items" in meta else None
     raise AssertionError(f"unhandled type {t} for {f.name}")  # pragma: no cover - schema bug
+
+
+def _finite_positive(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number > 0 (number text such as YAML's ``6.7e13`` included)."""
+    if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        return None
+    return float(value)
+
+
+def per_dtype_number(value: Any) -> tuple[Any, str | None]:
+    """A key that is one number (for the job's own dtype) or a mapping dtype -> number (``peak_flops``): every
+    number finite and > 0, every dtype one of :data:`DTYPES`. Returns (the value as floats, None) or (value, why)."""
+    allowed = (f"one finite number > 0 (FLOP/s for the job's dtype), or a mapping of dtypes ({', '.join(DTYPES)}) "
+               "to finite numbers > 0, e.g. {float32: 6.7e13, bfloat16: 9.9e14}")
+    if isinstance(value, dict):
+        if not value:
+            return value, f"must not be an empty mapping; expected {allowed}"
+        out = {}
+        for k, v in value.items():
+            if k not in DTYPES:
+                return value, f"item {k!r}: not a dtype; each key must be one of {', '.join(DTYPES)}"
+            out[k] = _finite_positive(v)
+            if out[k] is None:
+                return value, f"item {k}: {v!r}: each value must be a finite number > 0 (FLOP/s)"
+        return out, None
+    number = _finite_positive(value)
+    return (number, None) if number is not None else (value, f"must be {allowed}")
 
 
 def items_problem(kind: str, items: list, keys: Collection[str]) -> str | None:
@@ -150,7 +181,7 @@ def rule_problem(name: str, meta: dict, value: Any) -> str | None:
         return f"must be one of {', '.join(meta['choices'])}"
     if "min" in meta and value < meta["min"]:
         return f"must be >= {meta['min']}"
-    if "min_exclusive" in meta and value <= meta["min_exclusive"]:
+    if "min_exclusive" in meta and not isinstance(value, dict) and value <= meta["min_exclusive"]:
         return f"must be > {meta['min_exclusive']}"
     if meta.get("pattern") == "job_name" and not JOB_NAME_RE.fullmatch(value):
         return ("must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit "

@@ -29,6 +29,7 @@ from mfu_lab.analysis import tuning
 from mfu_lab.core import device as dev
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.errors import DeviceError
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.health import HealthSummary
@@ -65,6 +66,7 @@ class Rung:
     flops_source: str = ""
     peak_flops_per_s: float | None = None
     peak_source: str = ""
+    peak_precision: str = ""  # the peak's row: fp32, tf32 (float32 at matmul precision high), bf16, fp16
     speedup: float | None = None  # original median / this median
     speedup_low: float | None = None
     speedup_high: float | None = None
@@ -144,18 +146,25 @@ def attention_recheck(job: Job, results: dict[str, dict], tuned: Job) -> tuple[J
     return validate(tuned.to_dict() | {"attention": other}, f"attention re-check at {tuned.dtype}"), why
 
 
-def _peaks(job: Job, device: dev.DeviceInfo, dtypes: set[str], say) -> dict[str, tuple[float, str]]:
+def _peaks(job: Job, device: dev.DeviceInfo, wanted: set[tuple[str, str]], say) -> dict[tuple, tuple]:
+    """(FLOP/s or None, source, row) per (dtype, matmul precision): step 1's peak for the job's own; else the job's
+    peak_flops for that dtype only, the datasheet row (a TF32 rung gets TF32's) or measured (CPU). A GPU with
+    neither for a dtype gets no peak (no MFU), and the source says what it needs."""
     from mfu_lab.steps.baseline import reference_peak
 
-    out: dict[str, tuple[float, str]] = {}
-    for dtype in sorted(dtypes):
-        if dtype == job.dtype:
-            value, source, *_ = reference_peak(job, device)
-        else:
-            say(f"peak FLOP/s for {dtype}")
-            p = dev.resolve_peak(device, dtype, job.peak_flops)
-            value, source = p.flops_per_s, p.source
-        out[dtype] = (value, source)
+    out: dict[tuple, tuple] = {}
+    for dtype, mp in sorted(wanted):
+        row = dev.float32_precision_key(mp) if dtype == "float32" else dev.DTYPE_KEY[dtype]
+        if dtype == job.dtype and (dtype != "float32" or row == dev.float32_precision_key(job.matmul_precision)):
+            out[(dtype, mp)] = (*reference_peak(job, device)[:2], row)
+            continue
+        say(f"peak FLOP/s for {dtype} (matmul precision {mp})")
+        try:
+            p = dev.resolve_peak(device, dtype, job.peak_flops, mp, job.dtype, job.matmul_precision)
+            out[(dtype, mp)] = (p.flops_per_s, p.source, row)
+        except DeviceError:
+            out[(dtype, mp)] = (None, f"none: no datasheet row for {device.name} and no peak_flops for {dtype}; "
+                                      f"give it in the job, e.g. peak_flops: {{{job.dtype}: ..., {dtype}: ...}}", row)
     return out
 
 
@@ -260,10 +269,13 @@ def _headline(before: Rung, after: Rung, rungs: list[Rung], loss: dict) -> dict[
     same_peak = before.peak_flops_per_s == after.peak_flops_per_s
     ci = f"[{after.speedup_low:.2f}, {after.speedup_high:.2f}]"
     text = f"MFU {_pct(before.mfu)} -> {_pct(after.mfu)} (measured side by side, speedup {after.speedup:.2f}x {ci})"
-    if not same_peak:
-        text += (f"; each MFU is against its own precision's peak ({before.dtype}, then {after.dtype}), and this "
-                 f"device's {after.dtype} peak is {after.peak_flops_per_s / before.peak_flops_per_s:.1f}x its "
-                 f"{before.dtype} peak: across precisions compare the speedup, not the MFU")
+    a, b = (r.peak_precision or r.dtype for r in (before, after))
+    if not same_peak and before.peak_flops_per_s and after.peak_flops_per_s:
+        text += (f"; each MFU is against its own precision's peak ({a}, then {b}), and this device's {b} peak is "
+                 f"{after.peak_flops_per_s / before.peak_flops_per_s:.1f}x its {a} peak: across precisions "
+                 "compare the speedup, not the MFU")
+    elif not same_peak:
+        text += "; no MFU without a peak: " + (after if before.peak_flops_per_s else before).peak_source
     return {"text": text, "mfu_before": before.mfu, "mfu_after": after.mfu, "speedup": after.speedup,
             "speedup_low": after.speedup_low, "speedup_high": after.speedup_high,
             "proven": after.speedup_low > 1.0 or after.speedup_high < 1.0, "carried": carried,
@@ -306,10 +318,10 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         rungs.append(Rung(f"attention at {rjob.dtype}", {"attention": rjob.attention}, "ok", why, rjob.dtype,
                           challenger=True))
         jobs.append(rjob)
-    peaks = _peaks(job, device, {r.dtype for r in rungs if r.status == "ok"}, say)
-    for r in rungs:
+    peaks = _peaks(job, device, {(r.dtype, j.matmul_precision) for r, j in zip(rungs, jobs) if r.status == "ok"}, say)
+    for r, j in zip(rungs, jobs):
         if r.status == "ok":
-            r.peak_flops_per_s, r.peak_source = peaks[r.dtype]
+            r.peak_flops_per_s, r.peak_source, r.peak_precision = peaks[(r.dtype, j.matmul_precision)]
     work = job.step_dir(INFO.folder) / "work"
     timed = sum(r.status == "ok" for r in rungs) > 1  # the original and at least one rung to time against it
     nnodes, nproc = world_layout(job, device.type)
