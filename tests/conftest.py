@@ -51,3 +51,18 @@ def two_ranks(tmp_path_factory) -> Path:
                     "--profile-every-s", "0.5"],
                    check=True, cwd=ROOT, timeout=300, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _temp_peak_cache(tmp_path_factory):
+    """The whole suite keeps measured peaks (core.peak_cache) in a temporary folder, never the user's
+    ~/.cache/mfu-lab: CI never reads a stale cache, and subprocesses inherit the variable."""
+    import os
+
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

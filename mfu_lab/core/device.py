@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mfu_lab.core import peak_cache
 from mfu_lab.core.errors import DeviceError
 
 T = 1e12
@@ -109,6 +110,7 @@ class Peak:
     source: str  # datasheet | measured
     precision: str  # fp32, tf32, bf16, fp16
     note: str
+    cache: dict | None = None  # a measured peak: the per-user cache's record and its re-check (core.peak_cache)
 
 
 def resolve_device(requested: str) -> DeviceInfo:
@@ -218,7 +220,8 @@ def resolve_peak(device: DeviceInfo, dtype: str, override: float | Mapping[str, 
                  matmul_precision: str | None = None, job_dtype: str | None = None,
                  job_matmul_precision: str | None = None) -> Peak:
     """The peak MFU is measured against: the job's override for this dtype (:func:`override_for`), the datasheet
-    (GPU; for float32 the TF32 or the float32 row, by ``matmul_precision``), or measured (CPU). A GPU without a
+    (GPU; for float32 the TF32 or the float32 row, by ``matmul_precision``), or this CPU's measured peak, measured
+    once per machine and dtype and re-checked at each use (:mod:`mfu_lab.core.peak_cache`). A GPU without a
     datasheet row and no override for the dtype is a DeviceError asking for ``peak_flops``."""
     key = DTYPE_KEY[dtype]
     value = override_for(override, dtype, matmul_precision, job_dtype, job_matmul_precision)
@@ -226,8 +229,17 @@ def resolve_peak(device: DeviceInfo, dtype: str, override: float | Mapping[str, 
         return Peak(float(value), "datasheet", key, f"peak_flops given in the job file (for {dtype})")
     if device.type == "cuda":
         return datasheet_peak(device.name, dtype, matmul_precision)
-    flops, note = measure_matmul_peak(getattr(torch, dtype))
-    return Peak(flops, "measured", key, f"CPU: no vendor peak applies; measured matmul rate of this CPU ({note})")
+    flops, note, record = peak_cache.measured_peak(device.type, device.name, dtype, measure_matmul_peak)
+    return Peak(flops, "measured", key, f"CPU: no vendor peak applies; measured matmul rate of this CPU ({note})",
+                record)
+
+
+def remeasure_peak(device: DeviceInfo, dtype: str, floor: float) -> Peak:
+    """Measure this machine's peak again and cache the better of it and ``floor`` (step 1, when the training step
+    outran the cached peak: that reading was a busy machine's)."""
+    flops, record = peak_cache.remeasure(device.type, device.name, dtype, measure_matmul_peak, floor)
+    return Peak(flops, "measured", DTYPE_KEY[dtype], f"{record['how']}; measured again and cached since "
+                f"{record['date']} ({peak_cache.describe(record['conditions'])})", record)
 
 
 def measure_memory_bandwidth(device: torch.device, mib: int = 256, budget_s: float = 1.0) -> tuple[float, str]:
