@@ -341,3 +341,23 @@ def test_varying_shapes_under_a_compile_recommendation_propose_buckets(tiny_job)
                                                          ("compile_mode", "default", "measured")]
     assert "3 batch shapes" in chosen[0].evidence
     assert tuning.changes(dataclasses.replace(varlen, seq_policy="pack"), {"compile": s4})[0].key == "compile_mode"
+
+
+def test_a_rungs_mfu_is_taken_over_the_total_wall_time_of_its_measured_steps():
+    """One MFU statistic (issue 34): model FLOPs x steps / (peak x their total wall time), in one process and in the
+    job's layout; the median step stays its own figure."""
+    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify_layout import rung_figures
+
+    wall = [0.1, 0.2, 0.6, 0.1]  # a slow step: the median (0.15 s) would hide it, the total wall does not
+    rung = verify.Rung("original", {}, "ok", peak_flops_per_s=1e10)
+    rung.wall_s = list(wall)
+    rung_figures(rung, 1e9, 256)
+    assert rung.mfu == pytest.approx(1e9 * len(wall) / (1e10 * sum(wall)))
+    assert rung.tokens_per_s == pytest.approx(256 * len(wall) / sum(wall))
+    assert rung.step_median_s == pytest.approx(0.15)
+    rung_figures(rung, 2 * 1e9, 2 * 256)  # the layout's call: FLOPs and tokens of every data-parallel rank
+    assert rung.mfu == pytest.approx(2e9 * len(wall) / (1e10 * sum(wall)))
+    rung.peak_flops_per_s = None
+    rung_figures(rung, 1e9, 256)
+    assert rung.mfu is None

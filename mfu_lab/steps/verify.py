@@ -6,7 +6,8 @@ the **staircase**: the original job, then the job with each adopted change added
 (attention -> communication -> data -> compile -> precision -> FP8). Each rung runs in its own process
 (compile and allocator state stay apart), warmed up first, then all rungs run in interleaved rounds
 (A B C, A B C, ...) with the same seed and batches, so that drift hits every rung alike
-(:mod:`mfu_lab.core.sidebyside`). Per rung: median step time and p10-p90, tokens/s, MFU, and the speedup
+(:mod:`mfu_lab.core.sidebyside`). Per rung: median step time and p10-p90; tokens/s and MFU over the total wall
+time of its measured steps, as in step 1; and the speedup
 over the original and over the rung below, each with a bootstrap interval; a rung whose interval
 contains 1.0 is "not proven". The loss curves of the original and the tuned job over the same steps
 are compared at the end against ``loss_tolerance``. The ledgers before and after come from the same
@@ -35,18 +36,19 @@ from mfu_lab.core.files import write_atomic
 from mfu_lab.core.health import HealthSummary
 from mfu_lab.core.job import Job, validate
 from mfu_lab.core.ledger import HardwareFlops, Ledger, single_process_ledger
-from mfu_lab.core.measure import Timings, stats
+from mfu_lab.core.measure import Timings
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
 from mfu_lab.steps.verify_ddp import verify_ddp
-from mfu_lab.steps.verify_layout import measure_in_layout
+from mfu_lab.steps.verify_layout import measure_in_layout, rung_figures
 from mfu_lab.workers.launch import world_layout
 from mfu_lab.workers.verify_rung import RungProcess
 
 INFO = BY_KEY["verify"]
 TUNED_FILE = "tuned.yaml"
+WALL = "over the total wall time of the measured steps"  # MFU and tokens/s, as in step 1 (rung_figures)
 LOSS_WINDOW = 5  # steps averaged at the end of each loss curve
 
 
@@ -218,10 +220,7 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
             continue
         rung.wall_s, rung.data_s, rung.compute_s = s.wall_s, s.data_s, s.compute_s
         rung.loss += s.loss
-        st = stats(s.wall_s)
-        rung.step_median_s, rung.step_p10_s, rung.step_p90_s = st.median, st.p10, st.p90
-        rung.tokens_per_s = job.tokens_per_step / st.median
-        rung.mfu = flops[rung.name] / (rung.peak_flops_per_s * st.median) if rung.peak_flops_per_s else None
+        rung_figures(rung, flops[rung.name], job.tokens_per_step)
     return [[r, n] for r, n in done.order]
 
 
@@ -389,13 +388,15 @@ def _metrics(before: Rung | None, after: Rung | None, loss: dict) -> dict[str, M
     shown = after if tuned else before  # the job the workflow leaves: the tuned one when it was measured
     return {
         "mfu": m(shown.mfu if shown else None, "fraction", ("the tuned job" if tuned else "the original job (nothing "
-                 "adopted was timed)") + ", step 7's interleaved rounds: model FLOPs / (its precision's peak x median "
-                 "step)"),
-        "tokens_per_s": m(shown.tokens_per_s if shown else None, "tokens/s", "tokens per step / median step"),
+                 "adopted was timed)") + ", step 7's interleaved rounds: model FLOPs x steps / (its precision's peak x "
+                 f"wall time), {WALL}"),
+        "tokens_per_s": m(shown.tokens_per_s if shown else None, "tokens/s",
+                          f"tokens per step x steps / wall time, {WALL}"),
         "step_time_median_s": m(shown.step_median_s if shown else None, "s", "median of the interleaved steps"),
         "mfu_before": m(before.mfu if before else None, "fraction", "the original job, interleaved rounds: model "
-                        "FLOPs / (peak x median step)"),
-        "mfu_after": m(after.mfu if tuned else None, "fraction", "the tuned job, the same rounds"),
+                        f"FLOPs x steps / (peak x wall time), {WALL}"),
+        "mfu_after": m(after.mfu if tuned else None, "fraction", "the tuned job, the same rounds: model FLOPs x "
+                       f"steps / (peak x wall time), {WALL}"),
         "speedup": m(after.speedup if tuned else None, "x", "original median step / tuned median step, side by side"),
         "speedup_low": m(after.speedup_low if tuned else None, "x", "2.5th percentile of the bootstrap"),
         "speedup_high": m(after.speedup_high if tuned else None, "x", "97.5th percentile of the bootstrap"),

@@ -6,8 +6,8 @@ job's layout through one torchrun launch of the layout worker (:func:`mfu_lab.wo
 in :data:`ROUNDS` rounds whose order alternates (A B C, C B A: a steady drift favours no rung), each turn checked
 against one process's loss first, then ``warmup_steps`` discarded and ``verify_steps`` timed. A rung's step time
 is the slowest rank's per step, pooled over its turns; its MFU is its model FLOPs (counted on the meta device) x
-the data-parallel degree / (the world's peak x its median step): one GPU's peak x the world, or on a CPU the
-whole CPU's, which the ranks share.
+the data-parallel degree x its steps / (the world's peak x their total wall time): one GPU's peak x the world, or on
+a CPU the whole CPU's, which the ranks share. The median step stays its own figure (:func:`rung_figures`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,17 @@ from mfu_lab.steps.baseline_layout import meta_flops, on_events, slowest_rank_st
 from mfu_lab.workers.layout_launch import run_layouts
 
 ROUNDS = 2  # each turn rebuilds the layout and checks its loss: far dearer than a single-process round
+
+
+def rung_figures(rung, model_flops_per_step: float, tokens_per_step: float) -> None:
+    """A rung's figures from its timed steps (``rung.wall_s``): the median step and its p10-p90 as their own
+    figures; tokens/s and MFU over the total wall time of the measured steps (model FLOPs x steps / (peak x total
+    wall)), the one MFU statistic every step uses."""
+    st = stats(rung.wall_s)
+    n, total = len(rung.wall_s), sum(rung.wall_s)
+    rung.step_median_s, rung.step_p10_s, rung.step_p90_s = st.median, st.p10, st.p90
+    rung.tokens_per_s = tokens_per_step * n / total
+    rung.mfu = model_flops_per_step * n / (rung.peak_flops_per_s * total) if rung.peak_flops_per_s else None
 
 
 def overrides(rung_job: Job, job: Job) -> dict[str, Any]:
@@ -62,13 +73,10 @@ def measure_in_layout(job: Job, rungs: list, jobs: list[Job], work: Path, say, d
         rung.wall_s, rung.loss = p["wall"], p["loss"]
         rung.data_s = [0.0] * len(rung.wall_s)  # the rank worker times whole optimizer steps
         rung.compute_s = list(rung.wall_s)
-        st = stats(rung.wall_s)
-        rung.step_median_s, rung.step_p10_s, rung.step_p90_s = st.median, st.p10, st.p90
-        rung.tokens_per_s = job.tokens_per_step * p["dp"] / st.median
         report = flops[rung.name]
         if rung.peak_flops_per_s:
             rung.peak_flops_per_s *= scale
-            rung.mfu = report.model_flops_per_step * p["dp"] / (rung.peak_flops_per_s * st.median)
+        rung_figures(rung, report.model_flops_per_step * p["dp"], job.tokens_per_step * p["dp"])
         rung.hardware_flops_ratio = report.hardware_flops_per_step / report.model_flops_per_step
         rung.flops_source = report.model_flops_source + " (meta device)"
         where = f"in the job's layout {p['name']} ({world} ranks, slowest rank per step, {len(rung.wall_s)} steps " \
