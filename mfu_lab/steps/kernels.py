@@ -372,9 +372,11 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     ledger = trace_ledger(a.breakdown, mfu_profiled, device.type, hardware_flops(flops))
     metrics = {
         "mfu": Metric(mfu_plain, "fraction", "measured",
-                      f"{flops.model_flops_source} model FLOPs x steps / (peak x wall), {n} unprofiled steps of "
-                      "this run"),
-        "profiled_mfu": Metric(mfu_profiled, "fraction", "measured", "the same, over the profiled window"),
+                      f"{flops.model_flops_source} model FLOPs x steps / (peak x wall time), over the total wall "
+                      f"time of the measured steps ({n} unprofiled steps of this run), as in step 1"),
+        "profiled_mfu": Metric(mfu_profiled, "fraction", "measured", "the same over the profiled window instead (the "
+                               "steps the trace covers, torch.profiler's overhead included): the window the ledger "
+                               "splits"),
         "step_time_median_s": Metric(plain.median, "s", "measured", unprofiled.method + ", without the profiler"),
         "profiled_step_time_median_s": Metric(prof.median, "s", "measured", "the same steps under torch.profiler"),
         "profiler_overhead": Metric(overhead, "fraction", "measured", "profiled median / unprofiled median - 1, "
