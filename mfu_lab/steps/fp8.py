@@ -153,7 +153,9 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
         ts = build_train_step(dataclasses.replace(job, dtype="bfloat16"), model, "cuda")
         say(f"  timing {label} (compiled) for {job.steps} steps")
         t = run_steps(ts, build_loader(job, 3 + job.steps, "cuda"), device, 3, job.steps)
-        out[f"{label}_step_s"] = stats(t.measured("wall_s")).median
+        wall = t.measured("wall_s")
+        out[f"{label}_step_s"] = stats(wall).median  # the speedup is the medians' ratio
+        out[f"{label}_steps"], out[f"{label}_total_s"] = len(wall), sum(wall)  # MFU and tokens/s: the total wall
     out["speedup"] = out["bf16_step_s"] / out["fp8_step_s"]
     return out
 
@@ -378,8 +380,10 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     }
     if speed.get("status") == "ok":  # pragma: no cover - FP8 GPUs only
         metrics["fp8_speedup"] = Metric(speed["speedup"], "x", "measured", "bf16 step / fp8 step, both compiled")
-        metrics["tokens_per_s"] = Metric(job.tokens_per_step / speed["fp8_step_s"], "tokens/s", "measured",
-                                         "tokens per step / median FP8 step")
+        fp8_rate = speed["fp8_steps"] / speed["fp8_total_s"]  # steps per second over the measured FP8 steps
+        metrics["tokens_per_s"] = Metric(job.tokens_per_step * fp8_rate, "tokens/s", "measured",
+                                         "tokens per step x steps / wall time, over the total wall time of the "
+                                         "measured FP8 steps")
         chip = dev.lookup_chip(device.name)
         m0 = build_model(job).to(torch_device).train()
         x0, y0 = batches[0]
@@ -388,8 +392,9 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
         for peak_name in ("bf16", "fp8"):
             pk = getattr(chip, peak_name) if chip else None
             metrics[f"mfu_vs_{peak_name}_peak"] = Metric(
-                fl.mfu(flops, 1 / speed["fp8_step_s"], pk) if pk else None, "fraction", "measured",
-                f"model FLOPs / ({peak_name.upper()} datasheet peak x FP8 step): MFU under FP8 is ambiguous, so both")
+                fl.mfu(flops, fp8_rate, pk) if pk else None, "fraction", "measured",
+                f"model FLOPs x steps / ({peak_name.upper()} datasheet peak x wall time), over the total wall time "
+                "of the measured FP8 steps: MFU under FP8 is ambiguous, so both")
     result = Fp8Result("fp8", job.to_dict(), environment(device.name, device.type), metrics, path, sens, trials,
                        choice, speed, [], precision, skipped=skipped + clock.shortened)
     result.budget = clock.record()
