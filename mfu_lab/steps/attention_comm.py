@@ -289,7 +289,8 @@ def _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label
     bus = max((r["busbw_gbps"] for r in sweep.allreduce), default=None)
     return {
         "mfu": m(best_att.mfu if best_att else (ref.get("mfu")), "fraction", "measured",
-                 "single process with the recommended attention implementation (comparable to step 1)"),
+                 "single process with the recommended attention implementation: model FLOPs x steps / (peak x wall "
+                 "time), over the total wall time of the measured steps (as step 1)"),
         "baseline_mfu": m(ref.get("mfu"), "fraction", "measured", ref["source"]),
         "attention_speedup": m(best_att.speedup if best_att else None, "x", "measured",
                                "job's own attention step time / recommended attention's, side by side in one run"),
@@ -298,7 +299,8 @@ def _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label
                              "n_layers x attention forward+backward / step time, job's own attention"
                              + (f"; {IMPOSSIBLE_SHARE}" if job_impl and (job_impl.attention_share or 0) > 1 else "")),
         "ddp_mfu": m(best_comm.mfu if best_comm else None, "fraction", "measured",
-                     "recommended DDP configuration: ranks x model FLOPs / (total peak x step time)"),
+                     "recommended DDP configuration: ranks x model FLOPs x steps / (total peak x wall time), over the "
+                     "total wall time of the measured steps"),
         "ddp_step_median_s": m(best_comm.step_median_s if best_comm else None, "s"),
         "exposed_comm_share": m(best_comm.exposed_share if best_comm else None, "fraction", "measured",
                                 "recommended DDP configuration: (step - no_sync step) / step"),
