@@ -70,7 +70,8 @@ class Trial:
     warm_skipped: str = ""  # why the warm-cache compile was not measured (steps.compile._warm_skip)
     speedup: float | None = None  # eager median / this median
     faster_beyond_noise: bool = False  # this p90 below eager's p10
-    mfu: float | None = None
+    mfu: float | None = None  # over the total wall time of the measured steps, as step 1
+    steps_per_s: float | None = None  # measured steps / their total wall time (tokens/s and MFU)
     break_even_cold: float | None = None  # steps; None: never pays
     break_even_warm: float | None = None
     drift: float | None = None  # largest relative per-step loss difference from eager
@@ -105,7 +106,6 @@ class CompileResult(StepResult):
 
 
 Result = CompileResult  # the step contract: every step module names its result class Result
-
 
 
 # ------------------------------------------------------------------ trials in fresh processes
@@ -160,7 +160,8 @@ def _fill(t: Trial, d: dict[str, Any], eager: Trial | None, eager_extra: float, 
     st = stats(walls[warm:])
     t.step_median_s, t.step_p10_s, t.step_p90_s = st.median, st.p10, st.p90
     t.first_steps_s = walls[:warm]
-    t.mfu = fl.mfu(flops, len(walls[warm:]) / sum(walls[warm:]), peak)
+    t.steps_per_s = len(walls[warm:]) / sum(walls[warm:])
+    t.mfu = fl.mfu(flops, t.steps_per_s, peak)
     t.recompiles, t.recompile_messages, t.graphs = d["recompiles"], d["recompile_messages"], d["graphs"]
     t.loss = d["loss"]
     if eager is None:
@@ -400,12 +401,14 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     metrics = {
         "mfu": Metric(chosen.mfu, "fraction", "measured",
                       f"{'compiled, mode ' + chosen.mode if best else 'eager (no mode recommended)'}: model FLOPs x "
-                      "steps / (peak x wall) over the measured steps"),
-        "eager_mfu": Metric(eager.mfu, "fraction", "measured", "eager, in its own process, same steps"),
+                      "steps / (peak x wall time), over the total wall time of the measured steps"),
+        "eager_mfu": Metric(eager.mfu, "fraction", "measured", "eager, in its own process, same steps: over the "
+                            "total wall time of the measured steps"),
         "step_time_median_s": Metric(chosen.step_median_s, "s", "measured", method),
         "eager_step_time_median_s": Metric(eager.step_median_s, "s", "measured", "eager, fresh process"),
-        "tokens_per_s": Metric(job.tokens_per_step / chosen.step_median_s, "tokens/s", "measured",
-                               "tokens per step / median step"),
+        "tokens_per_s": Metric(job.tokens_per_step * chosen.steps_per_s if chosen.steps_per_s else None, "tokens/s",
+                               "measured", "tokens per step x steps / wall time, over the total wall time of the "
+                               "measured steps"),
         "speedup": Metric(shown.speedup if shown else None, "x", "measured",
                           which + "eager median / compiled median"),
         "compile_cold_s": Metric(shown.compile_cold_s if shown else None, "s", "measured",
