@@ -26,7 +26,8 @@ workbook's trace analysis; those steps are left out of the timing statistics.
 FLOPs: ``flops_per_token`` when given (the job's formula: analytic); otherwise, with ``model``, the first step
 runs under torch's FlopCounterMode (counted: everything the step ran, forward and backward, recomputation
 included) and is left out of the timing. Peak: ``peak_flops`` when given; on a GPU the datasheet row of
-:mod:`mfu_lab.core.device`; on a CPU this CPU's measured matmul rate (1.5 s at start), as in step 1.
+:mod:`mfu_lab.core.device`; on a CPU this CPU's measured matmul rate, the same cached peak step 1 uses
+(:mod:`mfu_lab.core.peak_cache`: measured once per machine and dtype, re-checked at start with five short probes).
 """
 
 from __future__ import annotations
