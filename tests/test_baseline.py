@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import statistics
 
 import pytest
 
@@ -112,3 +113,30 @@ def test_variable_length_batches_count_only_their_useful_tokens(tiny_job):
     assert r.metric("padding_share") == pytest.approx(1 - useful / padded)
     per_token = r.metric("model_flops_per_step") / every[0][0].numel()  # FLOPs were counted on the first batch
     assert r.metric("mfu") == pytest.approx(per_token * useful / (wall * r.metric("peak_flops_per_s")))
+
+
+def test_mfu_is_over_the_total_wall_and_a_recheck_below_the_cached_peak_is_contention(tiny_job, tmp_path,
+                                                                                       monkeypatch):
+    """One MFU statistic (model FLOPs x steps / (peak x their total wall time)), and one peak per machine: a
+    re-check below the cached peak is recorded as the machine being shared, the cached peak kept."""
+    from mfu_lab.core import device as dev
+    from mfu_lab.core import peak_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    probes = [5e9] * 5
+    monkeypatch.setattr(dev, "measure_matmul_peak", lambda dtype, *a, **k: (1e13, "stand-in measurement"))
+    monkeypatch.setattr(peak_cache, "probe_rates", lambda dtype, device_type="cpu": list(probes))
+    dev.resolve_peak(dev.resolve_device("cpu"), tiny_job.dtype, None)  # cached, with probes at 5 GFLOP/s
+    probes[:] = [2.4e9, 2.5e9, 2.6e9, 2.5e9, 2.5e9]  # a neighbour arrived: the re-checks read half
+    r = baseline.run(tiny_job, progress=lambda *a: None, write=False)
+    wall = r.timings.measured("wall_s")
+    assert r.metric("peak_flops_per_s") == 1e13  # the cached peak, not the contended re-check
+    assert r.metric("mfu") == pytest.approx(
+        r.metric("model_flops_per_step") * len(wall) / (r.metric("peak_flops_per_s") * sum(wall)))
+    assert "over the total wall time of the measured steps" in r.metrics["mfu"].note
+    assert r.metric("step_time_median_s") == pytest.approx(statistics.median(wall))
+    note = r.metrics["peak_flops_per_s"].note
+    assert "cached since" in note and "re-checked now" in note and "contention" in note
+    c = r.timings.contention
+    assert c.shared and "re-checked before the steps" in c.reason and "re-checked after the steps" in c.reason
+    assert r.advice[0].message.startswith("The machine was shared")

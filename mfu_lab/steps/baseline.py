@@ -135,7 +135,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
                                               "the cached peak, below the probes' p10-p90")
         if after is not None:
             peak = dataclasses.replace(peak, note=peak.note + f"; re-checked after the steps: {after.text()}")
-    window = f"over {n} measured steps ({job.warmup_steps} warm-up discarded)"
+    window = f"over the total wall time of the measured steps ({n}; {job.warmup_steps} warm-up discarded)"
     counted_tokens = timings.measured_tokens()
     if counted_tokens:  # MFU over useful tokens: padding does no model work, however many FLOPs it costs
         useful, padded = counted_tokens
@@ -145,15 +145,15 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         mfu_value = fl.mfu(per_token, tokens_per_s, peak.flops_per_s)
         hfu_value = fl.mfu(hw_per_token, tokens_per_s, peak.flops_per_s)
         tok_note = (f"non-padding target tokens (counted on the host per step: {useful:,} of {padded:,} "
-                    f"positions) / total wall {window}")
+                    f"positions) / wall time, {window}")
         mfu_how = (f"{report.model_flops_source} model FLOPs per token x non-padding tokens / ({peak.source} peak x "
-                   f"measured wall time) {window}: padding ({padding:.1%} of positions) is not model work")
+                   f"measured wall time), {window}: padding ({padding:.1%} of positions) is not model work")
     else:  # batches without token targets: every step counts as the job's tokens per step
         tokens_per_s, padding = job.tokens_per_step * n / total_wall, None
         mfu_value = fl.mfu(report.model_flops_per_step, n / total_wall, peak.flops_per_s)
         hfu_value = fl.mfu(report.hardware_flops_per_step, n / total_wall, peak.flops_per_s)
-        tok_note = "tokens per step x steps / total wall " + window
-        mfu_how = (f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time) "
+        tok_note = "tokens per step x steps / wall time, " + window
+        mfu_how = (f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time), "
                    + window)
     ledger = single_process_ledger(timings, mfu_value, health, hardware_flops(report))  # recompute = HFU - MFU
     data_f, compute_f = ledger_part(timings, "data_s"), ledger_part(timings, "compute_s")
