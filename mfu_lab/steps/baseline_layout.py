@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mfu_lab.analysis import layout_terms as lt
 from mfu_lab.analysis import trace
 from mfu_lab.core import device as dev
 from mfu_lab.core.errors import StepError
@@ -87,9 +88,9 @@ def exposed_by_kind(traces: list[dict[str, Any]]) -> tuple[dict[str, float], str
     return kinds, f"rank {worst['rank']}'s profiled window (the most exposed of {len(traces)})"
 
 
-def summary(run: LayoutRun, closed_forms: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(run: LayoutRun, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """What the result keeps of a layout run: the run itself and the rows the report shows."""
-    return {**run.to_dict(), "ranks": rank_rows(run), "collective_rows": closed_forms}
+    return {**run.to_dict(), "ranks": rank_rows(run), "collective_rows": rows}
 
 
 def headline_metrics(job: Job, run: LayoutRun, report: FlopReport, peak_total: float, peak_source: str,
@@ -204,11 +205,57 @@ def analysed_traces(run: LayoutRun, top_n: int) -> list[dict[str, Any]]:
     return sorted(out, key=lambda t: t["rank"])
 
 
-def collective_rows(run: LayoutRun) -> list[dict[str, Any]]:
-    """Rank 0's collectives of one step, counted, by kind (the closed forms are held against them in
-    tests/test_commcount.py and by step 6)."""
+def closed_forms(job: Job, lay: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """Rank 0's bytes per kind for one optimizer step in closed form (:mod:`mfu_lab.analysis.layout_terms`), for
+    the reference GPT in a layout of one kind (DDP, FSDP, TP with or without SP, or PP alone); ({}, why) else."""
+    if job.model != "gpt":
+        return {}, "the closed forms are written for the reference GPT"
+    kinds = sum([lay["dp_mode"] == "fsdp" or lay["dp"] > 1, lay["tp"] > 1, lay["pp"] > 1])
+    if kinds != 1:
+        return {}, "no closed form here for a layout that combines data, tensor and pipeline parallel"
+    with torch.device("meta"):
+        model = build_model(job)
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    norms = [p for b in model.blocks for m in (b.ln1, b.ln2) for p in m.parameters()]
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    act = size[job.dtype]
+    b, s, h, n = job.micro_batch, job.seq_len, job.d_model, job.n_layers
+    if lay["pp"] > 1:
+        p, m, v = lay["pp"], lay["pp_microbatches"], lay["pp_virtual_stages"]
+        sends = lt.p2p_sends_of_rank(0, p, m, v) * lt.p2p_send_bytes(b // m, s, h, act)
+        return {"send": sends, "recv": sends}, "p2p_sends_of_rank(0, p, m, v) x (b/m)*s*h*bytes, each way"
+    if lay["tp"] > 1:
+        per_layer = lt.tp_bytes_per_layer(b, s, h, act, lay["sp"], job.activation_checkpointing)
+        out = {k: v * n for k, v in per_layer.items()}
+        if lay["sp"]:
+            out["allgather"] += lt.sp_boundary_bytes(b, s, h, act)["allgather"]
+            out["allreduce"] = lt.sp_norm_grad_all_reduces(len(norms), sum(x.numel() for x in norms), 4,
+                                                           uses=1)["bytes"]
+            return out, ("per layer 4 all-gathers + 4 reduce-scatters of b*s*h*bytes, 2 more all-gathers at the "
+                         "region's ends, each LayerNorm gradient all-reduced once")
+        return out, "per layer 4 all-reduces of b*s*h*bytes (Megatron-LM)" + (
+            ", +1 re-run by the checkpoint" if job.activation_checkpointing else "")
+    if lay["dp_mode"] == "fsdp":
+        gather = lt.fsdp_all_gather_bytes(params, size[lay["param_dtype"]], lay["reshard_after_forward"],
+                                          params - blocks, root_reshards=True)
+        return ({"allgather": gather, "reduce_scatter": lt.fsdp_reduce_scatter_bytes(params,
+                                                                                      size[lay["reduce_dtype"]])},
+                "FSDP2: parameters gathered twice with resharding (once without), gradients reduce-scattered once")
+    return {"allreduce": lt.ddp_all_reduce_bytes(params)}, "DDP: every gradient all-reduced once"
+
+
+def collective_rows(run: LayoutRun, job: Job | None = None) -> list[dict[str, Any]]:
+    """Rank 0's collectives of one step, counted, by kind, beside their closed form where one applies."""
     mine = run.collectives[0] if run.collectives else {}
-    return [{"kind": k, "count": v["count"], "bytes": v["bytes"]} for k, v in sorted(mine.items())]
+    expected, formula = closed_forms(job, run.layout) if job is not None else ({}, "")
+    rows = []
+    for k, v in sorted(mine.items()):
+        want = expected.get(k)
+        rows.append({"kind": k, "count": v["count"], "bytes": v["bytes"], "formula_bytes": want,
+                     "ratio": v["bytes"] / want if want else None, "formula": formula if want else
+                     (formula if not expected else "not in the closed form")})
+    return rows
 
 
 def measure(job: Job, device: dev.DeviceInfo, world: int, progress=None) -> Measured:
@@ -236,7 +283,7 @@ def measure(job: Job, device: dev.DeviceInfo, world: int, progress=None) -> Meas
                                                   "most exposed rank")
     peak = {"flops_per_s": peak_total, "source": source, "note": note, "device": device.name,
             "device_type": device.type, "precision": job.dtype, "world": world}
-    layout = summary(run, collective_rows(run))
+    layout = summary(run, collective_rows(run, job))
     layout["traces"] = [{"rank": t["rank"], "path": t["path"], "breakdown": dataclasses.asdict(t["breakdown"])}
                         for t in traces]
     return Measured(metrics, timings, led, report, peak, layout)

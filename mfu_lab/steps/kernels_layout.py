@@ -167,7 +167,7 @@ def profile(job: Job, device: dev.DeviceInfo, world: int, progress=None) -> Layo
                                                   f"{kind} not under compute, share of {where}{caveat}")
     metrics["layout_exposed_comm_share"] = Metric(worst["breakdown"].communicating, "fraction", "measured",
                                                   f"communication not under compute, {where}{caveat}")
-    layout = bl.summary(run, bl.collective_rows(run)) | {
+    layout = bl.summary(run, bl.collective_rows(run, job)) | {
         "name": name, "profiles": rank_profiles(traces, run, folder), "caveat": GLOO_NOTE if cpu else "",
         "most_exposed_rank": worst["rank"]}
     skipped = [{"what": "one-process profile", "reason": f"the job runs in its layout {name}: step 3 traces every "

@@ -243,7 +243,9 @@ def reference_check(job: Job, layout: Layout, item: dict, base: dict, batches: l
     one process where it can hold the model (``item["one_process_fits"]: false`` says it cannot), else FSDP over
     every rank, else TP over every rank."""
     world, device = ctx["world"], ctx["device"]
-    check = {"steps": len(batches), "tolerance": TOLERANCE[job.dtype], "reference_losses": [], "max_rel_gap": None,
+    # a MixedPrecisionPolicy in a lower precision than the job's dtype trains in that precision: its tolerance
+    low = max((job.dtype, layout.param_dtype if layout.fsdp else job.dtype), key=lambda d: TOLERANCE[d])
+    check = {"steps": len(batches), "tolerance": TOLERANCE[low], "reference_losses": [], "max_rel_gap": None,
              "passed": None}
     ref = item.get("reference", "auto")
     if ref == "auto":
