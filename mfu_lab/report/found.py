@@ -147,7 +147,7 @@ def _since_step1(info: StepInfo, d: dict[str, Any], folder: Path) -> dict[str, A
 def _context(notebook: Path, info: StepInfo) -> dict[str, Any]:
     folder = Path(notebook).parent
     ctx: dict[str, Any] = {"info": info, "figures": [], "recs": [], "more": 0, "look": [], "since": None,
-                           "note": "", "created": "", "nodes": ""}
+                           "note": "", "created": "", "nodes": "", "layout": ""}
     res = folder / RESULT_FILE
     state = step_state(folder)  # a damaged result.json reads as "damaged" (or as the failure, when one is recorded)
     if state.status in NOT_FINISHED:
@@ -175,7 +175,22 @@ def _context(notebook: Path, info: StepInfo) -> dict[str, Any]:
     ctx["since"] = _since_step1(info, d, folder)
     ctx["created"] = str(_get(d, "environment", "created_at") or "")
     ctx["nodes"] = str(_get(d, "nodes", "text") or "")  # a multi-node job: whose figures these are
+    ctx["layout"] = layout_line(d)
     return ctx
+
+
+def layout_line(d: dict[str, Any]) -> str:
+    """One sentence naming the layout a step ran the job in (steps 1, 3 and 7 under torchrun), '' for one process."""
+    lay = d.get("layout") or {}
+    name = (lay.get("layout") or {}).get("name")
+    if not name:
+        return ""
+    lc = lay.get("loss_check") or {}
+    gap = lc.get("max_rel_gap")
+    check = (f"its loss was checked against {lc.get('reference')} first: largest relative gap {gap:.2g}, tolerance "
+             f"{lc.get('tolerance'):.0e}" if gap is not None else "its loss was not checked (no reference could run)")
+    return (f"The job ran in its own layout, {name}, on {lay.get('world')} ranks over {lay.get('backend')}; "
+            f"{check}. Every figure is all ranks' (the slowest rank per step).")
 
 
 def found_html(notebook: Path) -> Markup:
