@@ -183,7 +183,10 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     pts = mfu_points(results)
     base = results.get("baseline", {}).get("metrics", {}).get("mfu")
     if base and base.get("value") is not None:
-        lines.append(f"The job as it came measured {base['value']:.1%} MFU (step 1, {base['source']}).")
+        lay = ((results.get("baseline") or {}).get("layout") or {})
+        where = (f" in its layout {lay['layout']['name']} on {lay.get('world')} ranks"
+                 if (lay.get("layout") or {}).get("name") else "")
+        lines.append(f"The job as it came measured {base['value']:.1%} MFU{where} (step 1, {base['source']}).")
     later = [p for p in pts if p[0] != BY_KEY["baseline"].folder]
     if later:
         text = "Later steps measured MFU " + ", ".join(
