@@ -23,7 +23,7 @@ from mfu_lab.core import procs
 from mfu_lab.core.budget import plan_text
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
-from mfu_lab.core.files import load_results
+from mfu_lab.core.files import PlantedLink, load_results, refuse_links, refuse_links_below
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.nodes import this_node
@@ -73,6 +73,8 @@ def kernel_files_in(folder: Path) -> Iterator[Path]:
 
 def filesystem_problem(e: OSError) -> str:
     """An operating-system error in words: the path, what went wrong, what to do."""
+    if isinstance(e, PlantedLink):  # says what to do itself
+        return f"{e.filename}: {e.strerror}"
     where = f"{e.filename}: " if e.filename else ""
     return (f"{where}{e.strerror or e} ({type(e).__name__}): check that the folder can be written (permissions, "
             "free space, a file standing where a folder should be), or choose another out_dir (--out DIR)")
@@ -223,8 +225,11 @@ def _failure(exc: BaseException, notebook: Path | None, limit: float | None, job
 
 
 def fresh_step_folder(job: Job, info) -> Path:
-    """The step's folder, created, without the failure record of an earlier attempt."""
+    """The step's folder, created, without the failure record of an earlier attempt. The folder, or anything in
+    it, made a symbolic link (which would carry the step's files out of the job's folder) is refused, named."""
     folder = job.step_dir(info.folder)
+    refuse_links(folder, include_self=True)
+    refuse_links_below(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / FAILURE_FILE).unlink(missing_ok=True)
     if job.nnodes > 1:  # this node's file of an earlier run must not stand in for this run's

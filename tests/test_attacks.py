@@ -328,3 +328,107 @@ def test_a_plain_python_step_saves_under_the_id_it_reserved_and_locked(tmp_path)
     (line,) = [json.loads(x) for x in (tmp_path / "tiny" / "history.jsonl").read_text().splitlines()]
     assert (tmp_path / "tiny" / "runs" / line["run"] / "01_baseline" / "result.json").is_file()
     assert sorted(x.name for x in (tmp_path / "tiny" / "runs").iterdir()) == [line["run"]]
+
+
+# ------------------------------------------------------------------ issue 32, item 2: links planted in the job folder
+def _victim(tmp_path):
+    """A file and a folder outside the job's folder that a planted link points at."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me\n")
+    return outside
+
+
+def test_a_lock_file_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path):
+    from mfu_lab.core.files import PlantedLink, mark_job_root
+    from mfu_lab.core.runstate import job_lock
+
+    outside, root = _victim(tmp_path), mark_job_root(tmp_path / "out" / "tiny")
+    (root / ".lock").symlink_to(outside / "precious.txt")
+    with pytest.raises(PlantedLink, match="symbolic link inside the job's output folder") as e:
+        with job_lock(root, "20261130-120000"):
+            pass
+    assert e.value.filename == str(root / ".lock")
+    assert (outside / "precious.txt").read_text() == "keep me\n"
+
+
+def test_the_history_is_never_appended_through_a_link(tmp_path):
+    from mfu_lab.core.files import PlantedLink, mark_job_root, write_json_atomic
+    from mfu_lab.core.history import record
+
+    outside, root = _victim(tmp_path), mark_job_root(tmp_path / "tiny")
+    write_json_atomic(root / "01_baseline" / "result.json", {"metrics": {}})
+    (root / "history.jsonl").symlink_to(outside / "precious.txt")
+    with pytest.raises(PlantedLink) as e:
+        record(root, "01_baseline", "baseline", {"metrics": {}}, run_id="20261130-120000")
+    assert e.value.filename == str(root / "history.jsonl")
+    assert (outside / "precious.txt").read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("planted", ["01_baseline", "runs"])
+def test_a_folder_of_the_job_made_a_link_gets_nothing_written_through_it(tmp_path, tiny_job, planted):
+    """A step folder (or runs/) replaced by a link: the save, the run's id, the lock's look at the job's folder
+    and the runner's look at the step's folder each refuse it, naming it; nothing lands where it points."""
+    import dataclasses
+
+    from mfu_lab.core import store
+    from mfu_lab.core.files import PlantedLink, mark_job_root
+    from mfu_lab.core.history import new_run_id
+    from mfu_lab.core.registry import BY_KEY
+    from mfu_lab.core.runstate import job_lock
+    from mfu_lab.runner import fresh_step_folder
+
+    outside = _victim(tmp_path)
+    root = mark_job_root(tiny_job.output_root())
+    (root / planted).symlink_to(outside, target_is_directory=True)
+    named = str(root / planted)
+    with pytest.raises(PlantedLink) as e:
+        with job_lock(root, "20261130-120000"):
+            pass
+    assert e.value.filename == named
+    with pytest.raises(PlantedLink) as e:
+        if planted == "runs":
+            new_run_id(job_root=root)
+        else:
+            store.save(tiny_job, "baseline", {"metrics": {}, "environment": {}})
+    assert e.value.filename == named
+    if planted == "01_baseline":
+        with pytest.raises(PlantedLink):
+            fresh_step_folder(tiny_job, BY_KEY["baseline"])
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt"]
+    # a link deeper in a step's folder is refused before the step runs
+    (root / planted).unlink()
+    (root / "04_compile" / "trials").mkdir(parents=True)
+    (root / "04_compile" / "trials" / "eager.spec.json").symlink_to(outside / "precious.txt")
+    with pytest.raises(PlantedLink, match="eager.spec.json"):
+        fresh_step_folder(dataclasses.replace(tiny_job), BY_KEY["compile"])
+
+
+def test_out_dir_and_the_job_folder_may_be_the_users_own_links(tmp_path, tiny_job):
+    import dataclasses
+
+    from mfu_lab.core import store
+    from mfu_lab.core.history import load_history
+    from mfu_lab.core.runstate import job_lock
+
+    real = tmp_path / "scratch"
+    (real / "tiny").mkdir(parents=True)
+    (tmp_path / "out_link").symlink_to(real, target_is_directory=True)  # out_dir a link
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "tiny").symlink_to(real / "tiny", target_is_directory=True)  # the job folder a link
+    for out in (tmp_path / "out_link", tmp_path / "jobs"):
+        job = dataclasses.replace(tiny_job, out_dir=str(out))
+        with job_lock(job.output_root(), "20261130-120000"):
+            store.save(job, "baseline", {"metrics": {}, "environment": {}})
+    assert (real / "tiny" / "01_baseline" / "result.json").is_file() and len(load_history(real / "tiny")) == 2
+
+
+def test_mfu_lab_step_refuses_a_planted_step_folder_before_any_work(tmp_path):
+    outside = _victim(tmp_path)
+    root = tmp_path / "out" / "tiny"
+    root.mkdir(parents=True)
+    (root / "01_baseline").symlink_to(outside, target_is_directory=True)
+    p = mfu_lab("step", "baseline", "--job", str(TINY), "--out", str(tmp_path / "out"))
+    assert p.returncode == 2, p.stderr
+    assert f"{root / '01_baseline'}: is a symbolic link inside the job's output folder" in p.stderr
+    assert sorted(x.name for x in outside.iterdir()) == ["precious.txt"]

@@ -8,8 +8,10 @@ old file or the complete new one, never half.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ def write_atomic(path: Path, content: str | bytes, durable: bool = True) -> Path
     files rewritten inside a timed loop (a crash may then lose the latest one, never leave half of it).
     """
     path = Path(path)
+    refuse_links(path)  # a folder on the way that is a link would carry the file out of the job's folder
     path.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode("utf-8") if isinstance(content, str) else content
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -93,6 +96,76 @@ def mark_job_root(job_root: Path) -> Path:
     if not marker.is_file():
         write_atomic(marker, "This folder holds mfu-lab results; mfu-lab report may rewrite its HTML.\n")
     return job_root
+
+
+class PlantedLink(OSError):
+    """A symbolic link below a job's output folder, where the workbook writes: refused, never followed."""
+
+    def __init__(self, path: Path, root: Path | None = None):
+        where = f"inside the job's output folder {root}" if root else "where mfu-lab writes"
+        super().__init__(errno.ELOOP, f"is a symbolic link {where}: mfu-lab does not write through one there (it "
+                         "would carry the write outside the job's folder); remove it (out_dir and the job's folder "
+                         "itself may be links)", str(path))
+
+
+def job_root_of(path: Path) -> Path | None:
+    """The job output folder that holds ``path``: its highest folder with the workbook's marker (a link planted
+    below a job's folder may point into another one, so the lowest is not the one). None when none holds it."""
+    found = None
+    for folder in Path(os.path.abspath(path)).parents:
+        if (folder / JOB_MARKER).is_file():
+            found = folder
+    return found
+
+
+def refuse_links(path: Path, include_self: bool = False) -> None:
+    """Raise :class:`PlantedLink` for a symbolic link among the folders between the job's output folder that
+    holds ``path`` and ``path`` (``path`` itself too with ``include_self``: a folder about to be used). The job's
+    folder and the folders above it may be links (the user's own); outside any job's folder nothing is checked.
+    ``write_atomic`` needs no check of ``path`` itself: its rename replaces a link, never follows it."""
+    path = Path(os.path.abspath(path))
+    root = job_root_of(path)
+    if root is None:
+        return
+    below = [p for p in ([path] if include_self else []) + list(path.parents) if p != root and root in p.parents]
+    for p in reversed(below):  # the highest first: the one to remove
+        if p.is_symlink():
+            raise PlantedLink(p, root)
+
+
+def refuse_links_below(folder: Path, depth: int | None = None) -> None:
+    """Raise :class:`PlantedLink` for the first symbolic link found below ``folder`` (down to ``depth`` levels;
+    every level when None), links never followed; nothing when ``folder`` does not exist."""
+    todo = [(Path(folder), 1)]
+    while todo:
+        here, level = todo.pop()
+        try:
+            entries = list(os.scandir(here))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            if e.is_symlink():
+                raise PlantedLink(Path(e.path), job_root_of(Path(e.path)) or Path(folder))
+            if e.is_dir(follow_symlinks=False) and (depth is None or level < depth):
+                todo.append((Path(e.path), level + 1))
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a file the workbook appends to or rewrites in place (the history, the job's lock), never
+    through a link: a link at ``path`` or on the folders below the job's folder is refused (:class:`PlantedLink`),
+    and so is anything that is not a regular file. The descriptor; the caller closes it."""
+    path = Path(path)
+    refuse_links(path)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK) and path.is_symlink():  # EMLINK: the BSDs' answer
+            raise PlantedLink(path, job_root_of(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "is not a regular file (mfu-lab writes this file itself); remove it", str(path))
+    return fd
 
 
 def is_job_root(folder: Path) -> bool:

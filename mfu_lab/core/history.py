@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.core.errors import JobError, JobProblem
-from mfu_lab.core.files import RESULT_FILE, load_results, write_atomic
+from mfu_lab.core.files import RESULT_FILE, load_results, open_nofollow, refuse_links, write_atomic
 from mfu_lab.core.registry import BY_KEY, STEPS
 
 HISTORY_FILE = "history.jsonl"
@@ -39,6 +39,7 @@ def new_run_id(now: _dt.datetime | None = None, job_root: Path | None = None) ->
     if job_root is None:
         return base
     runs_dir = Path(job_root) / RUNS_DIR
+    refuse_links(runs_dir, include_self=True)  # runs/ made a link would take every run's copies elsewhere
     runs_dir.mkdir(parents=True, exist_ok=True)
     for n in range(1, 10_000):
         rid = base if n == 1 else f"{base}-{n}"
@@ -104,8 +105,9 @@ def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_i
             "metrics": {k: {"value": m.get("value"), "unit": m.get("unit"), "source": m.get("source")}
                         for k, m in result.get("metrics", {}).items()}}
     text = json.dumps(line, allow_nan=False) + "\n"
-    # One write() on a file opened for appending: lines from concurrent steps never interleave.
-    fd = os.open(job_root / HISTORY_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    # One write() on a file opened for appending: lines from concurrent steps never interleave. Never through a
+    # link planted in the job's folder (open_nofollow refuses it, naming it).
+    fd = open_nofollow(job_root / HISTORY_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, text.encode("utf-8"))
         os.fsync(fd)

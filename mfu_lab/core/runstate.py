@@ -25,7 +25,15 @@ from typing import Any
 
 from mfu_lab.core import __version__
 from mfu_lab.core.errors import MfuLabError
-from mfu_lab.core.files import RESULT_FILE, DamagedFile, mark_job_root, read_json, write_json_atomic
+from mfu_lab.core.files import (
+    RESULT_FILE,
+    DamagedFile,
+    mark_job_root,
+    open_nofollow,
+    read_json,
+    refuse_links_below,
+    write_json_atomic,
+)
 from mfu_lab.core.history import job_changes, job_digest
 from mfu_lab.core.results import git_commit, source_digest
 
@@ -122,7 +130,8 @@ def job_lock(job_root: Path, run_id: str, wait: bool = False):
     The lock goes with the process: a killed run leaves no stale lock behind.
     """
     job_root = mark_job_root(job_root)
-    f = open(job_root / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the with-block
+    # never through a link (holder() truncates the file): a link planted at .lock is refused, naming it
+    f = os.fdopen(open_nofollow(job_root / LOCK_FILE, os.O_RDWR | os.O_CREAT), "r+", encoding="utf-8")
     try:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -141,6 +150,7 @@ def job_lock(job_root: Path, run_id: str, wait: bool = False):
             print(f"mfu-lab: {job_root} is in use by {who}; waiting for it to finish (--wait)", flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
         since = _now()
+        refuse_links_below(job_root, depth=1)  # a step folder, runs/, history.jsonl... made a link: refused, named
 
         def holder(rid: str) -> None:
             f.seek(0)
