@@ -1,6 +1,8 @@
 """Issue 33, items 2, 3, 8, 9 and 11: peaks per (dtype, matmul precision), DDP warm-up, exposed-comm medians,
 dead verify rungs, nproc_per_node against the visible GPUs."""
 
+from pathlib import Path
+
 import pytest
 
 from mfu_lab.core import device as dev
@@ -104,3 +106,171 @@ def test_step7_on_a_gpu_without_a_row_takes_the_mapping_and_says_what_it_needs(t
     after.peak_source, after.mfu = source, None
     text = verify._headline(before, after, [before, after], {"status": "ok"})["text"]
     assert "no MFU without a peak" in text and "float16" in text
+
+
+# ------------------------------------------------------------------ item 3: DDP's warm-up, wherever DDP is timed
+def test_ddp_warmup_covers_the_bucket_rebuild_and_powersgds_uncompressed_steps():
+    from mfu_lab.workers.ddp_rank import DDP_REBUILD_STEPS, POWERSGD_START_ITER, ddp_warmup
+
+    assert (DDP_REBUILD_STEPS, POWERSGD_START_ITER) == (2, 2)
+    assert ddp_warmup(0, "none") == ddp_warmup(1, "fp16_compress") == 2  # the second forward rebuilds the buckets
+    assert ddp_warmup(1, "powersgd") == 3  # iterations 0, 1 all-reduce uncompressed; 2 is the first compression
+    assert ddp_warmup(5, "powersgd") == ddp_warmup(5, "none") == 5  # the job's own warm-up when it is longer
+
+
+def test_a_launch_warms_up_each_configuration_by_the_rule_and_records_it(tiny_job, tmp_path):
+    """Two configurations, nothing to race: each measured in full, its timed and no_sync steps after the warm-up
+    the rule gives (the job asks for none), recorded in the worker's events."""
+    import dataclasses
+
+    from mfu_lab.core.budget import Clock
+    from mfu_lab.steps import comm_race
+    from mfu_lab.workers.launch import config_key
+
+    job = dataclasses.replace(tiny_job, comm_hooks=["none", "powersgd"], comm_bucket_mb=[25],
+                              comm_grad_as_bucket_view=[False], comm_steps=2, comm_warmup_steps=0,
+                              comm_timeout_s=60.0)
+    sweep, _, configs = comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 16,
+                                           reference=("none", 25.0, False), clock=Clock(None))
+    want = {"none": 2, "powersgd": 3}
+    assert any(not sweep.outcomes[config_key(c)].get("screen") for c in configs)  # a full measurement ran
+    for cfg in configs:
+        ev = sweep.outcomes[config_key(cfg)]
+        assert ev["event"] == "done", ev
+        assert ev["warmup_steps"] == want[cfg["hook"]] and len(ev["wall_s"]) == job.comm_steps
+        if not ev.get("screen"):
+            assert ev["no_sync_warmup_steps"] == want[cfg["hook"]] and len(ev["no_sync_wall_s"]) == job.comm_steps
+
+
+def test_step7s_ddp_check_records_the_warmup_of_each_configuration(tiny_job, monkeypatch, tmp_path):
+    import dataclasses
+
+    from mfu_lab.analysis.tuning import Change
+    from mfu_lab.steps import verify_ddp
+    from mfu_lab.workers.launch import Alternation, config_key
+
+    job = dataclasses.replace(tiny_job, comm_warmup_steps=1, verify_rounds=2)
+    chosen = [Change("communication", "attention_comm", "ddp_hook", "none", "powersgd", "test", "measured")]
+    original, tuned = verify_ddp.ddp_configs(job, chosen)
+    walls = {config_key(original): [1.0, 1.1, 1.0, 1.2], config_key(tuned): [0.5, 0.6, 0.5, 0.55]}
+    monkeypatch.setattr(verify_ddp, "world_layout", lambda job, device_type: (1, 2))
+    monkeypatch.setattr(verify_ddp, "alternate", lambda *a, **k: Alternation(
+        walls, [config_key(original), config_key(tuned)] * 2))
+    r = verify_ddp.verify_ddp(job, "cpu", chosen, tmp_path, lambda *a: None)
+    assert r["status"] == "ok" and r["warmup_steps"] == {"original": 2, "tuned": 3}
+
+
+# ------------------------------------------------------------------ item 8: exposed communication from medians
+def test_the_ddp_ledger_takes_medians_so_a_slow_first_no_sync_step_does_not_hide_communication():
+    from mfu_lab.steps.attention_comm import CommRow, _ddp_ledger
+
+    # with communication: 100 ms steps; under no_sync 80 ms, but the first no_sync step started the loader (400 ms)
+    ev = {"wall_s": [0.100, 0.101, 0.099, 0.100, 0.300], "data_s": [0.010, 0.010, 0.011, 0.010, 0.200],
+          "no_sync_wall_s": [0.400, 0.080, 0.080, 0.081, 0.079]}
+    ledger = _ddp_ledger(CommRow("none", 25.0, False, "ok", mfu=0.3), ev, 2, None, "test")
+    parts = {i.name: i.fraction for i in ledger.items}
+    assert parts["structure"] == pytest.approx((0.100 - 0.080) / 0.100)  # medians: 20% exposed
+    assert parts["software"] == pytest.approx(0.010 / 0.100)
+    # means would have read 0.140 - 0.144 < 0: exposed clamped to 0, communication hidden
+    assert parts["mfu"] == 0.3
+
+
+# ------------------------------------------------------------------ item 9: step 7's rung processes
+def test_writing_to_a_dead_rungs_process_is_a_runtime_error_naming_its_exit(tmp_path, tiny_job):
+    from mfu_lab.workers.verify_rung import RungProcess
+
+    spec = {"rung": "broken", "job": tiny_job.to_dict() | {"model": "no_such_module:factory"}, "steps_total": 2}
+    p = RungProcess(spec, tmp_path, 120)
+    try:
+        with pytest.raises(RuntimeError, match="no_such_module"):
+            p.ready()
+        p.proc.wait(timeout=60)  # exited: its stdin's reader is gone
+        with pytest.raises(RuntimeError, match=r"rung broken: the process exited \(code 1; (BrokenPipeError|"
+                                               r"OSError|ValueError)"):
+            p.run(1)
+    finally:
+        p.close()
+
+
+def test_a_rung_whose_pipe_breaks_is_recorded_failed_and_the_step_goes_on(tiny_job, monkeypatch):
+    import dataclasses
+
+    from mfu_lab.steps import verify
+
+    from .test_verify import _store, step2
+
+    job = dataclasses.replace(tiny_job, verify_rounds=3, verify_steps=1, verify_warmup_steps=0)
+    _store(job, "attention_comm", step2(attention="unfused"))
+    specs, real_init, real_run = [], verify.RungProcess.__init__, verify.RungProcess.run
+
+    def init(self, spec, work, timeout_s, env=None):
+        specs.append(spec)
+        real_init(self, spec, work, timeout_s, env)
+
+    def run(self, steps):
+        if self.name == "attention" and getattr(self, "_seen", False):
+            raise BrokenPipeError(32, "Broken pipe")  # its process died: the parent's write finds stdin closed
+        self._seen = True
+        return real_run(self, steps)
+
+    monkeypatch.setattr(verify.RungProcess, "__init__", init)
+    monkeypatch.setattr(verify.RungProcess, "run", run)
+    r = verify.run(job, write=False)
+    orig, att = r.rungs
+    assert att.status == "failed" and "during the rounds" in att.reason and "Broken pipe" in att.reason
+    assert orig.status == "ok" and len(orig.wall_s) == 3
+    assert [s["memory_fraction"] for s in specs] == [0.5, 0.5]  # on CUDA: half the GPU for each of two rungs
+
+
+# ------------------------------------------------------------------ item 11: nproc_per_node against the GPUs
+def test_nproc_per_node_above_the_visible_gpus_is_a_job_error_before_any_launch(tiny_job, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    from mfu_lab.core.errors import JobError
+    from mfu_lab.workers import launch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launched = []
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: launched.append(a))
+    job = dataclasses.replace(tiny_job, nproc_per_node=4)
+    with pytest.raises(JobError) as e:
+        launch.world_layout(job, "cuda")
+    msg = str(e.value)
+    assert "nproc_per_node" in msg and "4" in msg and "2 GPU(s)" in msg
+    with pytest.raises(JobError, match="nproc_per_node"):  # step 7's DDP alternation: refused before torchrun
+        launch.alternate(job, "cuda", None, [{"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}], 1,
+                         Path("/nonexistent"))
+    assert launched == []
+    assert launch.world_layout(dataclasses.replace(tiny_job, nproc_per_node=2), "cuda") == (1, 2)  # up to the count
+    assert launch.world_layout(dataclasses.replace(tiny_job, nproc_per_node=0), "cuda") == (1, 2)  # one per GPU
+    assert launch.world_layout(job, "cpu") == (1, 4)  # CPU ranks share the CPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(JobError, match="CUDA_VISIBLE_DEVICES='0,1'"):
+        launch.world_layout(job, "cuda")
+
+
+def test_step7_refuses_the_job_before_starting_anything(tiny_job, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    from mfu_lab.core.errors import JobError
+    from mfu_lab.steps import verify
+
+    from .test_verify import _store, step2
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(verify.dev, "resolve_device", lambda requested: H200)
+    monkeypatch.setattr(verify, "_fp8_reason", lambda device: "a stand-in GPU")
+    monkeypatch.setattr(verify, "_peaks", lambda job, device, wanted, say: {k: (1e15, "datasheet", "fp32")
+                                                                            for k in wanted})
+    started = []
+    monkeypatch.setattr(verify, "RungProcess", lambda *a, **k: started.append(a))
+    job = dataclasses.replace(tiny_job, nproc_per_node=2)
+    _store(job, "attention_comm", step2(attention="unfused"))
+    with pytest.raises(JobError, match=r"nproc_per_node.*at most the 1 GPU"):
+        verify.run(job, write=False)
+    assert started == []  # no rung process was started

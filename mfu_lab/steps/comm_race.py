@@ -21,6 +21,7 @@ from mfu_lab.analysis import racing
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.job import Job
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
+from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import (
     SweepOutcome,
     alternate,
@@ -164,7 +165,8 @@ def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: Sweep
         return racing.Confirmation(pick_name, ref_name, "skipped", "several nodes: the sweep's own launch ended "
                                    "before it confirmed this pick, and one node cannot start a launch the others "
                                    "would not join")
-    estimate = racing.confirm_seconds(turns, job.comm_warmup_steps + job.comm_steps, step_s)
+    warm = max(ddp_warmup(job.comm_warmup_steps, c["hook"]) for c in (reference, pick))  # as the worker warms up
+    estimate = racing.confirm_seconds(turns, warm + job.comm_steps, step_s)
     if not clock.fits(estimate):
         return _skipped(clock, pick_name, ref_name, f"budget: {clock.left_s():.0f} s of the step's share left, the "
                         f"confirmation needs about {estimate:.0f} s")

@@ -3,8 +3,9 @@
 Bucket size, communication hook and ``gradient_as_bucket_view`` change nothing in one process, so they are
 verified where they act: the step-2 worker (mfu_lab.workers.ddp_rank) runs the configurations
 ``[original, tuned] x min(verify_rounds, 5)`` in that order (:func:`mfu_lab.workers.launch.alternate`), each a fresh
-DDP model timed for ``comm_steps`` steps; the per-step times of all rounds are pooled per configuration and compared
-with a bootstrap interval.
+DDP model timed for ``comm_steps`` steps after :func:`mfu_lab.workers.ddp_rank.ddp_warmup` untimed ones (never
+DDP's bucket rebuild nor PowerSGD's uncompressed steps; recorded as ``warmup_steps``); the per-step times of all
+rounds are pooled per configuration and compared with a bootstrap interval.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from mfu_lab.analysis.tuning import Change
 from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
 from mfu_lab.core.sidebyside import bootstrap_speedup
+from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import alternate, config_key, world_layout
 
 DDP_ROUNDS = 5  # each DDP turn builds a fresh DDP model and warms it up: far dearer than a round
@@ -46,8 +48,10 @@ def verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say
     turns = min(job.verify_rounds, DDP_ROUNDS)
     say(f"DDP: {2 * turns} configurations alternated in one launch of {nnodes * nproc} processes")
     run = alternate(job, device_type, None, [original, tuned], turns, work)
+    warmup = {"original": ddp_warmup(job.comm_warmup_steps, original["hook"]),  # untimed steps of each turn
+              "tuned": ddp_warmup(job.comm_warmup_steps, tuned["hook"])}
     if run.error:
-        return {"status": "failed", "reason": run.error, "configs": [original, tuned]}
+        return {"status": "failed", "reason": run.error, "configs": [original, tuned], "warmup_steps": warmup}
     walls = run.walls
     order = ["original" if k == config_key(original) else "tuned" for k in run.order]
     a, b = walls[config_key(original)], walls[config_key(tuned)]
@@ -56,6 +60,6 @@ def verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say
     verdict = "faster" if sp.low > 1 else "slower" if sp.high < 1 else "not proven (the interval includes 1.0)"
     return {"status": "ok", "configs": [original, tuned], "order": order, "world_size": nnodes * nproc,
             "original_median_s": sa.median, "tuned_median_s": sb.median, "speedup": sp.value, "speedup_low": sp.low,
-            "speedup_high": sp.high, "proven": sp.proven,
+            "speedup_high": sp.high, "proven": sp.proven, "warmup_steps": warmup,
             "text": f"DDP, {nnodes * nproc} processes: the tuned configuration is {verdict}: {sa.median * 1e3:.1f} -> "
                     f"{sb.median * 1e3:.1f} ms per step, {sp.text()} (measured side by side)"}

@@ -38,6 +38,15 @@ from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_st
 from mfu_lab.workers.launch import config_name, full_factor
 
 BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PERFORMANCE.md)
+POWERSGD_START_ITER = 2  # torch's powerSGD_hook all-reduces uncompressed below this iteration; at it, it allocates P, Q
+DDP_REBUILD_STEPS = 2  # DDP rebuilds its buckets in the second forward (Reducer::rebuild_buckets)
+
+
+def ddp_warmup(job_warmup: int, hook: str) -> int:
+    """Untimed steps before any timed DDP step (screen, full measurement, no_sync, confirmation turn, step 3's trace,
+    step 7's alternation): the job's warm-up, but at least DDP's bucket rebuild and, for PowerSGD, its
+    uncompressed steps and its first compression (``start_powerSGD_iter + 1``), so that neither is timed."""
+    return max(job_warmup, DDP_REBUILD_STEPS, POWERSGD_START_ITER + 1 if hook == "powersgd" else 0)
 
 
 def emit(out: Path, event: dict) -> None:
@@ -64,7 +73,8 @@ def register_hook(ddp: DDP, hook: str) -> None:
     if hook == "none":
         return  # DDP's built-in C++ all-reduce
     if hook == "powersgd":
-        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                 start_powerSGD_iter=POWERSGD_START_ITER)
         ddp.register_comm_hook(state, ps.powerSGD_hook)
         return
     ddp.register_comm_hook(None, {"allreduce": dh.allreduce_hook, "fp16_compress": dh.fp16_compress_hook,
@@ -179,9 +189,10 @@ def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, 
     register_hook(ddp, cfg["hook"])
     emit(out, {"event": "start", "config": cfg, "profile": True})
     ts = build_train_step(job, ddp, device.type)
-    timings = profile_steps(ts, loader(p["warmup"] + p["steps"]), device, p["warmup"], p["steps"],
-                               Path(p["dir"]) / f"trace_rank{rank}.json.gz", beat)
-    emit(out, {"event": "profiled", "config": cfg, "wall_s": timings.measured("wall_s")})
+    warm = ddp_warmup(p["warmup"], cfg["hook"])
+    timings = profile_steps(ts, loader(warm + p["steps"]), device, warm, p["steps"],
+                            Path(p["dir"]) / f"trace_rank{rank}.json.gz", beat)
+    emit(out, {"event": "profiled", "config": cfg, "wall_s": timings.measured("wall_s"), "warmup_steps": warm})
 
 
 def slowed(step, seconds: float):
@@ -284,18 +295,19 @@ def main() -> None:
             emit(out, {"event": "unsupported", "config": cfg, "error": f"{type(e).__name__}: {e}"})
             return None
         ts = build_train_step(job, ddp, device.type)
+        w = ddp_warmup(warm, cfg["hook"])  # never the bucket rebuild nor PowerSGD's uncompressed steps
         for fault in faults:
             if fault.get("kind") == "slow" and fault["name"] == config_name(cfg):
                 ts = slowed(ts, fault["ms"] / 1e3)
         if screen:  # a race's first round or a confirmation's turn: the timed steps alone (analysis.racing)
-            t = run_steps(ts, loader(warm + screen), device, warm, screen, beat)
+            t = run_steps(ts, loader(w + screen), device, w, screen, beat)
             ev = {"event": "done", "config": cfg, "screen": True, "wall_s": t.measured("wall_s"),
-                  "data_s": t.measured("data_s")}
+                  "data_s": t.measured("data_s"), "warmup_steps": w}
             ev = ev if tag is None else {k: v for k, v in ev.items() if k != "screen"} | tag
             emit(out, ev)
             return ev
         try:
-            t = run_steps(ts, loader(warm + steps + 1), device, warm, steps, beat)
+            t = run_steps(ts, loader(w + steps + 1), device, w, steps, beat)
             x, y = next(iter(loader(1)))
             with torch.profiler.profile() as prof:  # one extra step, profiled, for communication time
                 t0 = time.perf_counter()
@@ -310,14 +322,15 @@ def main() -> None:
                 with ddp.no_sync():  # the same step with gradients kept local: no communication at all
                     return ts(x, y)
 
-            # Side by side with the timed steps above, after the sync check (local updates diverge the ranks).
-            alone = run_steps(local_step, loader(steps), device, 0, steps, beat)
+            # Side by side with the timed steps above, after the sync check (local updates diverge the ranks); warmed
+            # up like them: a fresh loader's first steps start its workers and pin-memory thread (issue 33, item 8)
+            alone = run_steps(local_step, loader(w + steps), device, w, steps, beat)
         except Exception as e:
             emit(out, {"event": "error", "config": cfg, "error": f"{type(e).__name__}: {e}"})
             raise
         ev = {"event": "done", "config": cfg, "wall_s": t.measured("wall_s"), "data_s": t.measured("data_s"),
               "no_sync_wall_s": alone.measured("wall_s"), "comm_s": float(comm), "profiled_step_s": profiled_s,
-              "param_checksum_max_diff": diff, "loss": t.loss[-1]}
+              "param_checksum_max_diff": diff, "loss": t.loss[-1], "warmup_steps": w, "no_sync_warmup_steps": w}
         emit(out, ev)
         return ev
 
@@ -345,7 +358,7 @@ def main() -> None:
                    "seconds": time.perf_counter() - t_final})
     confirm = spec.get("confirm")
     if confirm and full:  # the step's pick by its own rule, measured again beside the reference, alternating
-        d = decide(lambda: pick_to_confirm(full, confirm, warm + steps))
+        d = decide(lambda: pick_to_confirm(full, confirm, max(ddp_warmup(warm, c["hook"]) for c in configs) + steps))
         if not d:  # the reference stands: said, so every node's step follows this decision, not its own figures
             emit(out, {"event": "confirm", "candidate": None, "reference": confirm["reference"], "done": True})
         else:
