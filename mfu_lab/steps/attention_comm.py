@@ -121,9 +121,11 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
 
 
 def _ddp_ledger(row: CommRow, ev: dict, world: int, hw: HardwareFlops | None, why_not: str) -> Ledger:
-    wall = statistics.fmean(ev["wall_s"])
-    data = statistics.fmean(ev["data_s"]) / wall
-    exposed = max(0.0, wall - statistics.fmean(ev["no_sync_wall_s"])) / wall
+    """Shares of the median step (medians, as the table's: one slow step, a loader starting, moves no bar):
+    data waits, and exposed communication as the step with communication less the same step under no_sync."""
+    wall = statistics.median(ev["wall_s"])
+    data = statistics.median(ev["data_s"]) / wall
+    exposed = max(0.0, wall - statistics.median(ev["no_sync_wall_s"])) / wall
     return ddp_ledger(row.mfu, exposed, data, world, hw, why_not)
 
 
