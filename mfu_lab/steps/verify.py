@@ -175,18 +175,19 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
     total = job.verify_rounds * job.verify_steps
     procs: dict[str, RungProcess] = {}
     flops: dict[str, float] = {}
+    resident = sum(r.status == "ok" for r in rungs)  # on CUDA each rung's process gets 1/resident of the GPU
     try:
         for rung, rjob in zip(rungs, jobs):
             if rung.status != "ok":
                 continue
             say(f"rung {rung.name}: starting its process, {job.verify_warmup_steps} warm-up steps")
             dev.release_device_memory("cuda")  # each rung's process gets the GPU the launcher let go of
-            p = RungProcess({"rung": rung.name, "job": rjob.to_dict(), "steps_total": total}, work,
-                            job.compile_timeout_s)
+            p = RungProcess({"rung": rung.name, "job": rjob.to_dict(), "steps_total": total,
+                             "memory_fraction": 1 / resident}, work, job.compile_timeout_s)
             procs[rung.name] = p
             try:
                 ready = p.ready()
-            except RuntimeError as e:
+            except (RuntimeError, OSError) as e:
                 rung.status, rung.reason = "failed", str(e)
                 p.close()
                 del procs[rung.name]
@@ -204,7 +205,8 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
             def run(k: int):
                 try:
                     return p.run(k)
-                except RuntimeError as e:  # this rung's process died or hung: recorded, the others go on
+                except (RuntimeError, OSError) as e:  # its process died (a closed stdin: BrokenPipeError) or hung:
+                    # recorded, the others go on
                     by_name[name].status, by_name[name].reason = "failed", f"during the rounds: {e}"
                     return None
             return run

@@ -9,6 +9,9 @@ steps (compilation happens there), then answers commands on stdin, one JSON obje
     {"run": K}   -> K more training steps, continuing the same training; replies their timings
     {"quit": 1}  -> exits
 
+On CUDA the spec's ``memory_fraction`` (1 / the rungs resident at once) bounds the process's caching allocator
+(``torch.cuda.set_per_process_memory_fraction``): every rung stays resident on the one GPU.
+
 Replies are single stdout lines that start with ``@mfu-lab@`` followed by JSON, so a library printing to
 stdout cannot be mistaken for a reply. A fresh process per rung keeps one rung's compiled code, caches
 and allocator out of the next, and lets every rung stay warm while the parent alternates between them.
@@ -80,8 +83,16 @@ class RungProcess:
         return self._next()
 
     def run(self, steps: int) -> dict:
-        self.proc.stdin.write(json.dumps({"run": steps}) + "\n")
-        self.proc.stdin.flush()
+        """The next ``steps`` steps' timings; RuntimeError when the process died, hung or failed (a dead process's
+        closed stdin, BrokenPipeError or another OSError, is said as its exit, with its log's last lines)."""
+        try:
+            self.proc.stdin.write(json.dumps({"run": steps}) + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as e:  # BrokenPipeError: the process is gone; ValueError: stdin was closed
+            self.proc.poll()
+            tail = self.stderr_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"rung {self.name}: the process exited (code {self.proc.returncode}; "
+                               f"{type(e).__name__} writing to it: {' | '.join(tail) or 'no message'})") from None
         return self._next()
 
     def close(self) -> None:
@@ -131,6 +142,10 @@ def main() -> int:
         job = validate(spec["job"], f"verify rung {spec['rung']}")
         device = resolve_device(job.device)
         tdev = device.torch_device
+        if device.type == "cuda" and spec.get("memory_fraction"):  # pragma: no cover - GPU only
+            # every rung stays resident on the one GPU (allocator reserve, CUDA-graph pools): each gets its share,
+            # so rung 2 of a job sized to fill the GPU fails on its own bound, not on the others' leftovers
+            torch.cuda.set_per_process_memory_fraction(float(spec["memory_fraction"]), tdev)
         model = build_model(job).to(tdev).train()
         step = build_train_step(job, model, device.type)
         quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
