@@ -25,14 +25,36 @@ from mfu_lab.core.job import Job
 
 
 def world_layout(job: Job, device_type: str) -> tuple[int, int]:
-    """(nnodes, nproc_per_node): the job's, or one process per visible GPU, or 2 on CPU."""
+    """(nnodes, nproc_per_node): the job's, or one process per visible GPU, or 2 on CPU. On CUDA a
+    ``nproc_per_node`` above the GPUs this node sees is a JobError (:func:`check_nproc`), before any launch."""
     if job.nproc_per_node:
+        check_nproc(job, device_type)
         return job.nnodes, job.nproc_per_node
     if device_type == "cuda":
         import torch
 
         return job.nnodes, max(1, torch.cuda.device_count())
     return job.nnodes, 2
+
+
+def check_nproc(job: Job, device_type: str) -> None:
+    """Each CUDA rank takes a GPU of its own (``cuda:LOCAL_RANK``): refuse a ``nproc_per_node`` above this node's
+    visible GPUs, naming the key, the value and the count, instead of ranks that crash on an invalid device ordinal
+    or NCCL's "Duplicate GPU detected". CPU ranks share the CPU: any count runs."""
+    if device_type != "cuda" or not job.nproc_per_node:
+        return
+    import torch
+
+    from mfu_lab.core.errors import JobError, JobProblem
+    from mfu_lab.core.layout_check import LAYOUT_SOURCE
+
+    count = torch.cuda.device_count()
+    if job.nproc_per_node > count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+        raise JobError(LAYOUT_SOURCE, [JobProblem("nproc_per_node", job.nproc_per_node, (
+            f"must be at most the {count} GPU(s) this node sees (torch.cuda.device_count() = {count}{seen}): each "
+            f"rank takes a GPU of its own; use nproc_per_node: 0 (one per visible GPU) or {count} or fewer"))])
 
 
 def sweep_configs(job: Job) -> list[dict]:
