@@ -140,3 +140,20 @@ def test_mfu_is_over_the_total_wall_and_a_recheck_below_the_cached_peak_is_conte
     c = r.timings.contention
     assert c.shared and "re-checked before the steps" in c.reason and "re-checked after the steps" in c.reason
     assert r.advice[0].message.startswith("The machine was shared")
+
+
+def test_every_step_that_measured_on_a_shared_machine_says_so_in_its_headline():
+    """Step 1's contention record (timings) and step 3's (unprofiled, profiled) both reach the first line of
+    "What this step found"."""
+    from mfu_lab.report.found import shared_line
+
+    busy = {"sampled": True, "shared": True, "other_cores": 1.57, "usable_cores": 2, "load_1min": 3.2,
+            "gpu_processes": []}
+    quiet = dict(busy, shared=False, other_cores=0.1)
+    step1 = {"timings": {"contention": busy}}
+    step3 = {"unprofiled": {"contention": quiet}, "profiled": {"contention": busy}}
+    for d in (step1, step3):
+        line = shared_line(d)
+        assert line.startswith("The machine was shared while this step measured") and "1.57 of 2 cores" in line
+    assert shared_line({"unprofiled": {"contention": quiet}, "profiled": {"contention": None}}) == ""
+    assert shared_line({"metrics": {}}) == ""

@@ -175,8 +175,40 @@ def _context(notebook: Path, info: StepInfo) -> dict[str, Any]:
     ctx["since"] = _since_step1(info, d, folder)
     ctx["created"] = str(_get(d, "environment", "created_at") or "")
     ctx["nodes"] = str(_get(d, "nodes", "text") or "")  # a multi-node job: whose figures these are
-    ctx["layout"] = layout_line(d)
+    ctx["layout"] = " ".join(x for x in (shared_line(d), layout_line(d)) if x)  # the first line of the block
     return ctx
+
+
+def _contention_records(x: Any, depth: int = 3) -> list[dict[str, Any]]:
+    """Every ``contention`` record in a result (step 1's ``timings``, step 3's ``unprofiled`` and ``profiled``, ...),
+    a few levels down."""
+    if depth < 0 or not isinstance(x, dict | list):
+        return []
+    items = x.items() if isinstance(x, dict) else enumerate(x[:20])
+    out = []
+    for k, v in items:
+        if k == "contention" and isinstance(v, dict):
+            out.append(v)
+        else:
+            out += _contention_records(v, depth - 1)
+    return out
+
+
+def shared_line(d: dict[str, Any]) -> str:
+    """One sentence when the machine was shared while the step measured (any of its contention records says so),
+    '' otherwise: a shared machine's step times are not the job's, whichever step measured them."""
+    shared = [c for c in _contention_records(d) if c.get("shared")]
+    if not shared:
+        return ""
+    c = max(shared, key=lambda c: c.get("other_cores") or 0)
+    how = [f"other processes kept {c['other_cores']:.2f} of {c.get('usable_cores')} cores busy"] \
+        if isinstance(c.get("other_cores"), int | float) else []
+    if c.get("gpu_processes"):
+        how.append(f"other processes computed on the GPU ({', '.join(map(str, c['gpu_processes'][:4]))})")
+    if isinstance(c.get("load_1min"), int | float):
+        how.append(f"load average {c['load_1min']:.2f}")
+    return ("The machine was shared while this step measured" + (f" ({'; '.join(how)})" if how else "")
+            + ": its times and MFU are a shared machine's; rerun on an idle machine before acting on them.")
 
 
 def layout_line(d: dict[str, Any]) -> str:
