@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 PROBES = 5  # short probes per re-check
-PROBE_N = {"cpu": 384, "cuda": 4096}  # square matmul size of a probe: a few ms on a 2-core CPU
+PROBE_N = {"cpu": 384, "cuda": 4096}  # square matmul size of a probe: a few ms on a 2-core CPU in float32
+PROBE_N_HALF = 256  # bfloat16/float16 on a CPU: 30 ms a call where the CPU has no native support (1 GFLOP/s)
 PROBE_S = 0.03  # each probe times calls for this long (at least two), best rate
 GPU_SIZES = (2048, 4096, 8192)  # a GPU's full measurement: sizes that fill it (a CPU's are measure_matmul_peak's)
 
@@ -107,9 +108,14 @@ def probe_once(dtype: str, device_type: str, a: torch.Tensor, b: torch.Tensor) -
     return best
 
 
+def probe_n(dtype: str, device_type: str = "cpu") -> int:
+    """The probe's matmul size: the same at measurement and at every re-check (kept in the cache entry)."""
+    return PROBE_N_HALF if device_type == "cpu" and dtype != "float32" else PROBE_N.get(device_type, 384)
+
+
 def probe_rates(dtype: str, device_type: str = "cpu") -> list[float]:
     """``PROBES`` short probes' FLOP/s, after one untimed warm-up call."""
-    n = PROBE_N.get(device_type, 384)
+    n = probe_n(dtype, device_type)
     dev = "cuda" if device_type == "cuda" else "cpu"
     a = torch.randn(n, n, device=dev).to(getattr(torch, dtype))
     b = torch.randn(n, n, device=dev).to(getattr(torch, dtype))
@@ -172,8 +178,14 @@ def _measure_entry(measure: Measure, device_type: str, dtype: str, cond: dict[st
     rates = probe_rates(dtype, device_type)
     now = datetime.now(UTC)
     return {"flops_per_s": max(flops, floor), "how": how, "probe_flops_per_s": statistics.median(rates),
-            "probe_n": PROBE_N.get(device_type, 384), "measured_at": now.isoformat(timespec="seconds"),
+            "probe_n": probe_n(dtype, device_type), "measured_at": now.isoformat(timespec="seconds"),
             "date": now.date().isoformat(), "conditions": cond}
+
+
+def _usable(entry: Any, cond: dict[str, Any], dtype: str) -> bool:
+    """A cache entry for these conditions whose probes were taken the way a re-check takes them now."""
+    return (isinstance(entry, dict) and bool(entry.get("probe_flops_per_s")) and entry.get("conditions") == cond
+            and entry.get("probe_n") == probe_n(dtype, cond["device_type"]) and bool(entry.get("flops_per_s")))
 
 
 def measured_peak(device_type: str, device_name: str, dtype: str, measure: Measure) -> tuple[float, str, dict]:
@@ -183,7 +195,7 @@ def measured_peak(device_type: str, device_name: str, dtype: str, measure: Measu
     cond = conditions(device_type, device_name, dtype)
     key = key_of(cond)
     entry = _read().get("peaks", {}).get(key)
-    if not entry or not entry.get("probe_flops_per_s") or entry.get("conditions") != cond:
+    if not _usable(entry, cond, dtype):
         entry = _measure_entry(measure, device_type, dtype, cond)
         _write(key, entry)
         note = (f"{entry['how']}; measured now and cached from {entry['date']} ({describe(cond)}; nothing cached "
@@ -218,6 +230,6 @@ def recheck_now(device_type: str, device_name: str, dtype: str) -> Recheck | Non
     is cached for these conditions."""
     cond = conditions(device_type, device_name, dtype)
     entry = _read().get("peaks", {}).get(key_of(cond))
-    if not entry or not entry.get("probe_flops_per_s"):
+    if not _usable(entry, cond, dtype):
         return None
     return recheck(entry, probe_rates(dtype, device_type))
