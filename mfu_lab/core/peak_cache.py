@@ -6,8 +6,8 @@ peak comes from its datasheet row or the job's ``peak_flops``; a GPU without eit
 The cache is ``$XDG_CACHE_HOME/mfu-lab/peaks.json`` (``~/.cache/mfu-lab`` without it), written atomically and keyed
 by the conditions: device model, usable cores, torch threads, torch version, dtype. At each use a quick re-check
 runs: five short probes (a small square matmul, best of a few calls each; well under a second in all), compared
-with the probes taken when the peak was measured. "Beyond the noise" means outside the re-check probes' own
-p10-p90:
+with the probes taken around the peak's measurement (the lower median of those before and after it). "Beyond the
+noise" means outside the re-check probes' own p10-p90:
 
 - below the cache (the cached probe rate above the re-check's p90): the machine is shared (contention). The cached
   peak is kept and the re-check says so; it is not a new peak.
@@ -171,13 +171,17 @@ def recheck(entry: dict[str, Any], rates: list[float]) -> Recheck:
 
 def _measure_entry(measure: Measure, device_type: str, dtype: str, cond: dict[str, Any],
                    floor: float = 0.0) -> dict[str, Any]:
+    # probes before and after the full measurement, the lower median kept: a neighbour that came or went meanwhile
+    # makes the reference low rather than high, so a later quiet re-check reads it as stale and measures again
+    # instead of keeping a contended peak for good
+    before = probe_rates(dtype, device_type)
     if device_type == "cuda":  # pragma: no cover - GPU only
         flops, how = measure(getattr(torch, dtype), "cuda", sizes=GPU_SIZES)
     else:
         flops, how = measure(getattr(torch, dtype))
-    rates = probe_rates(dtype, device_type)
+    ref = min(statistics.median(before), statistics.median(probe_rates(dtype, device_type)))
     now = datetime.now(UTC)
-    return {"flops_per_s": max(flops, floor), "how": how, "probe_flops_per_s": statistics.median(rates),
+    return {"flops_per_s": max(flops, floor), "how": how, "probe_flops_per_s": ref,
             "probe_n": probe_n(dtype, device_type), "measured_at": now.isoformat(timespec="seconds"),
             "date": now.date().isoformat(), "conditions": cond}
 
