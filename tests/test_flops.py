@@ -127,3 +127,27 @@ def test_one_count_per_job_is_shared_and_anything_that_changes_it_changes_the_ke
     model.set_attention("sdpa")
     (tmp_path / ".flops" / f"{key}.json").write_text("{truncated")
     assert fl.count_step_flops(model, ts, x, y, cache_dir=tmp_path) == first
+
+
+def test_the_count_cache_is_keyed_on_model_kwargs_the_repr_does_not_show(tmp_path):
+    """Issue 32, item 4: a factory whose kwargs change the work but not the model's repr gets its own count, through
+    a step's own call (steps pass the job's model spec and kwargs as key material)."""
+    import dataclasses as dc
+
+    from mfu_lab.core import flops as fl
+    from mfu_lab.core.job import load_job
+    from mfu_lab.steps.baseline_layout import meta_flops
+
+    from .conftest import TINY
+
+    base = dc.replace(load_job(TINY), out_dir=str(tmp_path), model="tests.fixtures.tiny_models:repeated")
+    v = base.vocab_size
+    one = dc.replace(base, model_kwargs={"repeats": 1, "vocab_size": v})
+    many = dc.replace(base, model_kwargs={"repeats": 16, "vocab_size": v})
+    assert fl.job_key_extra(one) != fl.job_key_extra(many)
+    sixteen = meta_flops(many, "cpu").counted_flops_per_step  # the 16x model first, as in the report
+    single = meta_flops(one, "cpu").counted_flops_per_step  # was served the 16x count before
+    assert single < sixteen and len(list((one.output_root() / ".flops").glob("*.json"))) == 2
+    assert meta_flops(many, "cpu").counted_flops_per_step == sixteen  # still shared when nothing changed
+    assert fl.job_key_extra(dc.replace(base, model_kwargs={"a": 1, "b": 2})) == \
+        fl.job_key_extra(dc.replace(base, model_kwargs={"b": 2, "a": 1}))

@@ -168,15 +168,18 @@ class FlopReport:
     flash_recompute_flops_per_step: float = 0.0  # in hardware FLOPs: the score recompute of flash-style kernels
 
 
-def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path | None = None) -> FlopReport:
+def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path | None = None,
+                     key_extra: str = "") -> FlopReport:
     """Analytic FLOPs (reference model) and FlopCounterMode's count of one forward+backward.
 
     ``cache_dir`` (a job's output folder): the count is kept there under a digest of everything it depends on
     (:func:`count_key`), so the steps of one job count once and share it; anything that changes the count
     (the model's structure or source file, its attention, the batch's shape, checkpointing, dtype, device, torch)
-    changes the digest."""
+    changes the digest. ``key_extra``: what else the count depends on that the model does not show, given by a
+    caller that has the job (:func:`job_key_extra`: the model spec and its ``model_kwargs``, which a factory may
+    turn into work that its repr does not show)."""
     if cache_dir is not None:
-        path = Path(cache_dir) / ".flops" / f"{count_key(model, train_step, x, y)}.json"
+        path = Path(cache_dir) / ".flops" / f"{count_key(model, train_step, x, y, key_extra)}.json"
         if path.is_file():
             try:
                 return rebuild(FlopReport, json.loads(path.read_text()))
@@ -220,8 +223,15 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path |
                       recompute_counted)
 
 
-def count_key(model: torch.nn.Module, train_step, x, y) -> str:
-    """16 hex digits over what one step's FLOP count depends on: the model's structure (its repr, with every
+def job_key_extra(job) -> str:
+    """The job's part of a FLOP count's cache key: its model spec and ``model_kwargs`` (sorted, so their order in
+    the job file does not matter)."""
+    return repr((job.model, sorted(job.model_kwargs.items(), key=lambda kv: str(kv[0]))))
+
+
+def count_key(model: torch.nn.Module, train_step, x, y, key_extra: str = "") -> str:
+    """16 hex digits over what one step's FLOP count depends on: the caller's ``key_extra`` (the job's model spec
+    and kwargs), the model's structure (its repr, with every
     layer's sizes), each attention implementation set on it, the source file of the model's class (a user model
     edited between runs), the batch's shapes and dtypes, activation checkpointing, the step's dtype and device,
     and torch's version."""
@@ -232,8 +242,8 @@ def count_key(model: torch.nn.Module, train_step, x, y) -> str:
         source = Path(inspect.getsourcefile(type(model)) or "").read_bytes()
     except (OSError, TypeError):
         source = b""
-    for part in (repr(model), "|".join(atts), hashlib.sha256(source).hexdigest(), tuple(x.shape), str(x.dtype),
-                 tuple(y.shape), str(y.dtype), getattr(model, "activation_checkpointing", None),
+    for part in (key_extra, repr(model), "|".join(atts), hashlib.sha256(source).hexdigest(), tuple(x.shape),
+                 str(x.dtype), tuple(y.shape), str(y.dtype), getattr(model, "activation_checkpointing", None),
                  getattr(train_step, "dtype", None), getattr(train_step, "device_type", None), torch.__version__):
         h.update(repr(part).encode() + b"\0")
     return h.hexdigest()[:16]

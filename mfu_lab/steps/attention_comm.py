@@ -141,7 +141,8 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     model = build_model(job).to(torch_device).train()
     x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
     flops = count_step_flops(model, build_train_step(job, model, device.type), x.to(torch_device),
-                             y.to(torch_device), cache_dir=job.output_root())
+                             y.to(torch_device), cache_dir=job.output_root(),
+                             key_extra=fl.job_key_extra(job))
     ref = _baseline_reference(job, device.name)
     if ref:
         peak = ref["peak"]

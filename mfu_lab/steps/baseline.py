@@ -101,7 +101,8 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     loader = build_loader(job, job.warmup_steps + job.steps, device.type)
     # one batch for counting FLOPs, from an in-process loader so no worker starts for it
     x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
-    report = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device), cache_dir=job.output_root())
+    report = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device), cache_dir=job.output_root(),
+                              key_extra=fl.job_key_extra(job))
 
     with HealthSampler(device.type, device.name, device.index) as sampler:
         timings = run_steps(train_step, loader, torch_device, job.warmup_steps, job.steps, p.items("baseline steps"))

@@ -30,7 +30,7 @@ from mfu_lab.analysis import layout_terms as lt
 from mfu_lab.analysis import trace
 from mfu_lab.core import device as dev
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.flops import FlopReport, count_step_flops
+from mfu_lab.core.flops import FlopReport, count_step_flops, job_key_extra
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, hardware_flops, layout_ledger
 from mfu_lab.core.measure import Timings, stats
@@ -51,7 +51,7 @@ def meta_flops(job: Job, device_type: str) -> FlopReport:
         model = build_model(job)
         x = torch.zeros(job.micro_batch, job.seq_len, dtype=torch.long)
     step = build_train_step(dataclasses.replace(job, compile_mode="off"), model, device_type)
-    return count_step_flops(model, step, x, x.clone(), cache_dir=job.output_root())
+    return count_step_flops(model, step, x, x.clone(), cache_dir=job.output_root(), key_extra=job_key_extra(job))
 
 
 def slowest_rank_steps(run: LayoutRun) -> list[float]:

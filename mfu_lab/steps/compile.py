@@ -304,7 +304,8 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     # ---- FLOPs and peak for MFU, as in step 1
     x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
     report = count_step_flops(model, build_train_step(job, model, device.type), x0.to(torch_device),
-                              y0.to(torch_device), cache_dir=job.output_root())
+                              y0.to(torch_device), cache_dir=job.output_root(),
+                              key_extra=fl.job_key_extra(job))
     flops, hw = report.model_flops_per_step, hardware_flops(report)
     peak, *peak_label, _ = reference_peak(job, device)
     del model

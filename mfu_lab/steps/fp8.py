@@ -388,7 +388,8 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
         m0 = build_model(job).to(torch_device).train()
         x0, y0 = batches[0]
         flops = count_step_flops(m0, build_train_step(job, m0, device.type), x0.to(torch_device),
-                                 y0.to(torch_device), cache_dir=job.output_root()).model_flops_per_step
+                                 y0.to(torch_device), cache_dir=job.output_root(),
+                                 key_extra=fl.job_key_extra(job)).model_flops_per_step
         for peak_name in ("bf16", "fp8"):
             pk = getattr(chip, peak_name) if chip else None
             metrics[f"mfu_vs_{peak_name}_peak"] = Metric(

@@ -333,7 +333,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     model = build_model(job).to(torch_device).train()
     train_step = build_train_step(job, model, device.type)
     x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
-    flops = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device), cache_dir=job.output_root())
+    flops = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device), cache_dir=job.output_root(),
+                             key_extra=fl.job_key_extra(job))
     ref = step1_reference(job, device.name)
     peak, *peak_label, _ = reference_peak(job, device)
     if not ref:

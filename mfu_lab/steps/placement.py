@@ -36,7 +36,7 @@ from mfu_lab.core import device as dev
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
-from mfu_lab.core.flops import count_step_flops
+from mfu_lab.core.flops import count_step_flops, job_key_extra
 from mfu_lab.core.job import Job
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
@@ -84,7 +84,7 @@ def job_shape(job: Job, device: dev.DeviceInfo) -> tuple[pl.Shape, str]:
     model = build_model(job).to(device.torch_device).train()
     x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
     fl = count_step_flops(model, build_train_step(job, model, device.type), x.to(device.torch_device),
-                          y.to(device.torch_device), cache_dir=job.output_root())
+                          y.to(device.torch_device), cache_dir=job.output_root(), key_extra=job_key_extra(job))
     params = float(sum(p.numel() for p in model.parameters()))
     # a user model is described by the job's shape keys as far as the placement model needs
     shape = pl.Shape(job.n_layers, job.n_heads, job.d_model, job.seq_len, job.micro_batch, params,
