@@ -432,3 +432,19 @@ def test_mfu_lab_step_refuses_a_planted_step_folder_before_any_work(tmp_path):
     assert p.returncode == 2, p.stderr
     assert f"{root / '01_baseline'}: is a symbolic link inside the job's output folder" in p.stderr
     assert sorted(x.name for x in outside.iterdir()) == ["precious.txt"]
+
+
+def test_a_key_that_is_code_is_named_as_the_attack_it_is(tmp_path):
+    """Issue 32, item 3: `papermill -f` writes each key as `key = value`; validate (and run) refuse a key that is not a
+    Python name, naming it, and run nothing."""
+    job = tmp_path / "evil.yaml"
+    job.write_text(TINY.read_text() + f"\"x = 1; __import__('os').system('touch {tmp_path}/pwned'); y\": 1\n"
+                   "class: 2\n")
+    for args in (("validate", str(job)), ("run", str(job), "--out", str(tmp_path / "out"), "-q")):
+        p = mfu_lab(*args, cwd=tmp_path)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert p.stderr.count("not a Python name: papermill -f would run it as code") == 2, p.stderr
+        assert "key 'x = 1; __import__" in p.stderr and "key 'class'" in p.stderr
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "out").exists()
+    with pytest.raises(JobError, match="not a Python name"):
+        validate({"micro batch": 4}, "values")

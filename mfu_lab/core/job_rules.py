@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import math
 import re
 import sys
@@ -17,7 +18,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.errors import JobProblem
+from mfu_lab.core.errors import JobProblem, short_repr
 from mfu_lab.core.paths import find_workbook_root
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -63,6 +64,11 @@ def unknown_key_problem(key: Any, value: Any, keys: Collection[str]) -> JobProbl
     """A key that is not a job key: a renamed one says its new name, any other gets the nearest key, if any."""
     if isinstance(key, str) and key in RENAMED_KEYS:
         return JobProblem(key, value, RENAMED_KEYS[key])
+    if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key):
+        shown = short_repr(key, 60)[1:-1] if isinstance(key, str) else short_repr(key, 60)
+        return JobProblem(shown, value, "not a Python name: papermill -f would run it as code (papermill writes "
+                                        "each key as `key = value` into the notebook); refused. Run files you did "
+                                        "not write with mfu-lab run or mfu-lab lab, which validate first")
     near = difflib.get_close_matches(str(key), keys, n=1)
     hint = f"did you mean '{near[0]}'? " if near else ""
     return JobProblem(str(key), value, f"unknown key; {hint}allowed keys: {', '.join(keys)}")
