@@ -448,3 +448,20 @@ def test_a_key_that_is_code_is_named_as_the_attack_it_is(tmp_path):
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "out").exists()
     with pytest.raises(JobError, match="not a Python name"):
         validate({"micro batch": 4}, "values")
+
+
+def test_an_empty_job_file_is_refused_with_its_path_and_no_file_means_the_default_job(tmp_path):
+    """Issue 32, item 14: a job file that sets nothing (0 bytes, only comments, `{}`) is refused naming it."""
+    for i, text in enumerate(("", "# a truncated copy\n\n# nothing else\n", "{}\n")):
+        job = tmp_path / f"empty{i}.yaml"
+        job.write_text(text)
+        with pytest.raises(JobError, match="sets no key"):
+            load_job(job)
+        p = mfu_lab("validate", str(job), cwd=tmp_path)
+        assert p.returncode == 2 and str(job) in p.stderr and "sets no key" in p.stderr, p.stderr
+    p = mfu_lab("run", str(job), "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
+    assert p.returncode == 2 and "sets no key" in p.stderr and not (tmp_path / "out").exists()
+    from mfu_lab.runner import resolve_job
+
+    job, source = resolve_job(None, {}, str(tmp_path / "out"), writable=False)  # no file: the default job
+    assert source.endswith("default.yaml") and job.job_name == load_job(ROOT / "parameters" / "default.yaml").job_name

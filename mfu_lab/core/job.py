@@ -326,8 +326,10 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None, anchor: 
         data = yamlfile.load(path)
     except yamlfile.YamlProblem as e:
         raise JobError(str(path), [JobProblem("(file)", path.name, str(e))]) from None
-    if data is None:
-        data = {}
+    if data is None or data == {}:  # 0 bytes, only comments, or `{}`: a truncated copy or a wrong path
+        raise JobError(str(path), [JobProblem("(file)", path.name,
+                                              "sets no key (empty, or only comments): a job file names at least one "
+                                              "key; for the default job give no file (mfu-lab run)")])
     if not isinstance(data, dict):
         raise JobError(str(path), [JobProblem("(file)", type(data).__name__,
                                               "must be a mapping of key: value lines")])
