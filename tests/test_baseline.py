@@ -157,3 +157,24 @@ def test_every_step_that_measured_on_a_shared_machine_says_so_in_its_headline():
         assert line.startswith("The machine was shared while this step measured") and "1.57 of 2 cores" in line
     assert shared_line({"unprofiled": {"contention": quiet}, "profiled": {"contention": None}}) == ""
     assert shared_line({"metrics": {}}) == ""
+
+
+def test_a_recheck_above_the_cached_peak_after_the_steps_measures_it_again(tiny_job, tmp_path, monkeypatch):
+    """The cache was a busy machine's: the re-check after the steps reads above it, so step 1 measures again,
+    caches the better reading and takes MFU against it."""
+    from mfu_lab.core import device as dev
+    from mfu_lab.core import peak_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls, peaks = [], [1e13, 2e13]
+    monkeypatch.setattr(dev, "measure_matmul_peak", lambda dtype, *a, **k: (peaks.pop(0), "stand-in"))
+    monkeypatch.setattr(peak_cache, "probe_rates",
+                        lambda dtype, device_type="cpu": calls.append(1) or [5e9 if len(calls) <= 3 else 1e10] * 5)
+    dev.resolve_peak(dev.resolve_device("cpu"), tiny_job.dtype, None)  # cached at 1e13 (probes 1 and 2)
+    r = baseline.run(tiny_job, progress=lambda *a: None, write=False)  # probe 3 before the steps: steady
+    note = r.metrics["peak_flops_per_s"].note
+    assert r.metric("peak_flops_per_s") == 2e13 and "re-check after the steps read above the cache" in note
+    assert "cached from now on" in note and r.peak["cache"]["verdict"] == "remeasured"
+    wall = r.timings.measured("wall_s")
+    assert r.metric("mfu") == pytest.approx(r.metric("model_flops_per_step") * len(wall) / (2e13 * sum(wall)))
+    assert dev.resolve_peak(dev.resolve_device("cpu"), tiny_job.dtype, None).flops_per_s == 2e13  # the cache too
