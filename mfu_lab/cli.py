@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from mfu_lab.core import yamlfile
+from mfu_lab.core import files, yamlfile
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, write_json_atomic
 from mfu_lab.core.health import gate
@@ -203,7 +203,10 @@ def cmd_report(args) -> int:
             write_json_atomic(merged, data)
             print(f"merged the nodes' results into {merged}: {data['nodes']['text']}")
         if nb.is_file():
-            print(f"exported {export_html(nb, root / info.folder / 'report.html')}")
+            try:
+                print(f"exported {export_html(nb, root / info.folder / 'report.html')}")
+            except files.DamagedFile as e:  # the other steps' reports and the index are still rebuilt
+                print(f"warning: {e}; its report.html is left as it was", file=sys.stderr)
     print(f"wrote {write_index(root)}")
     return EXIT_OK
 
@@ -236,6 +239,11 @@ def cmd_history(args) -> int:
 def cmd_compare(args) -> int:
     root = _job_dir(args.job_dir)
     a, b = resolve_run(args.run_a, root), resolve_run(args.run_b, root)
+    for run in (a, b):  # a damaged result is left out of the comparison: say which
+        damaged: dict = {}
+        files.load_results(run.where, damaged)
+        for e in damaged.values():
+            print(f"warning: {e}; left out of the comparison", file=sys.stderr)
     changes, notes = compare(a, b, args.tolerance)
     print(compare_text(a, b, changes, notes, args.all))
     return EXIT_OK

@@ -465,3 +465,40 @@ def test_an_empty_job_file_is_refused_with_its_path_and_no_file_means_the_defaul
 
     job, source = resolve_job(None, {}, str(tmp_path / "out"), writable=False)  # no file: the default job
     assert source.endswith("default.yaml") and job.job_name == load_job(ROOT / "parameters" / "default.yaml").job_name
+
+
+def _result(value) -> str:
+    return json.dumps({"status": "ok", "job": {}, "environment": {"device_name": "cpu"},
+                       "metrics": {"mfu": {"value": value, "unit": "", "source": "measured"}}})
+
+
+def test_a_result_of_the_wrong_types_or_a_cut_notebook_is_damaged_not_a_crash(tmp_path):
+    """Issue 32, items 6 and 7: a result.json whose fields have the wrong types (a metric's value "0.5") is damaged
+    like a truncated one, named by report and compare; a notebook cut by a kill (NotJSONError) is named by report,
+    which goes on with the others."""
+    from mfu_lab.core.files import DamagedFile, read_json
+
+    root = tmp_path / "tiny"
+    for where in (root, root / "runs" / "20260101-000000", root / "runs" / "20260102-000000"):
+        (where / "01_baseline").mkdir(parents=True)
+        (where / "01_baseline" / "result.json").write_text(_result("0.5"))
+        (where / "03_kernels").mkdir()
+        (where / "03_kernels" / "result.json").write_text(_result(0.25))
+    (root / ".mfu-lab").write_text("")
+    (root / "01_baseline" / "01_baseline.ipynb").write_text('{"cells": [{"cell_type": "co')
+    with pytest.raises(DamagedFile, match="metrics.mfu.value is text"):
+        read_json(root / "01_baseline" / "result.json")
+    for bad in ({"status": 1}, {"metrics": {"mfu": {"value": True, "unit": "", "source": "measured"}}},
+                {"metrics": {"mfu": 0.5}}, {"candidates": [{"m": {"value": [1], "unit": "", "source": "counted"}}]}):
+        (root / "03_kernels" / "x").mkdir(exist_ok=True)
+        (root / "03_kernels" / "x" / "result.json").write_text(json.dumps(bad))
+        with pytest.raises(DamagedFile, match="wrong type"):
+            read_json(root / "03_kernels" / "x" / "result.json")
+    p = mfu_lab("report", str(root))
+    assert p.returncode == 0, p.stderr
+    assert "01_baseline.ipynb is damaged (not a complete notebook" in p.stderr and "Traceback" not in p.stderr
+    index = (root / "index.html").read_text()
+    assert "metrics.mfu.value is text" in index and "rerun step 1 (baseline)" in index
+    p = mfu_lab("compare", "latest", "previous", "--job-dir", str(root))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.count("01_baseline/result.json is damaged (wrong type") == 2, p.stderr

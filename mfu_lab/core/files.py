@@ -18,7 +18,7 @@ from typing import Any
 
 from mfu_lab.core.errors import MfuLabError
 from mfu_lab.core.registry import STEPS
-from mfu_lab.core.results import jsonable
+from mfu_lab.core.results import jsonable, result_type_problem
 
 RESULT_FILE = "result.json"
 
@@ -83,6 +83,8 @@ def read_json(path: Path) -> dict[str, Any]:
         raise DamagedFile(path, f"not complete JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     if not isinstance(data, dict):
         raise DamagedFile(path, f"a JSON {type(data).__name__}, not an object")
+    if path.name == RESULT_FILE and (why := result_type_problem(data)) is not None:
+        raise DamagedFile(path, f"wrong type: {why}")
     return data
 
 

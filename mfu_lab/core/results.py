@@ -112,6 +112,50 @@ def _value(tp, v):
     return v
 
 
+_NUMBER = (int, float)
+_METRIC_KEYS = {f.name for f in dataclasses.fields(Metric)}
+_BASE_TYPES = {"status": (str,), "elapsed_s": _NUMBER, "result_format": (int,), "skipped": (list,),
+               "metrics": (dict,), "job": (dict,), "environment": (dict,), "budget": (dict,)}
+
+
+def _kind(v: Any) -> str:
+    return {str: "text", bool: "true/false", dict: "an object", list: "a list"}.get(type(v), type(v).__name__)
+
+
+def _metric_problem(where: str, m: Any) -> str | None:
+    if not isinstance(m, dict):
+        return f"{where} is {_kind(m)}, not a metric object"
+    v = m.get("value")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, _NUMBER)):
+        return f"{where}.value is {_kind(v)} ({v!r:.40}), not a number or null"
+    for field in ("unit", "source", "note"):
+        if field in m and not isinstance(m[field], str):
+            return f"{where}.{field} is {_kind(m[field])}, not text"
+    return None
+
+
+def result_type_problem(data: dict[str, Any]) -> str | None:
+    """What in a stored result has the wrong type, in words, or None: the fields every result has, and every
+    metric (an object of a :class:`Metric`'s fields) anywhere in it. A report formats these as numbers and text,
+    so a file with a wrong type is treated as damaged, like a truncated one, rather than crash the report."""
+    for key, types_ in _BASE_TYPES.items():
+        if key in data and not (isinstance(data[key], types_) and not isinstance(data[key], bool)):
+            return f"field {key!r} is {_kind(data[key])}"
+    for name, m in (data.get("metrics") or {}).items():
+        if (why := _metric_problem(f"metrics.{name}", m)) is not None:
+            return why
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in data.items() if k != "metrics"]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, dict):
+            if {"value", "unit", "source"} <= v.keys() <= _METRIC_KEYS and (why := _metric_problem(where, v)):
+                return why
+            stack += [(f"{where}.{k}", x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+    return None
+
+
 def git_commit(path: Path | None = None) -> str:
     """Commit of the workbook's checkout, '+dirty' when it has uncommitted changes; 'unknown' outside git."""
     here = path or Path(__file__).resolve().parent

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.files import write_atomic
+from mfu_lab.core.files import DamagedFile, write_atomic
 from mfu_lab.report.templating import TEMPLATES
 
 PARAMETER_TAGS = {"parameters", "injected-parameters"}
@@ -100,7 +100,10 @@ def export_html(notebook: Path, html_path: Path) -> Path:
 
     from mfu_lab.report.found import found_html
 
-    nb = nbformat.read(str(notebook), as_version=4)
+    try:
+        nb = nbformat.read(str(notebook), as_version=4)
+    except (ValueError, UnicodeDecodeError) as e:  # NotJSONError (a ValueError): papermill writes in place
+        raise DamagedFile(Path(notebook), f"not a complete notebook: {type(e).__name__}: {str(e)[:120]}") from None
     # The offline template embeds no widget manager, so a widget view could not render: every output
     # that also carries HTML (the explorers' static fallback) shows that instead.
     nb.metadata.pop("widgets", None)
