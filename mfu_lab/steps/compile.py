@@ -407,9 +407,8 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                             "total wall time of the measured steps"),
         "step_time_median_s": Metric(chosen.step_median_s, "s", "measured", method),
         "eager_step_time_median_s": Metric(eager.step_median_s, "s", "measured", "eager, fresh process"),
-        "tokens_per_s": Metric(job.tokens_per_step * chosen.steps_per_s if chosen.steps_per_s else None, "tokens/s",
-                               "measured", "tokens per step x steps / wall time, over the total wall time of the "
-                               "measured steps"),
+        "tokens_per_s": Metric(job.tokens_per_step * (chosen.steps_per_s or 0) or None, "tokens/s", "measured",
+                               "tokens per step x steps / wall time, over the total wall time of the measured steps"),
         "speedup": Metric(shown.speedup if shown else None, "x", "measured",
                           which + "eager median / compiled median"),
         "compile_cold_s": Metric(shown.compile_cold_s if shown else None, "s", "measured",
