@@ -502,3 +502,16 @@ def test_a_result_of_the_wrong_types_or_a_cut_notebook_is_damaged_not_a_crash(tm
     p = mfu_lab("compare", "latest", "previous", "--job-dir", str(root))
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.count("01_baseline/result.json is damaged (wrong type") == 2, p.stderr
+
+
+def test_a_list_of_numbers_reads_number_text_as_a_scalar_key_does(tmp_path):
+    """Issue 32, item 11: YAML reads 1e-9 (no dot) as text; comm_bucket_mb: [1e-9] is a number, as lr: 1e-9 is."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TINY.read_text() + "comm_bucket_mb: [1e-9, 25]\nlr: 1e-9\n")
+    j = load_job(job)
+    assert j.comm_bucket_mb == [1e-9, 25] and j.lr == 1e-9
+    assert mfu_lab("validate", str(job), cwd=tmp_path).returncode == 0
+    for bad, why in (("[.inf]", "finite number > 0"), ("[1e-9, 1e-9]", "must not repeat"), ("[abc]", "item 'abc'")):
+        job.write_text(TINY.read_text() + f"comm_bucket_mb: {bad}\n")
+        with pytest.raises(JobError, match=why):
+            load_job(job)

@@ -103,6 +103,8 @@ def type_problem(f: dataclasses.Field, value: Any, keys: Collection[str]) -> tup
     if t == "list":
         if not isinstance(value, list) or (not value and not meta.get("empty")):
             return value, "must be a non-empty list, e.g. [1, 8, 25]"
+        if meta["items"] == "positive_number":  # YAML 1.1 reads 1e-9 (no dot) as text, as for a scalar key
+            value = [float(v) if isinstance(v, str) and _FLOAT_TEXT.match(v.strip()) else v for v in value]
         return value, items_problem(meta["items"], value, keys)
     if t == "dict":
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
