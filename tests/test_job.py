@@ -111,8 +111,11 @@ def test_numbers_yaml_reads_as_text_are_accepted_for_float_keys(tmp_path):
     assert load_job(write(tmp_path, "lr: 1\n")).lr == 1.0
 
 
-def test_empty_file_is_the_default_job(tmp_path):
-    assert load_job(write(tmp_path, "")) == Job()
+def test_an_empty_file_is_refused_not_the_default_job(tmp_path):
+    """Issue 32, item 14 (was: an empty file is the default job): a file that sets nothing is refused with its
+    path; the default job is `mfu-lab run` with no file (tests/test_attacks.py)."""
+    with pytest.raises(JobError, match="sets no key"):
+        load_job(write(tmp_path, ""))
 
 
 def test_overrides_win_over_the_file(tmp_path):
