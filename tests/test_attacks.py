@@ -515,3 +515,15 @@ def test_a_list_of_numbers_reads_number_text_as_a_scalar_key_does(tmp_path):
         job.write_text(TINY.read_text() + f"comm_bucket_mb: {bad}\n")
         with pytest.raises(JobError, match=why):
             load_job(job)
+
+
+def test_a_model_with_no_parameters_is_named_not_torchs_empty_parameter_list(tiny_job):
+    """Issue 32, item 13: a factory returning a model with nothing to train gets a StepError naming the factory."""
+    import dataclasses as dc
+
+    from mfu_lab.core.errors import StepError
+
+    job = dc.replace(tiny_job, model="tests.fixtures.tiny_models:no_parameters")
+    with pytest.raises(StepError, match="model: tests.fixtures.tiny_models:no_parameters returned a _NoParameters "
+                                        "with no parameters to train"):
+        build_model(job)

@@ -189,7 +189,12 @@ def build_model(job: Job) -> nn.Module:
     if job.uses_reference_model:
         return GPT(job.n_layers, job.n_heads, job.d_model, job.vocab_size, job.seq_len,
                    job.attention, job.activation_checkpointing)
-    return load_user_model(job.model, job.model_kwargs)
+    model = load_user_model(job.model, job.model_kwargs)
+    if not any(p.requires_grad for p in model.parameters()):  # else torch's bare "empty parameter list"
+        frozen = " (all of them frozen: requires_grad=False)" if any(True for _ in model.parameters()) else ""
+        raise StepError(f"model: {job.model} returned a {type(model).__name__} with no parameters to train{frozen}; "
+                        "a training step needs at least one, so the factory must return the model to train")
+    return model
 
 
 # ------------------------------------------------------------------ data
