@@ -99,9 +99,11 @@ def cmd_run(args) -> int:
     job, source = resolve_job(args.job, overrides, args.out)
     job = with_keep(job, args.keep)
     steps = select_steps(args.steps)
-    if args.execution_timeout is not None and not args.execution_timeout > 0:
-        raise JobError("command line", [JobProblem("--execution-timeout", args.execution_timeout,
-                                                   "must be a number of seconds > 0")])
+    t = args.execution_timeout  # the notebook runner (nbclient) takes whole seconds: inf or 600.5 fail every step
+    if t is not None and not (t > 0 and float(t).is_integer()):  # nan, inf and fractions are not whole numbers
+        raise JobError("command line", [JobProblem("--execution-timeout", t, "must be a whole number of seconds > 0, "
+                                                   "e.g. 3600 (the notebook runner takes whole seconds)")])
+    args.execution_timeout = None if t is None else int(t)
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
     failed = run_steps(job, source, steps, quiet=args.quiet, resume=args.resume, keep_going=args.keep_going,

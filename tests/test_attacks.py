@@ -527,3 +527,13 @@ def test_a_model_with_no_parameters_is_named_not_torchs_empty_parameter_list(tin
     with pytest.raises(StepError, match="model: tests.fixtures.tiny_models:no_parameters returned a _NoParameters "
                                         "with no parameters to train"):
         build_model(job)
+
+
+def test_an_execution_timeout_that_is_not_whole_seconds_is_refused_up_front(tmp_path):
+    """Issue 32, item 10: nbclient takes whole seconds; inf or 600.5 failed every step with a TraitError."""
+    for bad in ("inf", "600.5", "nan", "0", "-3"):
+        p = mfu_lab("run", str(TINY), "--steps", "baseline", "--out", str(tmp_path / "out"), "-q",
+                    "--execution-timeout", bad, cwd=tmp_path)
+        assert p.returncode == 2, (bad, p.stdout, p.stderr)
+        assert "--execution-timeout" in p.stderr and "whole number of seconds > 0" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and not (tmp_path / "out" / "tiny" / "01_baseline").exists()
