@@ -182,6 +182,11 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
         report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], fit=fit,
         skipped=skipped)
+    return _finish(job, result, t_start, write)
+
+
+def _finish(job: Job, result: BaselineResult, t_start: float, write: bool) -> BaselineResult:
+    """The advice from the figures, the step's time, and result.json (and the index) when ``write``."""
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
@@ -230,11 +235,7 @@ def _run_in_layout(job: Job, device: dev.DeviceInfo, world: int, fit: dict, p, s
         "baseline", job.to_dict(), environment(device.name, device.type), m.metrics, m.timings,
         stats(m.timings.measured("wall_s")), m.ledger, health, m.flops, m.peak, [], layout=m.layout, fit=fit,
         skipped=skipped)
-    result.advice = advise(result)
-    result.elapsed_s = time.perf_counter() - t_start
-    if write:
-        save(job, result)
-    return result
+    return _finish(job, result, t_start, write)
 
 
 def advise(r: BaselineResult) -> list[Advice]:

@@ -172,28 +172,38 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
         proc = procs.popen(_torchrun_cmd(job, nnodes, nproc, log_dir, spec_path), stdout=err, stderr=err,
                            env={**env, **procs.launcher_env()}, cwd=os.getcwd(), death_signal=signal.SIGTERM,
                            grace_s=20.0)
-        last_size, last_change, seen = -1, time.monotonic(), 0
-        while proc.poll() is None:
-            size = progress_file.stat().st_size if progress_file.exists() else 0
-            if size != last_size:
-                last_size, last_change = size, time.monotonic()
-                if progress:
-                    events = _read(progress_file)
-                    for ev in events[seen:]:
-                        progress(ev)
-                    seen = len(events)
-            if time.monotonic() - last_change > job.comm_timeout_s:
-                procs.kill(proc)  # SIGTERM, 20 s for torchrun to end its ranks, then SIGKILL
-                break
-            time.sleep(0.2)
+        hung, seen, _ = watch(proc, progress_file, progress, job.comm_timeout_s)
+        if hung:
+            procs.kill(proc)  # SIGTERM, 20 s for torchrun to end its ranks, then SIGKILL
     events = _read(progress_file)
     if progress:
         for ev in events[seen:]:
             progress(ev)
-    rc = None if time.monotonic() - last_change > job.comm_timeout_s else proc.returncode
+    rc = None if hung else proc.returncode
     stalled = stalled_ranks(work / "beats") if rc is None else ""
     return Launch(rc, events, _rank_stderr(log_dir), stderr_path.read_text(errors="replace")[-3000:],
                   time.perf_counter() - t0, stalled, free)
+
+
+def watch(proc, progress_file: Path, progress, timeout_s: float, startup_s: float = 0.0) -> tuple[bool, int, float]:
+    """Follow a launch's progress file (the ranks' events, one JSON line each) until the process exits or makes no
+    progress for ``timeout_s`` (at least ``startup_s`` before its first event: imports and rendezvous on a busy
+    host), handing each new event to ``progress``; returns (hung, events handed on, the allowance in force)."""
+    last_size, last_change, seen, allowed = -1, time.monotonic(), 0, timeout_s
+    while proc.poll() is None:
+        size = progress_file.stat().st_size if progress_file.exists() else 0
+        if size != last_size:
+            last_size, last_change = size, time.monotonic()
+            if progress:
+                events = _read(progress_file)
+                for ev in events[seen:]:
+                    progress(ev)
+                seen = len(events)
+        allowed = timeout_s if size else max(timeout_s, startup_s)
+        if time.monotonic() - last_change > allowed:
+            return True, seen, allowed
+        time.sleep(0.2)
+    return False, seen, allowed
 
 
 def _read(path: Path) -> list[dict]:

@@ -22,7 +22,15 @@ from mfu_lab.core import procs
 from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job, validate
 from mfu_lab.core.layout import Layout
-from mfu_lab.workers.launch import _rank_stderr, _read, _torchrun_cmd, error_lines, stalled_ranks, world_layout
+from mfu_lab.workers.launch import (
+    _rank_stderr,
+    _read,
+    _torchrun_cmd,
+    error_lines,
+    stalled_ranks,
+    watch,
+    world_layout,
+)
 
 WORKER = "mfu_lab.workers.layout_rank"
 STARTUP_S = 120.0  # the watchdog's allowance before the ranks' first event (torch's import and rendezvous)
@@ -98,28 +106,13 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(work / f"error_{attempt}.json")}
     env.setdefault("OMP_NUM_THREADS", "1")
     release_device_memory(spec["device_type"])
-    t0, seen, hung, allowed = time.perf_counter(), 0, False, job.comm_timeout_s
+    t0 = time.perf_counter()
     with open(work / f"launcher_{attempt}.log", "w") as err:
         proc = procs.popen(cmd, stdout=err, stderr=err, env={**env, **procs.launcher_env()}, cwd=os.getcwd(),
                            death_signal=signal.SIGTERM, grace_s=20.0)
         try:
             with procs.interrupt_on_sigterm():
-                last_size, last_change = -1, time.monotonic()
-                while proc.poll() is None:
-                    size = progress_file.stat().st_size if progress_file.exists() else 0
-                    if size != last_size:
-                        last_size, last_change = size, time.monotonic()
-                        if progress:
-                            events = _read(progress_file)
-                            for ev in events[seen:]:
-                                progress(ev)
-                            seen = len(events)
-                    # before the ranks' first event (imports, rendezvous) at least STARTUP_S: a busy host is slow
-                    allowed = job.comm_timeout_s if size else max(job.comm_timeout_s, STARTUP_S)
-                    if time.monotonic() - last_change > allowed:
-                        hung = True
-                        break
-                    time.sleep(0.2)
+                hung, seen, allowed = watch(proc, progress_file, progress, job.comm_timeout_s, STARTUP_S)
         finally:
             procs.kill(proc)  # every way out: a finished torchrun has nothing left; else it and its ranks end
     events = _read(progress_file)
