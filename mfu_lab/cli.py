@@ -24,6 +24,7 @@ Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, argument
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -428,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mfu-lab: {filesystem_problem(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
+        # the notebook's kernel died with the interrupt (core.procs ends it): nbclient's orphaned cell task would
+        # log "Task exception was never retrieved ... DeadKernelError" when it is collected; that is this stop
+        logging.getLogger("asyncio").disabled = True
         print("mfu-lab: interrupted; finished steps are kept, the interrupted one is marked interrupted "
               "(mfu-lab run --resume goes on from there)",
               file=sys.stderr)
