@@ -37,6 +37,7 @@ from mfu_lab.core.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, 
 from mfu_lab.core.health import gate
 from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
 from mfu_lab.core.job import FIELDS, KEY_GROUPS, Job, load_job, validate
+from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.nodes import merge_into
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.runstate import JobBusy
@@ -159,7 +160,7 @@ def layout_here(job: Job, source: str) -> str:
     """The job's layout against the world it gets on this machine (workers.launch.world_layout), as "; layout ..."
     for validate's line, or JobError naming ``source``; '' for plain DDP. The reference GPT's heads and blocks are
     checked too; a factory model is not imported (validate runs no code a job file names)."""
-    if job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1:
+    if not beyond_ddp(job):
         return ""
     import torch
 

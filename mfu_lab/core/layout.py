@@ -19,6 +19,13 @@ MESH_DIMS = ("pp", "dp", "tp")  # outermost first: pipeline stages span nodes, t
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def beyond_ddp(job: Job) -> bool:
+    """Whether the job trains in a layout of its own (FSDP, tensor or pipeline parallel) rather than replicated by
+    DDP: steps 1, 3 and 7 then run it under torchrun in that layout. The same test as :attr:`Layout.is_plain_ddp`,
+    without needing the world size."""
+    return not (job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1)
+
+
 @dataclass(frozen=True)
 class Layout:
     world: int

@@ -24,7 +24,7 @@ from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import FlopReport, count_step_flops
 from mfu_lab.core.health import HealthSampler, HealthSummary
 from mfu_lab.core.job import Job
-from mfu_lab.core.layout import Layout
+from mfu_lab.core.layout import Layout, beyond_ddp
 from mfu_lab.core.layout_check import check_layout
 from mfu_lab.core.ledger import Ledger, hardware_flops, single_process_ledger
 from mfu_lab.core.measure import Stats, Timings, run_steps, stats
@@ -88,7 +88,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         skipped.append({"what": "pin_memory", "reason": "pinned memory only speeds host-to-GPU copies; CPU run"})
     nnodes, nproc = world_layout(job, device.type)
     world = nnodes * nproc
-    in_layout = not (job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1)
+    in_layout = beyond_ddp(job)
     if in_layout:
         check_layout(job, world, device.type)
     fit = check_fit(job, device.type, world if in_layout else 1, node_world=world)  # before anything is allocated

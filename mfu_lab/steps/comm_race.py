@@ -20,6 +20,7 @@ from pathlib import Path
 from mfu_lab.analysis import racing
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.job import Job
+from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
 from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import (
@@ -44,7 +45,7 @@ def job_config(job: Job) -> dict:
 def layout_beyond_ddp(job: Job) -> str:
     """Why step 2's DDP race does not apply to the job ('' when it does): a job trained with FSDP, tensor or
     pipeline parallel does not communicate through DDP's buckets and hooks."""
-    if job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1:
+    if not beyond_ddp(job):
         return ""
     what = ", ".join(x for x in ("FSDP2" if job.dp_mode == "fsdp" else "", f"tp {job.tp}" if job.tp > 1 else "",
                                  f"pp {job.pp}" if job.pp > 1 else "") if x)

@@ -19,7 +19,7 @@ import torch
 from mfu_lab.analysis import layout_terms
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job import Job
-from mfu_lab.core.layout import Layout
+from mfu_lab.core.layout import Layout, beyond_ddp
 from mfu_lab.core.meta_shape import job_shape
 
 GIB = 2 ** 30
@@ -84,7 +84,7 @@ def check_fit(job: Job, device_type: str, world: int, node_world: int | None = N
 def one_process_note(job: Job, what: str, in_layout_instead: str) -> dict[str, str] | None:
     """A skipped-list entry for a step that measures on one process (steps 4 and 5) while the job trains in its
     own layout: what it measured instead, and where the layout's figure comes from; None for a plain job."""
-    if job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1:
+    if not beyond_ddp(job):
         return None
     parts = [p for p in ("FSDP2" if job.dp_mode == "fsdp" else "", f"tp {job.tp}" if job.tp > 1 else "",
                          f"pp {job.pp}" if job.pp > 1 else "") if p]

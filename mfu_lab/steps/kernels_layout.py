@@ -30,7 +30,7 @@ from mfu_lab.core import device as dev
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job import Job
-from mfu_lab.core.layout import Layout
+from mfu_lab.core.layout import Layout, beyond_ddp
 from mfu_lab.core.layout_check import check_layout
 from mfu_lab.core.ledger import Ledger
 from mfu_lab.core.measure import Timings, stats
@@ -49,7 +49,7 @@ PROFILED_ONE_STEP = ("the layout's rank worker traces one step per rank, after i
 
 def in_layout(job: Job) -> bool:
     """The job is more than plain DDP: step 3 traces every rank of its layout."""
-    return not (job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1)
+    return beyond_ddp(job)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from mfu_lab.core.faults import guarded
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.health import HealthSummary
 from mfu_lab.core.job import Job, validate
+from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.ledger import HardwareFlops, Ledger, single_process_ledger
 from mfu_lab.core.measure import Timings
 from mfu_lab.core.progress import as_progress
@@ -326,7 +327,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     work = job.step_dir(INFO.folder) / "work"
     timed = sum(r.status == "ok" for r in rungs) > 1  # the original and at least one rung to time against it
     nnodes, nproc = world_layout(job, device.type)
-    in_layout = not (job.dp_mode == "ddp" and job.tp == 1 and job.pp == 1)
+    in_layout = beyond_ddp(job)
     if in_layout and timed:
         order = measure_in_layout(job, rungs, jobs, work, say, device, nnodes * nproc)
     else:
