@@ -8,6 +8,7 @@ import pytest
 from mfu_lab.core.job import Job, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.leftovers"]  # no process the suite started outlives it
 TINY = ROOT / "tests" / "data" / "tiny.yaml"
 
 
