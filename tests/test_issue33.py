@@ -274,3 +274,29 @@ def test_step7_refuses_the_job_before_starting_anything(tiny_job, monkeypatch):
     with pytest.raises(JobError, match=r"nproc_per_node.*at most the 1 GPU"):
         verify.run(job, write=False)
     assert started == []  # no rung process was started
+
+
+def test_emulated_fp8_matmuls_stay_float32_under_the_callers_autocast():
+    """Issue 33 item 14: the emulated FP8 linear's matmuls run in float32 even inside a bf16 autocast region (the
+    caller's autocast used to run them in bf16): the output and the gradients are the same bit for bit."""
+    import torch
+
+    from mfu_lab.analysis.fp8_numerics import EmulatedFp8Linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    lin.__class__ = EmulatedFp8Linear
+    x = torch.randn(8, 64)
+
+    def run(autocast: bool):
+        lin.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = lin(xi)
+        y.square().sum().backward()
+        return y.detach(), xi.grad, lin.weight.grad.clone()
+
+    plain, under = run(False), run(True)
+    assert under[0].dtype == torch.float32
+    for a, b in zip(plain, under):
+        assert torch.equal(a, b)

@@ -91,19 +91,21 @@ class _Fp8Matmul(torch.autograd.Function):
         xq, wq = quantise(x, E4M3, scaling, pow2), quantise(w, E4M3, scaling, pow2)
         ctx.save_for_backward(x, xq, wq)
         ctx.spec, ctx.has_bias = (scaling, qgw, gdtype, pow2), b is not None
-        y = xq @ wq.t()
-        if b is not None:
-            y = y + b.float()
+        with torch.autocast(x.device.type, enabled=False):  # the caller's autocast would run these in bf16/fp16
+            y = xq.float() @ wq.float().t()
+            if b is not None:
+                y = y + b.float()
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, xq, wq = ctx.saved_tensors
         scaling, qgw, gdtype, pow2 = ctx.spec
-        gq = quantise(g, gdtype, scaling, pow2)
-        gx = (gq @ wq).to(x.dtype)
-        g2, x2 = g.reshape(-1, g.shape[-1]).float(), (xq if qgw else x.float()).reshape(-1, x.shape[-1])
-        gw = (quantise(g2, gdtype, scaling, pow2) if qgw else g2).t() @ x2
+        with torch.autocast(g.device.type, enabled=False):  # float32 matmuls, whatever autocast is around
+            gq = quantise(g, gdtype, scaling, pow2)
+            gx = (gq.float() @ wq.float()).to(x.dtype)
+            g2, x2 = g.reshape(-1, g.shape[-1]).float(), (xq if qgw else x).float().reshape(-1, x.shape[-1])
+            gw = (quantise(g2, gdtype, scaling, pow2) if qgw else g2).float().t() @ x2
         gb = g2.sum(0) if ctx.has_bias else None
         return gx, gw, gb, None
 
