@@ -300,3 +300,33 @@ def test_emulated_fp8_matmuls_stay_float32_under_the_callers_autocast():
     assert under[0].dtype == torch.float32
     for a, b in zip(plain, under):
         assert torch.equal(a, b)
+
+
+def test_interleaved_rounds_alternate_candidates_and_spread_the_steps():
+    """Issue 33 item 12: FP8 and bf16 are timed in interleaved rounds (order reversed every other round), not each
+    once in turn; every step asked for is timed."""
+    from mfu_lab.core.measure import interleaved
+
+    calls = []
+
+    def timer(label):
+        def run(n):
+            calls.append((label, n))
+            return [float(len(calls))] * n
+        return run
+
+    walls = interleaved({"bf16": timer("bf16"), "fp8": timer("fp8")}, rounds=3, steps=7)
+    assert calls == [("bf16", 3), ("fp8", 3), ("fp8", 2), ("bf16", 2), ("bf16", 2), ("fp8", 2)]
+    assert len(walls["bf16"]) == len(walls["fp8"]) == 7
+    assert interleaved({"a": timer("a")}, rounds=5, steps=2)["a"] == [7.0, 8.0]  # never more rounds than steps
+
+
+def test_real_fp8_speed_pads_the_inner_dimension():
+    """Issue 33 item 12: the torchao config pads the inner dimension (micro_batch x seq for grad-weight), read from
+    the source since torchao runs only on FP8 GPUs."""
+    import inspect
+
+    from mfu_lab.steps import fp8
+
+    src = inspect.getsource(fp8._real_speed)
+    assert "pad_inner_dim=True" in src and "interleaved(" in src

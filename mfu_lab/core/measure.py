@@ -192,6 +192,21 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
                    padded_tokens=padded or None)
 
 
+def interleaved(timers: dict[str, Callable[[int], list[float]]], rounds: int, steps: int) -> dict[str, list[float]]:
+    """Time candidates in turn rather than each once: ``rounds`` rounds, each running every ``timers[label](n)``
+    (which times ``n`` steps and returns their walls) in order, the order reversed every other round, so a drift
+    of the machine (clocks, heat, a neighbour) falls on every candidate alike. ``steps`` are spread over the
+    rounds (at least one per round). Returns every label's walls, all rounds together."""
+    rounds = max(1, min(rounds, steps))
+    per = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    out: dict[str, list[float]] = {label: [] for label in timers}
+    order = list(timers)
+    for r, n in enumerate(per):
+        for label in (order if r % 2 == 0 else order[::-1]):
+            out[label].extend(timers[label](n))
+    return out
+
+
 def profile_steps(step, batches, device: torch.device, warmup: int, active: int, trace_path: Path,
                   progress=None) -> Timings:
     """Run ``warmup + active`` steps under torch.profiler, recording the last ``active`` of them.

@@ -44,7 +44,7 @@ from mfu_lab.core.errors import JobError, JobProblem
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
-from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.measure import interleaved, run_steps, stats
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
@@ -135,27 +135,35 @@ def _check_groups(job: Job, groups: list[str]) -> None:
 
 def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[str, Any]:  # pragma: no cover
     """On FP8 hardware: the chosen policy through torchao float8 training under torch.compile, against the same
-    compiled model without it. GPU only."""
+    compiled model without it, timed in interleaved rounds (:func:`mfu_lab.core.measure.interleaved`). The
+    config pads the inner dimension (``pad_inner_dim``): the grad-weight ``_scaled_mm`` has micro_batch x seq
+    (which variable-length or odd batches leave unaligned) as its inner dimension. GPU only."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         return {"status": "skipped", "reason": "torchao is not installed (pip install torchao)"}
-    out: dict[str, Any] = {"status": "ok", "recipe": job.fp8_recipe}
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(job.fp8_recipe), pad_inner_dim=True)
+    out: dict[str, Any] = {"status": "ok", "recipe": job.fp8_recipe, "pad_inner_dim": True}
+    bf16 = dataclasses.replace(job, dtype="bfloat16")
+    timers = {}
     for label, use in (("bf16", False), ("fp8", True)):
-        model = build_model(dataclasses.replace(job, dtype="bfloat16")).to(device).train()
+        model = build_model(bf16).to(device).train()
         if use:
             def keep(mod, fqn):
                 return f8.group_of(fqn) in groups and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
-            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(job.fp8_recipe),
-                                       module_filter_fn=keep)
-        model = torch.compile(model)
-        ts = build_train_step(dataclasses.replace(job, dtype="bfloat16"), model, "cuda")
-        say(f"  timing {label} (compiled) for {job.steps} steps")
-        t = run_steps(ts, build_loader(job, 3 + job.steps, "cuda"), device, 3, job.steps)
-        wall = t.measured("wall_s")
+            convert_to_float8_training(model, config=config, module_filter_fn=keep)
+        ts = build_train_step(bf16, torch.compile(model), "cuda")
+        say(f"  compiling and warming {label} (3 steps)")
+        run_steps(ts, build_loader(job, 3, "cuda"), device, 3, 0)
+        timers[label] = (lambda n, ts=ts: run_steps(ts, build_loader(job, n, "cuda"), device, 0, n).measured("wall_s"))
+    rounds = min(3, job.steps)
+    say(f"  timing bf16 and fp8 (compiled) in {rounds} interleaved rounds, {job.steps} steps each")
+    walls = interleaved(timers, rounds, job.steps)
+    for label, wall in walls.items():
         out[f"{label}_step_s"] = stats(wall).median  # the speedup is the medians' ratio
         out[f"{label}_steps"], out[f"{label}_total_s"] = len(wall), sum(wall)  # MFU and tokens/s: the total wall
+    out["rounds"] = rounds
     out["speedup"] = out["bf16_step_s"] / out["fp8_step_s"]
     return out
 
@@ -311,7 +319,8 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
         say(f"[{i}/{len(plan)}] {name}: {job.fp8_steps} steps" + (f", FP8 on {', '.join(gs)} ({recipe})" if gs
                                                                   else ", no FP8 (the reference)") + eta.tag(i - 1))
         watch = f8.Watch(reference, job.fp8_tolerance, job.fp8_window, job.fp8_spike)
-        losses, norms, why, at = train_trial(job, gs, recipe, batches[:job.fp8_steps], torch_device, watch)
+        losses, norms, why, at = train_trial(job, gs, recipe, batches[:job.fp8_steps], torch_device, watch,
+                                             say.heartbeat(f"  {name}", job.fp8_steps))
         t = PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "reference" if not gs else "ok", why or "",
                         losses, norms, at, study=study)
         if not gs:
