@@ -1,6 +1,7 @@
 """One short run of the GPU code paths, for a session that is lent a GPU machine. Not part of the tests.
 
     python benchmarks/gpu_check.py [--out outputs] [--steps monitor,baseline,...] [--limit-s 560]
+    python benchmarks/gpu_check.py --part 1        # one 10-minute call each: --part 1, 2, 3 (riskiest first)
     python benchmarks/gpu_check.py --quick          # step 1 alone (= --steps baseline)
     python benchmarks/gpu_check.py --monitor-only   # the production monitor's GPU paths alone (= --steps monitor)
 
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_check_table import (  # noqa: E402
     DEFAULT_STEPS,
+    PARTS,
     PATHS,
     STEPS,
     Ctx,
@@ -89,12 +91,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "which is a call of its own: --steps layouts)")
     pick.add_argument("--quick", action="store_true", help="step 1 alone (= --steps baseline)")
     pick.add_argument("--monitor-only", action="store_true", help="the monitor's GPU paths alone (= --steps monitor)")
+    pick.add_argument("--part", type=int, choices=sorted(PARTS),
+                      help="one part of the check, each one 10-minute call, riskiest first: "
+                           + "; ".join(f"{k}: {','.join(v)}" for k, v in PARTS.items())
+                           + " (part 2 reads part 1's results: give both the same --out)")
     ap.add_argument("--skip-verify", action="store_true", help="leave step 7 out")
     ap.add_argument("--limit-s", type=float, default=560.0,
                     help="seconds the whole check may take, start-up included; a step whose rough estimate no "
                          "longer fits is skipped (default 560: one 10-minute call with a margin)")
     args = ap.parse_args(argv)
-    args.steps = ["baseline"] if args.quick else ["monitor"] if args.monitor_only else args.steps
+    args.steps = (["baseline"] if args.quick else ["monitor"] if args.monitor_only
+                  else list(PARTS[args.part]) if args.part else args.steps)
     if args.skip_verify:
         args.steps = [s for s in args.steps if s != "verify"]
     args.out = Path(args.out).expanduser().resolve()
@@ -202,6 +209,10 @@ def _attention_row(r, name: str, figure: str) -> Row:
         return fail_row("step 2", figure, f"'{name}' is not among the candidates")
     if a.status in ("ok", "dropped"):  # dropped: timed alone, left out of the race's final round
         return figure_row("step 2", figure, ms(a.attn_median_s), "{:.2f} ms fwd+bwd", f"(error {a.rel_error:.1e})")
+    if a.status == "same kernel":  # torch's own SDPA choice dispatches to it (flash on Hopper in bf16): its twin ran
+        twin = a.reason.split("same kernel as ", 1)[-1].split(" here", 1)[0]
+        return Row("step 2", figure, f"same kernel as {twin} ({a.kernel or '?'}): timed once, as it", "measured",
+                   "pass")
     if "not installed" in a.reason:
         return skip_row("step 2", figure, a.reason)
     return fail_row("step 2", figure, f"{a.status}: {a.reason}")
@@ -480,6 +491,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         actual.append(took)
         print(f"  [{step}: {took:.0f} s, estimated {est:.0f} s; {time.monotonic() - t_start:.0f} s of "
               f"{args.limit_s:.0f} s used]")
+        write_table(rows, header, args.out / "gpu-check")  # after every step: a call that overruns keeps its rows
     md, js = write_table(rows, header, args.out / "gpu-check")
     print(f"\nwrote {md} and {js}\n\nGPU check, {header['date']}: torch {header['torch']}, CUDA {header['CUDA']}, "
           f"{header['GPU']}; {world_note}; {time.monotonic() - t_start:.0f} s\n")

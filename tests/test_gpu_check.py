@@ -204,3 +204,48 @@ def test_main_counts_the_limit_from_the_start_it_is_given(monkeypatch, tmp_path,
     rows = json.loads((tmp_path / "gpu-check" / "table.json").read_text())["rows"]
     assert rc == 0 and [(r["figure"], r["status"]) for r in rows] == [("baseline run", "skip: time")]
     assert "0 s left of --limit-s 560" in rows[0]["value"]
+
+
+def test_the_table_is_written_after_every_step(monkeypatch, tmp_path):
+    """Issue 33 item 7: a call that overruns keeps the rows of the steps that finished: table.json holds step 1's
+    row by the time step 2 starts."""
+    _fake_gpus(monkeypatch)
+    seen = {}
+
+    def first(ctx, rows):
+        rows.append(t.figure_row("step 1", "CUDA-event step time", 12.3, "{:.1f} ms"))
+
+    def second(ctx, rows):
+        seen["rows"] = json.loads((tmp_path / "gpu-check" / "table.json").read_text())["rows"]
+
+    monkeypatch.setattr(gc, "RUN", {"baseline": first, "attention_comm": second})
+    monkeypatch.setattr(gc, "estimate_s", lambda step, world: 0.0)
+    gc.main(["--steps", "baseline,attention_comm", "--out", str(tmp_path)])
+    assert [(r["path"], r["figure"]) for r in seen["rows"]] == [("step 1", "CUDA-event step time")]
+
+
+def test_sdpa_on_the_same_kernel_as_its_twin_passes_naming_it():
+    """Issue 33 item 6: on Hopper in bf16, torch's own SDPA choice is flash, so 'sdpa flash' is marked 'same
+    kernel': a pass that names its twin, not a FAIL."""
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(name="sdpa flash", status="same kernel", kernel="aten::_scaled_dot_product_flash_attention",
+                        reason="dispatches to the same kernel as sdpa here (aten::_scaled_dot_product_flash_attention)"
+                               ": its training step is the same")
+    row = gc._attention_row(SimpleNamespace(attention=[a]), "sdpa flash", "SDPA flash")
+    assert row.status == "pass" and "same kernel as sdpa " in row.value and "flash_attention" in row.value
+    wrong = SimpleNamespace(name="sdpa flash", status="wrong", kernel="", reason="max error 0.3")
+    assert gc._attention_row(SimpleNamespace(attention=[wrong]), "sdpa flash", "SDPA flash").status == "fail"
+
+
+def test_parts_cover_every_step_once_riskiest_first():
+    """Issue 33 item 7: the check runs as parts, each one 10-minute call: --part 1 holds the NCCL launches (step 2's
+    race and confirmation, step 3's traces), and the parts together hold every step once, each within the call's
+    limit by the estimates."""
+    assert gc.parse_args(["--part", "1"]).steps == ["monitor", "baseline", "attention_comm", "kernels"]
+    together = [s for k in sorted(t.PARTS) for s in t.PARTS[k]]
+    assert sorted(together) == sorted(t.STEPS) and len(together) == len(set(together))
+    for steps in t.PARTS.values():
+        assert sum(t.estimate_s(s, 2) for s in steps) <= 560
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--part", "9"])
