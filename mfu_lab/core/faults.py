@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mfu_lab.core.errors import StepError
+from mfu_lab.core.steplock import holds_job
 
 FAULT_ENV = "MFU_LAB_FAULT"
 GIB = 2 ** 30
@@ -120,7 +121,8 @@ def _inject(step: str) -> None:
 
 def guarded(step: str):
     """Decorate a step's ``run(job, ...)``: an out-of-memory error becomes :class:`OutOfMemory` with the memory
-    figures and advice; everything else passes through unchanged."""
+    figures and advice; everything else passes through unchanged. With ``write`` (the default) the step holds the
+    job's folder while it runs, refused at once while another run holds it (:mod:`mfu_lab.core.steplock`)."""
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -140,6 +142,6 @@ def guarded(step: str):
                            "a smaller model or a device with more memory"]))
                 raise OutOfMemory(msg, figs) from exc
 
-        return run
+        return holds_job(step)(run)
 
     return wrap

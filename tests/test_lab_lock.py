@@ -1,0 +1,133 @@
+"""A step holds its job's folder while it measures (issue 32, item 8): a lab notebook's ``run(job)`` is refused at
+once while another process (``mfu-lab run``) holds the job, naming the folder and the holder; the runner's own
+notebooks (its run id in the environment) and ``mfu-lab step`` (the same process) go on; the lock goes when the
+step returns or raises; nested calls do not deadlock; ``write=False`` takes no lock.
+
+``mfu-lab lab`` with its port taken (issue 32, item 12): the hint names the port JupyterLab is given; without
+JupyterLab the command says so before anything about starting."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mfu_lab.core import faults
+from mfu_lab.core.history import RUN_ENV
+from mfu_lab.core.job import Job
+from mfu_lab.core.registry import STEPS
+from mfu_lab.core.runstate import JobBusy, job_lock
+from mfu_lab.core.steplock import lock_holder
+
+from .conftest import ROOT
+
+OTHER_RUN = "20261202-000000"
+HOLD = ("import sys, time\nfrom pathlib import Path\nfrom mfu_lab.core.runstate import job_lock\n"
+        "with job_lock(Path(sys.argv[1]), sys.argv[2]):\n    print('held', flush=True)\n    time.sleep(120)\n")
+
+
+@pytest.fixture
+def job(tmp_path) -> Job:
+    return Job(out_dir=str(tmp_path / "out"), job_name="locked")
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory):
+    """A job whose folder another process holds, as ``mfu-lab run`` does: (job, that process)."""
+    job = Job(out_dir=str(tmp_path_factory.mktemp("held")), job_name="busy")
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(job.output_root()), OTHER_RUN], cwd=ROOT,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        yield job, p
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
+def fake_step(body=lambda job: "measured"):
+    """A step's run as the steps carry it (``faults.guarded``), its measuring replaced by ``body``."""
+
+    @faults.guarded("demo")
+    def run(job, progress=None, write=True):
+        return body(job)
+
+    return run
+
+
+@pytest.mark.parametrize("info", STEPS, ids=lambda s: s.key)
+def test_every_step_is_refused_at_once_while_another_run_holds_the_job(held, info, monkeypatch):
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    job, p = held
+    with pytest.raises(JobBusy) as e:
+        info.load().run(job)  # refused before it measures anything: no model built, nothing written
+    msg = str(e.value)
+    assert f"step {info.key} cannot measure now" in msg and str(job.output_root()) in msg
+    assert f"run {OTHER_RUN} (pid {p.pid} on " in msg and "since 20" in msg
+    assert "Wait for it to finish, or stop it" in msg and "result.json" in msg
+    assert not (job.output_root() / info.folder).exists()
+
+
+def test_the_runners_own_notebook_goes_on_and_another_run_id_does_not(held, monkeypatch):
+    job, _ = held
+    monkeypatch.setenv(RUN_ENV, OTHER_RUN)  # what `mfu-lab run` hands its notebooks' kernels
+    assert fake_step()(job) == "measured"
+    monkeypatch.setenv(RUN_ENV, "20261202-000001")
+    with pytest.raises(JobBusy, match=f"in use by run {OTHER_RUN}"):
+        fake_step()(job)
+
+
+def test_write_false_measures_without_the_lock(held, monkeypatch):
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    job, _ = held
+    assert fake_step()(job, write=False) == "measured"
+    assert fake_step()(job, None, False) == "measured"
+
+
+def test_the_step_holds_the_job_while_it_runs_and_lets_go_after(job, monkeypatch):
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    root = job.output_root()
+
+    def body(job):
+        assert lock_holder(root)["pid"] == os.getpid()
+        with pytest.raises(JobBusy, match="in use by run of step demo from a notebook or script"):
+            with job_lock(root, "20261202-000002"):  # what `mfu-lab run` meets meanwhile
+                pass
+        return "measured"
+
+    assert fake_step(body)(job) == "measured"
+    with job_lock(root, "20261202-000003"):  # let go after it returned
+        pass
+
+    def fails(job):
+        raise ValueError("broken model")
+
+    with pytest.raises(ValueError, match="broken model"):
+        fake_step(fails)(job)
+    with job_lock(root, "20261202-000004"):  # and after it raised
+        pass
+
+
+def test_nested_steps_and_mfu_lab_step_do_not_deadlock(job, monkeypatch):
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    root = job.output_root()
+    inner = fake_step(lambda job: "inner")
+    assert fake_step(lambda job: inner(job) + inner(job))(job) == "innerinner"
+    with job_lock(root, "(starting)") as holder:  # `mfu-lab step`: the step runs in the process holding the job
+        holder("20261202-000005")
+        assert fake_step()(job) == "measured"
+    with job_lock(root, "20261202-000006"):  # nothing left held
+        pass
+
+
+def test_a_function_without_write_is_no_step_and_takes_no_lock(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    @faults.guarded("demo")
+    def run(job):
+        return "ran"
+
+    job = dataclasses.replace(Job(), out_dir=str(tmp_path / "o"))
+    assert run(job) == "ran" and not (tmp_path / "o").exists()
