@@ -13,10 +13,12 @@ starts in the notebook's folder; the runner's in the workbook root) is injected 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -31,7 +33,8 @@ from mfu_lab.core.registry import STEPS
 LAB = "lab"  # the lab's folder inside the job's output folder
 MONITOR_NOTEBOOK = "00_monitor.ipynb"
 ROOT_NOTE = "running as root: JupyterLab needs --allow-root, added"
-DEFAULT_PORT = 8888  # JupyterLab's own default (it moves to the next free port when that one is taken)
+DEFAULT_PORT = 8888  # JupyterLab's own default; taken, the lab starts it on the next free port (pick_port)
+PORT_TRIES = 50  # ports tried from the one wanted (JupyterLab's own port_retries)
 
 
 def lab_folder(job: Job) -> Path:
@@ -136,12 +139,58 @@ def running_as_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
+def jupyterlab_installed() -> bool:
+    return find_spec("jupyterlab") is not None
+
+
+def wanted_port(asked: int | None = None) -> int:
+    """The port JupyterLab is wanted on: ``asked`` (``--port``), else ``$JUPYTER_PORT`` (JupyterLab's own), else
+    8888."""
+    env = os.environ.get("JUPYTER_PORT", "")
+    return asked or (int(env) if env.isdigit() and 0 < int(env) < 65536 else DEFAULT_PORT)
+
+
+def port_free(port: int, host: str = "localhost") -> bool:
+    """Whether JupyterLab could listen on ``port`` now: every address of ``host`` bound as it binds them
+    (``SO_REUSEADDR``, so a port left only in TIME_WAIT is free; an IPv6 address the host lacks is skipped)."""
+    try:
+        addrs = {(a[0], a[1], a[4]) for a in socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                                                                0, socket.AI_PASSIVE)}
+    except OSError:
+        addrs = {(socket.AF_INET, socket.SOCK_STREAM, ("127.0.0.1", port))}
+    for family, kind, addr in addrs:
+        with socket.socket(family, kind) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
+                    continue
+                return False
+    return True
+
+
+def pick_port(asked: int | None = None) -> int:
+    """The port JupyterLab starts on: the wanted one (:func:`wanted_port`), or when it is taken the next free one
+    above it. The lab then starts JupyterLab on exactly that port (``--ServerApp.port_retries=0``), so the address
+    it prints is the one JupyterLab listens on."""
+    first = wanted_port(asked)
+    for port in range(first, min(first + PORT_TRIES, 65536)):
+        if port_free(port):
+            return port
+    raise MfuLabError(f"no free port for JupyterLab from {first} to {min(first + PORT_TRIES, 65536) - 1}: free one, "
+                      "or name another with --port")
+
+
 def lab_command(folder: Path, port: int | None = None, browser: bool = True, *extra: str) -> list[str]:
     """The command that starts JupyterLab on the lab ``folder``; ``--allow-root`` when this process is root
-    (JupyterLab refuses to start as root without it)."""
+    (JupyterLab refuses to start as root without it). A ``port`` is kept to (``--ServerApp.port_retries=0``: no
+    moving on to another port, which the address the lab prints would not name)."""
     cmd = [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={folder}"]
     if port is not None:
-        cmd.append(f"--port={port}")
+        cmd += [f"--port={port}", "--ServerApp.port_retries=0"]
     if not browser:
         cmd.append("--no-browser")
     if running_as_root():
@@ -164,8 +213,10 @@ def shell_line(cmd: list[str], env: dict[str, str]) -> str:
 
 
 def describe(job: Job, source: str, lab: Lab, cmd: list[str], env: dict[str, str], port: int | None,
-             start: bool) -> list[str]:
-    """What ``mfu-lab lab`` says: the folder, what was prepared and kept, where results land, how to start."""
+             start: bool, asked: int | None = None) -> list[str]:
+    """What ``mfu-lab lab`` says: the folder, what was prepared and kept, where results land, how to start.
+    ``port``: the one JupyterLab gets (:func:`pick_port`), ``asked`` the one ``--port`` asked for. Without
+    JupyterLab nothing is said about starting it: :func:`start` says it is missing."""
     lines = [f"mfu-lab: lab for job '{job.job_name}' from {source}: {lab.folder}"]
     if lab.prepared:
         lines.append(f"  prepared (parameters injected, not run): {', '.join(lab.prepared)}")
@@ -187,13 +238,17 @@ def describe(job: Job, source: str, lab: Lab, cmd: list[str], env: dict[str, str
                  f"the summary page: {job.output_root() / 'index.html'}")
     if "--allow-root" in cmd:
         lines.append(f"mfu-lab: {ROOT_NOTE}")
-    if not find_spec("jupyterlab"):
-        lines.append("mfu-lab: JupyterLab is not installed here: pip install jupyterlab")
-    url = f"http://localhost:{port or DEFAULT_PORT}/lab/tree/{lab.first}"
-    if start:
+    url = f"http://localhost:{port or wanted_port()}/lab/tree/{lab.first}"
+    if start:  # nothing said about starting a JupyterLab that is not there: start() says it is missing
+        if not jupyterlab_installed():
+            return lines
+        if port is not None and port != wanted_port(asked):
+            lines.append(f"mfu-lab: port {wanted_port(asked)} is taken: JupyterLab gets port {port}")
         lines.append(f"mfu-lab: starting JupyterLab in {lab.folder}; open the address with the token it prints "
                      f"below (like {url}), run the cells top to bottom; Ctrl-C twice stops it")
     else:
+        if not jupyterlab_installed():
+            lines.append("mfu-lab: JupyterLab is not installed here: pip install jupyterlab")
         lines.append("mfu-lab: prepared only; to start JupyterLab on the lab:")
         lines.append(f"  {shell_line(cmd, env)}")
         lines.append(f"  then open the address with the token it prints (like {url})")
@@ -204,7 +259,7 @@ def start(cmd: list[str], env: dict[str, str]) -> int:
     """Run JupyterLab until it stops; its exit status. Ctrl-C is JupyterLab's to answer (it asks, or stops on
     a second one), so this process waits on through it. JupyterLab stays in this process's group (Ctrl-C reaches
     it) and gets SIGTERM, on which it shuts its kernels down, when this process ends, however it ends (procs)."""
-    if not find_spec("jupyterlab"):
+    if not jupyterlab_installed():
         raise MfuLabError("JupyterLab is not installed here: pip install jupyterlab (the lab's notebooks are "
                           "prepared; mfu-lab lab starts it once it is there)")
     with procs.group():

@@ -8,11 +8,14 @@ JupyterLab the command says so before anything about starting."""
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from mfu_lab import lab
+from mfu_lab.cli import main
 from mfu_lab.core import faults
 from mfu_lab.core.history import RUN_ENV
 from mfu_lab.core.job import Job
@@ -20,7 +23,7 @@ from mfu_lab.core.registry import STEPS
 from mfu_lab.core.runstate import JobBusy, job_lock
 from mfu_lab.core.steplock import lock_holder
 
-from .conftest import ROOT
+from .conftest import ROOT, TINY
 
 OTHER_RUN = "20261202-000000"
 HOLD = ("import sys, time\nfrom pathlib import Path\nfrom mfu_lab.core.runstate import job_lock\n"
@@ -131,3 +134,47 @@ def test_a_function_without_write_is_no_step_and_takes_no_lock(tmp_path, monkeyp
 
     job = dataclasses.replace(Job(), out_dir=str(tmp_path / "o"))
     assert run(job) == "ran" and not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def taken_port():
+    """A port something else listens on (as another JupyterLab would)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_taken_port_moves_the_lab_and_the_hint_names_the_port_it_gets(tmp_path, taken_port, monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(lab, "start", lambda cmd, env: started.append(cmd) or 0)  # no JupyterLab started here
+    assert not lab.port_free(taken_port)
+    assert main(["lab", str(TINY), "--out", str(tmp_path), "--port", str(taken_port)]) == 0
+    out = capsys.readouterr().out
+    used = next(int(a.split("=")[1]) for a in started[0] if a.startswith("--port="))
+    assert used > taken_port and "--ServerApp.port_retries=0" in started[0]  # exactly there, or not at all
+    assert f"port {taken_port} is taken: JupyterLab gets port {used}" in out
+    assert f"like http://localhost:{used}/lab/tree/" in out and f"localhost:{taken_port}/" not in out
+    assert "starting JupyterLab" in out
+
+
+def test_a_free_port_is_kept_and_named(tmp_path, monkeypatch, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = []
+    monkeypatch.setattr(lab, "start", lambda cmd, env: started.append(cmd) or 0)
+    assert main(["lab", str(TINY), "--out", str(tmp_path), "--port", str(port)]) == 0
+    out = capsys.readouterr().out
+    assert f"--port={port}" in started[0] and "is taken" not in out and f"like http://localhost:{port}/lab" in out
+
+
+def test_without_jupyterlab_the_error_comes_first_and_nothing_says_starting(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lab, "jupyterlab_installed", lambda: False)
+    assert main(["lab", str(TINY), "--out", str(tmp_path)]) != 0
+    out, err = capsys.readouterr()
+    assert "starting" not in out.lower() and "JupyterLab is not installed here: pip install jupyterlab" in err
+    assert (tmp_path / "tiny" / "lab" / STEPS[0].notebook).is_file()  # the lab is prepared all the same
+    assert main(["lab", str(TINY), "--out", str(tmp_path), "--prepare-only"]) == 0  # prepare-only: a note, no error
+    out = capsys.readouterr().out
+    assert "JupyterLab is not installed here" in out and "prepared only" in out and "starting" not in out.lower()
