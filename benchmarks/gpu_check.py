@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from gpu_check_race import step_race_one_rank  # noqa: E402
 from gpu_check_table import (  # noqa: E402
     DEFAULT_STEPS,
     PARTS,
@@ -438,7 +439,7 @@ def _layout_rows(b, p: str, name: str, rows: list[Row]) -> Row:
 
 RUN = {"monitor": step_monitor, "baseline": step_baseline, "attention_comm": step_attention_comm,
        "kernels": step_kernels, "compile": step_compile, "fp8": step_fp8, "placement": step_placement,
-       "verify": step_verify, "layouts": step_layouts}
+       "verify": step_verify, "layouts": step_layouts, "race1": step_race_one_rank}
 
 
 def main(argv: list[str] | None = None, started: float | None = None) -> int:

@@ -16,21 +16,23 @@ from pathlib import Path
 from typing import Any
 
 # The steps in the order they run (later ones read earlier ones' results), and their table names.
-STEPS = ("monitor", "baseline", "attention_comm", "kernels", "compile", "fp8", "placement", "verify", "layouts")
+STEPS = ("monitor", "baseline", "race1", "attention_comm", "kernels", "compile", "fp8", "placement", "verify",
+         "layouts")
 # "layouts" (the job in its own layout: FSDP2 over NCCL...) is a call of its own: --steps layouts
 DEFAULT_STEPS = tuple(s for s in STEPS if s != "layouts")
 # The check in parts, each one 10-minute call, the riskiest paths first: NCCL launches, step 2's race and its
 # confirmation and step 3's per-rank traces; then compile, FP8, placement and step 7 (which read part 1's results
 # from the same --out); then the layouts.
-PARTS = {1: ("monitor", "baseline", "attention_comm", "kernels"), 2: ("compile", "fp8", "placement", "verify"),
-         3: ("layouts",)}
-PATHS = {"monitor": "monitor", "baseline": "step 1", "attention_comm": "step 2", "kernels": "step 3",
+PARTS = {1: ("monitor", "baseline", "race1", "attention_comm", "kernels"),
+         2: ("compile", "fp8", "placement", "verify"), 3: ("layouts",)}
+PATHS = {"monitor": "monitor", "baseline": "step 1", "race1": "step 2 (world 1)", "attention_comm": "step 2",
+         "kernels": "step 3",
          "compile": "step 4", "fp8": "step 5", "placement": "step 6", "verify": "step 7", "layouts": "layouts"}
 # Rough seconds of each step on one H200 with the check's small job (gpu_check.SMALL_JOB), process start-ups and
 # compiles included; DDP_EXTRA_S is added where a step launches torchrun (2+ ranks). Guesses to be corrected by
 # the first runs: each step's actual seconds are printed beside its estimate.
-ESTIMATE_S = {"monitor": 20.0, "baseline": 20.0, "attention_comm": 30.0, "kernels": 25.0, "compile": 110.0,
-              "fp8": 100.0, "placement": 45.0, "verify": 200.0, "layouts": 150.0}
+ESTIMATE_S = {"monitor": 20.0, "baseline": 20.0, "race1": 60.0, "attention_comm": 30.0, "kernels": 25.0,
+              "compile": 110.0, "fp8": 100.0, "placement": 45.0, "verify": 200.0, "layouts": 150.0}
 # step 7: 120 s of rungs, plus its compiled rungs' cold compiles (~40 s each for two: the rungs do not share the
 # compile trials' inductor cache)
 DDP_EXTRA_S = {"attention_comm": 35.0, "kernels": 30.0, "verify": 25.0, "layouts": 120.0}

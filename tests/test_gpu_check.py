@@ -90,7 +90,10 @@ def test_estimates_and_pace():
     assert t.pace([10.0], [1.0]) == t.PACE_RANGE[0]
     assert t.estimate_s("attention_comm", 2) > t.estimate_s("attention_comm", 1)
     assert t.estimate_s("baseline", 2) == t.estimate_s("baseline", 1)
-    assert sum(t.estimate_s(s, 1) for s in t.DEFAULT_STEPS) < 560  # the default fits one GPU's call as estimated
+    # each part fits one call as estimated (the default runs them in order, the time guard skipping what no longer
+    # fits, so the riskiest paths come first)
+    assert all(sum(t.estimate_s(s, 1) for s in part) < 560 for part in t.PARTS.values())
+    assert list(t.DEFAULT_STEPS[:len(t.PARTS[1])]) == list(t.PARTS[1])
     assert t.estimate_s("layouts", 8) < 560  # the layouts part fits a call of its own
 
 
@@ -242,10 +245,35 @@ def test_parts_cover_every_step_once_riskiest_first():
     """Issue 33 item 7: the check runs as parts, each one 10-minute call: --part 1 holds the NCCL launches (step 2's
     race and confirmation, step 3's traces), and the parts together hold every step once, each within the call's
     limit by the estimates."""
-    assert gc.parse_args(["--part", "1"]).steps == ["monitor", "baseline", "attention_comm", "kernels"]
+    assert gc.parse_args(["--part", "1"]).steps == ["monitor", "baseline", "race1", "attention_comm", "kernels"]
     together = [s for k in sorted(t.PARTS) for s in t.PARTS[k]]
     assert sorted(together) == sorted(t.STEPS) and len(together) == len(set(together))
     for steps in t.PARTS.values():
         assert sum(t.estimate_s(s, 2) for s in steps) <= 560
     with pytest.raises(SystemExit):
         gc.parse_args(["--part", "9"])
+
+
+def test_forced_world_of_one_runs_the_race_and_both_confirmations(tmp_path, tiny_job):
+    """Issue 33 item 1: the check's forced world-of-1 launch of step 2's DDP worker (three configurations, so a race
+    happens): here over gloo on the CPU, as it runs over NCCL on a one-GPU machine. The race's two rounds, the
+    worker's confirmation (or the reference standing, which the row says) and the alternation launch each get a
+    row of their own, and a path that did not run is never a pass."""
+    import dataclasses
+
+    import gpu_check_race as gr
+
+    job = dataclasses.replace(tiny_job, comm_steps=2, comm_warmup_steps=1, race_steps=2, comm_timeout_s=120.0)
+    ctx = t.Ctx(job, 1, 1, (0, 0), tmp_path)
+    rows: list = []
+    seen = gr.step_race_one_rank(ctx, rows, device_type="cpu")
+    by = {r.figure: r for r in rows}
+    assert set(by) == {"forced world-1 launch", "race round 1 (screening)", "race round 2 (finalists in full)",
+                       "confirmation in the race's launch", "confirmation launch (alternation)"}
+    assert by["forced world-1 launch"].status == "pass", by["forced world-1 launch"]
+    assert "3/3 configurations done over gloo" in by["forced world-1 launch"].value
+    assert by["race round 1 (screening)"].status == "pass"
+    assert by["confirmation launch (alternation)"].status == "pass" and len(seen["alternation"].order) == 4
+    confirm = by["confirmation in the race's launch"]
+    assert confirm.status == "pass" or confirm.status.startswith("skip: the reference")
+    assert seen["sweep"].layout["world_size"] == 1

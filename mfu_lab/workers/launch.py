@@ -22,6 +22,7 @@ from pathlib import Path
 from mfu_lab.core import procs
 from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job
+from mfu_lab.core.progress import GAP_S, as_progress
 
 
 def world_layout(job: Job, device_type: str) -> tuple[int, int]:
@@ -188,22 +189,50 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
 def watch(proc, progress_file: Path, progress, timeout_s: float, startup_s: float = 0.0) -> tuple[bool, int, float]:
     """Follow a launch's progress file (the ranks' events, one JSON line each) until the process exits or makes no
     progress for ``timeout_s`` (at least ``startup_s`` before its first event: imports and rendezvous on a busy
-    host), handing each new event to ``progress``; returns (hung, events handed on, the allowance in force)."""
+    host), handing each new event to ``progress``; returns (hung, events handed on, the allowance in force).
+    While no event comes for ``GAP_S`` seconds, ``progress`` also gets ``{"event": "quiet", "quiet_s": s}`` once per
+    ``GAP_S`` (not counted in the events handed on), so a caller can say the launch is still alive."""
     last_size, last_change, seen, allowed = -1, time.monotonic(), 0, timeout_s
+    last_quiet = last_change
     while proc.poll() is None:
         size = progress_file.stat().st_size if progress_file.exists() else 0
+        now = time.monotonic()
         if size != last_size:
-            last_size, last_change = size, time.monotonic()
+            last_size, last_change = size, now
             if progress:
                 events = _read(progress_file)
                 for ev in events[seen:]:
                     progress(ev)
                 seen = len(events)
+        elif progress and now - max(last_change, last_quiet) >= GAP_S:
+            last_quiet = now
+            progress({"event": "quiet", "quiet_s": now - last_change})
         allowed = timeout_s if size else max(timeout_s, startup_s)
         if time.monotonic() - last_change > allowed:
             return True, seen, allowed
         time.sleep(0.2)
     return False, seen, allowed
+
+
+def turn_lines(progress, label: str, total: int):
+    """A launch's ``progress`` for alternated turns (:func:`alternate`): a line per finished turn with the time
+    left over ``total`` turns, and a heartbeat (core.progress) on the ranks' step and quiet events in between."""
+    p = as_progress(progress)
+    eta, beat, state = p.eta(label, total), p.heartbeat("  " + label), {"n": 0}
+
+    def on(ev: dict) -> None:
+        kind = ev.get("event")
+        if kind in ("done", "unsupported", "error"):
+            state["n"] += 1
+            name = config_name(ev["config"]) if ev.get("config") else "the launch"
+            p.say(f"  {label} [{state['n']}/{total}] {name}: {kind}" + eta.tag(min(state["n"], total)))
+            beat.said()
+        elif kind == "step":
+            beat.beat(state["n"], total, f"turn {state['n'] + 1}, step {ev['done']}/{ev['total']}")
+        elif kind == "quiet":
+            beat.beat(state["n"], total, f"no event from the ranks for {ev['quiet_s']:.0f} s")
+
+    return on
 
 
 def _read(path: Path) -> list[dict]:
@@ -243,7 +272,7 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
               allreduce_max_bytes: int | None = None, fault: dict | list | None = None,
               configs: list[dict] | None = None,
               screen: int = 0, allreduce: bool = True, race: dict | None = None,
-              confirm: dict | None = None) -> SweepOutcome:
+              confirm: dict | None = None, force_one_rank: bool = False) -> SweepOutcome:
     """Every configuration given (default: the job's whole sweep), relaunching past ones that hang or crash.
 
     ``screen``: a race's first round, each configuration timed for this many steps and nothing else (no profiled
@@ -256,13 +285,16 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
     when it is not the reference, alternates the two for ``turns`` turns in the same launch (first launch only).
     ``allreduce``: run the all-reduce benchmark in this launch. ``fault`` (tests only) makes one rank crash or hang
     at one configuration of the first launch (the finalists and turns count on from the screened configurations).
+    ``force_one_rank`` (benchmarks/gpu_check only): launch a world of one rank anyway. Its figures are not DDP's,
+    but it takes every path of a launch (``set_device``, ``broadcast_object_list``, ``DDP(device_ids)``, the race,
+    the confirmation, barrier and teardown) on a machine with one GPU, where two NCCL ranks cannot share it.
     """
     nnodes, nproc = world_layout(job, device_type)
     remaining = sweep_configs(job) if configs is None else list(configs)
     max_bytes = allreduce_max_bytes or (256 << 20 if device_type == "cuda" else 16 << 20)
     result = SweepOutcome({"nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc,
                            "backend": "nccl" if device_type == "cuda" else "gloo"}, [])
-    if nnodes * nproc < 2:  # one rank: nothing to all-reduce, so every figure would be noise
+    if nnodes * nproc < 2 and not force_one_rank:  # one rank: nothing to all-reduce, every figure would be noise
         why = one_rank_reason(nnodes, nproc, device_type)
         result.layout["skipped"] = why
         for cfg in remaining:
