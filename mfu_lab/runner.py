@@ -1,9 +1,9 @@
-"""Running steps: which job and steps, the bracket around one step, papermill execution, the run loop.
+"""Running steps: which job and steps, papermill execution, the run loop.
 
 Every step, whether its notebook runs under papermill (``mfu-lab run``) or its code runs in plain Python
-(``mfu-lab step``), goes through :func:`step_bracket`: the step folder says ``running`` while it runs,
-then either holds a new result, or ``failure.json`` (failed / interrupted / timeout) with the previous result
-kept; the job's index page is refreshed either way.
+(``mfu-lab step``), goes through :func:`mfu_lab.publish.step_bracket`: the step folder says ``running`` while it
+runs, then either its new files are published as one set (result, report, history line, index), or
+``failure.json`` (failed / interrupted / timeout) says why, with the previous set kept whole.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from mfu_lab.analysis.cluster_files import load_cluster
 from mfu_lab.core import procs
 from mfu_lab.core.budget import plan_text
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
-from mfu_lab.core.files import PlantedLink, load_results, refuse_links, refuse_links_below
+from mfu_lab.core.files import load_results
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
-from mfu_lab.core.nodes import this_node
 from mfu_lab.core.paths import workbook_file
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import source_digest
-from mfu_lab.core.runstate import FAILURE_FILE, clear_running, job_lock, mark_failed, mark_running, resumable
-from mfu_lab.report import export_html, write_index
+from mfu_lab.core.runstate import job_lock, resumable
+from mfu_lab.publish import NotPublished, filesystem_problem, fresh_step_folder, step_bracket
+from mfu_lab.report import export_html
 
 
 @contextmanager
@@ -69,15 +68,6 @@ def kernel_files_in(folder: Path) -> Iterator[Path]:
     finally:
         tempfile.tempdir = before
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def filesystem_problem(e: OSError) -> str:
-    """An operating-system error in words: the path, what went wrong, what to do."""
-    if isinstance(e, PlantedLink):  # says what to do itself
-        return f"{e.filename}: {e.strerror}"
-    where = f"{e.filename}: " if e.filename else ""
-    return (f"{where}{e.strerror or e} ({type(e).__name__}): check that the folder can be written (permissions, "
-            "free space, a file standing where a folder should be), or choose another out_dir (--out DIR)")
 
 
 def check_output_folder(job: Job, source: str) -> None:
@@ -154,120 +144,6 @@ class _Indented:
 
     def flush(self) -> None:
         self.stream.flush()
-
-
-def _timed_out_preview(message: str) -> str:
-    """The first line of the cell nbclient's CellTimeoutError quotes ("Here is a preview of the cell contents")."""
-    lines = message.splitlines()
-    for i, line in enumerate(lines):
-        if "preview of the cell contents" in line:
-            body = [x for x in lines[i + 1:] if x.strip() and not set(x.strip()) <= {"-"}]
-            return body[0].strip() if body else ""
-    return ""
-
-
-def _mark_timeout(notebook: Path, limit: float, preview: str) -> str:
-    """Papermill marks every cell 'completed' after a cell timeout; tell the truth in the saved notebook: the cell
-    that ran out of time is marked 'timeout', the ones after it 'not run', and a banner says so at the top."""
-    import nbformat  # lazy: only a timed-out run needs it, and it costs about a second to import
-
-    nb = nbformat.read(str(notebook), as_version=4)
-    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    hit = next((i for i, c in code if preview and c.source.strip().startswith(preview)), None)
-    if hit is None:  # no preview to match: the first cell with an error, else the first that never finished
-        hit = next((i for i, c in code if any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
-    if hit is None:
-        hit = next((i for i, c in code if not c.metadata.get("papermill", {}).get("end_time")), None)
-    where = "an unknown cell"
-    if hit is not None:
-        first = nb.cells[hit].source.strip().splitlines()
-        where = f"cell {hit + 1} ({first[0][:80] if first else 'empty'})"
-        for i, cell in enumerate(nb.cells):
-            meta = cell.metadata.setdefault("papermill", {})
-            if i == hit:
-                meta["status"] = "timeout"
-            elif i > hit:
-                meta["status"] = "not run"
-    banner = nbformat.v4.new_markdown_cell(
-        f'<span style="color:red;font-family:monospace">Execution timed out after {limit:g} s at {where}. '
-        "The cells after it did not run.</span>")
-    banner.metadata["tags"] = ["mfu-lab-timeout-banner"]
-    nb.cells.insert(0, banner)
-    nbformat.write(nb, str(notebook))
-    return where
-
-
-def _failure(exc: BaseException, notebook: Path | None, limit: float | None, job: Job) -> tuple[str, str, str]:
-    """``(status, ename, evalue)`` recorded for a step that raised ``exc``, in each path's own words: papermill
-    reports the failing cell's error name and value; a plain-Python step its exception's type and message."""
-    if isinstance(exc, KeyboardInterrupt):
-        how = "SIGTERM" if isinstance(exc, procs.Terminated) else "Ctrl-C"
-        return "interrupted", "Interrupted", f"stopped by {how}" + (" (KeyboardInterrupt)" if notebook else "")
-    if notebook is None:
-        return "failed", type(exc).__name__, str(exc)
-    if type(exc).__name__ == "CellTimeoutError":
-        where = _mark_timeout(notebook, limit, _timed_out_preview(str(exc))) if notebook.is_file() else "a cell"
-        return "timeout", "Timeout", (f"a cell ran longer than --execution-timeout {limit:g} s: "
-                                      f"{where}; the cells after it did not run")
-    ename = getattr(exc, "ename", None) or type(exc).__name__
-    evalue = getattr(exc, "evalue", None) or str(exc)
-    if ename == "DeadKernelError" or "Kernel died" in evalue:
-        try:  # host memory only: this is the parent, the kernel is gone
-            host = {"host": {k: v for k, v in memory_figures(devices=False).get("host", {}).items()
-                             if k != "process_peak_rss_gib"}}
-            now = format_memory(host)
-        except Exception as e:  # noqa: BLE001 - a failure report must not fail
-            now = f"not readable ({type(e).__name__})"
-        evalue += (" -- the notebook's kernel process died without an error of its own; the usual cause is the "
-                   f"machine running out of memory (the kernel's OOM killer ends the largest process). Host memory "
-                   f"now: {now}. Try: " + "; ".join(oom_advice(job) or ["a smaller job"]))
-    return "failed", ename, evalue
-
-
-def fresh_step_folder(job: Job, info) -> Path:
-    """The step's folder, created, without the failure record of an earlier attempt. The folder, or anything in
-    it, made a symbolic link (which would carry the step's files out of the job's folder) is refused, named."""
-    folder = job.step_dir(info.folder)
-    refuse_links(folder, include_self=True)
-    refuse_links_below(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / FAILURE_FILE).unlink(missing_ok=True)
-    if job.nnodes > 1:  # this node's file of an earlier run must not stand in for this run's
-        this_node(job.nnodes).file(folder).unlink(missing_ok=True)
-    return folder
-
-
-@contextmanager
-def step_bracket(job: Job, info, source: str, run_id: str, notebook: Path | None = None,
-                 limit: float | None = None) -> Iterator[Path]:
-    """Around one step's run: mark the step folder running; on the way out either clear that mark, or record
-    why no new result came (``failure.json``: failed / interrupted / timeout); then refresh the job's index.
-
-    ``notebook``: the executed notebook papermill writes (exported to ``report.html`` on the way out, named in
-    ``failure.json``); ``None`` for a plain-Python step. ``limit``: papermill's cell timeout, for its message.
-    A failure leaves as :class:`StepExecutionError`; Ctrl-C (and, for a plain-Python step, any other
-    non-``Exception`` such as ``SystemExit``) is re-raised as it came.
-    """
-    folder = fresh_step_folder(job, info)
-    mark_running(folder, info.key, run_id)
-    if notebook is not None:  # a notebook runs for minutes: the index shows it running meanwhile
-        write_index(job.output_root())
-    try:
-        yield folder
-    except BaseException as exc:  # PapermillExecutionError, CellTimeoutError, KeyboardInterrupt, kernel death...
-        status, ename, evalue = _failure(exc, notebook, limit, job)
-        where = {"notebook": str(notebook)} if notebook is not None else {}
-        mark_failed(folder, info.key, status, f"{ename}: {evalue}", job_file=source, **where)
-        if notebook is not None and notebook.is_file():
-            export_html(notebook, folder / "report.html")
-        write_index(job.output_root())
-        if isinstance(exc, KeyboardInterrupt) or (notebook is None and not isinstance(exc, Exception)):
-            raise
-        raise StepExecutionError(info.key, str(notebook or folder), ename, evalue) from None
-    clear_running(folder)
-    if notebook is not None:
-        export_html(notebook, folder / "report.html")
-    write_index(job.output_root())
 
 
 def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
@@ -371,10 +247,13 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
         except (StepExecutionError, OSError) as e:
             if isinstance(e, StepExecutionError):
                 print(f"[{n}/{len(steps)}] {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
-                print(f"    executed notebook (with the error): {e.notebook}", file=sys.stderr)
+                how = "it ran to its end" if isinstance(e, NotPublished) else "with the error"
+                print(f"    executed notebook ({how}): {e.notebook}", file=sys.stderr)
             else:  # the step's folder or files could not be written: nothing of the step ran
                 print(f"[{n}/{len(steps)}] {info.folder} FAILED: {filesystem_problem(e)}", file=sys.stderr)
-            print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)
+            index = job.output_root() / "index.html"
+            print(f"    earlier results kept; index: {index if index.is_file() else 'not written (mfu-lab report)'}",
+                  file=sys.stderr)
             failed.append(info.folder)
             if not keep_going:
                 left = [s.folder for s in steps[n:]]

@@ -274,7 +274,7 @@ def test_keep_going_goes_past_a_step_whose_folder_cannot_be_written(tmp_path):
 
 def test_smaller_ones_nan_wording_infinite_buckets_and_a_dead_kernel(tmp_path):
     from mfu_lab.core.faults import NonFiniteLoss
-    from mfu_lab.runner import _failure
+    from mfu_lab.publish import _failure
 
     text = str(NonFiniteLoss(3, float("nan")))
     assert "training step 3" in text and "stopped" not in text  # all steps may have run before the check

@@ -94,8 +94,13 @@ def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_i
     job_root = Path(job_root)
     rid = run_id or current_run_id()
     src = job_root / folder / RESULT_FILE
-    dst = job_root / RUNS_DIR / rid / folder / RESULT_FILE
-    write_atomic(dst, src.read_bytes())
+    write_atomic(job_root / RUNS_DIR / rid / folder / RESULT_FILE, src.read_bytes())
+    append_history(job_root, history_line(rid, folder, step, result))
+    return rid
+
+
+def history_line(rid: str, folder: str, step: str, result: dict[str, Any]) -> str:
+    """The history's line (with its newline) for one step result of run ``rid``."""
     env = result.get("environment", {})
     line = {"run": rid, "step": step, "folder": folder, "saved_at": env.get("created_at"),
             "git_commit": env.get("git_commit"), "source_digest": env.get("source_digest"),
@@ -104,16 +109,36 @@ def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_i
             "elapsed_s": result.get("elapsed_s"),
             "metrics": {k: {"value": m.get("value"), "unit": m.get("unit"), "source": m.get("source")}
                         for k, m in result.get("metrics", {}).items()}}
-    text = json.dumps(line, allow_nan=False) + "\n"
-    # One write() on a file opened for appending: lines from concurrent steps never interleave. Never through a
-    # link planted in the job's folder (open_nofollow refuses it, naming it).
-    fd = open_nofollow(job_root / HISTORY_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    return json.dumps(line, allow_nan=False) + "\n"
+
+
+def append_history(job_root: Path, text: str) -> int:
+    """Append ``text`` (one line) to the job's history; the file's length before it, which
+    :func:`truncate_history` takes back to. One write() on a file opened for appending: lines from concurrent
+    steps never interleave. Never through a link planted in the job's folder (open_nofollow refuses it, naming
+    it). A write that fails (a full disk) is taken back, so that no torn line is left for the next to join."""
+    fd = open_nofollow(Path(job_root) / HISTORY_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        os.write(fd, text.encode("utf-8"))
+        before = os.fstat(fd).st_size
+        try:
+            os.write(fd, text.encode("utf-8"))
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, before)
+            raise
+    finally:
+        os.close(fd)
+    return before
+
+
+def truncate_history(job_root: Path, length: int) -> None:
+    """Take the job's history back to ``length`` bytes (a line appended by a publication that was undone)."""
+    fd = open_nofollow(Path(job_root) / HISTORY_FILE, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, length)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return rid
 
 
 def load_history(job_root: Path) -> list[dict[str, Any]]:

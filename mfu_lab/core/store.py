@@ -18,6 +18,7 @@ from mfu_lab.core.history import record
 from mfu_lab.core.nodes import this_node
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import jsonable
+from mfu_lab.core.staging import staged, staging
 
 # Called with the job's output folder after every save. The package facade (mfu_lab/__init__.py) registers the
 # index refresh here, so a step run from plain Python leaves an up-to-date summary page while the core never
@@ -62,7 +63,8 @@ def save(job, key: str, result, env: dict[str, str] | None = None) -> Path:
 
     On a multi-node job (``nnodes`` > 1) every node writes ``nodes/node<k>.json`` first; only node 0 writes
     result.json, with the other nodes' figures summarised beside its own (:mod:`mfu_lab.core.nodes`). The other
-    nodes return their own file and leave the history and the index to node 0."""
+    nodes return their own file and leave the history and the index to node 0. Inside the runner's bracket
+    (:mod:`mfu_lab.core.staging`) the result is written as ``result.json.staged``, published by the bracket."""
     info = BY_KEY[key]
     mark_job_root(job.output_root())
     step_dir = job.step_dir(info.folder)
@@ -75,6 +77,8 @@ def save(job, key: str, result, env: dict[str, str] | None = None) -> Path:
         if not node.owns_result:
             return own
         data["nodes"] = nodes.summary(nodes.wait_for(step_dir, count, nodes.WAIT_S), count)
+    if staging():  # the runner's bracket publishes the result, its history line and the index (core.staging)
+        return write_json_atomic(staged(step_dir / RESULT_FILE), data)
     path = write_json_atomic(step_dir / RESULT_FILE, data)
     record(job.output_root(), info.folder, info.key, read_json(path))
     for hook in AFTER_SAVE:

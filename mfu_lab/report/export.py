@@ -92,8 +92,9 @@ def arrange(nb: Any) -> Any:
     return nb
 
 
-def export_html(notebook: Path, html_path: Path) -> Path:
-    """Executed notebook -> self-contained HTML (no script or style fetched from the network), results first."""
+def export_html(notebook: Path, html_path: Path, result: Path | None = None) -> Path:
+    """Executed notebook -> self-contained HTML (no script or style fetched from the network), results first.
+    ``result``: the step's result to summarise when it is not yet published (the runner's staged one)."""
     # nbconvert takes seconds to import; the index is rewritten after every step's save, without it.
     import nbformat
     from nbconvert import HTMLExporter
@@ -116,5 +117,5 @@ def export_html(notebook: Path, html_path: Path) -> Path:
     exporter = HTMLExporter(template_name="offline", extra_template_basedirs=[str(TEMPLATES)])
     exporter.exclude_input_prompt = True
     exporter.exclude_output_prompt = True
-    body, _ = exporter.from_notebook_node(nb, resources={"mfu_found": str(found_html(Path(notebook)))})
+    body, _ = exporter.from_notebook_node(nb, resources={"mfu_found": str(found_html(Path(notebook), result))})
     return write_atomic(Path(html_path), body)

@@ -144,12 +144,13 @@ def _since_step1(info: StepInfo, d: dict[str, Any], folder: Path) -> dict[str, A
     return out
 
 
-def _context(notebook: Path, info: StepInfo) -> dict[str, Any]:
+def _context(notebook: Path, info: StepInfo, result: Path | None = None) -> dict[str, Any]:
     folder = Path(notebook).parent
     ctx: dict[str, Any] = {"info": info, "figures": [], "recs": [], "more": 0, "look": [], "since": None,
                            "note": "", "created": "", "nodes": "", "layout": ""}
-    res = folder / RESULT_FILE
-    state = step_state(folder)  # a damaged result.json reads as "damaged" (or as the failure, when one is recorded)
+    res = Path(result) if result is not None else folder / RESULT_FILE
+    # a damaged result.json reads as "damaged" (or as the failure, when one is recorded); a staged one is given
+    state = step_state(folder, read_json(res) if result is not None else None)
     if state.status in NOT_FINISHED:
         kept = (" The result.json beside it is an earlier run's; its figures are on the job's index page, not here."
                 if res.is_file() else "")
@@ -225,14 +226,14 @@ def layout_line(d: dict[str, Any]) -> str:
             f"{check}. Every figure is all ranks' (the slowest rank per step).")
 
 
-def found_html(notebook: Path) -> Markup:
+def found_html(notebook: Path, result: Path | None = None) -> Markup:
     """The "What this step found" block for an executed step notebook; empty for a notebook that is no step's
     (the monitor's). Never raises: anything unexpected in the result gives one sentence saying so."""
     info = step_of(notebook)
     if info is None:
         return Markup("")
     try:
-        return render(TEMPLATE, **_context(Path(notebook), info))
+        return render(TEMPLATE, **_context(Path(notebook), info, result))
     except Exception as e:  # noqa: BLE001 - an older or unexpected result must not stop the export
         return Markup('<section class="mfu mfu-found"><h2>What this step found</h2><p>{}</p></section>').format(
             f"This step's {RESULT_FILE} could not be summarised ({type(e).__name__}: {e}); its figures are in the "
