@@ -281,6 +281,8 @@ def cmd_monitor_report(args) -> int:
     print(f"mfu-lab: {s['read']['ranks']} rank(s) on {s['read']['nodes']} node(s), {s['read']['steps']:,} timed "
           f"steps, {s['span']['launches']} launch(es)" + (f"; {s['read']['skipped_lines']} unreadable line(s) "
                                                           "skipped" if s["read"]["skipped_lines"] else ""))
+    for note in s.get("notes") or []:  # what was skipped or left out, and the clocks: never silent
+        print(f"note: {note}")
     print(f"verdict: {s['verdict']}")
     print(f"wrote {summary_file}" + (f" and {report}" if report else " (papermill is not installed here: no "
                                      "report.html; run mfu-lab monitor report on a machine with the workbook)"))

@@ -4,6 +4,18 @@ into running totals, time bins and per-launch groups, never all in memory at onc
 Memory grows with the number of ranks and time bins (at most ``MAX_BINS``), not with the number of records:
 intervals of one launch are grouped across ranks by their step number (all ranks end an interval at the same
 step) and each group is settled, and dropped, once the merged stream has moved ``HORIZON_S`` past it.
+
+Before that pass, :func:`mfu_lab.analysis.monitor_runs.scan` tells the folder's runs apart (one is read, the
+others are counted and named) and finds each rank's clock offset, which is taken off its records' times, so that
+ranks whose clocks are hours apart still meet in one interval group. Every record passes
+:func:`mfu_lab.analysis.monitor_check.problem` first: a wrong type, a value that is not finite or a negative
+duration is skipped and counted, never summed.
+
+Interval fields read (the contract in :mod:`mfu_lab.core.monitor_files`): ``wall_s`` (the steps' time), and inside
+it ``data_s`` (the data wait, where it was timed: ``data_timed`` false says it was not; absent means timed, as
+before), ``host_s`` (null: not timed), ``other_s`` (evaluation, checkpoints, logging outside the training steps)
+and ``comm_s`` (a collective in flight). The record's MFU and tokens/s are over ``wall_s - other_s``, so they
+are weighted by that time here.
 """
 
 from __future__ import annotations
@@ -14,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.monitor_files import ReadCount, first_and_last_time, iter_records, rank_files
+from mfu_lab.analysis.monitor_check import Skipped, problem
+from mfu_lab.analysis.monitor_runs import Plan, launch_key, scan
+from mfu_lab.core.monitor_files import ReadCount, iter_records, rank_files
 
 MAX_BINS = 120
 HORIZON_S = 900.0  # a group of intervals is settled once the stream is this far past it
@@ -25,13 +39,17 @@ STRAGGLER_NOISE = 0.05  # the slowest rank's work per step must exceed the group
 class Sums:
     wall: float = 0.0
     data: float = 0.0
+    data_wall: float = 0.0  # wall time of the intervals whose data wait was timed
+    host_wall: float = 0.0  # wall time of the intervals whose host time was timed
+    other: float = 0.0  # evaluation, checkpoints, logging outside the training steps
+    other_wall: float = 0.0  # wall time of the intervals that recorded it (other_s; records since v2)
     host: float = 0.0
     comm: float = 0.0
     comm_wall: float = 0.0  # wall time of the intervals whose communication was timed
     tokens: float = 0.0
     tokens_wall: float = 0.0
     mfu_wall: float = 0.0  # sum of mfu x wall
-    mfu_w: float = 0.0  # wall with an MFU
+    mfu_w: float = 0.0  # training time (wall - other) of the intervals with an MFU
     steps: int = 0
     step_med_sum: float = 0.0  # sum of interval medians x steps
     throttle_s: float = 0.0
@@ -40,20 +58,29 @@ class Sums:
 
     def add(self, r: dict[str, Any]) -> None:
         wall = float(r.get("wall_s") or 0.0)
+        other = min(wall, float(r.get("other_s") or 0.0))
         self.wall += wall
-        self.data += float(r.get("data_s") or 0.0)
-        self.host += float(r.get("host_s") or 0.0)
+        self.other += other
+        if r.get("other_s") is not None:
+            self.other_wall += wall
+        if r.get("data_timed") is not False:  # absent: timed (records written before the field existed)
+            self.data += float(r.get("data_s") or 0.0)
+            self.data_wall += wall
+        if r.get("host_s") is not None:  # null: no loader wrapped, host time not timed
+            self.host += float(r["host_s"])
+            self.host_wall += wall
         self.work += wall
         if r.get("comm_s") is not None:
             self.comm += float(r["comm_s"])
             self.comm_wall += wall
             self.work -= float(r["comm_s"])
-        if r.get("tokens"):
+        train = wall - other  # the writer takes MFU and tokens/s over this: evaluation etc. left out
+        if r.get("tokens") and train > 0:
             self.tokens += float(r["tokens"])
-            self.tokens_wall += wall
-        if r.get("mfu") is not None:
-            self.mfu_wall += float(r["mfu"]) * wall
-            self.mfu_w += wall
+            self.tokens_wall += train
+        if r.get("mfu") is not None and train > 0:
+            self.mfu_wall += float(r["mfu"]) * train
+            self.mfu_w += train
         n = int(r.get("steps") or 0)
         self.steps += n
         self.step_med_sum += float((r.get("step_s") or {}).get("median") or 0.0) * n
@@ -63,6 +90,12 @@ class Sums:
     def share(self, part: str) -> float | None:
         if part == "comm":
             return self.comm / self.comm_wall if self.comm_wall > 0 else None
+        if part == "data":
+            return self.data / self.data_wall if self.data_wall > 0 else None
+        if part == "other":
+            return self.other / self.other_wall if self.other_wall > 0 else None
+        if part == "host":
+            return self.host / self.host_wall if self.host_wall > 0 else None
         return getattr(self, part) / self.wall if self.wall > 0 else None
 
     @property
@@ -160,31 +193,37 @@ class Folder:
     groups: int = 0
     wait_s: float = 0.0  # rank-seconds every rank but the slowest spent waiting for it
     world: int = 1
+    plan: Plan | None = None
+    skipped: Skipped = field(default_factory=Skipped)
+    left_out: dict[str, int] = field(default_factory=dict)  # run -> records read and left out
 
 
 PROGRESS_EVERY = 200_000  # records between two progress lines
 
 
-def read_folder(folder: Path, progress=None) -> Folder:
-    """One pass over every record of ``folder``; ``progress(line)`` hears how far it got on long reads."""
+def read_folder(folder: Path, progress=None, run: str | None = None) -> Folder:
+    """One pass over the records of one run of ``folder`` (``run``; default: the latest by start time);
+    ``progress(line)`` hears how far it got on long reads."""
     folder = Path(folder)
     files = rank_files(folder)
-    total_bytes = sum(p.stat().st_size for f in files for p in f.paths if p.is_file()) or 1
-    count = ReadCount()
-    times = [first_and_last_time(f.paths) for f in files]
-    t_lo = min((a for a, _ in times if a is not None), default=0.0)
-    t_hi = max((b for _, b in times if b is not None), default=t_lo)
+    total_bytes = sum(_size(p) for f in files for p in f.paths) or 1
+    plan = scan(files, run, progress)
+    t_lo = plan.t_lo if plan.t_lo is not None else 0.0
+    t_hi = plan.t_hi if plan.t_hi is not None else t_lo
     n_bins = MAX_BINS if t_hi > t_lo else 1
     edges = [t_lo + (t_hi - t_lo) * i / n_bins for i in range(n_bins + 1)]
-    st = Folder(folder, count, sum(len(f.paths) for f in files), {}, Sums(), {}, {}, edges,
-                [Sums() for _ in range(n_bins)], {}, {}, [GpuBin() for _ in range(n_bins)], [], {}, {}, {})
+    st = Folder(folder, ReadCount(), sum(len(f.paths) for f in files), {}, Sums(), {}, {}, edges,
+                [Sums() for _ in range(n_bins)], {}, {}, [GpuBin() for _ in range(n_bins)], [], {}, {}, {},
+                plan=plan)
     pending: dict[tuple[str, int], dict[tuple[str, int], tuple[float, int]]] = {}
     pending_t: dict[tuple[str, int], float] = {}
-    streams = [iter_records(f.paths, count) for f in files]
+    counts = [ReadCount() for _ in files]
+    streams = [_checked(f, c, st) for f, c in zip(files, counts)]
     for n, r in enumerate(heapq.merge(*streams, key=lambda rec: rec["t"]), 1):
         _take(st, r, pending, pending_t)
         if progress is not None and n % PROGRESS_EVERY == 0:
-            progress(f"read {n:,} records of {len(files)} rank file(s), {count.bytes / total_bytes:.0%} of "
+            done = sum(c.bytes for c in counts)
+            progress(f"read {n:,} records of {len(files)} rank file(s), {done / total_bytes:.0%} of "
                      f"{total_bytes / 2**20:.0f} MiB")
         if pending_t and r["t"] - min(pending_t.values()) > HORIZON_S:
             for key in [k for k, t in pending_t.items() if r["t"] - t > HORIZON_S]:
@@ -193,7 +232,51 @@ def read_folder(folder: Path, progress=None) -> Folder:
     for key in list(pending):
         _settle(st, pending.pop(key))
     st.world = max([int(s.get("world") or 1) for s in st.ranks.values()] + [len(st.ranks) or 1])
+    for c in counts:
+        _add_count(st.count, c)
     return st
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _add_count(total: ReadCount, c: ReadCount) -> None:
+    total.lines += c.lines
+    total.bytes += c.bytes
+    total.records += c.records
+    total.skipped += c.skipped
+    total.skipped_examples.extend(c.skipped_examples[: max(0, 5 - len(total.skipped_examples))])
+    total.unreadable_files.extend(c.unreadable_files)
+
+
+def _checked(rf, count: ReadCount, st: Folder):
+    """One rank's records that pass the field check and belong to the chosen run, on the reference clock."""
+    plan = st.plan
+    one_part = len(rf.paths) == 1
+    file_run = str(getattr(rf, "run", "") or "")
+    for rec in iter_records(rf.paths, count):
+        why = problem(rec)
+        if why is not None:
+            where = f"{rf.paths[0].name}:{count.lines}" if one_part else \
+                f"{rf.host}-rank{rf.rank} (line {count.lines} of its {len(rf.paths)} files)"
+            st.skipped.add(why, where)
+            continue
+        key = launch_key(rec, file_run)
+        run = plan.launch_run.get(key, "")
+        if run != plan.chosen:
+            st.left_out[run] = st.left_out.get(run, 0) + 1
+            continue
+        off = plan.offsets.get((str(rec.get("node", "?")), int(rec.get("rank") or 0)))
+        rec = dict(rec, launch=plan.launch_group.get(key, key))  # local ids: the launch its processes made
+        if off:
+            rec["t"] -= off
+            if isinstance(rec.get("t0"), (int, float)):
+                rec["t0"] -= off
+        yield rec
 
 
 def _bin(st: Folder, t: float) -> int:
@@ -205,7 +288,7 @@ def _bin(st: Folder, t: float) -> int:
 
 def _take(st: Folder, r: dict[str, Any], pending, pending_t) -> None:
     kind, node, rank = r["kind"], str(r.get("node", "?")), int(r.get("rank") or 0)
-    launch = str(r.get("launch", ""))
+    launch = str(r.get("launch") or "")
     lau = st.launches.get(launch)
     if lau is None:
         lau = st.launches[launch] = Launch(r["t"], r["t"])
@@ -228,8 +311,10 @@ def _take(st: Folder, r: dict[str, Any], pending, pending_t) -> None:
         st.per_rank.setdefault((node, rank), Sums()).add(r)
         st.per_node.setdefault(node, Sums()).add(r)
         st.bins[b].add(r)
-        st.node_bins.setdefault(node, [Sums() for _ in st.bins])[b].add(r)
-        st.rank_bins.setdefault((node, rank), [Sums() for _ in st.bins])[b].add(r)
+        for table, key in ((st.node_bins, node), (st.rank_bins, (node, rank))):
+            if key not in table:  # built once per node and rank, not per record
+                table[key] = [Sums() for _ in st.bins]
+            table[key][b].add(r)
         if r.get("gpu"):
             st.gpu_bins[b].add(r["gpu"])
         t0 = r.get("t0")

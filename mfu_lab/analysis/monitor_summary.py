@@ -3,11 +3,15 @@ operations loss measured where it happens, and which tuning step to start with.
 
 Formulas (over every rank's interval records; sums of seconds, so long intervals weigh more):
 
-- data share = data wait / wall; host share = host time outside the step / wall;
+- data share = data wait / wall of the intervals whose data wait was timed ("not timed" when none was: a loop
+  without a wrapped loader, or a framework adapter that could not tell the fetch apart);
+- host share = host time outside the step / wall; other share = evaluation, checkpoints and logging outside the
+  training steps / wall (kept out of MFU: MFU = FLOPs / (peak x (wall - other)));
 - communication share = time with a collective in flight / wall of the intervals whose collectives were timed
   (overlapped with compute or not; on a fast rank it includes waiting for a slower one);
-- compute share = 1 - data - host - communication: the step's time with no collective in flight and no wait
-  for data (a lower bound of the time computing when communication overlaps compute);
+- compute share = 1 - data - host - other - communication: the step's time with no collective in flight and no
+  wait for data (a lower bound of the time computing when communication overlaps compute; it holds the data
+  wait when that was not timed);
 - waiting for the slowest rank: per interval group, sum over ranks of (slowest rank's work per step - own)
   x steps, where work = wall - communication; its share is of all ranks' wall time;
 - operations loss, each part as a share of the wall-clock (Slurm's submit time, or the first start, to the last
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.analysis.monitor_read import Folder, Straggling, read_folder
+from mfu_lab.analysis.monitor_runs import describe
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.thresholds import COMM_LIMIT, DATA_WAIT_LIMIT
 
@@ -35,6 +40,8 @@ LOSS_FLOOR = 0.05  # when no loss reaches 5% of the step, the job is compute-bou
 START_WITH = {
     "data": ("baseline", "step 1 times the loader and says which DataLoader settings to change"),
     "host": ("baseline", "step 1 separates host time; move logging, checkpoints and evaluation off the step"),
+    "other": ("baseline", "evaluation, checkpoints and logging are the job's schedule, not the training step: run "
+                          "them less often or asynchronously; step 1 measures the training step alone"),
     "communication": ("attention_comm", "step 2 tunes DDP's buckets and hooks and measures exposed communication"),
     "stragglers": ("placement", "a slow rank or node holds every other back: check its health (mfu-lab gate) "
                                 "and step 6's placement"),
@@ -73,19 +80,34 @@ class MonitorSummary:
     notes: list[str] = field(default_factory=list)
 
 
-def summarise(folder: Path, progress=None) -> MonitorSummary:
-    """The summary of a monitor folder; ``progress(line)`` hears how far the read got on a large one."""
-    st = read_folder(folder, progress)
+def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSummary:
+    """The summary of one run of a monitor folder (``run``; default: the latest by start time); ``progress(line)``
+    hears how far the read got on a large one. A ``run`` the folder does not hold raises ValueError."""
+    st = read_folder(folder, progress, run)
+    plan = st.plan
+    if run is not None and run not in plan.runs:
+        raise ValueError(f"no run {run!r} in {folder}; its runs: {', '.join(repr(k) for k in plan.runs) or 'none'}")
     tot = st.total
     notes = []
-    c = st.count
+    c, sk = st.count, st.skipped
     read = {"files": st.files, "ranks": len(st.per_rank) or len(st.ranks), "nodes": len(st.per_node),
-            "lines": c.lines, "records": c.records, "skipped_lines": c.skipped,
-            "skipped_examples": c.skipped_examples, "unreadable_files": c.unreadable_files,
-            "intervals": tot.intervals, "steps": tot.steps}
+            "lines": c.lines, "records": c.records - sk.records - sum(st.left_out.values()),
+            "skipped_lines": c.skipped, "skipped_examples": c.skipped_examples,
+            "unreadable_files": c.unreadable_files, "skipped_records": sk.records,
+            "skipped_record_fields": sk.by_field, "skipped_record_examples": sk.examples,
+            "intervals": tot.intervals, "steps": tot.steps, "run": plan.chosen,
+            "other_runs": [{"run": k, "records": v["records"], "ranks": len(v["ranks"]), "launches": v["launches"],
+                            "first": _iso(v["first_t"]), "last": _iso(v["last_t"])}
+                           for k, v in sorted(plan.runs.items()) if k != plan.chosen],
+            "clock": plan.clock}
     if c.skipped:
         notes.append(f"{c.skipped} line(s) were not readable records and were skipped (torn by a crash, edited, or "
                      f"another format): {', '.join(c.skipped_examples)}")
+    if sk.records:
+        fields = ", ".join(f"{k} ({n})" for k, n in sorted(sk.by_field.items()))
+        notes.append(f"{sk.records} record(s) with a wrong type, a value that is not finite or a negative duration "
+                     f"were skipped: {fields}; first: {'; '.join(sk.examples)}")
+    notes += describe(plan)
     for u in c.unreadable_files:
         notes.append(f"unreadable file skipped: {u}")
     launches = sorted(st.launches.values(), key=lambda lau: lau.first_t)
@@ -127,22 +149,50 @@ def _iso(t: float) -> str:
 
 def _shares(st: Folder) -> dict[str, dict[str, Any]]:
     tot = st.total
-    data, host, comm = tot.share("data"), tot.share("host"), tot.share("comm")
+    data, host, comm, other = tot.share("data"), tot.share("host"), tot.share("comm"), tot.share("other")
     wait = st.wait_s / tot.wall if tot.wall and st.groups else None
-    compute = None if data is None else max(0.0, 1.0 - data - (host or 0.0) - (comm or 0.0))
+    not_timed = tot.wall > 0 and tot.data_wall == 0
+    compute = None if tot.wall <= 0 else max(0.0, 1.0 - (data or 0.0) - (host or 0.0) - (comm or 0.0) - (other or 0.0))
     comm_why = next((str((s.get("comm") or {}).get("how")) for s in st.ranks.values()
                      if not (s.get("comm") or {}).get("timed")), "no interval timed its collectives")
+    part = f" (over the {tot.data_wall / tot.wall:.0%} of the wall time where it was timed)" \
+        if data is not None and tot.data_wall < tot.wall else ""
+    data_row = ({"value": None, "label": "not timed", "note": "the monitor timed no data fetch (no wrapped loader, "
+                 "fetch() or step(data_wait_s=)): the data wait is unknown and sits inside compute"}
+                if not_timed else labelled(data, "measured", "time the loop waited for its next batch, over wall "
+                                           "time" + part))
     return {
-        "compute": labelled(compute, "measured", "1 - data - host - communication: no collective in flight, no "
-                            "wait for data (a lower bound of computing when communication overlaps it)"),
+        "compute": labelled(compute, "measured", "1 - data - host - other - communication: no collective in flight, "
+                            "no wait for data (a lower bound of computing when communication overlaps it)"
+                            + ("; it includes the data wait, which was not timed" if not_timed else "")),
         "communication": labelled(comm, "measured", "time with a collective in flight, overlapped or not; on fast "
                                   "ranks it includes waiting for the slowest" if comm is not None else comm_why),
-        "data": labelled(data, "measured", "time inside the data loader's next(), over wall time"),
-        "host": labelled(host, "measured", "host time between steps (logging, checkpoints, evaluation, the loop)"),
+        "data": data_row,
+        "host": labelled(host, "measured", "host time between steps (the loop, logging the monitor could not tell "
+                         "apart)") if host is not None or tot.wall <= 0 else
+        {"value": None, "label": "not timed", "note": "host time is timed from step() to the wrapped loader's next "
+         "request: no loader was wrapped"},
+        "other": labelled(other, "measured", "evaluation, checkpoints, logging outside the training steps, as the "
+                          "framework's hooks (or Monitor.other()) timed them; kept out of MFU and tokens/s")
+        if other is not None else labelled(None, "measured", "not recorded apart: these records (written before "
+                                           "the monitor separated them) hold such time inside data or host time"),
         "waiting_for_slowest": labelled(wait, "measured", "part of communication: the time each rank waited in its "
                                         "collectives for the slowest rank, over all ranks' wall time"
-                                        if wait is not None else "one rank, or collectives not timed"),
+                                        if wait is not None else _no_groups(st, comm_why)),
     }
+
+
+def _no_groups(st: Folder, comm_why: str) -> str:
+    """Why no interval group of two or more ranks was formed: the reason that holds, not a guess."""
+    if len(st.per_rank) < 2:
+        return "one rank: no rank waits for another"
+    if st.total.comm_wall == 0:
+        return f"collectives not timed: {comm_why}"
+    clock = st.plan.clock if st.plan else {}
+    if clock.get("not_corrected") or clock.get("not_compared"):
+        return ("rank clocks disagree and could not be corrected, so their intervals could not be matched: "
+                + "; ".join(clock.get("not_corrected", []) + clock.get("not_compared", [])))
+    return "no interval step was recorded by two ranks of one launch"
 
 
 def _queue(launches) -> tuple[float | None, str]:
@@ -175,7 +225,7 @@ def _operations(st: Folder, launches, wall_clock: float, queue_s, queue_note) ->
                                if sampled else
                                f"clocks not sampled: {nvml_why}", throttle),
         "stragglers": labelled(share(wait), "measured", "rank-seconds waiting in collectives for the slowest rank "
-                               "/ ranks" if st.groups else "one rank, or collectives not timed", wait),
+                               "/ ranks" if st.groups else _no_groups(st, "no interval timed its collectives"), wait),
         "restarts_and_gaps": labelled(share(gaps_s), "measured", f"{gap_count} restart(s): from a launch's last "
                                       "record to the next one's first timed step" if gap_count else
                                       "one launch: no restart recorded", gaps_s),
@@ -211,7 +261,7 @@ def _verdict(shares, ops, stragglers) -> tuple[str | None, str, dict[str, float]
     comm = v(shares["communication"])
     ops_rest = sum(v(p) or 0.0 for k, p in ops["parts"].items() if k != "stragglers")
     figures = {k: x for k, x in {
-        "data": v(shares["data"]), "host": v(shares["host"]),
+        "data": v(shares["data"]), "host": v(shares["host"]), "other": v(shares.get("other")),
         "communication": None if comm is None else max(0.0, comm - wait),
         "stragglers": wait if stragglers else None, "operations": ops_rest or None}.items() if x is not None}
     if not figures and v(shares["compute"]) is None:
@@ -221,14 +271,18 @@ def _verdict(shares, ops, stragglers) -> tuple[str | None, str, dict[str, float]
         name, value = "compute", v(shares["compute"]) or 0.0
     key, why = START_WITH[name]
     info = BY_KEY[key]
-    what = {"data": "waiting for data", "host": "host time between steps", "communication": "communication (net of "
+    what = {"data": "waiting for data", "host": "host time between steps", "other": "evaluation, checkpoints and "
+            "logging outside the training steps", "communication": "communication (net of "
             "waiting for the slowest rank)", "stragglers": "waiting for the slowest rank", "operations":
             "operations loss (throttling, restarts, queue)", "compute": "computing (no loss outside the step "
             f"above {LOSS_FLOOR:.0%})"}[name]
     base = "of the wall-clock" if name == "operations" else "of the step"
     limit = {"data": DATA_WAIT_LIMIT, "communication": COMM_LIMIT}.get(name)
     rule = f" (practitioners aim under {limit:.0%})" if limit else ""
-    return key, f"{what} is {value:.0%} {base}{rule}: start with step {info.number} ({why})", figures
+    caveat = ("; the data wait was not timed, so it sits inside compute: time the fetch (Monitor.fetch() or "
+              "step(data_wait_s=...)) before trusting this" if name == "compute" and
+              shares["data"].get("label") == "not timed" else "")
+    return key, f"{what} is {value:.0%} {base}{rule}: start with step {info.number} ({why}){caveat}", figures
 
 
 def _profile(st: Folder) -> dict[str, Any]:
@@ -263,7 +317,7 @@ def _series(st: Folder, stragglers: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "t": pick,
         "mfu": col(st.bins, lambda b: b.mfu),
-        "shares": {p: col(st.bins, lambda b, p=p: b.share(p)) for p in ("data", "host", "comm")},
+        "shares": {p: col(st.bins, lambda b, p=p: b.share(p)) for p in ("data", "host", "comm", "other")},
         "mfu_by_node": {n: col(bins, lambda b: b.mfu) for n, bins in st.node_bins.items()},
         "work_by_rank": {f"{k[0]}/rank{k[1]}": col(st.rank_bins[k], lambda b: b.work_per_step) for k in shown},
         "work_is_step": st.total.comm_wall == 0,  # no collective timed: each rank's work is its step time

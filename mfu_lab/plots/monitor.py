@@ -13,7 +13,7 @@ import matplotlib.ticker
 from mfu_lab.plots.base import COLORS, ReportFigure
 
 SHARE_COLORS = {"data": COLORS["data"], "host": COLORS["host"], "comm": COLORS["structure"],
-                "compute": COLORS["compute"]}
+                "compute": COLORS["compute"], "other": "#adb5bd"}
 
 
 class Unavailable:
@@ -78,17 +78,22 @@ def overview(summary) -> ReportFigure | Unavailable:
     ax1.legend(fontsize=7, loc="upper right")
     ax1.set_title("The job in production: MFU, and where each step's time went")
     shares = s["shares"]
+    data_timed = any(v is not None for v in shares["data"])
     data = [v or 0.0 for v in shares["data"]]
     host = [v or 0.0 for v in shares["host"]]
     comm = [v or 0.0 for v in shares["comm"]]
-    compute = [max(0.0, 1 - a - b - c) for a, b, c in zip(data, host, comm)]
-    ax2.stackplot(t, compute, comm, data, host, colors=[SHARE_COLORS[k] for k in ("compute", "comm", "data", "host")],
-                  labels=["compute (no collective, no data wait)", "communication in flight", "data wait",
-                          "host between steps"])
+    other = [v or 0.0 for v in shares.get("other") or [None] * len(t)]  # older summaries have none
+    compute = [max(0.0, 1 - a - b - c - d) for a, b, c, d in zip(data, host, comm, other)]
+    ax2.stackplot(t, compute, comm, data, host, other,
+                  colors=[SHARE_COLORS[k] for k in ("compute", "comm", "data", "host", "other")],
+                  labels=["compute (no collective, no data wait)" if data_timed else
+                          "compute (data wait not timed: inside)", "communication in flight",
+                          "data wait" if data_timed else "data wait: not timed", "host between steps",
+                          "evaluation, checkpoints, logging"])
     ax2.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax2.set_ylim(0, 1)
     ax2.set_ylabel("share of step time")
-    ax2.legend(fontsize=7, loc="lower left", ncol=4)
+    ax2.legend(fontsize=7, loc="lower left", ncol=3)
     _time_axis(ax2)
     fig.tight_layout()
     return fig

@@ -36,11 +36,16 @@ def check_folder(monitor_dir: str | Path, what: str = "monitor_dir") -> Path:
     return folder
 
 
-def run(monitor_dir: str | Path, out: str | Path | None = None, write: bool = True, progress=None) -> MonitorSummary:
-    """Summarise a monitor folder; write ``summary.json`` into ``out`` (default: the monitor folder). A large
-    folder reports how far the read got through ``progress`` (None prints)."""
+def run(monitor_dir: str | Path, out: str | Path | None = None, write: bool = True, progress=None,
+        run: str | None = None) -> MonitorSummary:
+    """Summarise one run of a monitor folder (``run``, as the report names it; default: the latest by start
+    time); write ``summary.json`` into ``out`` (default: the monitor folder). A large folder reports how far the
+    read got through ``progress`` (None prints)."""
     folder = check_folder(monitor_dir)
-    summary = summarise(folder, progress if progress is not None else print)
+    try:
+        summary = summarise(folder, progress if progress is not None else print, run=run or None)
+    except ValueError as e:
+        raise JobError("monitor", [JobProblem("run", run, str(e))]) from None
     if write:
         write_json_atomic(Path(out or folder) / SUMMARY_FILE, summary)
     return summary
@@ -70,4 +75,17 @@ def advise(s: MonitorSummary) -> list[Advice]:
                           "restarted (the end reasons below).", restarts["note"]))
     if s.read["skipped_lines"]:
         out.append(Advice("look", "Some record lines were unreadable and skipped.", "; ".join(s.notes[:1])))
+    if s.read.get("skipped_records"):
+        out.append(Advice("look", f"{s.read['skipped_records']} record(s) with a wrong type, a value that is not "
+                          "finite or a negative duration were skipped: was a file edited, or written by another "
+                          "program?", next((n for n in s.notes if "wrong type" in n), "")))
+    if s.read.get("other_runs"):
+        out.append(Advice("look", f"This folder holds {len(s.read['other_runs'])} other run(s); this report reads "
+                          f"run {s.read.get('run') or '(no run id)'} only. Give each job a folder of its own, or "
+                          "summarise another one with run=...", next((n for n in s.notes if "other run" in n), "")))
+    clock = s.read.get("clock") or {}
+    if clock.get("not_corrected") or clock.get("not_compared"):
+        out.append(Advice("look", "Some rank clocks could not be aligned: straggler figures may miss them. Check "
+                          "the nodes' time synchronisation (chrony, NTP).",
+                          next((n for n in s.notes if "clock" in n), "")))
     return out
