@@ -12,10 +12,12 @@ with it, ``for x, y in mon.loader(batches): step(x, y); mon.step(tokens=...)``, 
 step is timed from the end of the previous one (the loader's ``next()`` and ``mon.step()`` included).
 
 One monitor per arm stays open for the whole run, as in a real job, and the costs it pays once are taken
-in an untimed warm-up through it and reported apart, in seconds: ``start()``, the first step (run under
-FlopCounterMode, since only the model is given) and the first profiler window. Note that the first window
+in an untimed warm-up through it and reported apart, in seconds: ``start()``, the first step, the second (run
+under the FLOP counter, since only the model is given) and the first profiler window: its steps in the loop, and
+what the steps beside its analysis pay (the analysis runs in a background thread, off the loop, but on a CPU it
+shares the cores and the interpreter lock with the job while it runs). Note that the first window
 is not 1800 s away at the defaults: ``profile_every_s`` counts from ``start()``, so the first window opens at
-the first interval boundary (step ``every`` + 1) and the next ones ``profile_every_s`` later. After the
+the first interval boundary (after step ``every`` + 2) and the next ones ``profile_every_s`` later. After the
 warm-up, the default monitor takes no further window during the benchmark, so the timed rounds measure its
 steady state: three clock readings per step and one interval record every ``every`` steps.
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import statistics
 import sys
@@ -89,7 +92,7 @@ def paired_ratio(with_s: list[float], bare_s: list[float], samples: int = 2000, 
 
 
 def records(mon: Monitor, kind: str) -> list[dict]:
-    path = record_path(mon.out_dir, mon.host, mon.ids["rank"])
+    path = record_path(mon.out_dir, mon.host, mon.ids["rank"], mon.run)
     if not path.is_file():
         return []
     return [r for line in path.read_text().splitlines() if line and (r := json.loads(line))["kind"] == kind]
@@ -128,25 +131,34 @@ class Loop:
         return {"wall_s": walls}
 
 
-def warm_up(mon: Monitor, loop: Loop, every: int, stack: contextlib.ExitStack) -> dict:
+def warm_up(mon: Monitor, loop: Loop, every: int, stack: contextlib.ExitStack, tail: int = 100) -> dict:
     """Open the monitor (``with``, through ``stack``) and take it through its one-off costs, untimed by the
-    rounds: start(), the FLOP-counted first step, the first profiler window (at step every + 1). Returns what
-    each cost, in seconds, over the median of the ordinary steps (2 to ``every``, and the few after the window)."""
+    rounds: start(), the warm-up step and the FLOP-counted second step, the first profiler window (opened at the
+    interval boundary, step every + 2) and the steps that run while its analysis runs in the background. Returns
+    what each cost the loop, in seconds, over the median of the ordinary steps (3 to every + 1, and those after
+    the window's analysis)."""
     t0 = time.perf_counter()
     stack.enter_context(mon)
     start_s = time.perf_counter() - t0
-    k = mon.profile_steps + 1  # the step that opens the window, and the profiled ones (the last one analyses)
-    n = every + k + 5
+    k = mon.profile_steps  # the profiled steps; the last one stops the profiler and hands off the analysis
+    w0 = every + 2  # walls[w0] is the first profiled step (the window opens at the end of step every + 2)
+    n = w0 + k + tail + 20
     walls: list[float] = []
     while len(walls) < n:
         walls += loop(min(n - len(walls), len(loop.batches)))["wall_s"]
     loop.round_s.clear()
-    ref = statistics.median(walls[1:every] + walls[every + k:])
     win = records(mon, "profile")
-    return {"start_s": start_s, "first_step_extra_s": walls[0] - ref,
-            "first_window_at_step": every + 1 if win else None,
-            "first_window_extra_s": sum(walls[every:every + k]) - k * ref if win else None,
-            "first_window_analysis_s": win[0].get("overhead_s") if win else None}
+    ref_early = statistics.median(walls[2:every])
+    analysis_s = win[0].get("analysis_s") if win else None
+    paid = min(tail, math.ceil(analysis_s / ref_early) + 5) if analysis_s else 0  # steps beside the analysis
+    ref = statistics.median(walls[2:every] + walls[w0 + k + paid:])
+    return {"start_s": start_s, "first_step_extra_s": walls[0] - ref, "counted_step_extra_s": walls[1] - ref,
+            "first_window_at_step": every + 3 if win else None,
+            "first_window_extra_s": sum(walls[w0:w0 + k]) - k * ref if win else None,
+            "first_window_stop_s": win[0].get("stop_s") if win else None,
+            "first_window_analysis_s": analysis_s,
+            "analysis_paid_by_loop_s": sum(walls[w0 + k:w0 + k + paid]) - paid * ref if win else None,
+            "analysis_steps": paid}
 
 
 def isolated_cost(folder: Path, every: int, n: int = 5000, repeats: int = 5) -> float:
@@ -231,12 +243,14 @@ def main() -> int:
         if prof is not None:
             warm_up(prof, arms["with_profile"], args.every, stack)
             prof_windows_before = len(records(prof, "profile"))
-        print(f"  start() {one['start_s'] * 1e3:.1f} ms; first step under FlopCounterMode +"
-              f"{one['first_step_extra_s'] * 1e3:.1f} ms", end="")
+        print(f"  start() {one['start_s'] * 1e3:.1f} ms; first step +{one['first_step_extra_s'] * 1e3:.1f} ms; "
+              f"second step, under the FLOP counter, +{one['counted_step_extra_s'] * 1e3:.1f} ms", end="")
         if one["first_window_at_step"]:
             print(f"; first profiler window at step {one['first_window_at_step']} (profile_every_s counts from "
-                  f"start), +{one['first_window_extra_s']:.2f} s ({one['first_window_analysis_s']:.2f} s of it "
-                  "trace export and analysis)")
+                  f"start): its {mon.profile_steps} steps +{one['first_window_extra_s']:.2f} s in the loop "
+                  f"(profiler stop {one['first_window_stop_s']:.2f} s of it); its analysis ran "
+                  f"{one['first_window_analysis_s']:.2f} s in a background thread, and the {one['analysis_steps']} "
+                  f"steps beside it paid {one['analysis_paid_by_loop_s']:+.2f} s")
         else:
             print("; no profiler window")
         windows_before = len(records(mon, "profile"))

@@ -41,8 +41,8 @@ def test_two_rank_job_records_per_rank_names_the_straggler_and_starts_with_the_l
         for p in (r for r in recs if r["kind"] == "profile"):  # the window's own steps, not one long "step"
             assert p["steps_in_trace"] == p["steps"] == 2 and not p.get("error"), p
         iv = [r for r in recs if r["kind"] == "interval"]
-        # the first step is the counted warm-up; profiled steps are left out of the timing
-        assert sum(r["steps"] + r["profiled_steps"] for r in iv) == STEPS - 1
+        # the first step is the warm-up, the second the counted one; profiled steps are left out of the timing
+        assert sum(r["steps"] + r["profiled_steps"] for r in iv) == STEPS - 2
         for r in iv:  # the data wait measured against the sleep injected in the loader: machine-independent
             assert r["data_s"] >= r["steps"] * LOADER_MS / 1e3 * 0.95
     s = summarise(two_ranks)
@@ -91,7 +91,7 @@ def test_monitor_report_cli_refuses_a_folder_without_records(tmp_path, capsys):
 
 def test_a_crash_keeps_every_earlier_record_and_a_restart_is_a_new_launch(tmp_path):
     out = tmp_path / "mon"
-    base = [sys.executable, str(JOB), str(out), "--steps", "24", "--every", "5"]
+    base = [sys.executable, str(JOB), str(out), "--steps", "24", "--every", "5", "--run", "crashy"]  # one run
     r = subprocess.run(base + ["--crash-at", "13"], cwd=ROOT, capture_output=True, timeout=120)
     assert r.returncode != 0  # killed with SIGKILL: no clean close
     (f,) = out.glob("*.jsonl")
@@ -312,7 +312,7 @@ def test_a_record_that_cannot_be_written_never_stops_training(tmp_path):
         for _ in range(5):
             model(torch.randn(2, 4)).sum().backward()
             mon.step(tokens=2)
-    assert mon.write_errors == 3  # the counted FLOPs after step 1, then the intervals of steps 2-3 and 4-5
+    assert mon.write_errors == 2  # the FLOPs counted over step 2, then the interval of steps 3-4
     mon.close()
     mon.step(tokens=2)  # after close: nothing, no error
     wr = RecordWriter(record_path(tmp_path / "nan", "h", 0))

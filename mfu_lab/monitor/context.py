@@ -17,6 +17,7 @@ from typing import Any
 
 from mfu_lab.core.device import lookup_chip
 from mfu_lab.core.health import THROTTLE_BITS, decode_reasons, nvml_handle
+from mfu_lab.core.monitor_files import safe_run
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID",
                  "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
@@ -57,6 +58,43 @@ def launch_id(env: dict[str, str] | None = None, fallback: str = "") -> str:
     if env.get("SLURM_JOB_ID"):
         return f"slurm:{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}#{env.get('SLURM_RESTART_COUNT', '0')}"
     return fallback
+
+
+def _stamp(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _agent_start(pid: int) -> float | None:
+    """Unix start time of process ``pid`` (Linux /proc), None where unknown."""
+    try:
+        ticks = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def run_id(given: str | None, host: str, now: float, env: dict[str, str] | None = None, ppid: int | None = None) -> str:
+    """The run id (see :mod:`mfu_lab.core.monitor_files`): ``given``; else Slurm's job, step and the job's start
+    time; else torchrun's rendezvous id, with the torchrun agent's start time when all ranks are on this node (the
+    agent is every local rank's parent); else ``<host>.<pid>.<now>``. Safe for a file name (:func:`safe_run`)."""
+    env = os.environ if env is None else env
+    if given:
+        return safe_run(given)
+    if env.get("SLURM_JOB_ID"):
+        parts = [f"slurm{env['SLURM_JOB_ID']}"] + ([f"s{env['SLURM_STEP_ID']}"] if env.get("SLURM_STEP_ID") else [])
+        start = env.get("SLURM_JOB_START_TIME", "")
+        if start.isdigit():
+            parts.append(_stamp(int(start)))
+        return safe_run(".".join(parts))
+    if env.get("TORCHELASTIC_RUN_ID"):
+        rid = f"torchrun_{env['TORCHELASTIC_RUN_ID']}"
+        if env.get("LOCAL_WORLD_SIZE") and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
+            agent = _agent_start(os.getppid() if ppid is None else ppid)
+            if agent is not None:
+                rid += "." + _stamp(agent)
+        return safe_run(rid)
+    return safe_run(f"{host}.{os.getpid()}.{_stamp(now)}")
 
 
 def scheduler_env(env: dict[str, str] | None = None) -> dict[str, dict[str, str]]:

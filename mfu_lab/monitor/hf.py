@@ -12,16 +12,20 @@ What is measured, and how (all host clock readings, no device synchronisation):
 - one monitor step per optimizer step (``on_step_begin`` .. ``on_step_end``; under gradient accumulation the
   Trainer fetches all of a step's micro-batches before ``on_step_begin``);
 - the step's wall time: from one ``on_step_end`` to the next (the :class:`~mfu_lab.monitor.Monitor` clock);
-- data wait: from the previous ``on_step_end`` (for the first step: ``on_train_begin``) to this step's
-  ``on_step_begin``, given to the monitor as ``step(data_wait_s=...)``. That gap holds the Trainer's fetch of the
-  step's batches, and also everything else it runs between two steps: logging, evaluation, checkpoints, other
-  callbacks. Host time outside the step is not separable under a framework: it lands inside this data wait
-  figure, and ``host_s`` stays 0;
+- evaluation, checkpoint and logging time (``other_s``): after a step the Trainer logs, evaluates and saves, in
+  that order, and only then fetches the next batches. Each of ``on_log``, ``on_evaluate`` and ``on_save`` fires
+  when its work is done, so the time from the previous mark (``on_step_end``, or ``on_train_begin`` for
+  ``eval_on_start``) to the last of them is ``other_s``, kept out of MFU;
+- data wait (``data_s``): from that last mark to ``on_step_begin``: the Trainer's fetch of the step's batches (and
+  whatever other callbacks do in that gap). Host time outside the step is not separable: it is in these figures,
+  and ``host_s`` stays 0;
+- FLOPs: counted over one optimizer step, between ``on_step_begin`` and ``on_step_end`` (the evaluation at start
+  and between steps lies outside that window);
 - tokens per step: ``tokens_per_step`` when given (this rank's tokens per optimizer step); else the growth of
-  ``state.num_input_tokens_seen`` over the step (``TrainingArguments(include_num_input_tokens_seen=True)``),
-  divided by the world size, since the Trainer sums that count over all ranks; else unknown (no tokens/s; MFU
-  from the FLOPs counted per step);
-- FLOPs and peak as in :class:`~mfu_lab.monitor.Monitor`, with the ``model`` the Trainer passes to callbacks.
+  ``state.num_input_tokens_seen`` over the step (``TrainingArguments(include_num_input_tokens_seen=True)``: without
+  it tokens/s is unknown), divided by the world size, since the Trainer sums that count over all ranks; else
+  unknown (no tokens/s; MFU from the FLOPs counted per step);
+- peak as in :class:`~mfu_lab.monitor.Monitor`, with the ``model`` the Trainer passes to callbacks.
   That is the unwrapped model: under DDP the all-reduces are not timed per interval (the profiler windows still
   show the exposed communication). ``dtype`` defaults to the Trainer's precision (``bf16``: bfloat16, ``fp16``:
   float16), else the parameters' dtype.
@@ -66,7 +70,7 @@ class MonitorCallback(TrainerCallback):
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None
         self._last_end: float | None = None
-        self._data_s = 0.0
+        self._data_s = self._other_s = 0.0
         self._seen = 0
         self._world = 1
 
@@ -76,30 +80,58 @@ class MonitorCallback(TrainerCallback):
         self.monitor = Monitor(self.out_dir, model=model, flops_per_token=self.flops_per_token,
                                peak_flops=self.peak_flops, every=self.every,
                                dtype=self.dtype or _precision_dtype(args), profile_every_s=self.profile_every_s,
-                               **self.monitor_kwargs).start()
+                               **self.monitor_kwargs)
+        self.monitor.framework = "Hugging Face Trainer"
+        self.monitor.start()
+        if self.tokens_per_step is None and getattr(args, "include_num_input_tokens_seen", False) in (False, None,
+                                                                                                    "no"):
+            import warnings
+
+            warnings.warn("mfu-lab monitor: the Trainer counts no tokens (TrainingArguments("
+                          "include_num_input_tokens_seen=True) is not set, nor MonitorCallback(tokens_per_step=)): "
+                          "tokens/s is unknown; MFU comes from the FLOPs counted per step", stacklevel=2)
         atexit.register(self._at_exit)
         self._seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._world = max(int(getattr(args, "world_size", 1) or 1), 1)
-        self._data_s = 0.0
+        self._data_s = self._other_s = 0.0
         self._last_end = time.perf_counter()  # after start(): the monitor's own start-up is not a data wait
 
+    def _done_other(self) -> None:
+        """Logging, an evaluation or a checkpoint just finished: the time since the last mark was not data."""
+        if self.monitor is not None and self._last_end is not None:
+            now = time.perf_counter()
+            self._other_s += now - self._last_end
+            self._last_end = now
+
+    def on_log(self, args, state, control, **kwargs) -> None:
+        self._done_other()
+
+    def on_evaluate(self, args, state, control, **kwargs) -> None:
+        self._done_other()
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        self._done_other()
+
     def on_step_begin(self, args, state, control, **kwargs) -> None:
-        if self.monitor is None or self._last_end is None:
+        if self.monitor is None:
             return
-        self._data_s += time.perf_counter() - self._last_end
-        self._last_end = None
+        if self._last_end is not None:
+            self._data_s += time.perf_counter() - self._last_end
+            self._last_end = None
+        self.monitor.batch_begin()
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if self.monitor is None:
             return
+        self.monitor.batch_end()
         tokens = self.tokens_per_step
         if tokens is None:
             seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
             if seen > self._seen:
                 tokens = (seen - self._seen) // self._world
             self._seen = seen
-        data, self._data_s = self._data_s, 0.0
-        self.monitor.step(tokens=tokens, data_wait_s=data)
+        data, other, self._data_s, self._other_s = self._data_s, self._other_s, 0.0, 0.0
+        self.monitor.step(tokens=tokens, data_wait_s=data, host_s=0.0, other_s=other)
         self._last_end = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs) -> None:

@@ -15,15 +15,20 @@ What is measured, and how (all host clock readings, no device synchronisation):
   advanced ends a step; under gradient accumulation the micro-batches before it are carried into that step
   (their data waits and tokens summed);
 - the step's wall time: from one step's end to the next (the :class:`~mfu_lab.monitor.Monitor` clock);
-- data wait: from the previous ``on_train_batch_end`` (for the first batch: ``on_train_start``) to this batch's
-  ``on_train_batch_start``, given to the monitor as ``step(data_wait_s=...)``. That gap holds Lightning's fetch
-  of the batch and its copy to the device, and also everything else Lightning runs between two batches:
-  validation inside the epoch (``val_check_interval``), checkpoints, logging, other callbacks. Host time outside
-  the step is not separable under a framework: it lands inside this data wait figure, and ``host_s`` stays 0;
+- evaluation and checkpoint time (``other_s``): after a batch Lightning logs, runs validation when due
+  (``on_validation_start`` .. ``on_validation_end``) and saves checkpoints (``trainer.save_checkpoint``, timed
+  around the call, and ``on_save_checkpoint``), and only then fetches the next batch. The time from the previous
+  batch's end to the end of the last of these is ``other_s``, kept out of MFU (as Lightning's
+  ``ThroughputMonitor`` leaves validation out);
+- data wait (``data_s``): from that mark to this batch's ``on_train_batch_start``: Lightning's fetch of the batch
+  and its copy to the device (its logging at a batch's end, which has no hook, and other callbacks' work in that
+  gap land here too). Host time outside the step is not separable under a framework: ``host_s`` stays 0;
+- FLOPs: counted over one optimizer step, between ``on_train_batch_start`` and ``on_train_batch_end`` of its
+  micro-batches (validation, the sanity check and checkpoints lie outside that window);
 - tokens: ``tokens_fn(batch)`` when given; else ``batch.numel()`` for a tensor batch, the first tensor's for a
   tuple or list, ``batch["input_ids"].numel()`` for a dict with ``input_ids``; else unknown (no tokens/s; MFU from
   the FLOPs counted per step). Tokens are this rank's (its own batches);
-- FLOPs and peak as in :class:`~mfu_lab.monitor.Monitor`, with the model as the strategy runs it (the DDP
+- peak as in :class:`~mfu_lab.monitor.Monitor`, with the model as the strategy runs it (the DDP
   wrapper when Lightning made one, so its all-reduces are timed; otherwise the LightningModule). ``dtype``
   defaults to the Trainer's precision (``bf16-*``: bfloat16, ``16-*``: float16), else the parameters' dtype.
 
@@ -106,9 +111,11 @@ class MonitorCallback(*_BASES):
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None
         self._last_end: float | None = None
-        self._data_s = 0.0
+        self._data_s = self._other_s = 0.0
         self._tokens: int | None = None
         self._global_step = 0
+        self._in_validation: float | None = None
+        self._trainer = self._save = None
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
@@ -116,27 +123,78 @@ class MonitorCallback(*_BASES):
         self.monitor = Monitor(self.out_dir, model=_trained_model(trainer, pl_module),
                                flops_per_token=self.flops_per_token, peak_flops=self.peak_flops, every=self.every,
                                dtype=self.dtype or _precision_dtype(getattr(trainer, "precision", None)),
-                               profile_every_s=self.profile_every_s, **self.monitor_kwargs).start()
-        self._data_s, self._tokens = 0.0, None
+                               profile_every_s=self.profile_every_s, **self.monitor_kwargs)
+        self.monitor.framework = "PyTorch Lightning"
+        self.monitor.start()
+        self._data_s, self._other_s, self._tokens, self._in_validation = 0.0, 0.0, None, None
         self._global_step = trainer.global_step
+        self._time_saves(trainer)
         self._last_end = time.perf_counter()  # after start(): the monitor's own start-up is not a data wait
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.monitor is None or self._last_end is None:
+    def _time_saves(self, trainer) -> None:
+        """Time ``trainer.save_checkpoint`` (what ModelCheckpoint and the user call) as other time: the call is
+        wrapped on this trainer object for the fit, and given back at its end."""
+        original = getattr(trainer, "save_checkpoint", None)
+        if original is None or getattr(original, "mfu_lab_timed", False):
             return
-        self._data_s += time.perf_counter() - self._last_end
-        self._last_end = None
+
+        def save_checkpoint(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._done_other()
+
+        save_checkpoint.mfu_lab_timed = True
+        self._trainer, self._save = trainer, original
+        trainer.save_checkpoint = save_checkpoint
+
+    def _done_other(self) -> None:
+        """Validation, a checkpoint or logging just finished: the time since the last mark was not data."""
+        if self.monitor is not None and self._last_end is not None:
+            now = time.perf_counter()
+            self._other_s += now - self._last_end
+            self._last_end = now
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.monitor is None:
+            return
+        self._done_other()  # logging and checkpoints after the batch, before validation
+        self._in_validation, self._last_end = time.perf_counter(), None
+        self.monitor.batch_end()  # never count a validation (a window is never open here; belt and braces)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.monitor is None or self._in_validation is None:
+            return
+        now = time.perf_counter()
+        self._other_s += now - self._in_validation
+        self._in_validation, self._last_end = None, now
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._done_other()  # the checkpoint is being built: the time since the batch's end was not data
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.monitor is None:
+            return
+        if self._last_end is not None:
+            self._data_s += time.perf_counter() - self._last_end
+            self._last_end = None
+        self.monitor.batch_begin()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.monitor is None:
             return
-        n = self.tokens_fn(batch) if self.tokens_fn is not None else batch_tokens(batch)
+        self.monitor.batch_end()
+        try:
+            n = self.tokens_fn(batch) if self.tokens_fn is not None else batch_tokens(batch)
+        except Exception:  # the monitor never stops the job over a token count
+            n = None
         if n is not None:
             self._tokens = (self._tokens or 0) + int(n)
         if trainer.global_step != self._global_step:  # an optimizer step ran: the training step ends here
             self._global_step = trainer.global_step
-            data, tokens, self._data_s, self._tokens = self._data_s, self._tokens, 0.0, None
-            self.monitor.step(tokens=tokens, data_wait_s=data)
+            data, other, tokens = self._data_s, self._other_s, self._tokens
+            self._data_s, self._other_s, self._tokens = 0.0, 0.0, None
+            self.monitor.step(tokens=tokens, data_wait_s=data, host_s=0.0, other_s=other)
         self._last_end = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -149,5 +207,11 @@ class MonitorCallback(*_BASES):
     def _close(self, why: str) -> None:
         mon, self.monitor = self.monitor, None
         self._last_end = None
+        if self._trainer is not None:  # give the trainer its own save_checkpoint back
+            try:
+                del self._trainer.save_checkpoint
+            except AttributeError:
+                pass
+            self._trainer = self._save = None
         if mon is not None:
             mon.close(why)
