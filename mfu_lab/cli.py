@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from mfu_lab.core import files, yamlfile
+from mfu_lab.core import budget, files, yamlfile
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, write_json_atomic
 from mfu_lab.core.health import gate
@@ -108,6 +108,7 @@ def cmd_run(args) -> int:
     args.execution_timeout = None if t is None else int(t)
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
+    budget.start_checks(job, args.job or "", [s.key for s in steps])  # step 1's minimum; a busy machine said
     failed = run_steps(job, source, steps, quiet=args.quiet, resume=args.resume, keep_going=args.keep_going,
                        execution_timeout=args.execution_timeout, wait=args.wait)
     return EXIT_STEP_FAILED if failed else EXIT_OK
@@ -119,6 +120,7 @@ def cmd_step(args) -> int:
     info = select_steps(args.step)[0]
     if info.key == "placement":
         check_cluster(job)
+    budget.start_checks(job, args.job or "", [info.key])
     print(f"mfu-lab: {info.folder} for job '{job.job_name}' from {source} (plain Python, no notebook)")
     try:
         result = run_one_step(info, job, source, wait=args.wait)

@@ -7,11 +7,16 @@ budget cuts every step in the same proportion. A step run alone gets the same sh
 
 A step that measures in rounds (steps 2, 4 and 5) checks its clock at each round's start: when the next round would
 end past the step's share, it shortens the round (fewer candidates, fewer steps, no warm-cache compile) and records
-what it left out, with the planned and the used seconds. Steps 1, 3 and 6 take the time their measurement needs.
+what it left out, with the planned and the used seconds. Step 1 times its warm-up first and then as many of the
+job's timed steps as fit its share (never fewer than :data:`STEP1_MIN_STEPS`), and says what it cut; a budget whose
+share cannot hold step 1's minimum is refused before the run starts (:func:`step1_refusal`), with the estimate.
+Steps 3 and 6 take the time their measurement needs.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +40,81 @@ def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> st
     parts = ", ".join(f"step {numbers.get(k, '?')} {s:.0f} s" for k, s in p.items())
     return (f"budget {budget_min:g} min, spread by each step's share of a thorough run (README, 'Cost'): {parts}; "
             f"{sum(p.values()) / 60:.1f} min planned for the steps selected")
+
+
+STEP1_MIN_STEPS = 3  # timed steps step 1 keeps under a budget: a median and a spread (the job's own minimum is 2)
+# Step 1 of the default job on the reference CPU, its 15 s weight split: about 3 s of set-up (the peak, the FLOP
+# count, the model) and 23 training steps (3 warm-up, 20 timed) of about 0.5 s. Used when the job has no step-1
+# result of its own to estimate from.
+REFERENCE_SETUP_S, REFERENCE_STEP_S = 3.0, 0.5
+
+
+def step1_estimate(job, earlier: dict | None = None) -> tuple[float, float, float, str]:
+    """(set-up s, first step s, later steps s each, where from) for step 1 of ``job``: from ``earlier`` (the job's
+    step-1 result.json as a dict) when there is one, else the reference CPU's default job (said so)."""
+    t = (earlier or {}).get("timings") or {}
+    walls = t.get("wall_s") or []
+    warm = t.get("warmup_steps", 0)
+    if earlier and earlier.get("elapsed_s") and len(walls) > warm:
+        step = statistics.median(walls[warm:])
+        return (max(0.0, earlier["elapsed_s"] - sum(walls)), walls[0], step,
+                f"this job's last step-1 run ({len(walls)} steps, {earlier['elapsed_s']:.0f} s)")
+    return (REFERENCE_SETUP_S, REFERENCE_STEP_S, REFERENCE_STEP_S, "the default job's step 1 on the reference "
+            "2-core CPU (README, 'Cost'), as this job has no step-1 result yet; a larger model takes longer")
+
+
+def step1_minimum_s(job, earlier: dict | None = None) -> tuple[float, str]:
+    """Seconds step 1 needs at least: its set-up, one warm-up step (none if the job has none) and
+    ``STEP1_MIN_STEPS`` timed steps (the job's count if fewer); and the estimate's text."""
+    setup, first, step, source = step1_estimate(job, earlier)
+    warm = min(getattr(job, "warmup_steps", 1), 1)
+    timed = min(getattr(job, "steps", STEP1_MIN_STEPS), STEP1_MIN_STEPS)
+    need = setup + (first if warm else 0.0) + timed * step
+    return need, (f"set-up about {setup:.0f} s, then {warm} warm-up and {timed} timed steps at about {step:.2g} s "
+                  f"each; from {source}")
+
+
+def budget_for(key: str, seconds: float) -> float:
+    """The --budget in minutes whose share for step ``key`` is ``seconds`` (rounded up to a tenth)."""
+    return math.ceil(seconds * sum(WEIGHTS.values()) / WEIGHTS[key] / 60.0 * 10) / 10
+
+
+def step1_refusal(job, keys: list[str], earlier: dict | None = None) -> str:
+    """Why the job's budget cannot hold step 1's minimum ('' when it can, or step 1 is not run, or no budget)."""
+    budget = getattr(job, "budget_min", 0.0) or 0.0
+    if not budget or "baseline" not in keys:
+        return ""
+    share = plan(budget)["baseline"]
+    need, how = step1_minimum_s(job, earlier)
+    if share >= need:
+        return ""
+    others = [k for k in keys if k != "baseline"] or [k for k in WEIGHTS if k != "baseline"]
+    return (f"--budget {budget:g} min gives step 1 {share:.1f} s (its share, {WEIGHTS['baseline']}/"
+            f"{sum(WEIGHTS.values())} of the budget), but step 1 needs at least about {need:.0f} s ({how}). "
+            f"Give --budget {budget_for('baseline', need):g} or more, or leave step 1 out: --steps {','.join(others)}")
+
+
+def busy_text(contention, job_arg: str, keys: list[str], job=None, earlier: dict | None = None) -> str:
+    """The warning a run prints first when other processes keep the machine busy ('' when it is not), with the
+    command that bounds the run: ``--budget`` at the reference CPU's time for the steps selected (at least what
+    step 1 needs), or fewer steps."""
+    if contention is None or not contention.shared:
+        return ""
+    ref_s = sum(w for k, w in WEIGHTS.items() if k in keys)
+    free = max(contention.usable_cores - (contention.other_cores or 0.0), 0.25)
+    slower = contention.usable_cores / free if contention.other_cores is not None else None
+    need = budget_for("baseline", step1_minimum_s(job, earlier)[0]) if job is not None else 0.0
+    budget = max(math.ceil(ref_s / 60.0), need)
+    cmd = "mfu-lab run" + (f" {job_arg}" if job_arg else "")
+    cheap = ",".join(k for k in ("baseline", "kernels") if k in keys) or "baseline"
+    has_budget = job is not None and getattr(job, "budget_min", 0.0)
+    return (f"the machine is busy: {contention.text()}. The steps time a shared machine and take longer: about "
+            f"{ref_s / 60:.1f} min for the steps selected on an idle 2-core reference CPU (README, 'Cost')"
+            + (f"; with {free:.2f} of {contention.usable_cores} cores free here, expect about {slower:.1f}x that or "
+               "more" if slower else "")
+            + (f"; the job's budget of {job.budget_min:g} min bounds it" if has_budget else
+               f". To bound the run: {cmd} --budget {budget:g} (minutes; each step shortens to fit), or fewer "
+               f"steps: {cmd} --steps {cheap}") + ".")
 
 
 @dataclass
@@ -67,3 +147,19 @@ class Clock:
     def record(self) -> dict:
         """What the step's result keeps: planned and used seconds, and what was left out."""
         return {"planned_s": self.planned_s, "used_s": self.used_s, "shortened": list(self.shortened)}
+
+
+def start_checks(job, job_arg: str, keys: list[str], say=print) -> None:
+    """What ``mfu-lab run`` (and ``mfu-lab step``) checks before its first step: a budget too small for step 1 is
+    refused (:class:`JobError`, exit 2) with the estimate; a busy machine is said, with the command that bounds the
+    run. The step-1 estimate comes from the job's own last step-1 result when it has one."""
+    from mfu_lab.core import contention, store
+    from mfu_lab.core.errors import JobError, JobProblem
+
+    earlier = store.earlier(job, "baseline").data if "baseline" in keys else None
+    why = step1_refusal(job, keys, earlier)
+    if why:
+        raise JobError("command line", [JobProblem("--budget", job.budget_min, why)])
+    line = busy_text(contention.busy_now(), job_arg, keys, job, earlier)
+    if line:
+        say("mfu-lab: " + line)

@@ -131,3 +131,11 @@ class ContentionProbe:
         shared = (other_cores >= CONTENTION_CORES and other_cores / cores >= CONTENTION_SHARE) or bool(gpu)
         self.result = Contention(True, f"/proc/stat busy time minus {how}", elapsed, other, other_cores, cores, load,
                                  gpu, shared)
+
+
+def busy_now(seconds: float = 0.5, device_type: str = "cpu") -> Contention:
+    """Is the machine busy right now? A :class:`ContentionProbe` over ``seconds`` of this process sleeping: what
+    other processes did meanwhile (``mfu-lab run`` asks before its first step, to warn and suggest a budget)."""
+    with ContentionProbe(device_type) as probe:
+        time.sleep(seconds)
+    return probe.result

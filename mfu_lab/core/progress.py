@@ -10,6 +10,13 @@ Two outputs for the same progress:
 
 The time left is the average time per finished item so far times the items left: an estimate, said so.
 
+No silence over long work: counted work prints a line at each quarter *and* whenever :data:`GAP_S` seconds passed
+since its last line, and a unit of work that may run longer than that (a timed run, a wait on worker processes)
+calls a :class:`Heartbeat` from inside, which prints at most once per :data:`GAP_S` seconds, with the time
+elapsed and, when a count is known, the time left. The lines are printed between timed steps, never inside one:
+a training step's wall time includes at most one line's print every :data:`GAP_S` seconds (microseconds against a
+step's milliseconds).
+
 Every step's ``run(job, progress=None, write=True)`` takes the same ``progress``: a :class:`Progress`, or any
 callable taking one line of text (``print`` will do; ``lambda msg: None`` silences a step). Counted work
 (training steps, configurations, modes, trials) is reported through it with the time left.
@@ -20,6 +27,8 @@ from __future__ import annotations
 import html
 import sys
 import time
+
+GAP_S = 15.0  # the longest silence of counted or long work, in seconds (issue 34: no gap over about 30 s)
 
 
 def in_kernel() -> bool:
@@ -79,18 +88,24 @@ class LiveBar:
             self.handle.update(HTML(self.html(done, total, elapsed)))
 
 
-def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = None, emit=None):
-    """A ``progress(done, total, elapsed_s)`` callback: a line at each ``every`` fraction, with time left, and
-    a live bar in a notebook. Lines go to ``emit`` when given, else are printed to ``stream``."""
+def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = None, emit=None,
+            gap_s: float = GAP_S, clock=None):
+    """A ``progress(done, total, elapsed_s)`` callback: a line at each ``every`` fraction and whenever ``gap_s``
+    seconds of ``clock`` passed since the last line, with time left, and a live bar in a notebook. Lines go to
+    ``emit`` when given, else are printed to ``stream``."""
     marks: set[int] = set()
     live = LiveBar(label, bar)
+    clock = clock or time.monotonic  # looked up now, so a test's fake clock counts
+    last = [clock()]
 
     def progress(done: int, total: int, elapsed: float) -> None:
         live.update(done, total, elapsed)
         mark = int(done / total / every)
-        if mark in marks and done != total:
+        now = clock()
+        if mark in marks and done != total and now - last[0] < gap_s:
             return
         marks.add(mark)
+        last[0] = now
         line = f"{label}: {done}/{total} ({eta_text(done, total, elapsed)})"
         if emit is not None:
             emit(line)
@@ -98,6 +113,46 @@ def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = Non
             print(line, file=stream or sys.stdout, flush=True)
 
     return progress
+
+
+class Heartbeat:
+    """Lines from inside long work, at most one per ``every_s`` seconds of ``clock``.
+
+    ``beat(done, total)`` is cheap to call as often as the work likes (each training step, each poll of a worker's
+    progress file): it prints only when ``every_s`` passed since the last line (the first line comes ``every_s``
+    after the start), saying the time elapsed and, with a count (``done`` of ``total``), the time left.
+    ``said()`` tells it that the caller printed a line of its own, so the gap counts from there.
+    """
+
+    def __init__(self, label: str, emit=None, total: int | None = None, every_s: float = GAP_S,
+                 clock=None):
+        self.label, self.total, self.every_s, self.clock = label, total, every_s, clock or time.monotonic
+        self.emit = emit or (lambda line: print(line, flush=True))
+        self.t0 = self.last = self.clock()
+        self.lines = 0
+
+    def said(self) -> None:
+        self.last = self.clock()
+
+    def restart(self) -> None:
+        """A new unit of work: its time counts from now (the gap since the last line still counts)."""
+        self.t0 = self.clock()
+
+    def beat(self, done: int | None = None, total: int | None = None, what: str = "") -> bool:
+        """A line when ``every_s`` passed since the last one (True when it printed)."""
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return False
+        self.last = now
+        total = self.total if total is None else total
+        elapsed = now - self.t0
+        if done is not None and total:
+            state = f"{done}/{total} ({eta_text(done, total, elapsed)})"
+        else:
+            state = f"{elapsed:.0f} s so far, time left unknown"
+        self.emit(f"{self.label}: still working{', ' + what if what else ''}, {state}")
+        self.lines += 1
+        return True
 
 
 class Eta:
@@ -151,6 +206,10 @@ class Progress:
     def eta(self, label: str, total: int) -> Eta:
         """Time left over a known number of coarse items (configurations, compile modes, trials)."""
         return Eta(label, total, self.bar)
+
+    def heartbeat(self, label: str, total: int | None = None, every_s: float = GAP_S) -> Heartbeat:
+        """Throttled lines from inside one long unit of work (see :class:`Heartbeat`)."""
+        return Heartbeat(label, self.say, total, every_s)
 
 
 def as_progress(progress) -> Progress:

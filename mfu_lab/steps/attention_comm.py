@@ -181,19 +181,32 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     say(f"communication: {n_configs} configurations, " + ("each measured in full (thorough)" if job.thorough else
         f"raced: {job.race_steps} steps each, then the survivors in full") if nnodes * nproc > 1 else
         f"communication: skipped, {one_rank_reason(nnodes, nproc, device.type)}")
-    done = {"n": 0}
+    done = {"n": 0, "total": n_configs, "eta": say.eta("communication configurations", n_configs), "cfg": ""}
+    beat = say.heartbeat("  comm")  # inside a configuration and while the ranks start: a line at least every GAP_S
 
     def on_event(ev):
         if nnodes * nproc < 2:
             return  # said once above
-        if ev["event"] in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
+        kind = ev["event"]
+        if kind == "start":
+            done["cfg"] = config_name(ev["config"])
+            beat.restart()
+        elif kind == "step":
+            beat.beat(ev["done"], ev["total"], f"{done['cfg']}, steps")
+        elif kind == "quiet":  # workers.launch.watch: no event from the ranks for a while (start-up, a long step)
+            beat.beat(what=f"{done['cfg'] or 'starting the ranks'}, no event from the ranks for {ev['quiet_s']:.0f} s")
+        elif kind == "round" and ev.get("number") == 1 and ev.get("kept"):  # the race's final round: a new count
+            done.update(n=0, total=len(ev["kept"]), eta=say.eta("communication final round", len(ev["kept"])))
+        if kind in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]
-            took = "" if ev["event"] != "done" else (
+            took = "" if kind != "done" else (
                 f", {statistics.median(ev['wall_s']) * 1e3:.0f} ms/step" + (" (first round)" if ev.get("screen") else
                 f" ({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"))
-            say(f"  comm [{done['n']}] {c['hook']}, bucket {c['bucket_mb']} MB, "
-                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {ev['event']}{took}")
+            say(f"  comm [{done['n']}/{done['total']}] {c['hook']}, bucket {c['bucket_mb']} MB, "
+                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {kind}{took}"
+                + done["eta"].tag(min(done["n"], done["total"])))
+            beat.said()
 
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     del model  # the ranks share this GPU: the launcher keeps no model on it (launch() empties the allocator's cache)
@@ -216,7 +229,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         say(f"communication: {config_name(_cfg(best_comm))} led; measured again beside DDP's defaults, alternating")
         race.confirmation = confirm_pick(job, device.type, best_att.name if best_att else None, sweep,
                                          _cfg(ddp_default), _cfg(best_comm), work, clock,
-                                         max(ddp_default.step_median_s, best_comm.step_median_s))
+                                         max(ddp_default.step_median_s, best_comm.step_median_s), say)
         say(f"communication: {race.confirmation.text()}")
         if not race.confirmation.proven:
             best_comm = ddp_default

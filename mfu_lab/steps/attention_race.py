@@ -71,11 +71,16 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
         fns[impl.name] = impl.fn
     eta.finish()
 
-    def train(name: str, steps: int) -> list[float]:
+    def train(name: str, steps: int, full: bool = False) -> list[float]:
         model = build_model(job).to(torch_device).train()
         model.set_attention(fns[name])
+        if full:  # the full-length runs: a line each quarter and at least every GAP_S seconds, with time left
+            tick = progress.items(f"  attention {name}: steps")
+        else:  # a screening's few steps: a line only if they run long (between steps, never inside one)
+            hb = progress.heartbeat(f"  attention {name} (first round)")
+            tick = lambda done, total, elapsed: hb.beat(done, total)  # noqa: E731
         t = run_steps(build_train_step(eager(job), model, device.type), build_loader(job, job.warmup_steps + steps,
-                      device.type), torch_device, job.warmup_steps, steps)
+                      device.type), torch_device, job.warmup_steps, steps, tick)
         return t.measured("wall_s")
 
     ok = [r for r in rows if r.status == "ok"]
@@ -87,7 +92,12 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
     final = [r.name for r in ok]
     if not job.thorough and len(ok) > 2:
         t0 = time.perf_counter()
-        screen = {r.name: train(r.name, job.race_steps) for r in ok}
+        first = progress.eta("attention first round", len(ok))
+        screen = {}
+        for i, r in enumerate(ok, 1):
+            progress(f"attention first round [{i}/{len(ok)}] {r.name}: {job.race_steps} steps" + first.tag(i - 1))
+            screen[r.name] = train(r.name, job.race_steps)
+        first.finish()
         final, dropped = racing.survivors(screen, refs)
         grow = (job.warmup_steps + job.steps) / (job.warmup_steps + job.race_steps)
         per = (time.perf_counter() - t0) / len(ok) * grow
@@ -102,8 +112,11 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
                 walls[r.name] = screen[r.name]
                 r.status, r.reason = "dropped", dropped[r.name] + f" (figures from {job.race_steps} steps)"
     t0 = time.perf_counter()
-    for name in final:
-        walls[name] = train(name, job.steps)
+    full = progress.eta("attention final round", len(final))
+    for i, name in enumerate(final, 1):
+        progress(f"attention [{i}/{len(final)}] {name}: {job.steps} steps" + full.tag(i - 1))
+        walls[name] = train(name, job.steps, full=True)
+    full.finish()
     log.rounds.append(racing.log_round(len(log.rounds) + 1, job.steps, {k: walls[k] for k in final}, final, {},
                                        time.perf_counter() - t0))
     for r in rows:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core import budget, peak_cache, store
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
-from mfu_lab.core import peak_cache, store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import FlopReport, count_step_flops
@@ -105,7 +105,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
                               key_extra=fl.job_key_extra(job))
 
     with HealthSampler(device.type, device.name, device.index) as sampler:
-        timings = run_steps(train_step, loader, torch_device, job.warmup_steps, job.steps, p.items("baseline steps"))
+        timings, clock = _timed_steps(job, train_step, loader, torch_device, p, t_start)
     health = sampler.summary()
     if not health.sampled:
         skipped.append({"what": "device health (NVML)", "reason": health.skipped_reason})
@@ -181,8 +181,54 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
         report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], fit=fit,
-        skipped=skipped)
+        skipped=skipped + clock.shortened)
+    result.budget = clock.record()
     return _finish(job, result, t_start, write)
+
+
+BUDGET_RESERVE_S = 1.0  # step 1's work after its timed steps (the peak's re-check, the figures, the write)
+
+
+def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tuple[Timings, budget.Clock]:
+    """The warm-up and timed steps. Without a budget: the job's counts, in one timed run. With one (core.budget):
+    the warm-up first (fewer steps, at least one, when the estimate says the share needs it), then as many of the
+    job's timed steps as the rest of step 1's share holds at the last warm-up step's time (at least
+    ``STEP1_MIN_STEPS``), each cut said and recorded; the two runs' series are joined, warm-up first."""
+    clock = budget.Clock(budget.plan(job.budget_min).get(INFO.key), started=t_start)
+    if clock.planned_s is None:
+        return run_steps(train_step, loader, device, job.warmup_steps, job.steps, p.items("baseline steps")), clock
+    _, first, step_s, _ = budget.step1_estimate(job, (store.earlier(job, INFO.key).data or None))
+    fewest = min(budget.STEP1_MIN_STEPS, job.steps)
+    warm = job.warmup_steps
+    while warm > 1 and first + (warm - 1 + fewest) * step_s > clock.left_s() - BUDGET_RESERVE_S:
+        warm -= 1
+    if warm < job.warmup_steps:
+        clock.shorten("warm-up steps", f"{warm} of the job's {job.warmup_steps}, so that {fewest} timed steps fit "
+                      f"step 1's {clock.planned_s:.1f} s share")
+    it = iter(loader)  # one iterator over both runs: the batches go on where the warm-up stopped
+    w = run_steps(train_step, it, device, 0, warm, p.items("baseline warm-up")) if warm else None
+    if w is not None:
+        step_s = w.wall_s[-1]  # the last warm-up step: the nearest to a timed one (pessimistic after one)
+    fit = int(max(0.0, clock.left_s() - BUDGET_RESERVE_S) // max(step_s, 1e-9))
+    n = max(fewest, min(job.steps, fit))
+    if n < job.steps:
+        over = "" if fit >= fewest else (f"; even {fewest}, the fewest step 1 times, run about "
+                                         f"{(fewest - fit) * step_s:.1f} s past the share")
+        clock.shorten("timed steps", f"{n} of the job's {job.steps}: {clock.left_s():.1f} s of step 1's "
+                      f"{clock.planned_s:.1f} s share left at about {step_s:.2g} s per step{over}")
+        p.say(f"budget: timing {n} of the job's {job.steps} steps ({clock.left_s():.1f} s of step 1's "
+              f"{clock.planned_s:.1f} s share left, about {step_s:.2g} s per step){over}")
+    t = run_steps(train_step, it, device, 0, n, p.items("baseline steps"))
+    if w is None:
+        return t, clock
+    mem = [m for m in (w.peak_memory_bytes, t.peak_memory_bytes) if m is not None]
+    joined = dataclasses.replace(
+        t, wall_s=w.wall_s + t.wall_s, data_s=w.data_s + t.data_s, compute_s=w.compute_s + t.compute_s,
+        loss=w.loss + t.loss, warmup_steps=len(w.wall_s), peak_memory_bytes=max(mem) if mem else None,
+        tokens=(w.tokens or []) + (t.tokens or []) or None,
+        padded_tokens=(w.padded_tokens or []) + (t.padded_tokens or []) or None,
+        method=t.method + "; under a budget the warm-up ran first, timed apart, to size the timed steps")
+    return joined, clock
 
 
 def _finish(job: Job, result: BaselineResult, t_start: float, write: bool) -> BaselineResult:

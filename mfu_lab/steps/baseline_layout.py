@@ -308,6 +308,8 @@ def on_events(progress):
             state["t0"] = time.perf_counter()
         elif kind == "step" and "tick" in state:
             state["tick"](ev["done"], ev["total"], time.perf_counter() - state["t0"])
+        elif kind == "quiet":  # workers.launch.watch: the ranks said nothing for a while (start-up, a long step)
+            p.say(f"  still working: no event from the ranks for {ev['quiet_s']:.0f} s")  # once per GAP_S at most
 
     return on
 

@@ -32,6 +32,7 @@ from mfu_lab.workers.launch import (
     known_refusal,
     run_sweep,
     sweep_configs,
+    turn_lines,
     world_layout,
 )
 
@@ -144,7 +145,7 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
 
 
 def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: SweepOutcome, reference: dict,
-                 pick: dict, work: Path, clock: Clock, step_s: float) -> racing.Confirmation:
+                 pick: dict, work: Path, clock: Clock, step_s: float, progress=None) -> racing.Confirmation:
     """``pick`` measured again beside ``reference``, alternating ``RACE_CONFIRM_TURNS`` times (timed steps only).
 
     The sweep's own launch confirms its pick in most runs (the worker applies the step's rule to the same figures):
@@ -171,7 +172,8 @@ def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: Sweep
     if not clock.fits(estimate):
         return _skipped(clock, pick_name, ref_name, f"budget: {clock.left_s():.0f} s of the step's share left, the "
                         f"confirmation needs about {estimate:.0f} s")
-    run = alternate(job, device_type, attention, [reference, pick], turns, work / "confirm")
+    run = alternate(job, device_type, attention, [reference, pick], turns, work / "confirm",
+                    turn_lines(progress or (lambda msg: None), "confirmation turns", 2 * turns))
     if run.error:
         return racing.Confirmation(pick_name, ref_name, "failed", run.error, turns, job.comm_steps,
                                    seconds=run.seconds)

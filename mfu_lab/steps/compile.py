@@ -129,6 +129,7 @@ def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, 
         timed_out = False
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
+        beat = as_progress(say).heartbeat(f"  {spec['label']}")  # a compile can be silent for minutes
         while True:
             if time.monotonic() > deadline:
                 timed_out = True
@@ -139,8 +140,11 @@ def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, 
                 if not line:
                     break
                 say("  " + line.rstrip())
+                beat.said()
             elif proc.poll() is not None:
                 break
+            else:
+                beat.beat(what=f"no line from the trial for {time.monotonic() - beat.last:.0f} s")
         proc.wait()
         sel.close()
     seconds = time.perf_counter() - t0

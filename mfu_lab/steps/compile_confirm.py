@@ -19,6 +19,7 @@ from mfu_lab.analysis import racing
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job
+from mfu_lab.core.progress import as_progress
 from mfu_lab.core.sidebyside import interleave
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
 from mfu_lab.core.workload import eager
@@ -65,6 +66,7 @@ def confirm_mode(job: Job, device_type: str, mode: str, cache: Path, work: Path,
             procs[name] = RungProcess({"rung": name.replace("/", "_"), "job": j.to_dict(),
                                        "steps_total": rounds * steps}, work, job.compile_timeout_s,
                                       env if name != "eager" else None)
+            procs[name].beat = lambda waited, name=name: say(f"  {name}: still warming up ({waited:.0f} s so far)")
             if device_type == "cuda":
                 ready(name)
         if device_type != "cuda":
@@ -80,8 +82,13 @@ def confirm_mode(job: Job, device_type: str, mode: str, cache: Path, work: Path,
                     return None
             return run
 
-        got = None if failed else interleave({name: runner(name) for name in procs}, rounds, steps,
-                                             lambda line: say("  " + line), abba=True)
+        eta, lines = as_progress(say).eta("confirmation rounds", rounds * len(procs)), [0]
+
+        def line(msg: str) -> None:  # interleave's line per process and round, with the time left
+            lines[0] += 1
+            say("  " + msg + eta.tag(min(lines[0], eta.total)))
+
+        got = None if failed else interleave({name: runner(name) for name in procs}, rounds, steps, line, abba=True)
     finally:
         for proc in procs.values():
             proc.close()

@@ -128,13 +128,20 @@ def profile_ranks(job: Job, device_type: str, out_dir: Path, say) -> dict[str, A
             "profile": {"config": cfg, "warmup": job.profile_warmup_steps, "steps": job.profile_steps,
                         "dir": str(out_dir)}}
     total = job.profile_warmup_steps + job.profile_steps
+    beat = as_progress(say).heartbeat("  per-rank profile", total)
 
     def on_event(ev):
         if ev["event"] == "launch":
             say(f"  {ev['world_size']} ranks over {ev['backend']}: hook {cfg['hook']}, bucket {cfg['bucket_mb']} MB "
                 f"({source})")
+            beat.said()
         elif ev["event"] == "step" and ev["done"] == total:
             say("  profiled steps done; writing each rank's trace")
+            beat.said()
+        elif ev["event"] == "step":
+            beat.beat(ev["done"], total, "profiled steps")
+        elif ev["event"] == "quiet":
+            beat.beat(what=f"no event from the ranks for {ev['quiet_s']:.0f} s")
 
     result: dict[str, Any] = {"config": cfg, "config_source": source, "nnodes": nnodes, "nproc_per_node": nproc,
                               "ranks": []}

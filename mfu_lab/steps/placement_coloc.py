@@ -17,6 +17,7 @@ from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.files import read_json
 from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
+from mfu_lab.core.progress import GAP_S, as_progress
 
 READY_TIMEOUT_S = 600.0  # a co-location copy that has not finished its warm-up by then is ended
 
@@ -37,6 +38,7 @@ def colocate(job: Job, work: Path, device_type: str, say) -> Coloc:
         go.unlink(missing_ok=True)
         copies, specs, logs = [], [], []
         release_device_memory("cuda")  # the copies get the GPU the launcher let go of (a no-op without CUDA)
+        beat = as_progress(say).heartbeat(f"  co-location ({tag})")  # a line at least every GAP_S seconds
         with procs.group() as group:  # the copies end with this call, however it ends (procs)
             try:
                 for i in range(n):
@@ -57,10 +59,19 @@ def colocate(job: Job, work: Path, device_type: str, say) -> Coloc:
                     if dead or time.monotonic() > deadline:
                         raise RuntimeError(f"copy {dead[0] if dead else '?'} ended or stalled before its measured "
                                            "steps")
+                    beat.beat(what="warming up")
                     time.sleep(0.05)
                 go.write_text("go")
+                deadline = time.monotonic() + READY_TIMEOUT_S
                 for p in copies:
-                    p.wait(timeout=READY_TIMEOUT_S)
+                    while True:
+                        try:
+                            p.wait(timeout=max(0.0, min(GAP_S, deadline - time.monotonic())))
+                            break
+                        except subprocess.TimeoutExpired:
+                            if time.monotonic() >= deadline:
+                                raise
+                            beat.beat(what="measured steps")
                 if any(p.returncode for p in copies):
                     raise RuntimeError("a copy exited with an error")
                 return [read_json(Path(s["out"])) for s in specs]

@@ -28,6 +28,7 @@ from mfu_lab.analysis import precision as pr
 from mfu_lab.core import device as dev
 from mfu_lab.core.job import Job
 from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.progress import as_progress
 from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
 from mfu_lab.core.workload import build_model, build_train_step, eager
 
@@ -149,10 +150,11 @@ def as_job(job: Job, rung: Rung) -> Job:
 
 
 def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch.device,
-                watch: f8.Watch) -> tuple[list[float], list[float], str | None, int | None]:
+                watch: f8.Watch, beat=None) -> tuple[list[float], list[float], str | None, int | None]:
     """Train a fresh model (the job's seed, dtype and matmul precision, eager) on ``batches``, with ``groups``
     in emulated FP8; stop on the watch. Under float16 the loss scaler runs as in training; a step it skips
-    (an overflow, which lowers its scale) is not a divergence and gives the watch no gradient norm."""
+    (an overflow, which lowers its scale) is not a divergence and gives the watch no gradient norm. ``beat``: a
+    :class:`mfu_lab.core.progress.Heartbeat`, called after each step (it prints at most every GAP_S seconds)."""
     model = build_model(job).to(device).train()
     f8.apply_policy(model, groups, recipe)
     ts = build_train_step(eager(job), model, device.type)  # emulation hooks run eager
@@ -165,6 +167,8 @@ def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch
         ts.scaler.update()
         ts.optimizer.zero_grad(set_to_none=True)
         value = float(loss.detach())
+        if beat is not None:
+            beat.beat(i + 1, len(batches), "steps")
         if ts.scaler.is_enabled() and not math.isfinite(norm) and math.isfinite(value):
             watch.losses.append(value)
             continue
@@ -177,6 +181,9 @@ def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch
 def _loss_check(job: Job, rungs: list[Rung], batches, device: torch.device, say) -> None:
     """Each runnable rung's loss curve under the divergence watch, against float32's; final-window gap."""
     reference: list[float] | None = None
+    p = as_progress(say)
+    todo = [r for r in rungs if r.status not in NOT_RUN]
+    eta = p.eta("loss curves", len(todo))
     for r in rungs:
         if r.status in NOT_RUN:
             continue
@@ -186,7 +193,8 @@ def _loss_check(job: Job, rungs: list[Rung], batches, device: torch.device, say)
         watch = f8.Watch(reference, job.loss_tolerance, job.fp8_window, job.fp8_spike)
         t0 = time.perf_counter()
         try:
-            losses, norms, why, at = train_trial(as_job(job, r), [], job.fp8_recipe, batches, device, watch)
+            beat = p.heartbeat(f"  {r.name}: loss curve", len(batches))
+            losses, norms, why, at = train_trial(as_job(job, r), [], job.fp8_recipe, batches, device, watch, beat)
         except Exception as err:  # noqa: BLE001 - one rung's failure must not end the step
             r.fail("loss curve", err)
             say(f"  {r.name}: loss curve failed: {r.reason}")
@@ -198,14 +206,16 @@ def _loss_check(job: Job, rungs: list[Rung], batches, device: torch.device, say)
         elif not why:
             w = min(job.fp8_window, len(losses), len(reference))
             r.final_gap = (sum(losses[-w:]) / w) / (sum(reference[-w:]) / w) - 1
-        say(f"  {r.name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}" + (f"; stopped: {why}" if why else ""))
+        say(f"  {r.name}: loss {losses[0]:.4f} -> {losses[-1]:.4f}" + (f"; stopped: {why}" if why else "")
+            + eta.tag(todo.index(r) + 1))
 
 
 class _Runner:
     """One rung's model and training step, continuing over the shared batches round after round."""
 
-    def __init__(self, job: Job, rung: Rung, batches: list, device: torch.device, say):
+    def __init__(self, job: Job, rung: Rung, batches: list, device: torch.device, say, tally: dict | None = None):
         self.rung, self.device, self.say = rung, device, say
+        self.tally = tally  # shared by the rungs: {"n": rounds run, "eta": Eta, "beat": Heartbeat} (time left)
         self.job = as_job(job, rung)
         self.model = build_model(self.job).to(device).train()
         self.step = build_train_step(self.job, self.model, device.type)
@@ -215,13 +225,22 @@ class _Runner:
 
     def steps(self, k: int):
         torch.set_float32_matmul_precision(self.rung.matmul_precision)  # process-wide: set for each round
-        return run_steps(self.step, self.batches, self.device, 0, k)
+        beat = self.tally["beat"] if self.tally else None  # a line between steps, at most every GAP_S seconds
+        tick = None if beat is None else (lambda done, total, _: beat.beat(done, total, f"{self.rung.name}, steps"))
+        if beat is not None:
+            beat.restart()  # the time left counts this run's steps
+        return run_steps(self.step, self.batches, self.device, 0, k, tick)
 
     def __call__(self, k: int) -> dict[str, list[float]]:
         if self.rung.status != pr.FAILED:
             try:
                 t = self.steps(k)
-                self.say(f"  {self.rung.name}: {stats(t.wall_s).median * 1e3:.1f} ms per step")
+                tag = ""
+                if self.tally:
+                    self.tally["n"] += 1
+                    tag = self.tally["eta"].tag(min(self.tally["n"], self.tally["eta"].total))
+                    self.tally["beat"].said()
+                self.say(f"  {self.rung.name}: {stats(t.wall_s).median * 1e3:.1f} ms per step" + tag)
                 return {"wall_s": t.wall_s, "data_s": t.data_s, "compute_s": t.compute_s, "loss": t.loss}
             except Exception as err:  # noqa: BLE001 - the other rungs keep their rounds
                 self.rung.fail("timing", err)
@@ -232,11 +251,13 @@ class _Runner:
 def _speed(job: Job, rungs: list[Rung], batches, device: torch.device, say) -> list[list]:
     """Interleaved timing of every runnable rung; fills step times and speedups; returns the order run."""
     runners: dict[str, _Runner] = {}
+    p = as_progress(say)
+    tally = {"n": 0, "eta": p.eta("precision rounds", 0), "beat": p.heartbeat("  precision ladder")}
     for r in rungs:
         if r.status in NOT_RUN:
             continue
         try:
-            runners[r.name] = _Runner(job, r, batches, device, say)
+            runners[r.name] = _Runner(job, r, batches, device, say, tally)
         except Exception as err:  # noqa: BLE001 - one rung's failure must not end the step
             r.fail("building and warming up", err)
             say(f"  {r.name}: failed: {r.reason}")
@@ -244,6 +265,7 @@ def _speed(job: Job, rungs: list[Rung], batches, device: torch.device, say) -> l
         return []
     k = max(2, job.steps // job.precision_rounds)
     say(f"timing {', '.join(runners)}: {job.precision_rounds} interleaved rounds of {k} steps each")
+    tally["eta"] = p.eta("precision rounds", job.precision_rounds * len(runners))  # counted from here
     run = interleave(runners, job.precision_rounds, k)
     ref = rungs[0]
     for r in rungs:

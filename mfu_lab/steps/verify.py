@@ -186,6 +186,8 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
             p = RungProcess({"rung": rung.name, "job": rjob.to_dict(), "steps_total": total,
                              "memory_fraction": 1 / resident}, work, job.compile_timeout_s)
             procs[rung.name] = p
+            p.beat = lambda waited, name=rung.name: say(f"  rung {name}: still warming up ({waited:.0f} s so far; "
+                                                        "a compiled rung compiles here)")
             try:
                 ready = p.ready()
             except (RuntimeError, OSError) as e:
@@ -212,8 +214,14 @@ def _measure(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> l
                     return None
             return run
 
+        eta, lines = as_progress(say).eta("interleaved rounds", job.verify_rounds * len(procs)), [0]
+
+        def round_line(msg: str) -> None:  # interleave's line per rung and round, with the time left
+            lines[0] += 1
+            say(msg + eta.tag(min(lines[0], eta.total)))
+
         done = interleave({name: runner(name, p) for name, p in procs.items()}, job.verify_rounds,
-                          job.verify_steps, say)
+                          job.verify_steps, round_line)
     finally:
         for p in procs.values():
             p.close()

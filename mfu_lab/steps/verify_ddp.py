@@ -18,7 +18,7 @@ from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
 from mfu_lab.core.sidebyside import bootstrap_speedup
 from mfu_lab.workers.ddp_rank import ddp_warmup
-from mfu_lab.workers.launch import alternate, config_key, world_layout
+from mfu_lab.workers.launch import alternate, config_key, turn_lines, world_layout
 
 DDP_ROUNDS = 5  # each DDP turn builds a fresh DDP model and warms it up: far dearer than a round
 
@@ -47,7 +47,8 @@ def verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say
     original, tuned = configs
     turns = min(job.verify_rounds, DDP_ROUNDS)
     say(f"DDP: {2 * turns} configurations alternated in one launch of {nnodes * nproc} processes")
-    run = alternate(job, device_type, None, [original, tuned], turns, work)
+    run = alternate(job, device_type, None, [original, tuned], turns, work,
+                    turn_lines(say, "DDP turns", 2 * turns))
     warmup = {"original": ddp_warmup(job.comm_warmup_steps, original["hook"]),  # untimed steps of each turn
               "tuned": ddp_warmup(job.comm_warmup_steps, tuned["hook"])}
     if run.error:

@@ -32,6 +32,7 @@ def main() -> int:
         from mfu_lab.core.device import resolve_device
         from mfu_lab.core.job import validate
         from mfu_lab.core.measure import run_steps
+        from mfu_lab.core.progress import GAP_S, eta_text
         from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 
         job = eager(validate(spec["job"], "step 4 worker spec"))  # the trial compiles, not the job
@@ -45,9 +46,18 @@ def main() -> int:
         warm, steps = spec["warmup"], spec["steps"]
         t0 = time.perf_counter()
 
-        def progress(done, total, elapsed):  # every compile step, then every quarter
-            if done <= warm or done == total or done % max(1, total // 4) == 0:
-                print(f"{spec['label']}: step {done}/{total} ({elapsed:.1f} s)", flush=True)
+        said = [0.0]
+
+        def progress(done, total, elapsed):  # every compile step, then every quarter and every GAP_S seconds
+            if (done <= warm or done == total or done % max(1, total // 4) == 0
+                    or elapsed - said[0] >= GAP_S):
+                said[0] = elapsed
+                left = "" if done <= warm else f", {eta_text(done - warm, total - warm, elapsed - warm_s[0])}"
+                print(f"{spec['label']}: step {done}/{total} ({elapsed:.1f} s{left})", flush=True)
+            if done == warm:
+                warm_s[0] = elapsed
+
+        warm_s = [0.0]
 
         from torch._dynamo.utils import counters
 

@@ -32,6 +32,7 @@ import traceback
 from pathlib import Path
 
 from mfu_lab.core import procs
+from mfu_lab.core.progress import GAP_S
 
 PREFIX = "@mfu-lab@"
 
@@ -56,6 +57,7 @@ class RungProcess:
         self.proc = procs.popen([sys.executable, "-m", "mfu_lab.workers.verify_rung", "--spec", str(spec_path)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         self._lines: queue.Queue = queue.Queue()
+        self.beat = None  # called with the seconds waited, every GAP_S seconds without an answer (a long warm-up)
 
         def pump():
             for line in self.proc.stdout:
@@ -66,12 +68,21 @@ class RungProcess:
         threading.Thread(target=pump, daemon=True).start()
 
     def _next(self) -> dict:
-        try:
-            msg = self._lines.get(timeout=self.timeout_s)
-        except queue.Empty:
-            self.close()
-            raise RuntimeError(f"rung {self.name}: no answer for {self.timeout_s:.0f} s; the process was ended "
-                               f"(its log: {self.stderr_path})") from None
+        t0 = time.monotonic()
+        while True:
+            waited = time.monotonic() - t0
+            try:
+                msg = self._lines.get(timeout=max(0.0, min(GAP_S, self.timeout_s - waited)))
+                break
+            except queue.Empty:
+                waited = time.monotonic() - t0
+                if waited < self.timeout_s:
+                    if self.beat is not None:
+                        self.beat(waited)
+                    continue
+                self.close()
+                raise RuntimeError(f"rung {self.name}: no answer for {self.timeout_s:.0f} s; the process was ended "
+                                   f"(its log: {self.stderr_path})") from None
         if msg is None:
             tail = self.stderr_path.read_text(errors="replace").strip().splitlines()[-3:]
             raise RuntimeError(f"rung {self.name}: the process exited ({' | '.join(tail) or 'no message'})")
