@@ -84,6 +84,8 @@ def _one_bad_field(folder: Path, field: str, value) -> None:
     ("data_s", -1.0, "interval: data_s"),
     ("comm_s", "1.0", "interval: comm_s"),
     ("gpu", {"throttled_share": "x"}, "interval: gpu.throttled_share"),
+    ("t", 1e300, "interval: t"),  # finite, but no date: the report prints dates
+    ("node", 7, "interval: node"),
 ])
 def test_a_record_with_a_wrong_type_or_a_negative_duration_is_skipped_and_named(tmp_path, monkeypatch, capsys,
                                                                                     field, value, named):
@@ -157,6 +159,28 @@ def test_a_crash_and_its_restart_stay_one_run(tmp_path):
     s = summarise(folder)
     assert s.span["launches"] == 2 and not s.read["other_runs"]
     assert s.operations_loss["parts"]["restarts_and_gaps"]["seconds"] > 0
+
+
+@pytest.mark.parametrize("first_ends_cleanly", [True, False])
+def test_two_torchrun_jobs_under_one_launch_id_old_names(tmp_path, first_ends_cleanly):
+    """torchrun without --rdzv-id gives every job the run id 'none': two jobs one after the other append to the
+    same files under one launch id. The second start of a rank in another process is a new launch: another job
+    after a clean end, a restart of the same run after a crash."""
+    folder = tmp_path / "mon"
+    for rank in (0, 1):
+        first = [_start(rank, pid=100 + rank), *[_interval(rank, g) for g in range(3)]]
+        if first_ends_cleanly:
+            first.append(_end(rank, t=T0 + 60))
+        second = [_start(rank, pid=200 + rank, t=T0 + 600),
+                  *[_interval(rank, g, t0=T0 + 600, work=(0.7, 0.5)[rank]) for g in range(3)]]
+        _write(folder / f"h-rank{rank}.jsonl", first + second)
+    s = summarise(folder)
+    if first_ends_cleanly:
+        assert s.span["launches"] == 1 and len(s.read["other_runs"]) == 1 and s.read["intervals"] == 6
+        assert [x["rank"] for x in s.stragglers] == [0]  # the second job's straggler alone
+    else:
+        assert s.span["launches"] == 2 and not s.read["other_runs"] and s.read["intervals"] == 12
+        assert s.operations_loss["parts"]["restarts_and_gaps"]["seconds"] > 0
 
 
 def test_two_runs_with_run_ids_and_the_run_option(tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EXAMPLES = 5  # records named in the report per read
+TIME_MAX = 1e11  # unix seconds; beyond this no date can be printed
 
 # interval fields: seconds or counts that must be finite and >= 0 when present (None allowed)
 _INTERVAL_SECONDS = ("data_s", "host_s", "other_s", "comm_s", "tokens", "mfu", "tokens_per_s", "profiled_s")
@@ -23,6 +24,11 @@ _START_DICTS = ("device", "peak", "flops", "comm", "nvml", "scheduler", "setting
 
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _time(x: Any) -> bool:
+    """Unix seconds a date can be made of (1970 to the year 5138): 1e300 is finite, but no date."""
+    return _number(x) and 0 <= x < TIME_MAX
 
 
 def _count(x: Any) -> bool:
@@ -42,8 +48,8 @@ def problem(rec: dict[str, Any]) -> str | None:
     def bad(name: str, want: str) -> str:
         return f"{kind}: {name} = {_short(rec.get(name))} ({want})"
 
-    if not _number(rec.get("t")):
-        return bad("t", "unix seconds, a finite number")
+    if not _time(rec.get("t")):
+        return bad("t", "unix seconds, a finite number >= 0")
     if not _count(rec.get("rank", 0)):
         return bad("rank", "a whole number >= 0")
     for name in ("node", "launch", "run"):
@@ -62,7 +68,7 @@ def problem(rec: dict[str, Any]) -> str | None:
         if slurm is not None and not isinstance(slurm, dict):
             return bad("slurm", "an object")
         for name in ("SubmitTime", "queue_wait_s"):
-            if slurm and name in slurm and not (_number(slurm[name]) and slurm[name] >= 0):
+            if slurm and name in slurm and not (_time(slurm[name])):
                 return f"cluster: slurm.{name} = {_short(slurm[name])} (a finite number >= 0)"
     elif kind == "profile":
         for name in ("window_s", "overhead_s"):
@@ -81,8 +87,8 @@ def _interval(rec: dict[str, Any], bad) -> str | None:
         return bad("step", "a whole number >= 0")
     if rec.get("steps") and not (_number(rec.get("wall_s")) and rec["wall_s"] >= 0):
         return bad("wall_s", "seconds >= 0")
-    if rec.get("t0") is not None and not _number(rec["t0"]):
-        return bad("t0", "unix seconds, a finite number")
+    if rec.get("t0") is not None and not _time(rec["t0"]):
+        return bad("t0", "unix seconds, a finite number >= 0")
     for name in _INTERVAL_SECONDS:
         if rec.get(name) is not None and not (_number(rec[name]) and rec[name] >= 0):
             return bad(name, "a finite number >= 0")

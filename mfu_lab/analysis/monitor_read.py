@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.analysis.monitor_check import Skipped, problem
-from mfu_lab.analysis.monitor_runs import Plan, launch_key, scan
+from mfu_lab.analysis.monitor_runs import Incarnations, Plan, scan
 from mfu_lab.core.monitor_files import ReadCount, iter_records, rank_files
 
 MAX_BINS = 120
@@ -257,7 +257,7 @@ def _checked(rf, count: ReadCount, st: Folder):
     """One rank's records that pass the field check and belong to the chosen run, on the reference clock."""
     plan = st.plan
     one_part = len(rf.paths) == 1
-    file_run = str(getattr(rf, "run", "") or "")
+    incarnations = Incarnations(str(getattr(rf, "run", "") or ""))
     for rec in iter_records(rf.paths, count):
         why = problem(rec)
         if why is not None:
@@ -265,7 +265,7 @@ def _checked(rf, count: ReadCount, st: Folder):
                 f"{rf.host}-rank{rf.rank} (line {count.lines} of its {len(rf.paths)} files)"
             st.skipped.add(why, where)
             continue
-        key = launch_key(rec, file_run)
+        key = incarnations.key(rec)
         run = plan.launch_run.get(key, "")
         if run != plan.chosen:
             st.left_out[run] = st.left_out.get(run, 0) + 1

@@ -8,7 +8,10 @@ without the restart count). Launches with none of these (a plain ``python train.
 process) are chained: a launch joins a run when it runs at the same time as one of the run's launches with
 other rank numbers (the other ranks of one job), or starts after the run's last record when the run's last
 launch did not end cleanly (a restart after a crash), and the world sizes agree. Rank k cannot run twice at
-once, so two launches with a common rank number at the same time are two jobs.
+once, so two launches with a common rank number at the same time are two jobs. A rank that starts again in
+another process under a launch id already used (torchrun's default rendezvous id 'none' and port 29500 give
+every such job one id) begins a new launch (:class:`Incarnations`): a restart of the run when the launch before
+it did not end cleanly, else another job.
 
 Clocks. Every rank of a data-parallel job leaves each step's collectives at the same moment, so the intervals
 that end at the same step on two ranks end at the same time. A rank's clock offset is the median, over the
@@ -71,8 +74,32 @@ def launch_key(rec: dict[str, Any], file_run: str = "") -> str:
     return f"{run}|{launch}" if run else launch
 
 
+class Incarnations:
+    """The launch of each record of one rank's files, read in order: :func:`launch_key`, and a new one each time
+    a rank of that launch starts again in another process. Two jobs can share a launch id (torchrun's default
+    rendezvous id is 'none', its port 29500): the second job's ranks start again under the same id."""
+
+    def __init__(self, file_run: str = ""):
+        self.file_run = file_run
+        self._seen: dict[tuple[str, tuple[str, int]], tuple[int, Any]] = {}
+
+    def key(self, rec: dict[str, Any]) -> str:
+        base = launch_key(rec, self.file_run)
+        who = (str(rec.get("node", "?")), int(rec.get("rank") or 0))
+        n, pid = self._seen.get((base, who), (0, None))
+        if rec["kind"] == "start":
+            if (base, who) in self._seen and rec.get("pid") != pid:
+                n += 1
+            self._seen[(base, who)] = (n, rec.get("pid"))
+        return base if n == 0 else f"{base}~{n}"
+
+
 def _derived(launch: str) -> str:
     """The job a launch id names, without its restart count; '' for a per-process (local) id."""
+    base, _, n = launch.rpartition("~")
+    if base and n.isdigit():  # a second job under the same launch id (Incarnations)
+        job = _derived(base)
+        return f"{job}~{n}" if job else ""
     if launch.startswith(("torchrun:", "slurm:")):
         return launch.rsplit("#", 1)[0]
     return ""
@@ -86,10 +113,11 @@ def scan(files, run: str | None = None, progress=None) -> Plan:
     sampled: dict[tuple[str, str, int], int] = {}
     for i, rf in enumerate(files):
         file_run = str(getattr(rf, "run", "") or "")
+        incarnations = Incarnations(file_run)
         for rec in iter_records(rf.paths, ReadCount()):
             if problem(rec) is not None:
                 continue
-            key, t = launch_key(rec, file_run), float(rec["t"])
+            key, t = incarnations.key(rec), float(rec["t"])
             who = (str(rec.get("node", "?")), int(rec.get("rank") or 0))
             lau = launches.get(key)
             if lau is None:
@@ -139,6 +167,13 @@ def _assign(launches: dict[str, LaunchInfo]) -> None:
     """Give every launch its run and group (module docstring)."""
     chains: list[dict[str, Any]] = []
     for lau in sorted(launches.values(), key=lambda x: (x.first_t, x.key)):
+        base, _, n = lau.key.rpartition("~")
+        if base and n.isdigit() and not lau.run:  # started again under a launch id already used
+            prev = launches.get(base if n == "1" else f"{base}~{int(n) - 1}")
+            crashed = prev is not None and prev.last_t <= lau.first_t and not prev.ended >= prev.ranks
+            lau.run = prev.run if crashed and prev.run else _derived(lau.key) or lau.key
+            lau.group = lau.key
+            continue
         lau.run = lau.run or _derived(lau.key)
         if lau.run:
             lau.group = lau.key
@@ -220,7 +255,7 @@ def describe(plan: Plan, path: Path | None = None) -> list[str]:
         listed = "; ".join(f"{k or '(no run id)'}: {v['records']:,} record(s) of {len(v['ranks'])} rank(s), "
                            f"{iso(v['first_t'])} to {iso(v['last_t'])}" for k, v in sorted(others.items()))
         notes.append(f"this folder holds {len(others)} other run(s), left out of this report (summarise one with "
-                     f"run=...): {listed}")
+                     f"mfu_lab.steps.monitor.run(DIR, run=RUN)): {listed}")
     c = plan.clock
     if c["corrected"]:
         offs = ", ".join(f"{n} {c['offsets_s'][n]:+.1f} s" for n in c["corrected"])

@@ -130,7 +130,8 @@ def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSum
     peaks = sorted({str((s.get("peak") or {}).get("source")) for s in st.ranks.values() if s.get("peak")})
     return MonitorSummary(
         str(folder), read, span, sorted({str((s.get("device") or {}).get("name")) for s in st.ranks.values()}),
-        labelled(mfu, "measured", "model FLOPs x steps / (peak x wall), time-weighted over every rank's intervals; "
+        labelled(mfu, "measured", "model FLOPs x steps / (peak x (wall - evaluation, checkpoints, logging)), "
+                 "weighted by that time over every rank's intervals; "
                  f"peak: {', '.join(peaks) or 'none'}" if mfu is not None else
                  "no interval carried an MFU: give the monitor flops_per_token or the model"),
         labelled(tot.tokens / tot.tokens_wall * st.world if tot.tokens_wall else None, "measured",
