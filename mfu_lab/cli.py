@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from mfu_lab.core import budget, files, yamlfile
+from mfu_lab.core import budget, factories, files, yamlfile
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, write_json_atomic
 from mfu_lab.core.health import gate
@@ -151,8 +151,10 @@ def cmd_validate(args) -> int:
         module, func = job.model.split(":")
         heads = (" Its heads and blocks, which tp and pp must divide, are read from it on the meta device "
                  "(mfu_lab.core.layout_check) before a layout runs." if job.tp > 1 or job.pp > 1 else "")
-        print(f"note: this job names code. Every step will import the module '{module}' (from the workbook root, "
-              f"the current folder or the installed packages) and call {func}(**model_kwargs): a job file that "
+        found = factories.locate(job.model, None, job.factory_paths, job.trust)[0]
+        where = f"{found.origin}, {found.how}" if found else "where the rule allows"
+        print(f"note: this job names code. Every step will import the module '{module}' ({where}; README, 'Your "
+              f"own model') and call {func}(**model_kwargs): a job file that "
               f"names code runs that code, so run only job files you trust. validate did not import it.{heads}")
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
     return EXIT_OK

@@ -1,5 +1,6 @@
 """Attacks a hostile or careless user could make through a job or cluster file, each reproduced (issue 19)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mfu_lab.analysis.cluster_files import ClusterError, load_cluster
 from mfu_lab.core import yamlfile
-from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.errors import JobError, JobProblem, StepError
 from mfu_lab.core.job import Job, load_job, validate
 from mfu_lab.core.workload import build_model
 
@@ -305,7 +307,7 @@ def test_kernel_connection_files_stay_in_the_job_folder_and_are_removed(tmp_path
     assert tempfile.tempdir == before and not folder.exists()
 
 
-def test_merge_keys_stay_allowed_and_a_local_module_may_share_a_stdlib_name(tmp_path, monkeypatch):
+def test_merge_keys_stay_allowed_and_a_local_module_may_not_share_a_stdlib_name(tmp_path, monkeypatch):
     import yaml
 
     for text in ("base: &b {x: 1, y: 2}\nc: {<<: *b, y: 3}\n",
@@ -316,8 +318,13 @@ def test_merge_keys_stay_allowed_and_a_local_module_may_share_a_stdlib_name(tmp_
         yamlfile.loads("d:\n  m: &m\n    y: 1\n    y: 2\nt: {<<: *m}\n")
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "__init__.py").write_text("")
+    (tmp_path / "code" / "models.py").write_text("def build():\n    pass\n")
     monkeypatch.chdir(tmp_path)
-    assert validate({"model": "code.models:build"}, "test").model == "code.models:build"
+    # issue 32 item 9: a stdlib name is never a factory's module (importing it would find the stdlib's if loaded)
+    with pytest.raises(JobError, match="standard library.*renamed"):
+        validate({"model": "code.models:build"}, "test")
+    (tmp_path / "code").rename(tmp_path / "mycode")
+    assert validate({"model": "mycode.models:build"}, "test").model == "mycode.models:build"
     with pytest.raises(JobError, match="standard library"):
         validate({"model": "subprocess:getoutput"}, "test")
 
@@ -537,3 +544,111 @@ def test_an_execution_timeout_that_is_not_whole_seconds_is_refused_up_front(tmp_
         assert p.returncode == 2, (bad, p.stdout, p.stderr)
         assert "--execution-timeout" in p.stderr and "whole number of seconds > 0" in p.stderr, p.stderr
         assert "Traceback" not in p.stderr and not (tmp_path / "out" / "tiny" / "01_baseline").exists()
+
+
+# ------------------------------------------------------------------ issue 32 item 9: where a factory may come from
+def _factory(folder: Path, name: str = "my_models", marker: Path | None = None) -> Path:
+    """A model factory module ``name.py`` in ``folder`` whose import writes ``marker`` (when given)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    touch = f"open({str(marker)!r}, 'w').close()\n" if marker else ""
+    (folder / f"{name}.py").write_text(touch + "import torch\n\n\ndef build(vocab_size=128):\n"
+                                       "    return torch.nn.Sequential(torch.nn.Embedding(vocab_size, 8), "
+                                       "torch.nn.Linear(8, vocab_size))\n")
+    return folder / f"{name}.py"
+
+
+def test_an_installed_package_function_is_refused_by_validate_and_at_load_time(tmp_path, monkeypatch):
+    """Issue 32 item 9: IPython.utils.process:system with a cmd ran a shell command; mfu_lab.core.files:write_atomic
+    wrote a file. Both are refused by validate (the CLI's too) and again when a step builds the model."""
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "pwned"
+    attacks = {"IPython.utils.process:system": {"cmd": f"touch {marker}"},
+               "mfu_lab.core.files:write_atomic": {"path": str(marker), "text": "x"},
+               "os:system": {"command": f"touch {marker}"}, "json.decoder:JSONDecoder": {}}
+    for spec, kwargs in attacks.items():
+        job = tmp_path / "evil.yaml"
+        job.write_text(TINY.read_text() + f"model: '{spec}'\nmodel_kwargs: {json.dumps(kwargs)}\n")
+        with pytest.raises(JobError, match="the rule: a factory's module must be") as e:
+            load_job(job)
+        assert e.value.problems[0].key == "model" and spec in str(e.value)
+        if spec.startswith("IPython"):  # the command line says the same (one run: each takes seconds)
+            p = mfu_lab("validate", str(job), cwd=tmp_path)
+            assert p.returncode == 2 and "the rule: a factory's module must be" in p.stderr, p.stderr
+        with pytest.raises(StepError, match=f"job key 'model' = '{spec}': .*the rule: .*it is not imported"):
+            build_model(Job(model=spec, model_kwargs=kwargs))
+        assert not marker.exists(), spec
+    with pytest.raises(JobError, match="package 'IPython', which the job does not trust.*trust: \\[IPython\\]"):
+        validate({"model": "IPython.utils.process:system"}, "t")
+
+
+def test_validate_imports_nothing_and_accepts_a_factory_beside_the_job_or_in_factory_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # loading puts the factory's folder on sys.path
+    for name in ("beside_mod", "listed_mod"):  # recorded as absent, so the modules imported here go at teardown
+        monkeypatch.setitem(sys.modules, name, None)
+        del sys.modules[name]
+    marker = tmp_path / "imported"
+    jobs, elsewhere = tmp_path / "jobs", tmp_path / "models"
+    _factory(jobs, "beside_mod", marker)
+    _factory(elsewhere, "listed_mod", marker)
+    beside = jobs / "a.yaml"
+    beside.write_text(TINY.read_text() + "model: beside_mod:build\n")
+    job = load_job(beside)
+    assert job.factory_paths == [str(jobs.resolve())]  # the file's folder is held: a kernel elsewhere finds it too
+    listed = jobs / "b.yaml"
+    listed.write_text(TINY.read_text() + "model: listed_mod:build\nfactory_paths: [../models]\n")
+    assert load_job(listed).factory_paths == [str(elsewhere.resolve())]
+    assert not marker.exists() and "beside_mod" not in sys.modules and "listed_mod" not in sys.modules
+    outside = jobs / "c.yaml"  # listed_mod is neither beside c.yaml nor in its factory_paths
+    outside.write_text(TINY.read_text() + "model: listed_mod:build\n")
+    with pytest.raises(JobError, match="no module listed_mod beside the job file .*the rule: a factory's module "
+                                       "must be .*list its folder in factory_paths") as e:
+        load_job(outside)
+    assert e.value.problems[0].key == "model"
+    missing = jobs / "d.yaml"
+    missing.write_text(TINY.read_text() + "model: listed_mod:build\nfactory_paths: [nowhere]\n")
+    with pytest.raises(JobError, match="key 'factory_paths'.*no such folder"):
+        load_job(missing)
+    monkeypatch.chdir(ROOT)  # loading in another folder (a notebook's kernel) finds the same files
+    model = build_model(dataclasses.replace(job, out_dir=str(tmp_path / "out")))
+    assert isinstance(model, torch.nn.Module) and marker.exists()
+    assert Path(sys.modules["beside_mod"].__file__).resolve() == (jobs / "beside_mod.py").resolve()
+    assert isinstance(build_model(load_job(listed)), torch.nn.Module)
+
+
+def test_trust_allows_an_installed_package_but_never_mfu_lab_or_the_standard_library(tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"  # an installed package, as pip would lay it out
+    _factory(site / "somepkg", "models")
+    (site / "somepkg" / "__init__.py").write_text(f"open({str(tmp_path / 'pkg-imported')!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.chdir(tmp_path)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    job = jobs / "j.yaml"
+    job.write_text(TINY.read_text() + "model: somepkg.models:build\n")
+    with pytest.raises(JobError, match="installed package 'somepkg', which the job does not trust"):
+        load_job(job)
+    job.write_text(TINY.read_text() + "model: somepkg.models:build\ntrust: [somepkg]\n")
+    loaded = load_job(job)
+    assert not (tmp_path / "pkg-imported").exists() and "somepkg" not in sys.modules  # validate imported nothing
+    listed = jobs / "k.yaml"  # an installed package reached through factory_paths still needs trust
+    listed.write_text(TINY.read_text() + f"model: somepkg.models:build\nfactory_paths: [{site}]\n")
+    with pytest.raises(JobError, match="installed package's module .*trust: \\[somepkg\\]"):
+        load_job(listed)
+    try:
+        assert isinstance(build_model(dataclasses.replace(loaded, out_dir=str(tmp_path / "out"))), torch.nn.Module)
+        assert (tmp_path / "pkg-imported").exists() and str(site) in sys.path
+    finally:
+        for name in ("somepkg.models", "somepkg"):
+            sys.modules.pop(name, None)
+    for trusted, spec in (("mfu_lab", "mfu_lab.core.files:write_atomic"), ("os", "os:system"),
+                          ("subprocess", "subprocess:getoutput"), ("builtins", "builtins:exec")):
+        job.write_text(TINY.read_text() + f"model: '{spec}'\ntrust: [{trusted}]\n")
+        with pytest.raises(JobError) as e:
+            load_job(job)
+        assert {p.key for p in e.value.problems} == {"trust"} and "never trusted" in str(e.value)
+        with pytest.raises(StepError, match="the rule"):  # a Job built by hand is refused when loaded
+            build_model(Job(model=spec, trust=[trusted]))
+    job.write_text(TINY.read_text() + "model: 'x:y'\ntrust: [some.pkg]\n")
+    with pytest.raises(JobError, match="top-level package name"):
+        load_job(job)

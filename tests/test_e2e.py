@@ -62,7 +62,8 @@ def test_papermill_with_a_misspelt_parameter_fails_in_the_job_cell(tmp_path):
 
 def test_a_failing_step_exits_1_keeps_the_notebook_and_marks_the_index(tmp_path):
     job = tmp_path / "broken.yaml"
-    job.write_text(TINY.read_text() + "model: tests.fixtures.tiny_models:broken\nmodel_kwargs: {}\n")
+    job.write_text(TINY.read_text() + "model: tests.fixtures.tiny_models:broken\nmodel_kwargs: {}\n"
+                   f"factory_paths: [{ROOT}]\n")  # the factory lies in the checkout, not beside this job file
     p = run(sys.executable, "-m", "mfu_lab", "run", str(job), "--out", str(tmp_path), "-q")
     assert p.returncode == 1
     assert "deliberate failure inside the user's model" in p.stderr

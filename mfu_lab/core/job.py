@@ -18,6 +18,7 @@ from typing import Any
 
 from mfu_lab.core import yamlfile
 from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.factories import anchored_factory_paths, factory_key_problems
 from mfu_lab.core.job_rules import (
     ADAMW_IMPLS,
     ATTENTIONS,
@@ -40,17 +41,16 @@ from mfu_lab.core.job_rules import (
     TP_STYLES,
     cross_key_problems,
     rule_problem,
-    stdlib_factory,
     type_problem,
     unknown_key_problem,
 )
-from mfu_lab.core.paths import anchored_paths, find_workbook_root, input_path
+from mfu_lab.core.paths import anchored_paths, find_workbook_root, input_path, job_file_folder
 
 __all__ = ["ADAMW_IMPLS", "ATTENTIONS", "COMM_HOOKS", "COMPILE_CHOICES", "COMPILE_DYNAMIC", "COMPILE_MODES",
            "DATA_SOURCES", "DEVICES", "DP_MODES", "DTYPES", "FIELDS", "FP8_RECIPES", "JOB_NAME_RE", "KEY_GROUPS",
            "LAST_BATCH", "MATMUL_PRECISIONS", "MODEL_RE", "PP_SCHEDULES", "PRECISION_RUNGS", "SEQ_POLICIES",
            "TP_STYLES", "Job", "JobError", "JobProblem", "find_workbook_root", "from_namespace", "load_job",
-           "stdlib_factory", "validate"]
+           "validate"]
 
 
 def _key(default, help: str, **rules):
@@ -89,6 +89,11 @@ class Job:
     # --- model ---
     model: str = _key("gpt", "'gpt' (the reference decoder) or 'package.module:function'", pattern="model")
     model_kwargs: dict = _key({}, "keyword arguments passed to a module:function model")
+    factory_paths: list = _key([], "folders a module:function model may also come from, besides the job file's own "
+                               "folder; a relative path is taken from the job file's folder (README, 'Your own "
+                               "model')", items="folder", empty=True)
+    trust: list = _key([], "installed packages (top-level names, e.g. [transformers]) a module:function model may "
+                       "come from; never mfu_lab or the standard library", items="package", empty=True)
     n_layers: int = _key(4, "transformer blocks (reference model)", min=1)
     n_heads: int = _key(4, "attention heads; must divide d_model", min=1)
     d_model: int = _key(256, "hidden size", min=1)
@@ -286,11 +291,12 @@ KEY_GROUPS = {"job_name": "job", "thorough": "the workbook's own cost", "model":
               "precision_rungs": "FP8 (step 5)", "cluster": "placement (step 6)", "verify_rounds": "verify (step 7)"}
 
 
-def validate(values: dict[str, Any], source: str) -> Job:
+def validate(values: dict[str, Any], source: str, folder: Path | None = None) -> Job:
     """Check ``values`` (key -> value) against :class:`Job`; return the Job or raise JobError.
 
     Missing keys take their defaults. Unknown keys, wrong types and impossible
-    values are all reported together.
+    values are all reported together. ``folder``: the job file's folder, where a factory's module may lie and
+    relative ``factory_paths`` start (None: the current folder; :mod:`mfu_lab.core.factories`). Imports nothing.
     """
     problems: list[JobProblem] = []
     clean: dict[str, Any] = {}
@@ -306,7 +312,7 @@ def validate(values: dict[str, Any], source: str) -> Job:
             clean[key] = value
     bad = {p.key for p in problems}
     job = Job(**clean)  # the clean keys over the defaults: cross-key checks of keys that are fine on their own
-    problems += cross_key_problems(job, bad)
+    problems += cross_key_problems(job, bad) + factory_key_problems(job, bad, folder)
     if problems:
         raise JobError(source, problems)
     return job
@@ -317,7 +323,9 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None, anchor: 
 
     Relative paths the file gives (``cluster``, ``monitor_dir``) are looked for in the file's folder first, and a
     file in a checkout takes ``out_dir`` from that checkout (:mod:`mfu_lab.core.paths`): where that puts them
-    elsewhere than the same text would point without the file, the job holds them as absolute paths.
+    elsewhere than the same text would point without the file, the job holds them as absolute paths. A factory's
+    module is looked for beside the file and in ``factory_paths`` taken from the file's folder; the job holds those
+    folders as absolute paths, the file's own first when the factory lies there (:mod:`mfu_lab.core.factories`).
     ``anchor=False`` reads the file as the embedded default job (relative paths from the workbook root)."""
     path = Path(path)
     if not path.is_file():
@@ -336,7 +344,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None, anchor: 
     written = {k for k in data if isinstance(k, str)} - set(overrides or {})
     data.update(overrides or {})
     try:
-        job = validate(data, str(path))
+        job = validate(data, str(path), job_file_folder(path) if anchor else None)
     except JobError as e:  # a mistake in -p KEY=VALUE is the command line's, not the file's
         given = {k for k in overrides or {}}
         mine = [p for p in e.problems if p.key in given]
@@ -347,6 +355,9 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None, anchor: 
         raise
     # relative paths taken from the job file's folder are made absolute: a notebook's kernel gets them as values
     anchored = anchored_paths(job.to_dict(), path, written) if anchor else {}
+    factory_paths = anchored_factory_paths(job.model, job_file_folder(path), job.factory_paths) if anchor else None
+    if factory_paths is not None:  # a factory beside the job file, relative factory_paths: from the file's folder
+        anchored["factory_paths"] = factory_paths
     return dataclasses.replace(job, **anchored) if anchored else job
 
 

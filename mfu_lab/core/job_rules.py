@@ -15,11 +15,9 @@ import math
 import re
 import sys
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any
 
 from mfu_lab.core.errors import JobProblem, short_repr
-from mfu_lab.core.paths import find_workbook_root
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -160,6 +158,13 @@ def items_problem(kind: str, items: list, keys: Collection[str]) -> str | None:
                 return f"item {v!r}: not a job key; {RENAMED_KEYS[v].removeprefix('unknown key; ')}"
             near = difflib.get_close_matches(str(v), keys, n=1)
             return f"item {v!r}: not a job key" + (f" (did you mean '{near[0]}'?)" if near else "")
+        if kind == "folder" and (not isinstance(v, str) or not v.strip() or "\x00" in v):
+            return f"item {v!r}: every item must be a folder path (text, not empty)"
+        if kind == "package" and (not isinstance(v, str) or not v.isidentifier() or keyword.iskeyword(v)):
+            return f"item {v!r}: every item must be a top-level package name, e.g. transformers (no dots)"
+        if kind == "package" and (v == "mfu_lab" or v == "builtins" or v in sys.stdlib_module_names):
+            return (f"item {v!r}: mfu_lab's own code and Python's standard library are never trusted: a job file "
+                    "that names code runs that code; name installed packages that hold model factories")
         if kind == "bool" and not isinstance(v, bool):
             return f"item {v!r}: every item must be true or false"
     if len(set(map(repr, items))) != len(items):
@@ -198,24 +203,7 @@ def rule_problem(name: str, meta: dict, value: Any) -> str | None:
         return "must be a folder path (not empty, no NUL character)"
     if meta.get("pattern") == "model" and not MODEL_RE.fullmatch(value):
         return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
-    if meta.get("pattern") == "model" and value != "gpt" and (top := stdlib_factory(value)):
-        return (f"names a function of Python's standard library ({top}): it cannot return a model, and a "
-                "job file that names code runs that code; name your own model factory")
     return None
-
-
-def stdlib_factory(spec: str) -> str | None:
-    """The top-level module of a ``module:function`` model spec when it is Python's standard library (or
-    builtins), which cannot return a model; None otherwise. A module of the user's own that shares a standard
-    library name (``code/``, ``trace.py`` in the current folder or the workbook root) is the user's."""
-    top = spec.split(":")[0].split(".")[0]
-    if top == "builtins":
-        return top
-    if top not in sys.stdlib_module_names:
-        return None
-    roots = (Path.cwd(), find_workbook_root())
-    local = any((d / f"{top}.py").is_file() or (d / top / "__init__.py").is_file() for d in roots)
-    return None if local else top
 
 
 def cross_key_problems(job: Any, bad: set[str]) -> list[JobProblem]:

@@ -78,7 +78,7 @@ def model_shape(job: Job) -> ModelShape:
         return ModelShape({"n_heads": job.n_heads}, job.n_layers, f"n_layers: {job.n_layers}")
     try:
         with torch.device("meta"):  # shapes only: a 7B float32 model is 28 GB, more than this machine's RAM
-            model = load_user_model(job.model, job.model_kwargs)
+            model = load_user_model(job.model, job.model_kwargs, job.factory_paths, job.trust)
     except Exception as e:  # the user's factory: any failure is theirs to fix, named with the key
         raise JobError(LAYOUT_SOURCE, [JobProblem("model", job.model, "could not be built on the meta device to read "
                                                   f"its attention heads and blocks: {type(e).__name__}: {e}")]) from e

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import math
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.job import Job, find_workbook_root, stdlib_factory
+from mfu_lab.core.factories import load_factory
+from mfu_lab.core.job import Job
 from mfu_lab.core.measure import IGNORE  # the target id cross_entropy skips: padding
 
 
@@ -145,30 +143,18 @@ class GPT(nn.Module):
 
 
 # ------------------------------------------------------------------ user models
-def load_user_model(spec: str, kwargs: dict) -> nn.Module:
+def load_user_model(spec: str, kwargs: dict, factory_paths: list = (), trust: list = ()) -> nn.Module:
     """Import ``package.module:function`` and call it with ``kwargs``; it must return an nn.Module.
 
-    The workbook root and the current directory are importable, so a model file
-    kept beside the job (e.g. ``my_models.py``) works without packaging.
+    The module must lie beside the job file (the current folder for a job without one), in a folder of
+    ``factory_paths`` or in an installed package named in ``trust``, and never in mfu_lab or the standard library
+    (:mod:`mfu_lab.core.factories`); it is imported from there only. A job loaded from a file holds that file's
+    folder in ``factory_paths`` when its factory lies there.
     """
-    module_name, func_name = spec.split(":")
-    top = stdlib_factory(spec)
-    if top:  # validate refuses it too; a Job built by hand may not have been validated
-        raise StepError(f"job key 'model' = {spec!r}: names a function of Python's standard library ({top}), which "
-                        "cannot return a model; it is not imported")
-    for path in (str(Path.cwd()), str(find_workbook_root())):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise StepError(f"job key 'model' = {spec!r}: cannot import module '{module_name}': {e}") from e
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise StepError(f"job key 'model' = {spec!r}: module '{module_name}' has no function '{func_name}'")
+    func = load_factory(spec, None, list(factory_paths), list(trust))
     model = func(**kwargs)
     if not isinstance(model, nn.Module):
-        raise StepError(f"job key 'model' = {spec!r}: {func_name}() returned {type(model).__name__}, "
+        raise StepError(f"job key 'model' = {spec!r}: {spec.split(':')[1]}() returned {type(model).__name__}, "
                         "expected a torch.nn.Module mapping token ids (batch, seq) to logits")
     return model
 
@@ -189,7 +175,7 @@ def build_model(job: Job) -> nn.Module:
     if job.uses_reference_model:
         return GPT(job.n_layers, job.n_heads, job.d_model, job.vocab_size, job.seq_len,
                    job.attention, job.activation_checkpointing)
-    model = load_user_model(job.model, job.model_kwargs)
+    model = load_user_model(job.model, job.model_kwargs, job.factory_paths, job.trust)
     if not any(p.requires_grad for p in model.parameters()):  # else torch's bare "empty parameter list"
         frozen = " (all of them frozen: requires_grad=False)" if any(True for _ in model.parameters()) else ""
         raise StepError(f"model: {job.model} returned a {type(model).__name__} with no parameters to train{frozen}; "
