@@ -185,7 +185,9 @@ def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny
     stored = json.loads((job.output_root() / "07_verify" / "result.json").read_text())
     assert verify.Result.from_dict(stored).rungs[1].keys == {"attention": "unfused"}
     page = write_index(job.output_root()).read_text()
-    assert 'alt="staircase"' in page and 'alt="ledger before and after"' in page and "Verified: MFU" in page
+    assert 'alt="staircase"' in page and 'alt="ledger before and after"' in page
+    # one peak: step 7's own words; the tuned job on another precision's peak: the speed first (issue 34, item 6)
+    assert "Verified: MFU" in page or ("Verified: tokens/s" in page and "compare the speed, not the MFU" in page)
     assert any("round 2/2: precision" in line for line in lines)
 
 

@@ -24,8 +24,9 @@ from mfu_lab.core.files import RESULT_FILE, DamagedFile, read_json
 from mfu_lab.core.registry import STEPS, StepInfo
 from mfu_lab.core.runstate import step_state
 from mfu_lab.report.format import fmt
+from mfu_lab.report.gains import estimate, rank
 from mfu_lab.report.index import WORKLOAD_KEYS
-from mfu_lab.report.summary import bar_meaning
+from mfu_lab.report.summary import bar_meaning, shared_line
 from mfu_lab.report.templating import render
 
 TEMPLATE = "found.html.j2"
@@ -101,7 +102,19 @@ def _recommendations(key: str, d: dict[str, Any]) -> tuple[list[dict[str, str]],
     seen = {r["message"] for r in recs}
     recs += [a for a in advice if a["severity"] == "act" and a["message"] and a["message"] not in seen]
     look = [a for a in advice if a["severity"] == "look" and a["message"]]
+    recs, look = by_gain(key, d, recs), by_gain(key, d, look)
     return recs[:MAX_RECS], max(0, len(recs) - MAX_RECS), look[:MAX_RECS]
+
+
+def by_gain(key: str, d: dict[str, Any], items: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Items of a step's advice with their estimated gain's text, the largest gain first (as on the index:
+    :func:`mfu_lab.report.gains.rank`); those with no figure to estimate from after, in their own order."""
+    out = []
+    for n, a in enumerate(items):
+        g = estimate(key, d, a)
+        out.append((rank(n, {**a, "gain": g}), {**a, "gain": g.text if g and g.kind != "none" else "",
+                                                   "evidence": g.evidence if g else ""}))
+    return [a for _, a in sorted(out, key=lambda x: x[0])]
 
 
 def job_differences(job: Any, base: Any, env: Any = None, base_env: Any = None) -> list[str]:
@@ -178,38 +191,6 @@ def _context(notebook: Path, info: StepInfo, result: Path | None = None) -> dict
     ctx["nodes"] = str(_get(d, "nodes", "text") or "")  # a multi-node job: whose figures these are
     ctx["layout"] = " ".join(x for x in (shared_line(d), layout_line(d)) if x)  # the first line of the block
     return ctx
-
-
-def _contention_records(x: Any, depth: int = 3) -> list[dict[str, Any]]:
-    """Every ``contention`` record in a result (step 1's ``timings``, step 3's ``unprofiled`` and ``profiled``, ...),
-    a few levels down."""
-    if depth < 0 or not isinstance(x, dict | list):
-        return []
-    items = x.items() if isinstance(x, dict) else enumerate(x[:20])
-    out = []
-    for k, v in items:
-        if k == "contention" and isinstance(v, dict):
-            out.append(v)
-        else:
-            out += _contention_records(v, depth - 1)
-    return out
-
-
-def shared_line(d: dict[str, Any]) -> str:
-    """One sentence when the machine was shared while the step measured (any of its contention records says so),
-    '' otherwise: a shared machine's step times are not the job's, whichever step measured them."""
-    shared = [c for c in _contention_records(d) if c.get("shared")]
-    if not shared:
-        return ""
-    c = max(shared, key=lambda c: c.get("other_cores") or 0)
-    how = [f"other processes kept {c['other_cores']:.2f} of {c.get('usable_cores')} cores busy"] \
-        if isinstance(c.get("other_cores"), int | float) else []
-    if c.get("gpu_processes"):
-        how.append(f"other processes computed on the GPU ({', '.join(map(str, c['gpu_processes'][:4]))})")
-    if isinstance(c.get("load_1min"), int | float):
-        how.append(f"load average {c['load_1min']:.2f}")
-    return ("The machine was shared while this step measured" + (f" ({'; '.join(how)})" if how else "")
-            + ": its times and MFU are a shared machine's; rerun on an idle machine before acting on them.")
 
 
 def layout_line(d: dict[str, Any]) -> str:

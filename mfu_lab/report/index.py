@@ -1,4 +1,5 @@
-"""A job's index page (``<job_root>/index.html``): every step's status and headline figures, the job's story
+"""A job's index page (``<job_root>/index.html``): its first screen (MFU with its peak, the ledger as one bar, the
+first thing to change: :mod:`.first_screen`), every step's status and headline figures, the job's story
 across steps (MFU progression, ledger before and after, changes measured, every recommendation, its runs),
 the environment, then each step's section in detail.
 
@@ -24,6 +25,7 @@ from mfu_lab.core.job import find_workbook_root
 from mfu_lab.core.ledger import Ledger, LedgerItem
 from mfu_lab.core.registry import BY_KEY, STEPS, StepInfo
 from mfu_lab.core.runstate import step_state
+from mfu_lab.report.first_screen import first_screen
 from mfu_lab.report.summary import (
     bar_meanings,
     changes,
@@ -31,6 +33,7 @@ from mfu_lab.report.summary import (
     ledger_before_after,
     mfu_points,
     recommendations,
+    shared_line,
     with_operations,
 )
 from mfu_lab.report.tables_attention_comm import attention_comm_section
@@ -85,7 +88,8 @@ def _step_row(job_root: Path, info: StepInfo, result: dict | None) -> dict[str, 
     return {"number": info.number, "title": info.title, "status": st.status,
             "detail": "; ".join(x for x in (st.detail, stale) if x),
             "css": STATUS_CSS.get(st.status, "failed"), "metrics": (result or {}).get("metrics", {}), "links": links,
-            "nodes": ((result or {}).get("nodes") or {}).get("text", "")}
+            "nodes": ((result or {}).get("nodes") or {}).get("text", ""),
+            "shared": bool(result and shared_line(result))}
 
 
 # The job keys that define the workload measured: two steps measured with different values of these measured
@@ -126,9 +130,14 @@ def changes_table(results: dict[str, dict]) -> Markup:
     return macros(PARTS).changes_table(changes(results))
 
 
-def recommendations_list(results: dict[str, dict]) -> Markup:
-    """Every step's advice in one list, the ones to act on first."""
-    return macros(PARTS).recommendations_list(recommendations(results))
+def recommendations_list(results: dict[str, dict], items: list[tuple[str, dict]] | None = None) -> Markup:
+    """Every step's advice in one list, the largest estimated gain first (:func:`summary.recommendations`)."""
+    return macros(PARTS).recommendations_list(recommendations(results) if items is None else items)
+
+
+def first_screen_html(results: dict[str, dict], items: list[tuple[str, dict]], states: dict[str, str]) -> Markup:
+    """The page's first screen: MFU with its peak, the ledger as one bar, the first thing to change."""
+    return macros(PARTS).first_screen(first_screen(results, items, states))
 
 
 def environment_html(results: dict[str, dict]) -> Markup:
@@ -252,13 +261,17 @@ def write_index(job_root: Path) -> Path:
     mon, link, named = monitor_summary(job_root, results)
     points = mfu_points(results)
     any_result = next(iter(results.values()), None)
+    rows = [_step_row(job_root, info, results.get(info.key)) for info in STEPS]
+    states = {info.key: row["status"] for info, row in zip(STEPS, rows, strict=True)}  # the summary says as the table
+    recs = recommendations(results)
     page = render(
         "job_index.html.j2", name=job_root.name, env=any_result["environment"] if any_result else {},
-        summary=headline(results) + job_differences(results), staircase_uri=_staircase_uri(results),
+        top=first_screen_html(results, recs, states),
+        summary=headline(results, states) + job_differences(results), staircase_uri=_staircase_uri(results),
         progression_uri=plots.to_data_uri(plots.mfu_progression(points, bar_meanings(results))) if points else None,
-        rows=[_step_row(job_root, info, results.get(info.key)) for info in STEPS],
+        rows=rows,
         ledgers=_ledgers(results, mon), monitor=_monitor_html(mon, link, named), changes=changes_table(results),
-        recommendations=recommendations_list(results),
+        recommendations=recommendations_list(results, recs),
         history=history_html(job_root), environment=environment_html(results),
         sections=[_section(k, results[k]) for k in SECTIONS if k in results])
     return write_atomic(job_root / "index.html", page)

@@ -11,8 +11,7 @@ from typing import Any
 
 from mfu_lab.core.ledger import upgrade
 from mfu_lab.core.registry import BY_KEY, STEPS
-
-SEVERITY_ORDER = {"act": 0, "look": 1, "info": 2}
+from mfu_lab.report.gains import comm_gain, ordered
 
 
 @dataclass
@@ -26,11 +25,6 @@ class Change:
     source: str  # the gain's label: measured | emulated | modelled
     status: str  # adopt | in the job | keep as is | not measured
     how: str  # how the gain was obtained / how to adopt it (job-file fragment)
-
-
-def _comm_row(rows: list[dict], hook: str, bucket: float, view: bool) -> dict | None:
-    return next((r for r in rows if r.get("status") == "ok" and r.get("hook") == hook
-                 and r.get("bucket_mb") == bucket and bool(r.get("grad_as_bucket_view")) == view), None)
 
 
 def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
@@ -52,12 +46,7 @@ def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
                               rec["attention_text"]))
         comm = rec.get("comm")
         if comm:
-            rows = d.get("comm", [])
-            chosen = _comm_row(rows, comm.get("hook"), comm.get("bucket_cap_mb"),
-                               comm.get("gradient_as_bucket_view", False))
-            default = _comm_row(rows, "none", 25, False)
-            gain = (default["step_median_s"] / chosen["step_median_s"] if chosen and default
-                    and chosen.get("step_median_s") else None)
+            gain = comm_gain(d)
             is_default = (comm.get("hook"), comm.get("bucket_cap_mb"), bool(comm.get("gradient_as_bucket_view"))) \
                 == ("none", 25, False)
             out.append(Change(folder, f"DDP: hook {comm.get('hook')}, bucket_cap_mb {comm.get('bucket_cap_mb')}, "
@@ -106,10 +95,10 @@ def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
     return out
 
 
-def recommendations(results: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, str]]]:
-    """Every step's advice as (step folder, advice), the ones to act on first, then in workbook order."""
-    items = [(info.folder, a) for info in STEPS for a in results.get(info.key, {}).get("advice", [])]
-    return sorted(items, key=lambda x: SEVERITY_ORDER.get(x[1].get("severity"), 3))
+def recommendations(results: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Every step's advice as (step folder, advice with its estimated ``gain``), the largest estimated gain first
+    (:func:`mfu_lab.report.gains.ordered`)."""
+    return ordered(results)
 
 
 # What each step's MFU bar measures (the summary chart's x labels and legend).
@@ -170,23 +159,64 @@ def bar_meanings(results: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
-def headline(results: dict[str, dict[str, Any]]) -> list[str]:
-    """A few plain sentences: what was done and where MFU stands (each figure as stored, with its label)."""
-    if not results:
+def verified_text(v: dict[str, Any]) -> str:
+    """Step 7's headline as the index shows it. When the tuned job's MFU stands on another precision's peak than
+    the original's, the speed comes first and each MFU names its peak, so a faster job does not read as a
+    regression ("tokens/s 2.12x ...; MFU against bfloat16's peak 18.8%, the original's against float32's 59.1%")."""
+    h = v.get("headline") or {}
+    rungs = [r for r in v.get("rungs") or [] if isinstance(r, dict)]
+    before = rungs[0] if rungs else {}
+    after = next((r for r in rungs[1:] if r.get("mfu") is not None and r.get("mfu") == h.get("mfu_after")), None)
+    sp = h.get("speedup")
+    if not (after and sp and before.get("peak_flops_per_s") and after.get("peak_flops_per_s")
+            and before["peak_flops_per_s"] != after["peak_flops_per_s"] and before.get("mfu") is not None):
+        return str(h.get("text") or "")
+    a, b = (r.get("peak_precision") or r.get("dtype") or "its own" for r in (before, after))
+    ci = (f" [{h['speedup_low']:.2f}, {h['speedup_high']:.2f}]" if h.get("speedup_low") is not None
+          and h.get("speedup_high") is not None else "")
+    speed = (f"tokens/s {after['tokens_per_s'] / before['tokens_per_s']:.2f}x (speedup {sp:.2f}x{ci}, measured side "
+             "by side)" if before.get("tokens_per_s") and after.get("tokens_per_s")
+             else f"speedup {sp:.2f}x{ci} (measured side by side)")
+    return (f"{speed}; MFU {after['mfu']:.1%} against {b}'s peak, the original's {before['mfu']:.1%} against {a}'s: "
+            f"{b}'s peak is {after['peak_flops_per_s'] / before['peak_flops_per_s']:.2g}x {a}'s here, so compare the "
+            "speed, not the MFU")
+
+
+def _states_line(states: dict[str, str]) -> list[str]:
+    """The steps the steps table shows as running or unfinished, said the same way here."""
+    out = []
+    for status, say in (("running", "Running now"), ("interrupted", "Interrupted"), ("failed", "Failed"),
+                        ("timeout", "Timed out"), ("damaged", "Result unreadable")):
+        folders = [i.folder for i in STEPS if states.get(i.key) == status]
+        if folders:
+            out.append(f"{say}: {', '.join(folders)} (see the steps table; a result from an earlier run, where "
+                       "there is one, is still shown).")
+    return out
+
+
+def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None = None) -> list[str]:
+    """A few plain sentences: what was done and where MFU stands (each figure as stored, with its label).
+    ``states``: each step's status as the steps table shows it (:func:`mfu_lab.core.runstate.step_state`), so a
+    step that is running or did not finish is not called "not run yet"."""
+    states = states or {}
+    if not results and not any(v != "not run" for v in states.values()):
         return ["No step has run yet: run `mfu-lab run` or open notebooks/01_baseline.ipynb."]
     ran = [info for info in STEPS if info.key in results]
     lines = [f"{len(ran)} of {len(STEPS)} steps have results: " + ", ".join(i.folder for i in ran) + "."]
     verified = (results.get("verify") or {}).get("headline") or {}
     if verified.get("text"):
         carried = ", ".join(verified.get("carried") or []) or "none beyond the noise"
-        lines.insert(0, f"Verified: {verified['text']}. Changes that carried the gain: {carried} (step 7).")
+        lines.insert(0, f"Verified: {verified_text(results['verify'])}. Changes that carried the gain: {carried} "
+                        "(step 7).")
     pts = mfu_points(results)
     base = results.get("baseline", {}).get("metrics", {}).get("mfu")
     if base and base.get("value") is not None:
         lay = ((results.get("baseline") or {}).get("layout") or {})
         where = (f" in its layout {lay['layout']['name']} on {lay.get('world')} ranks"
                  if (lay.get("layout") or {}).get("name") else "")
-        lines.append(f"The job as it came measured {base['value']:.1%} MFU{where} (step 1, {base['source']}).")
+        shared = ", on a shared machine: see the steps table" if shared_how(results.get("baseline") or {}) is not None \
+            else ""
+        lines.append(f"The job as it came measured {base['value']:.1%} MFU{where} (step 1, {base['source']}{shared}).")
     later = [p for p in pts if p[0] != BY_KEY["baseline"].folder]
     if later:
         text = "Later steps measured MFU " + ", ".join(
@@ -208,7 +238,8 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     if to_adopt:
         lines.append(f"{len(to_adopt)} change(s) to adopt: "
                      + "; ".join(f"{c.change} [{c.source}]" for c in to_adopt) + ".")
-    missing = [i.folder for i in STEPS if i.key not in results]
+    lines += _states_line(states)
+    missing = [i.folder for i in STEPS if i.key not in results and states.get(i.key, "not run") == "not run"]
     if missing:
         lines.append("Not run yet: " + ", ".join(missing) + ".")
     return lines
@@ -243,3 +274,44 @@ def with_operations(ledger: dict[str, Any], ops: float, note: str) -> dict[str, 
             it["explanation"] += f" (x (1 - {ops:.1%}): the production operations loss)"
         items.append(it)
     return {**ledger, "items": items}
+
+
+def _contention_records(x: Any, depth: int = 3) -> list[dict[str, Any]]:
+    """Every ``contention`` record in a result (step 1's ``timings``, step 3's ``unprofiled`` and ``profiled``, ...),
+    a few levels down."""
+    if depth < 0 or not isinstance(x, dict | list):
+        return []
+    items = x.items() if isinstance(x, dict) else enumerate(x[:20])
+    out = []
+    for k, v in items:
+        if k == "contention" and isinstance(v, dict):
+            out.append(v)
+        else:
+            out += _contention_records(v, depth - 1)
+    return out
+
+
+def shared_how(d: dict[str, Any]) -> list[str] | None:
+    """How the machine was shared while a step measured (from the busiest of its contention records), [] when a
+    record says shared without saying how, None when none says shared."""
+    shared = [c for c in _contention_records(d) if c.get("shared")]
+    if not shared:
+        return None
+    c = max(shared, key=lambda c: c.get("other_cores") or 0)
+    how = [f"other processes kept {c['other_cores']:.2f} of {c.get('usable_cores')} cores busy"] \
+        if isinstance(c.get("other_cores"), int | float) else []
+    if c.get("gpu_processes"):
+        how.append(f"other processes computed on the GPU ({', '.join(map(str, c['gpu_processes'][:4]))})")
+    if isinstance(c.get("load_1min"), int | float):
+        how.append(f"load average {c['load_1min']:.2f}")
+    return how
+
+
+def shared_line(d: dict[str, Any]) -> str:
+    """One sentence when the machine was shared while the step measured (any of its contention records says so),
+    '' otherwise: a shared machine's step times are not the job's, whichever step measured them."""
+    how = shared_how(d)
+    if how is None:
+        return ""
+    return ("The machine was shared while this step measured" + (f" ({'; '.join(how)})" if how else "")
+            + ": its times and MFU are a shared machine's; rerun on an idle machine before acting on them.")
