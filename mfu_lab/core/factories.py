@@ -96,10 +96,14 @@ def _walk(module: str, bases: list[str]) -> tuple[Any, str] | None:
     return None
 
 
+def _skipped(folder: Path | str | None) -> set[Path]:
+    return {Path.cwd().resolve(), find_workbook_root(), job_folder(folder)}
+
+
 def _installed_bases(folder: Path | str | None) -> list[str]:
     """``sys.path`` without the current folder, the workbook root and the job's own folder: where installed
     packages are."""
-    skip = {Path.cwd().resolve(), find_workbook_root(), job_folder(folder)}
+    skip = _skipped(folder)
     out = []
     for p in sys.path:
         if not p:
@@ -121,6 +125,9 @@ def _find_installed(module: str, folder: Path | str | None) -> tuple[Any, str] |
     if found is not None:
         return found
     top = _meta_path_spec(module.split(".")[0])
+    if top is not None and not any(p in _INSTALLED for p in Path(top.origin).parts) and any(
+            _under(Path(top.origin).resolve(), Path(b)) for b in _skipped(folder)):
+        top = None  # a finder (pytest's) that looks in the current folder too: not an installed package
     spec = _descend(top, module.split(".")) if top is not None else None
     return (spec, str(Path(top.origin).parent.parent if top.submodule_search_locations else Path(top.origin).parent)) \
         if spec is not None else None
