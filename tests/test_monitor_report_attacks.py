@@ -14,6 +14,8 @@ import pytest
 
 from mfu_lab.analysis.monitor_summary import summarise
 from mfu_lab.cli import main
+from mfu_lab.core.errors import JobError
+from mfu_lab.steps import monitor
 
 T0 = 1_790_000_000.0  # a unix time in 2026
 LAUNCH = "torchrun:job:m:1#0"
@@ -199,6 +201,9 @@ def test_two_runs_with_run_ids_and_the_run_option(tmp_path, monkeypatch, capsys)
     assert a.read["run"] == "jobA" and [x["rank"] for x in a.stragglers] == [1]
     with pytest.raises(ValueError, match="jobC"):
         summarise(folder, run="jobC")
+    with pytest.raises(JobError, match="jobA"):  # the step names the runs there are
+        monitor.run(folder, write=False, progress=lambda line: None, run="jobC")
+    assert monitor.run(folder, write=False, progress=lambda line: None, run="jobA").read["run"] == "jobA"
 
 
 def test_rank_clocks_half_an_hour_apart_are_corrected(tmp_path, monkeypatch, capsys):
