@@ -21,6 +21,7 @@ from mfu_lab.monitor import Monitor
 
 L, H, D, T, V, B = 2, 4, 64, 32, 256, 4  # a nanoGPT-shaped GPT small enough for a slow CPU
 SLEEP_S = 0.03  # the injected data wait per batch
+SAVE_S = 0.1  # the injected time of a checkpoint save
 PEAK = 1e11  # given, so no peak is measured in these tests
 
 
@@ -206,10 +207,17 @@ def test_lightning_with_validation_every_few_steps(tmp_path):
     train = torch.utils.data.DataLoader(Tokens((steps + 2) * B), batch_size=B, collate_fn=slow_pairs)
     val = torch.utils.data.DataLoader(Tokens(2 * B), batch_size=B, collate_fn=slow_pairs)
     module = _lightning_module()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         max_steps=steps, val_check_interval=3, num_sanity_val_steps=1,
-                         callbacks=[MonitorCallback(tmp_path / "mon", every=3, profile_every_s=None, peak_flops=PEAK)])
+
+    class SlowSave(pl.Callback):  # a checkpoint that takes SAVE_S to write, saved after steps 4 and 8
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            time.sleep(SAVE_S)
+
+    saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, max_steps=steps,
+                         val_check_interval=3, num_sanity_val_steps=1,
+                         callbacks=[MonitorCallback(tmp_path / "mon", every=3, profile_every_s=None, peak_flops=PEAK),
+                                    SlowSave(), saves])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, train, val)
@@ -221,8 +229,9 @@ def test_lightning_with_validation_every_few_steps(tmp_path):
     assert sum(r["steps"] for r in ivs) == steps - 1
     for r in ivs:
         assert r["data_timed"] and r["data_s"] >= SLEEP_S * r["steps"], r
-    # validation ran after steps 3, 6, 9: two validations of two slow batches each in timed steps at least
-    assert sum(r["other_s"] for r in ivs) >= 2 * 2 * SLEEP_S
+    # validation after steps 3, 6 and 9 (two slow batches each) and checkpoints after 4 and 8, in timed steps
+    assert sum(r["other_s"] for r in ivs) >= 3 * 2 * SLEEP_S + 2 * SAVE_S
+    assert trainer.save_checkpoint.__func__ is pl.Trainer.save_checkpoint  # the trainer's own, given back
     assert of(recs, "start")[0]["framework"] == "PyTorch Lightning"
 
 
