@@ -151,7 +151,7 @@ def cmd_validate(args) -> int:
         module, func = job.model.split(":")
         heads = (" Its heads and blocks, which tp and pp must divide, are read from it on the meta device "
                  "(mfu_lab.core.layout_check) before a layout runs." if job.tp > 1 or job.pp > 1 else "")
-        found = factories.locate(job.model, None, job.factory_paths, job.trust)[0]
+        found = factories.locate(job.model, Path(args.job).resolve().parent, job.factory_paths, job.trust)[0]
         where = f"{found.origin}, {found.how}" if found else "where the rule allows"
         print(f"note: this job names code. Every step will import the module '{module}' ({where}; README, 'Your "
               f"own model') and call {func}(**model_kwargs): a job file that "
