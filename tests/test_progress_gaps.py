@@ -158,3 +158,32 @@ def test_step_1_under_a_budget_times_fewer_steps_and_says_what_it_cut(tiny_job, 
     assert ("past the share" in cut["timed steps"]) == over and ("warm-up steps" in cut) == (warm < 3)
     assert r.budget["planned_s"] == pytest.approx(budget.plan(minutes)["baseline"]) and r.budget["shortened"]
     assert any(ln.startswith(f"budget: timing {timed} of the job's 20 steps") for ln in lines)
+
+
+def test_a_launch_that_says_nothing_is_said_to_be_alive_once_per_gap(tmp_path, monkeypatch):
+    from mfu_lab.workers import launch
+
+    clock = FakeClock()
+    monkeypatch.setattr(launch.time, "monotonic", clock)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: setattr(clock, "t", clock.t + s))
+
+    class Proc:  # runs for 50 s of the fake clock and writes no event
+        def poll(self):
+            return None if clock.t < 1050.0 else 0
+
+    got: list[dict] = []
+    hung, seen, _ = launch.watch(Proc(), tmp_path / "progress.jsonl", got.append, timeout_s=600)
+    assert not hung and seen == 0
+    assert [e["event"] for e in got] == ["quiet"] * 3 and all(e["quiet_s"] >= GAP_S for e in got)
+
+
+def test_alternated_turns_are_counted_with_the_time_left():
+    from mfu_lab.workers import launch
+
+    lines: list[str] = []
+    on = launch.turn_lines(lines.append, "DDP turns", 4)
+    cfg = {"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}
+    on({"event": "start", "config": cfg})
+    on({"event": "step", "done": 1, "total": 3})  # within the gap: no line
+    on({"event": "done", "config": cfg})
+    assert len(lines) == 1 and "DDP turns [1/4]" in lines[0] and "left" in lines[0]
