@@ -194,6 +194,29 @@ def _states_line(states: dict[str, str]) -> list[str]:
     return out
 
 
+def peaks_note(results: dict[str, dict[str, Any]]) -> str:
+    """One sentence under the MFU chart when its bars stand on different precisions' peaks: for each bar on
+    another peak than step 1's, its MFU against that peak and its tokens/s against step 1's, so a lower bar on a
+    higher peak does not read as a slower job. '' when every bar is against the same peak."""
+    pts = [(f, v, next(i.key for i in STEPS if f.startswith(i.folder))) for f, v, _ in mfu_points(results)]
+    peaks = [_peak_dtype(results[key], v) for _, v, key in pts]
+    if len(set(peaks)) < 2:
+        return ""
+    ref = peaks[0]
+    base_tps = ((results.get("baseline") or {}).get("metrics", {}).get("tokens_per_s") or {}).get("value")
+    parts = []
+    for (folder, v, key), peak in zip(pts, peaks, strict=True):
+        if peak == ref or folder.endswith("/DDP"):
+            continue
+        tps = ((results[key].get("metrics") or {}).get("tokens_per_s") or {}).get("value")
+        speed = f", tokens/s {tps / base_tps:.2f}x step 1's" if tps and base_tps else ""
+        parts.append(f"step {folder[:2].lstrip('0')}: MFU {v:.1%} against {peak}'s peak{speed}")
+    if not parts:
+        return ""
+    return (f"The bars stand on different peaks (the first on {ref}'s), so a lower bar is not a slower job: "
+            + "; ".join(parts) + ".")
+
+
 def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None = None) -> list[str]:
     """A few plain sentences: what was done and where MFU stands (each figure as stored, with its label).
     ``states``: each step's status as the steps table shows it (:func:`mfu_lab.core.runstate.step_state`), so a
@@ -219,8 +242,12 @@ def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None =
         lines.append(f"The job as it came measured {base['value']:.1%} MFU{where} (step 1, {base['source']}{shared}).")
     later = [p for p in pts if p[0] != BY_KEY["baseline"].folder]
     if later:
+        peak = {f: _peak_dtype(results[next(i.key for i in STEPS if f.startswith(i.folder))], v) for f, v, _ in pts}
+        ref = peak[pts[0][0]]
+        other = {f: f", against {p}'s peak, not {ref}'s" if p != ref else "" for f, p in peak.items()}
         text = "Later steps measured MFU " + ", ".join(
-            f"{v:.1%} ({folder[:2]}{', data-parallel' if folder.endswith('/DDP') else ''})" for folder, v, _ in later)
+            f"{v:.1%} ({folder[:2]}{', data-parallel' if folder.endswith('/DDP') else ''}{other[folder]})"
+            for folder, v, _ in later)
         m = results.get("baseline", {}).get("metrics", {})
         med, p10, p90 = (m.get(k, {}).get("value") for k in ("step_time_median_s", "step_time_p10_s",
                                                               "step_time_p90_s"))
