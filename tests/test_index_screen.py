@@ -227,3 +227,18 @@ def test_the_first_screen_at_1280_by_800_holds_the_mfu_the_ledger_bar_and_the_fi
     listed = [" ".join(t.split()) for t in order]
     for text, (_, a) in zip(listed, items, strict=True):
         assert " ".join(a["message"].split())[:50] in text
+
+
+def test_a_steps_report_on_another_peak_says_so_instead_of_an_mfu_ratio(tmp_path):
+    from mfu_lab.report.found import found_html
+
+    results = on_other_peaks(stored())
+    root = job_folder(tmp_path / "job", {k: results[k] for k in ("baseline", "verify")})
+    nb = root / "07_verify" / "07_verify.ipynb"
+    nb.write_text("{}")
+    os.utime(root / "07_verify" / "result.json", (1, 1))  # the result before its notebook, as a run leaves them
+    html = str(found_html(nb))
+    assert "The two MFUs stand on different peaks (bfloat16&#x27;s here, float32&#x27;s in step 1)" in html
+    base = results["baseline"]["metrics"]["tokens_per_s"]["value"]
+    assert f"tokens/s here are {3960 * 2.12 / base:.2f}x step 1" in html
+    assert "x step 1&#x27;s)." not in html  # no MFU ratio between two peaks

@@ -26,7 +26,7 @@ from mfu_lab.core.runstate import step_state
 from mfu_lab.report.format import fmt
 from mfu_lab.report.gains import estimate, rank
 from mfu_lab.report.index import WORKLOAD_KEYS
-from mfu_lab.report.summary import bar_meaning, shared_line
+from mfu_lab.report.summary import bar_meaning, peak_dtype, shared_line
 from mfu_lab.report.templating import render
 
 TEMPLATE = "found.html.j2"
@@ -146,7 +146,15 @@ def _since_step1(info: StepInfo, d: dict[str, Any], folder: Path) -> dict[str, A
                                                       base.get("environment"))}
     if now and then and isinstance(now["value"], int | float) and isinstance(then["value"], int | float) \
             and then["value"] > 0:
-        out["ratio"] = fmt(now["value"] / then["value"], "x")
+        here, there = peak_dtype(d, now["value"]), peak_dtype(base, then["value"])
+        tps, base_tps = (_get(x, "metrics", "tokens_per_s", "value") for x in (d, base))
+        if here and there and here != there:  # another precision's peak: the MFU ratio is no speed ratio
+            speed = (f": tokens/s here are {fmt(tps / base_tps, 'x')} step 1's"
+                     if all(isinstance(x, int | float) for x in (tps, base_tps)) and base_tps > 0 else "")
+            out["peaks"] = (f"The two MFUs stand on different peaks ({here}'s here, {there}'s in step 1), so a lower "
+                            f"MFU is not a slower job{speed}.")
+        else:
+            out["ratio"] = fmt(now["value"] / then["value"], "x")
     if not now:
         out["text"] = ("This step has no MFU value of its own to set against step 1's"
                        + (f" {then['text']} ({then['source']})." if then else "."))

@@ -136,7 +136,7 @@ def mfu_points(results: dict[str, dict[str, Any]]) -> list[tuple[str, float, str
     return out
 
 
-def _peak_dtype(result: dict[str, Any], mfu: float) -> str:
+def peak_dtype(result: dict[str, Any], mfu: float) -> str:
     """The precision whose peak an MFU is against: the job's, or for step 7 the rung that gave it."""
     rung = next((r for r in result.get("rungs") or [] if r.get("mfu") == mfu and r.get("dtype")), None)
     return rung["dtype"] if rung else (result.get("job") or {}).get("dtype", "")
@@ -148,7 +148,7 @@ def bar_meanings(results: dict[str, dict[str, Any]]) -> list[str]:
     out, peaks = [], []
     for folder, value, source in mfu_points(results):
         key = next(i.key for i in STEPS if folder.startswith(i.folder))
-        peaks.append(_peak_dtype(results[key], value))
+        peaks.append(peak_dtype(results[key], value))
         if folder.endswith("/DDP"):
             world = (results[key].get("comm_layout") or {}).get("world_size")
             out.append(f"data-parallel, {world} ranks, recommended DDP configuration ({source})")
@@ -199,7 +199,7 @@ def peaks_note(results: dict[str, dict[str, Any]]) -> str:
     another peak than step 1's, its MFU against that peak and its tokens/s against step 1's, so a lower bar on a
     higher peak does not read as a slower job. '' when every bar is against the same peak."""
     pts = [(f, v, next(i.key for i in STEPS if f.startswith(i.folder))) for f, v, _ in mfu_points(results)]
-    peaks = [_peak_dtype(results[key], v) for _, v, key in pts]
+    peaks = [peak_dtype(results[key], v) for _, v, key in pts]
     if len(set(peaks)) < 2:
         return ""
     ref = peaks[0]
@@ -242,7 +242,7 @@ def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None =
         lines.append(f"The job as it came measured {base['value']:.1%} MFU{where} (step 1, {base['source']}{shared}).")
     later = [p for p in pts if p[0] != BY_KEY["baseline"].folder]
     if later:
-        peak = {f: _peak_dtype(results[next(i.key for i in STEPS if f.startswith(i.folder))], v) for f, v, _ in pts}
+        peak = {f: peak_dtype(results[next(i.key for i in STEPS if f.startswith(i.folder))], v) for f, v, _ in pts}
         ref = peak[pts[0][0]]
         other = {f: f", against {p}'s peak, not {ref}'s" if p != ref else "" for f, p in peak.items()}
         text = "Later steps measured MFU " + ", ".join(
