@@ -10,16 +10,17 @@ interrupted / timeout) says why, the previous set kept whole.
 The publication (:class:`Publication`): everything that takes room on the disk is written first, under staged
 names (the result by the step, the report by the export, the run's copy); then the history line is appended (taken
 back when its write fails); then renames put the files in place, each previous one hard-linked aside first; then
-the index is rewritten. When the index cannot be, the publication is undone: the previous files renamed back, the
-history line taken back. Whatever fails, the running mark is cleared and the index rewritten, or removed when even
-that cannot be (a page saying "running" for a process that has ended would be false), and the message says what
-was kept.
+the index is rewritten. When the disk cannot take the index, the publication is undone: the previous files renamed
+back, the history line taken back (a fault in the page's own code leaves the set published, and says so). Whatever
+fails, the running mark is cleared and the index rewritten, or removed when even that cannot be (a page saying
+"running" for a process that has ended would be false), and the message says what was kept.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -297,7 +298,14 @@ def step_bracket(job: Job, info, source: str, run_id: str, notebook: Path | None
         clear_running(folder)
         pub.prepare(notebook)
         pub.commit()
-        write_index(root)
+        try:
+            write_index(root)
+        except OSError:  # the disk cannot hold the set (full, read-only): undone, below
+            raise
+        except Exception as e:  # noqa: BLE001 - a fault of the page's own code: the measured set stands
+            note = rewrite_index(root) or "it was written on a second try"
+            print(f"mfu-lab: warning: {info.folder}'s new result is published, but the index page could not be "
+                  f"written ({type(e).__name__}: {e}); {note}", file=sys.stderr, flush=True)
     except BaseException as exc:  # PapermillExecutionError, CellTimeoutError, KeyboardInterrupt, a full disk...
         _fail(exc, job, info, source, pub, notebook, limit, ran)
     pub.finish()

@@ -222,3 +222,19 @@ def test_a_history_line_whose_write_fails_is_taken_back(tiny_job, monkeypatch):
         append_history(root, '{"run": "b", "step": "baseline"}\n')
     monkeypatch.setattr(history.os, "write", real)
     assert (root / HISTORY_FILE).read_text() == '{"run": "a", "step": "baseline"}\n'
+
+
+def test_a_fault_in_the_index_pages_own_code_leaves_the_measured_set_published(tiny_job, previous, monkeypatch,
+                                                                                 capsys):
+    def broken_page(root):
+        raise ValueError("a template bug")
+
+    monkeypatch.setattr(publish, "write_index", broken_page)
+    one_run(tiny_job, 0.2, "20261201-000100", with_notebook=False)
+    now = the_set(tiny_job)
+    assert json.loads(now["result"])["metrics"]["mfu"]["value"] == 0.2
+    assert [x["run"] for x in load_history(tiny_job.output_root())][-1] == "20261201-000100"
+    no_leftovers(tiny_job)
+    err = capsys.readouterr().err
+    assert "new result is published, but the index page could not be written (ValueError: a template bug)" in err
+    assert not (tiny_job.output_root() / "index.html").exists()  # never left saying "running"
