@@ -195,8 +195,9 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
             beat.beat(ev["done"], ev["total"], f"{done['cfg']}, steps")
         elif kind == "quiet":  # workers.launch.watch: no event from the ranks for a while (start-up, a long step)
             beat.beat(what=f"{done['cfg'] or 'starting the ranks'}, no event from the ranks for {ev['quiet_s']:.0f} s")
-        elif kind == "round" and ev.get("number") == 1 and ev.get("kept"):  # the race's final round: a new count
-            done.update(n=0, total=len(ev["kept"]), eta=say.eta("communication final round", len(ev["kept"])))
+        elif kind == "round" and ev.get("number") == 1 and ev.get("kept"):  # the race's final round counts on
+            done["total"] += len(ev["kept"])
+            done["eta"].total = done["total"]
         if kind in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]

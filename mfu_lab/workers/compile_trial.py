@@ -32,7 +32,7 @@ def main() -> int:
         from mfu_lab.core.device import resolve_device
         from mfu_lab.core.job import validate
         from mfu_lab.core.measure import run_steps
-        from mfu_lab.core.progress import GAP_S, eta_text
+        from mfu_lab.core.progress import GAP_S
         from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 
         job = eager(validate(spec["job"], "step 4 worker spec"))  # the trial compiles, not the job
@@ -52,7 +52,8 @@ def main() -> int:
             if (done <= warm or done == total or done % max(1, total // 4) == 0
                     or elapsed - said[0] >= GAP_S):
                 said[0] = elapsed
-                left = "" if done <= warm else f", {eta_text(done - warm, total - warm, elapsed - warm_s[0])}"
+                left = ("" if done <= warm or done == total else  # the timed steps' mean so far x those left
+                        f", about {(elapsed - warm_s[0]) / (done - warm) * (total - done):.0f} s left")
                 print(f"{spec['label']}: step {done}/{total} ({elapsed:.1f} s{left})", flush=True)
             if done == warm:
                 warm_s[0] = elapsed
