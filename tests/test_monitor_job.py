@@ -398,12 +398,13 @@ def test_run_ids_in_file_names_old_names_and_a_bounded_walk(tmp_path):
     assert record_path(tmp_path, "h", 0, "my-run/1").name == "h-my_run_1-rank0.jsonl"
 
 
-def test_the_profiler_windows_analysis_runs_off_the_loop_and_is_written_at_close(tmp_path):
+def test_the_profiler_windows_analysis_runs_in_a_child_process_and_is_written_by_close(tmp_path):
     model = nn.Linear(32, 32)
     with Monitor(tmp_path, model=model, every=2, profile_every_s=1e-3, profile_steps=2, peak_flops=PEAK) as mon:
         for _ in range(9):
             model(torch.randn(4, 32)).sum().backward()
             mon.step(tokens=4)
     (prof, *_) = of(records(tmp_path), "profile")
-    assert prof["analysed"].startswith("in a background thread") and prof["analysis_s"] > 0
-    assert prof["overhead_s"] == prof["stop_s"] and not prof.get("error"), prof
+    assert prof["analysed"].startswith("in a forked child") and prof["analysis_s"] > 0, prof
+    assert prof["overhead_s"] == prof["stop_s"] + prof["fork_s"] and not prof.get("error"), prof
+    assert prof["steps_in_trace"] == 2 and prof["breakdown"]["computing"] > 0
