@@ -330,3 +330,18 @@ def test_real_fp8_speed_pads_the_inner_dimension():
 
     src = inspect.getsource(fp8._real_speed)
     assert "pad_inner_dim=True" in src and "interleaved(" in src
+
+
+def test_nvml_pids_from_another_pid_namespace_cannot_mark_the_gpu_shared(tmp_path):
+    """Issue 33 item 13: in a container on an older driver NVML returns host pids, so the workbook's own process
+    looked like 'another process on the GPU'. A pid this machine's /proc does not hold is reported as not known,
+    never as a neighbour; a pid /proc holds (not ours) is still another process."""
+    from mfu_lab.core.contention import Contention, sort_gpu_pids
+
+    proc = tmp_path / "proc"
+    for pid in (1, 4242):
+        (proc / str(pid)).mkdir(parents=True)
+    others, foreign = sort_gpu_pids([777001, 4242, 31337], mine={31337}, proc=str(proc))
+    assert others == ["4242"] and foreign == ["777001"]
+    c = Contention(True, "test", gpu_unknown=foreign)
+    assert not c.shared and "cannot be told" in c.text() and "777001" in c.text()

@@ -30,6 +30,7 @@ class Contention:
     load_1min: float | None = None
     gpu_processes: list[str] = field(default_factory=list)  # other compute processes on the GPU (pid: name)
     shared: bool = False
+    gpu_unknown: list[str] = field(default_factory=list)  # pids NVML gave from another PID namespace: cannot tell
 
     def text(self) -> str:
         parts = []
@@ -37,6 +38,10 @@ class Contention:
             parts.append(f"other processes kept {self.other_cores:.2f} of {self.usable_cores} cores busy")
         if self.gpu_processes:
             parts.append(f"other processes computed on the GPU ({', '.join(self.gpu_processes[:4])})")
+        if self.gpu_unknown:
+            parts.append(f"NVML lists {len(self.gpu_unknown)} GPU process(es) by pids this machine does not hold "
+                         f"({', '.join(self.gpu_unknown[:4])}: a container, whose older driver gives host pids), so "
+                         "whether another process used the GPU cannot be told")
         if self.load_1min is not None:
             parts.append(f"load average {self.load_1min:.2f}")
         return "; ".join(parts) or self.reason
@@ -71,7 +76,25 @@ def _own_cpu_s() -> tuple[float, str]:
                                                                         "live child processes count as others)"
 
 
-def _gpu_others(index: int | None) -> list[str]:  # pragma: no cover - GPU only
+def sort_gpu_pids(pids: list[int], mine: set[int], proc: str = "/proc") -> tuple[list[str], list[str]]:
+    """NVML's compute processes on the device, less our own: (others, foreign). A pid NVML lists that this
+    machine's ``/proc`` does not hold is *foreign*: NVML answered in another PID namespace (a container on an older
+    driver returns host PIDs, nvidia-docker issue 1483), so that pid may be our own process as the host numbers it.
+    Such a pid cannot tell whether another process shared the GPU, so it never marks the measurement shared: it is
+    reported as not known. A pid that ``/proc`` holds is matched as it is."""
+    others, foreign = [], []
+    for pid in pids:
+        if pid in mine:
+            continue
+        if os.path.exists(f"{proc}/{pid}"):
+            others.append(str(pid))
+        else:
+            foreign.append(str(pid))
+    return others, foreign
+
+
+def _gpu_others(index: int | None) -> tuple[list[str], list[str]]:  # pragma: no cover - GPU only
+    """(other compute processes on the GPU, pids NVML gave from another PID namespace): see :func:`sort_gpu_pids`."""
     try:
         import pynvml as nv
 
@@ -81,11 +104,11 @@ def _gpu_others(index: int | None) -> list[str]:  # pragma: no cover - GPU only
         try:
             h = nvml_handle(nv, index or 0)
             mine = {os.getpid(), *(c.pid for c in _children())}
-            return [f"{p.pid}" for p in nv.nvmlDeviceGetComputeRunningProcesses(h) if p.pid not in mine]
+            return sort_gpu_pids([p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)], mine)
         finally:
             nv.nvmlShutdown()
     except Exception:
-        return []
+        return [], []
 
 
 def _children():  # pragma: no cover - GPU only
@@ -114,10 +137,11 @@ class ContentionProbe:
         busy1 = _busy_jiffies()
         own1, how = _own_cpu_s()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        gpu = _gpu_others(self.index) if self.device_type == "cuda" else []
+        gpu, unknown = _gpu_others(self.index) if self.device_type == "cuda" else ([], [])
         if self._busy0 is None or busy1 is None or elapsed <= 0:
             self.result = Contention(bool(gpu), "no /proc/stat on this system: CPU contention not measured",
-                                     elapsed, usable_cores=cores, gpu_processes=gpu, shared=bool(gpu))
+                                     elapsed, usable_cores=cores, gpu_processes=gpu, gpu_unknown=unknown,
+                                     shared=bool(gpu))
             return
         tick = os.sysconf("SC_CLK_TCK")
         # each core's counter and our own are read in whole ticks: that much of "other" may be rounding, not work
@@ -130,7 +154,7 @@ class ContentionProbe:
             load = None
         shared = (other_cores >= CONTENTION_CORES and other_cores / cores >= CONTENTION_SHARE) or bool(gpu)
         self.result = Contention(True, f"/proc/stat busy time minus {how}", elapsed, other, other_cores, cores, load,
-                                 gpu, shared)
+                                 gpu, shared, unknown)
 
 
 def busy_now(seconds: float = 0.5, device_type: str = "cpu") -> Contention:
