@@ -345,3 +345,29 @@ def test_nvml_pids_from_another_pid_namespace_cannot_mark_the_gpu_shared(tmp_pat
     assert others == ["4242"] and foreign == ["777001"]
     c = Contention(True, "test", gpu_unknown=foreign)
     assert not c.shared and "cannot be told" in c.text() and "777001" in c.text()
+
+
+def test_timed_ddp_steps_write_no_fsync_and_beat_at_most_once_a_second(tmp_path, monkeypatch):
+    """Issue 33 item 10: local rank 0 fsynced progress.jsonl and every rank rewrote its heartbeat after every timed
+    step, time that falls into the next step's wall (long on NFS or Lustre). The per-step line is now written at
+    most once per BEAT_S of the loop, and at its last step, without fsync; other events stay durable."""
+    import json
+    import os
+
+    from mfu_lab.workers import ddp_rank as dr
+
+    synced = []
+    monkeypatch.setattr(dr.os, "fsync", lambda fd: synced.append(fd))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    (tmp_path / "beats").mkdir()
+    now = [0.0]
+    beat = dr.step_beat(tmp_path, 0, {"config": 3}, {}, every_s=1.0, clock=lambda: now[0])
+    for done in range(1, 31):  # 30 steps of 0.125 s (exact in binary)
+        now[0] += 0.125
+        beat(done, 30, 0.0)
+    steps = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert [e["done"] for e in steps] == [1, 9, 17, 25, 30]  # the first, then once a second, and the last
+    assert synced == []
+    assert json.loads((tmp_path / "beats" / "rank0.json").read_text())["step"] == 30
+    dr.emit(tmp_path, {"event": "done"})
+    assert len(synced) == 1 and os.path.exists(tmp_path / "progress.jsonl")

@@ -49,13 +49,37 @@ def ddp_warmup(job_warmup: int, hook: str) -> int:
     return max(job_warmup, DDP_REBUILD_STEPS, POWERSGD_START_ITER + 1 if hook == "powersgd" else 0)
 
 
-def emit(out: Path, event: dict) -> None:
-    """Append an event to this node's progress file (local rank 0 writes; each node has its own launcher)."""
+BEAT_S = 1.0  # a timed step's progress line and heartbeat at most once a second (the watchdog waits a minute)
+
+
+def emit(out: Path, event: dict, durable: bool = True) -> None:
+    """Append an event to this node's progress file (local rank 0 writes; each node has its own launcher).
+    ``durable=False`` (the per-step lines written between timed steps) skips the fsync: on NFS or Lustre its
+    latency would land in the next step's wall time."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         with open(out / "progress.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
+
+
+def step_beat(out: Path, rank: int, where: dict, fields: dict, every_s: float = BEAT_S, clock=time.monotonic):
+    """``beat(done, total, *_)`` for a timed loop's progress callback: a ``step`` event (not fsynced) and this rank's
+    heartbeat, at most once per ``every_s`` and at the last step. It runs between timed steps, where its time
+    falls into the next step's wall, so it stays rare and cheap; a hang is then placed to within ``every_s`` of
+    steps."""
+    last = [float("-inf")]
+
+    def beat(done: int, total: int, *_: object) -> None:
+        now = clock()
+        if done < total and now - last[0] < every_s:
+            return
+        last[0] = now
+        emit(out, {"event": "step", **fields, "done": done, "total": total}, durable=False)
+        heartbeat(out, rank, where["config"], done)
+
+    return beat
 
 
 def heartbeat(out: Path, rank: int, config: int, step: int) -> None:
@@ -264,9 +288,7 @@ def main() -> None:
 
     where = {"config": -1}
 
-    def beat(done, total, elapsed):  # one line per finished step: the launcher's watchdog sees progress
-        emit(out, {"event": "step", "done": done, "total": total})
-        heartbeat(out, rank, where["config"], done)
+    beat = step_beat(out, rank, where, {})  # the launcher's watchdog sees progress, at most once a second
 
     # tests only, one fault or a list: {"config": index, "rank": r, "kind": "crash" | "hang"}, or {"kind": "slow",
     # "name": config name, "ms": m}: every step of that configuration sleeps m ms first (one the tests know is slower)

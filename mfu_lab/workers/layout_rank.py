@@ -48,7 +48,7 @@ from mfu_lab.core.meta_shape import job_shape
 from mfu_lab.core.parallelize import Parallelized, blocks_of, parallelize, untie_head
 from mfu_lab.core.procs import die_with_parent
 from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
-from mfu_lab.workers.ddp_rank import emit, heartbeat
+from mfu_lab.workers.ddp_rank import emit, heartbeat, step_beat
 
 CHECK_STEPS = 3
 # Relative loss gap a layout may show against its reference. Measured here (tests/test_layouts.py, gloo, torch 2.13):
@@ -306,9 +306,7 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
                 raise RuntimeError(f"injected crash on rank {rank} (test fault)")
             time.sleep(10_000)  # injected hang
 
-    def beat(done: int, total: int) -> None:
-        emit(out, {"event": "step", "index": index, "done": done, "total": total})
-        heartbeat(out, rank, index, done)
+    beat = step_beat(out, rank, {"config": index}, {"index": index})  # at most once a second, not fsynced
 
     mesh = build_mesh(layout, device.type)
     dp_rank = mesh["dp"].get_local_rank()
