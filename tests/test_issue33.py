@@ -371,3 +371,34 @@ def test_timed_ddp_steps_write_no_fsync_and_beat_at_most_once_a_second(tmp_path,
     assert json.loads((tmp_path / "beats" / "rank0.json").read_text())["step"] == 30
     dr.emit(tmp_path, {"event": "done"})
     assert len(synced) == 1 and os.path.exists(tmp_path / "progress.jsonl")
+
+
+def test_every_launcher_has_a_work_folder_of_its_own(tmp_path, monkeypatch, tiny_job):
+    """Issue 33 item 4: on a shared file system the nodes' launchers of steps 3 and 7 shared one work folder, so both
+    local rank 0s appended to one progress.jsonl, each launcher removed it at start, and step 7's DDP check saw the
+    other node's events. Each launcher now works in <base>/<host>-<pid>: two launchers (two processes here, as two
+    nodes would be) sharing one step folder get two folders, and step 3's per-rank profile launches into it."""
+    import subprocess
+    import sys
+
+    from mfu_lab.core.nodes import launcher_folder
+    from mfu_lab.steps import kernels
+
+    base = tmp_path / "03_kernels" / "ddp"
+    code = f"from mfu_lab.core.nodes import launcher_folder; print(launcher_folder({str(base)!r}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    here = launcher_folder(base)
+    assert here.parent == base and str(here) != other and Path(other).parent == base
+    monkeypatch.setattr("platform.node", lambda: "node7")
+    assert launcher_folder(base).name.startswith("node7-")
+
+    seen = {}
+
+    def fake_launch(job, spec, work, attempt, nnodes, nproc, progress=None):
+        seen["work"] = work
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(kernels, "launch", fake_launch)
+    with pytest.raises(RuntimeError, match="stop here"):
+        kernels.profile_ranks(tiny_job, "cpu", tmp_path / "03_kernels", lambda msg: None)
+    assert seen["work"].parent == tmp_path / "03_kernels" / "ddp" and seen["work"].name.startswith("node7-")

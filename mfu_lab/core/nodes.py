@@ -13,6 +13,7 @@ node says so in its file and is taken as node 0.
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import statistics
 import time
@@ -40,6 +41,13 @@ class Node:
 
     def file(self, step_dir: Path) -> Path:
         return Path(step_dir) / NODES_DIR / f"node{self.rank}.json"
+
+
+def launcher_folder(base: Path) -> Path:
+    """``base/<host>-<pid>``: the work folder of this node's launcher. Every node of a multi-node step runs its own
+    launcher, and on a shared file system they must not share a ``progress.jsonl`` (each removes it at start, and
+    each watchdog would read the other's events) nor heartbeats or logs."""
+    return Path(base) / f"{platform.node() or 'node'}-{os.getpid()}"
 
 
 def this_node(nnodes: int, env: dict[str, str] | None = None) -> Node:

@@ -12,8 +12,6 @@ bandwidth benchmark. Every figure is measured here. Writes
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import HardwareFlops, Ledger, ddp_ledger, hardware_flops
 from mfu_lab.core.measure import stats
+from mfu_lab.core.nodes import launcher_folder
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
@@ -211,7 +210,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
 
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     del model  # the ranks share this GPU: the launcher keeps no model on it (launch() empties the allocator's cache)
-    work = job.step_dir(INFO.folder) / "ddp" / f"{platform.node() or 'node'}-{os.getpid()}"  # one per launcher
+    work = launcher_folder(job.step_dir(INFO.folder) / "ddp")  # one per node's launcher
     sweep, race, configs = race_ddp(job, device.type, best_att.name if best_att else None, work, on_event,
                                     grad_bytes, DDP_DEFAULT, clock)
     say(f"communication: {race.text()}")

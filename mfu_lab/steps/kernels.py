@@ -31,6 +31,7 @@ from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
 from mfu_lab.core.ledger import Ledger, hardware_flops, trace_ledger
 from mfu_lab.core.measure import Timings, profile_steps, run_steps, stats
+from mfu_lab.core.nodes import launcher_folder
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment, rebuild
@@ -145,7 +146,7 @@ def profile_ranks(job: Job, device_type: str, out_dir: Path, say) -> dict[str, A
 
     result: dict[str, Any] = {"config": cfg, "config_source": source, "nnodes": nnodes, "nproc_per_node": nproc,
                               "ranks": []}
-    got = launch(job, spec, out_dir / "ddp", 0, nnodes, nproc, on_event)
+    got = launch(job, spec, launcher_folder(out_dir / "ddp"), 0, nnodes, nproc, on_event)  # one per node
     launched = next((e for e in got.events if e["event"] == "launch"), {})
     result |= {"world_size": launched.get("world_size", nnodes * nproc), "backend": launched.get("backend", "")}
     traces = sorted(out_dir.glob("trace_rank*.json.gz"), key=lambda p: int(p.name[10:].split(".")[0]))

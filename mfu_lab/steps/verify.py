@@ -38,6 +38,7 @@ from mfu_lab.core.job import Job, validate
 from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.ledger import HardwareFlops, Ledger, single_process_ledger
 from mfu_lab.core.measure import Timings
+from mfu_lab.core.nodes import launcher_folder
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import Metric, StepResult, environment
@@ -332,7 +333,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     for r, j in zip(rungs, jobs):
         if r.status == "ok":
             r.peak_flops_per_s, r.peak_source, r.peak_precision = peaks[(r.dtype, j.matmul_precision)]
-    work = job.step_dir(INFO.folder) / "work"
+    work = launcher_folder(job.step_dir(INFO.folder) / "work")  # one per node: nodes share no progress file
     timed = sum(r.status == "ok" for r in rungs) > 1  # the original and at least one rung to time against it
     nnodes, nproc = world_layout(job, device.type)
     in_layout = beyond_ddp(job)
