@@ -402,3 +402,55 @@ def test_every_launcher_has_a_work_folder_of_its_own(tmp_path, monkeypatch, tiny
     with pytest.raises(RuntimeError, match="stop here"):
         kernels.profile_ranks(tiny_job, "cpu", tmp_path / "03_kernels", lambda msg: None)
     assert seen["work"].parent == tmp_path / "03_kernels" / "ddp" and seen["work"].name.startswith("node7-")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_launch_on_one_machine_runs_rank_0s_attention_and_waits_out_a_late_node(tmp_path, tiny_job):
+    """Issue 33 item 5, with two launchers on one machine as two nodes (c10d rendezvous over localhost, gloo): each
+    launcher raced attention on its own and passes a different pick; every rank runs rank 0's, and the rank whose
+    launcher chose otherwise says so. The second node reaches torchrun 12 s after the first, longer than
+    comm_timeout_s (8 s): the no-progress clock starts at the ranks' first event, so the early node is not killed
+    while it waits in rendezvous."""
+    import dataclasses
+    import threading
+    import time
+
+    from mfu_lab.workers.launch import config_key, launch, sweep_configs
+
+    job = dataclasses.replace(tiny_job, nnodes=2, nproc_per_node=1, rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                              comm_timeout_s=8.0, comm_steps=2, comm_warmup_steps=1, comm_hooks=["none"],
+                              comm_bucket_mb=[25], comm_grad_as_bucket_view=[False])
+    cfg = sweep_configs(job)[0]
+    got = {}
+
+    def node(k: int, attention: str, delay: float) -> None:
+        time.sleep(delay)
+        spec = {"job": job.to_dict(), "device_type": "cpu", "attention": attention, "configs": [cfg],
+                "allreduce_max_bytes": None, "fault": None, "screen": job.comm_steps}
+        got[k] = launch(job, spec, tmp_path / f"node{k}", 0, 2, 1)
+
+    threads = [threading.Thread(target=node, args=(0, "sdpa math", 0.0)),
+               threading.Thread(target=node, args=(1, "unfused", 12.0))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=600)
+    assert set(got) == {0, 1}
+    launches = {}
+    for k, run in got.items():
+        assert run.returncode == 0, (run.launcher_stderr, run.rank_stderr)
+        ev = next(e for e in run.events if e["event"] == "launch")
+        launches[k] = ev
+        assert any(e["event"] == "done" and config_key(e["config"]) == config_key(cfg) for e in run.events)
+    picked = {ev["attention"] for ev in launches.values()}
+    assert len(picked) == 1  # one kernel for every rank: the pick of the node that holds rank 0
+    chose = {k: a for k, a in ((0, "sdpa math"), (1, "unfused"))}
+    differ = [k for k, ev in launches.items() if "own_attention" in ev]
+    assert len(differ) == 1 and launches[differ[0]]["own_attention"] == chose[differ[0]]

@@ -247,6 +247,16 @@ def pick_to_confirm(full: dict[str, dict | None], confirm: dict, steps_per_turn:
     return {"candidate": pick, "reference": ref, "turns": confirm["turns"], "skipped": skipped}
 
 
+def one_pick(mine, world: int):
+    """Rank 0's value of ``mine`` on every rank (``broadcast_object_list``): what each node's launcher chose on its
+    own (its attention kernel) must be one choice across the launch, or the ranks would train different kernels."""
+    if world < 2:
+        return mine
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def main() -> None:
     die_with_parent()  # torchrun started this rank in a session of its own: it must not outlive torchrun
     ap = argparse.ArgumentParser()
@@ -265,7 +275,11 @@ def main() -> None:
         free, total = torch.cuda.mem_get_info(device)
         emit(out, {"event": "memory", "rank": rank, "free_bytes": free, "total_bytes": total})
     job = eager(validate(spec["job"], "step 2 worker spec"))  # DDP is measured eager
-    emit(out, {"event": "launch", "world_size": world, "backend": backend, "threads": torch.get_num_threads()})
+    # One attention kernel for every rank: each node's launcher raced attention on its own, so rank 0's pick holds
+    own = spec.get("attention")
+    spec["attention"] = one_pick(own, world)
+    emit(out, {"event": "launch", "world_size": world, "backend": backend, "threads": torch.get_num_threads(),
+               "attention": spec["attention"]} | ({"own_attention": own} if own != spec["attention"] else {}))
 
     def fresh_model():
         model = build_model(job).to(device).train()  # same seed on every rank: same initial weights

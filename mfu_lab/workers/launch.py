@@ -118,13 +118,25 @@ def stalled_ranks(beats_dir: Path, now: float | None = None) -> str:
     return text
 
 
+STARTUP_S = 120.0  # the watchdog's allowance before the ranks' first event (torch's import and rendezvous)
+RDZV_JOIN_S = 900.0  # several nodes: how long a node waits in rendezvous for the others (torchrun's join_timeout)
+
+
+def startup_allowance(nnodes: int) -> float:
+    """Seconds the watchdog allows before the ranks' first event: the no-progress clock (``comm_timeout_s``) starts
+    at that event, not at the launch. One node: torch's imports on a busy host. Several: the rendezvous too, which
+    waits for the slowest node (a cold compile, a node still in its NCCL timeout after a crash)."""
+    return RDZV_JOIN_S + STARTUP_S if nnodes > 1 else STARTUP_S
+
+
 def _torchrun_cmd(job: Job, nnodes: int, nproc: int, log_dir: Path, spec: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
            f"--log-dir={log_dir}", "--redirects=3"]
     if nnodes == 1 and not job.rdzv_endpoint:
         cmd.append("--standalone")
     else:
-        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={job.rdzv_endpoint}", f"--rdzv_id=mfu-lab-{job.job_name}"]
+        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={job.rdzv_endpoint}", f"--rdzv_id=mfu-lab-{job.job_name}",
+                f"--rdzv_conf=join_timeout={RDZV_JOIN_S:.0f}"]
     return cmd + ["-m", "mfu_lab.workers.ddp_rank", "--spec", str(spec)]
 
 
@@ -173,7 +185,7 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, nnodes: int, nproc: i
         proc = procs.popen(_torchrun_cmd(job, nnodes, nproc, log_dir, spec_path), stdout=err, stderr=err,
                            env={**env, **procs.launcher_env()}, cwd=os.getcwd(), death_signal=signal.SIGTERM,
                            grace_s=20.0)
-        hung, seen, _ = watch(proc, progress_file, progress, job.comm_timeout_s)
+        hung, seen, _ = watch(proc, progress_file, progress, job.comm_timeout_s, startup_allowance(nnodes))
         if hung:
             procs.kill(proc)  # SIGTERM, 20 s for torchrun to end its ranks, then SIGKILL
     events = _read(progress_file)

@@ -28,12 +28,12 @@ from mfu_lab.workers.launch import (
     _torchrun_cmd,
     error_lines,
     stalled_ranks,
+    startup_allowance,
     watch,
     world_layout,
 )
 
 WORKER = "mfu_lab.workers.layout_rank"
-STARTUP_S = 120.0  # the watchdog's allowance before the ranks' first event (torch's import and rendezvous)
 
 
 @dataclass
@@ -112,7 +112,8 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
                            death_signal=signal.SIGTERM, grace_s=20.0)
         try:
             with procs.interrupt_on_sigterm():
-                hung, seen, allowed = watch(proc, progress_file, progress, job.comm_timeout_s, STARTUP_S)
+                hung, seen, allowed = watch(proc, progress_file, progress, job.comm_timeout_s,
+                                            startup_allowance(nnodes))
         finally:
             procs.kill(proc)  # every way out: a finished torchrun has nothing left; else it and its ranks end
     events = _read(progress_file)
