@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_check_race import step_race_one_rank  # noqa: E402
+from gpu_check_race import confirmation_row, round_rows, step_race_one_rank  # noqa: E402
 from gpu_check_table import (  # noqa: E402
     DEFAULT_STEPS,
     PARTS,
@@ -236,6 +236,9 @@ def step_attention_comm(ctx: Ctx, rows: list[Row]) -> None:
     add(rows, p, "all-reduce CUDA events", lambda: one_gpu(ctx, p, "all-reduce CUDA events") or figure_row(
         p, "all-reduce CUDA events", max(bus, default=None), "busbw {:.1f} GB/s", f"(largest of {len(bus)} sizes)",
         ok=all(finite(x) for x in bus) and all("CUDA events" in x.get("method", "") for x in r.allreduce)))
+    if ctx.world >= 2:  # the race's rounds and its confirmation (one GPU: the forced world-of-1 rows instead)
+        for row in round_rows(p, r.races.get("ddp")):
+            rows.append(row)
     print(f"\nstep 2: world {world} over {backend}; free GPU memory at launch "
           f"{[x.get('free_memory') for x in r.comm_layout.get('launches', [])]}, rank 0 found "
           f"{r.comm_layout.get('free_memory')}; {r.comm_layout.get('skipped', '')}")
@@ -300,6 +303,7 @@ def step_compile(ctx: Ctx, rows: list[Row]) -> None:
         p, figure, ms(t.step_median_s), "{:.2f} ms/step", f"({t.speedup or 0:.2f}x eager, cold compile "
         f"{t.compile_cold_s or 0:.0f} s)") if t.status == "ok" else skip_row(p, figure, t.reason)
         if t.status == "skipped" else fail_row(p, figure, f"{t.status}: {t.error or t.reason}"))
+    rows.append(confirmation_row(p, "confirmation (leading mode beside eager)", c.confirmation))
     add(rows, p, "warm-cache compile", lambda: skip_row(p, "warm-cache compile", "no cold trial ran")
         if t is None or t.status != "ok" else skip_row(p, "warm-cache compile", t.warm_skipped) if t.warm_skipped
         else figure_row(p, "warm-cache compile", t.compile_warm_s, "{:.1f} s"))

@@ -62,3 +62,30 @@ def step_race_one_rank(ctx: Ctx, rows: list[Row], device_type: str = "cuda") -> 
                 Row(PATH, "confirmation launch (alternation)", f"{len(alt.order)} turns in {alt.seconds:.1f} s",
                     "measured", "pass" if len(alt.order) == 4 else "fail"))
     return {"sweep": sweep, "alternation": alt}
+
+
+def confirmation_row(path: str, figure: str, c) -> Row:
+    """A step's confirmation (``analysis.racing.Confirmation``) as a row: it ran and finished (pass, with its
+    speedup; whether the pick stood is the step's verdict, not the check's), was skipped (skip, with why), or failed
+    (fail): a failed confirmation is never a pass."""
+    if c is None:
+        return skip_row(path, figure, "nothing to confirm (the reference led, or no race ran)")
+    if c.status == "skipped":
+        return skip_row(path, figure, c.reason)
+    if c.status != "ok":
+        return fail_row(path, figure, f"{c.status}: {c.reason}")
+    ok = c.turns > 0 and len(c.order) == 2 * c.turns and c.speedup is not None
+    return Row(path, figure, f"{c.candidate} against {c.reference}: speedup {c.speedup or 0:.3f} "
+               f"[{c.low or 0:.3f}, {c.high or 0:.3f}] over {c.turns} turns", "measured", "pass" if ok else "fail")
+
+
+def round_rows(path: str, race) -> list[Row]:
+    """A race's rounds (``analysis.racing.RaceLog``), one row each, and its confirmation."""
+    if race is None:
+        return [skip_row(path, "DDP race", "no DDP sweep ran")]
+    out = [Row(path, f"DDP race round {r.number}", f"{len(r.kept)} kept, {len(r.dropped)} dropped in "
+               f"{r.seconds or 0:.1f} s", "measured", "pass") for r in race.rounds]
+    if not race.rounds:
+        out.append(skip_row(path, "DDP race", race.note or "no round ran"))
+    out.append(confirmation_row(path, "DDP confirmation", race.confirmation))
+    return out

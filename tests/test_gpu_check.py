@@ -277,3 +277,25 @@ def test_forced_world_of_one_runs_the_race_and_both_confirmations(tmp_path, tiny
     confirm = by["confirmation in the race's launch"]
     assert confirm.status == "pass" or confirm.status.startswith("skip: the reference")
     assert seen["sweep"].layout["world_size"] == 1
+
+
+def test_confirmation_and_round_rows_never_pass_a_failed_confirmation():
+    """Issue 33 item 1: step 2's race rounds and step 2's and step 4's confirmations get rows of their own, and a
+    failed confirmation is a fail, a skipped one a skip with its reason."""
+    import gpu_check_race as gr
+
+    from mfu_lab.analysis.racing import Confirmation, RaceLog, RoundLog
+
+    ok = Confirmation("allreduce/25MB/copy", "none/25MB/copy", turns=2, steps=4, order=["a", "b", "b", "a"],
+                      speedup=1.02, low=0.98, high=1.05)
+    assert gr.confirmation_row("step 4", "c", ok).status == "pass"
+    assert gr.confirmation_row("step 4", "c", Confirmation("x", "y", "failed", "rung died")).status == "fail"
+    assert gr.confirmation_row("step 4", "c", Confirmation("x", "y", "skipped", "budget")).status == "skip: budget"
+    short = Confirmation("x", "y", turns=2, order=["x", "y"], speedup=1.1, low=1.0, high=1.2)
+    assert gr.confirmation_row("step 2", "c", short).status == "fail"  # half its turns: not a pass
+    race = RaceLog("racing", ["none/25MB/copy"], [RoundLog(1, 2, {}, ["a", "b"], {"c": "slower"}, 3.0),
+                                                  RoundLog(2, 4, {}, ["a", "b"], {}, 5.0)], confirmation=None)
+    rows = gr.round_rows("step 2", race)
+    assert [(r.figure, r.status.split(":")[0]) for r in rows] == [
+        ("DDP race round 1", "pass"), ("DDP race round 2", "pass"), ("DDP confirmation", "skip")]
+    assert "1 dropped" in rows[0].value
