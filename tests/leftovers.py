@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 MARK = "MFU_LAB_TEST_SUITE"
-GRACE_S = float(os.environ.get("MFU_LAB_LEFTOVER_GRACE_S", "20"))  # a tree ending through PDEATHSIG ends at once; torchrun takes a few seconds to end its ranks
+# a tree ending through PDEATHSIG ends at once; torchrun takes a few seconds to end its ranks
+GRACE_S = float(os.environ.get("MFU_LAB_LEFTOVER_GRACE_S", "20"))
 
 
 def _state(pid: int) -> str | None:

@@ -22,7 +22,8 @@ def _alive(pid: int) -> bool:
 def _run_inner(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.leftovers"]\n')
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(body))
-    env = {k: v for k, v in os.environ.items() if k != "MFU_LAB_TEST_SUITE"} | {"PYTHONPATH": str(ROOT), "MFU_LAB_LEFTOVER_GRACE_S": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "MFU_LAB_TEST_SUITE"}
+    env |= {"PYTHONPATH": str(ROOT), "MFU_LAB_LEFTOVER_GRACE_S": "1"}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
 

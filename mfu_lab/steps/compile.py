@@ -15,12 +15,7 @@ candidates. Writes ``<out>/<job>/04_compile/result.json``.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import selectors
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +28,7 @@ from mfu_lab.analysis import recompiles as cp
 from mfu_lab.analysis import trace as tr
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
-from mfu_lab.core import procs, store
+from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.budget import Clock
 from mfu_lab.core.faults import guarded
@@ -47,6 +42,7 @@ from mfu_lab.core.results import Metric, StepResult, environment, jsonable
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.baseline import reference_peak
 from mfu_lab.steps.compile_confirm import confirm_mode
+from mfu_lab.steps.compile_worker import run_worker
 from mfu_lab.steps.fit import one_process_note
 
 INFO = BY_KEY["compile"]
@@ -109,55 +105,6 @@ Result = CompileResult  # the step contract: every step module names its result 
 
 
 # ------------------------------------------------------------------ trials in fresh processes
-def run_worker(spec: dict[str, Any], work: Path, cache: Path, timeout_s: float, say) -> dict[str, Any]:
-    """One trial through ``python -m mfu_lab.workers.compile_trial``; its compile caches live in ``cache``."""
-    work.mkdir(parents=True, exist_ok=True)
-    tag = f"{spec['label'].replace(' ', '_')}"
-    spec = {**spec, "out": str(work / f"{tag}.json")}
-    spec_path = work / f"{tag}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    Path(spec["out"]).unlink(missing_ok=True)
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "PYTHONUNBUFFERED": "1"}
-    log = work / f"{tag}.stderr.log"
-    dev.release_device_memory("cuda")  # the trial gets the GPU the launcher let go of (a no-op without CUDA)
-    t0 = time.perf_counter()
-    with open(log, "w") as err, procs.group():  # the trial ends with this call, however it ends
-        proc = procs.popen([sys.executable, "-m", "mfu_lab.workers.compile_trial", "--spec", str(spec_path)],
-                           stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        deadline = time.monotonic() + timeout_s
-        timed_out = False
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        beat = as_progress(say).heartbeat(f"  {spec['label']}")  # a compile can be silent for minutes
-        while True:
-            if time.monotonic() > deadline:
-                timed_out = True
-                procs.kill(proc)
-                break
-            if sel.select(timeout=0.5):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                say("  " + line.rstrip())
-                beat.said()
-            elif proc.poll() is not None:
-                break
-            else:
-                beat.beat(what=f"no line from the trial for {time.monotonic() - beat.last:.0f} s")
-        proc.wait()
-        sel.close()
-    seconds = time.perf_counter() - t0
-    if timed_out:
-        return {"status": "timeout", "error": f"ended after compile_timeout_s = {timeout_s:g} s", "seconds": seconds}
-    out = Path(spec["out"])
-    if not out.is_file():
-        tail = "\n".join(ln for ln in log.read_text(errors="replace").splitlines() if not ln.startswith("USDT:"))
-        return {"status": "failed", "error": f"the trial process exited with code {proc.returncode} and no result",
-                "traceback": tail[-3000:], "seconds": seconds}
-    return json.loads(out.read_text()) | {"seconds": seconds}
-
-
 def _fill(t: Trial, d: dict[str, Any], eager: Trial | None, eager_extra: float, flops: float, peak: float,
           tolerance: float) -> None:
     walls, warm = d["wall_s"], d["warmup"]
