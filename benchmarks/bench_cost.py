@@ -1,12 +1,17 @@
 """The workbook's own cost: the default job run with racing sweeps (the default) and with --thorough, side by side.
 
     python benchmarks/bench_cost.py [--job parameters/default.yaml] [--out /tmp/bench-cost] [--budget MIN]
+                                    [--racing-only]
 
 Runs ``mfu-lab run JOB`` twice, in fresh processes, one after the other on this machine: first racing, then
 ``--thorough`` (exhaustive sweeps). Prints each step's wall time (from the runner's own "done in" lines, notebook
 start-up included), the whole run's wall time, and for every step that chooses something whether both runs chose
 the same, or the racing choice's measured step time lies inside the thorough choice's p10-p90. Not a test: the
 times move with the machine; the ratio is measured side by side in one invocation. Writes <out>/bench_cost.json.
+
+Each run's cost is also given in units of the job's own training step: its seconds over step 1's median step
+time in the same run (``step_time_median_s``). Seconds differ by machine; that count of training steps compares
+across machines (a CPU twice as slow takes about twice as long for both).
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ def run(job: str, out: Path, extra: list[str]) -> dict:
 def _load(root: Path, folder: str) -> dict | None:
     f = root / folder / "result.json"
     return json.loads(f.read_text()) if f.is_file() else None
+
+
+def step_units(root: Path) -> float | None:
+    """Step 1's median step time in the run under ``root`` (the unit of the cost in training steps), or None."""
+    b = _load(root, "01_baseline")
+    v = ((b or {}).get("metrics", {}).get("step_time_median_s") or {}).get("value")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def in_steps(seconds: float | None, unit: float | None) -> str:
+    return f"{seconds / unit:,.0f}" if seconds is not None and unit else "-"
 
 
 def _within(value: float | None, row: dict | None) -> bool:
@@ -93,6 +109,7 @@ def main() -> int:
     ap.add_argument("--job", default="parameters/default.yaml")
     ap.add_argument("--out", default="/tmp/bench-cost")
     ap.add_argument("--budget", type=float, help="also pass --budget MIN to the racing run")
+    ap.add_argument("--racing-only", action="store_true", help="the default run alone, no --thorough run")
     args = ap.parse_args()
     out = Path(args.out)
     name = "default" if args.job.endswith("default.yaml") else Path(args.job).stem
@@ -105,16 +122,29 @@ def main() -> int:
     extra = ["--budget", str(args.budget)] if args.budget else []
     fast = run(args.job, out / "racing", extra)
     print(f"  racing: {fast['wall_s']:.0f} s (exit {fast['returncode']})", flush=True)
+    unit = step_units(out / "racing" / name)
+    print(f"  step 1's median training step: {unit * 1e3:.1f} ms (the cost's unit)" if unit else
+          "  step 1's median training step: not found (step 1 failed?)")
+    if args.racing_only:
+        print(f"\n{'step':<26}{'s':>8}{'training steps':>16}")
+        for f, a in fast["steps"].items():
+            print(f"{f:<26}{a if a is not None else 'failed':>8}{in_steps(a, unit):>16}")
+        print(f"{'whole run':<26}{fast['wall_s']:>8.0f}{in_steps(fast['wall_s'], unit):>16}")
+        (out / "bench_cost.json").write_text(json.dumps({"cpu": cpu, "racing": fast, "step_unit_s": unit},
+                                                        indent=2))
+        return 0
     slow = run(args.job, out / "thorough", ["--thorough"])
     print(f"  thorough: {slow['wall_s']:.0f} s (exit {slow['returncode']})", flush=True)
     agree = agreement(out / "racing" / name, out / "thorough" / name)
     folders = list(dict.fromkeys([*fast["steps"], *slow["steps"]]))
-    print(f"\n{'step':<26}{'racing s':>10}{'thorough s':>12}{'ratio':>8}")
+    print(f"\n{'step':<26}{'racing s':>10}{'thorough s':>12}{'ratio':>8}{'racing, steps':>15}")
     for f in folders:
         a, b = fast["steps"].get(f), slow["steps"].get(f)
         ratio = f"{b / a:.2f}x" if a and b else "-"
-        print(f"{f:<26}{a if a is not None else 'failed':>10}{b if b is not None else 'failed':>12}{ratio:>8}")
-    print(f"{'whole run':<26}{fast['wall_s']:>10.0f}{slow['wall_s']:>12.0f}{slow['wall_s'] / fast['wall_s']:>7.2f}x")
+        print(f"{f:<26}{a if a is not None else 'failed':>10}{b if b is not None else 'failed':>12}{ratio:>8}"
+              f"{in_steps(a, unit):>15}")
+    print(f"{'whole run':<26}{fast['wall_s']:>10.0f}{slow['wall_s']:>12.0f}{slow['wall_s'] / fast['wall_s']:>7.2f}x"
+          f"{in_steps(fast['wall_s'], unit):>15}")
     print("\nchoices, racing against thorough:")
     for k, v in agree.items():
         print(f"  {k:<16} {v}")
@@ -123,7 +153,8 @@ def main() -> int:
     print(f"\ntargets (whole racing run <= 300 s, >= 2x faster than thorough, every choice agreeing): "
           f"{'met' if target else 'NOT met'}")
     (out / "bench_cost.json").write_text(json.dumps({"cpu": cpu, "racing": fast, "thorough": slow,
-                                                     "agreement": agree, "targets_met": target}, indent=2))
+                                                     "agreement": agree, "targets_met": target,
+                                                     "step_unit_s": unit}, indent=2))
     return 0
 
 
