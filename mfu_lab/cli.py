@@ -110,12 +110,12 @@ def cmd_run(args) -> int:
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
     budget.start_checks(job, args.job or "", [s.key for s in steps])  # step 1's minimum; a busy machine said
     failed = run_steps(job, source, steps, quiet=args.quiet, resume=args.resume, keep_going=args.keep_going,
-                       execution_timeout=args.execution_timeout, wait=args.wait)
+                       execution_timeout=args.execution_timeout, wait=args.wait, overrides=overrides)
     return EXIT_STEP_FAILED if failed else EXIT_OK
 
 
 def cmd_step(args) -> int:
-    job, source = resolve_job(args.job, cost_overrides(args, parse_overrides(args.param)), args.out)
+    job, source = resolve_job(args.job, overrides := cost_overrides(args, parse_overrides(args.param)), args.out)
     job = with_keep(job, args.keep)
     info = select_steps(args.step)[0]
     if info.key == "placement":
@@ -123,7 +123,7 @@ def cmd_step(args) -> int:
     budget.start_checks(job, args.job or "", [info.key])
     print(f"mfu-lab: {info.folder} for job '{job.job_name}' from {source} (plain Python, no notebook)")
     try:
-        result = run_one_step(info, job, source, wait=args.wait)
+        result = run_one_step(info, job, source, wait=args.wait, overrides=overrides)
     except StepExecutionError as e:
         print(f"mfu-lab: {info.folder} FAILED: {e.ename}: {e.evalue}", file=sys.stderr)
         print(f"    earlier results kept; index: {job.output_root() / 'index.html'}", file=sys.stderr)

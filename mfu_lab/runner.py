@@ -25,6 +25,7 @@ from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecution
 from mfu_lab.core.files import load_results
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
 from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
+from mfu_lab.core.overrides import overrides_set
 from mfu_lab.core.paths import workbook_file
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import source_digest
@@ -196,23 +197,26 @@ def warn_damaged(job: Job) -> list[str]:
     return lines
 
 
-def run_one_step(info, job: Job, source: str, wait: bool = False):
+def run_one_step(info, job: Job, source: str, wait: bool = False, overrides: dict | None = None):
     """One step in plain Python (no notebook) inside the bracket, holding the job's folder; its result. A failure
-    raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed)."""
+    raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed). ``overrides``: the
+    command line's (``-p``), recorded in the result (:mod:`mfu_lab.core.overrides`)."""
     with procs.interrupt_on_sigterm(), job_lock(job.output_root(), "(starting)", wait) as holder:
         # one reserved id for the lock, the running marker and the history line (record reads it from RUN_ENV)
         run_id = run_id_from_env() or new_run_id(job_root=job.output_root())
         holder(run_id)
-        with run_id_set(run_id), step_bracket(job, info, source, run_id):
+        with run_id_set(run_id), overrides_set(overrides), step_bracket(job, info, source, run_id):
             warn_damaged(job)
             return info.load().run(job)
 
 
 def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume: bool = False,
-              keep_going: bool = False, execution_timeout: float | None = None, wait: bool = False) -> list[str]:
+              keep_going: bool = False, execution_timeout: float | None = None, wait: bool = False,
+              overrides: dict | None = None) -> list[str]:
     """Execute the steps' notebooks in order as one run, holding the job's output folder, printing progress;
     the folders of the steps that failed (after the first failure the rest are skipped unless ``keep_going``).
-    A resumed run keeps the id of the run it goes on with."""
+    A resumed run keeps the id of the run it goes on with. ``overrides``: the command line's (``-p``), handed to
+    the kernels and recorded in every result and in tuned.yaml (:mod:`mfu_lab.core.overrides`)."""
     job_root = job.output_root()
     with procs.interrupt_on_sigterm(), job_lock(job_root, "(starting)", wait) as holder:
         same_code = {"source_digest": source_digest()}
@@ -220,7 +224,7 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
             or new_run_id(job_root=job_root)
         holder(run_id)
         warn_damaged(job)
-        with run_id_set(run_id):  # the notebooks' kernels inherit it: one run, one id
+        with run_id_set(run_id), overrides_set(overrides):  # the notebooks' kernels inherit both: one run, one id
             return _run_steps(job, source, steps, run_id, quiet, resume, keep_going, execution_timeout)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from mfu_lab.core import overrides as ov
 from mfu_lab.core.job import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
@@ -235,12 +236,15 @@ def _flow(value: Any) -> str:
     return text[:-4].strip() if text.endswith("\n...") else text
 
 
-def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "") -> str:
-    """The tuned job as a YAML file: every key, each changed line commented with its step, gain and label;
-    changes not adopted listed in the header with why."""
+def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "", overrides: dict | None = None) -> str:
+    """The tuned job as a YAML file: every key, each changed line commented with its step, gain and label, each
+    value that came from the command line (``overrides``; default: the run's, :func:`mfu_lab.core.overrides.from_env`)
+    commented as such; changes not adopted listed in the header with why."""
     tuned = tuned_job(job, chosen)
     by_key = {c.key: c for c in chosen if c.adopted}
-    lines = [f"# The tuned job: {source} with the changes the workbook's steps measured and adopted"
+    given = {k: v for k, v in (ov.from_env() if overrides is None else overrides).items() if k in FIELDS}
+    with_flags = f" as the command line changed it ({ov.flags(given)})" if given else ""
+    lines = [f"# The tuned job: {source}{with_flags} with the changes the workbook's steps measured and adopted"
              + (f" (run {run_id})" if run_id else "") + ".",
              "# Validate: mfu-lab validate THIS_FILE    Run: mfu-lab run THIS_FILE    Refuse a change: keep: [KEY] in "
              "the original job, or --keep KEY",
@@ -251,11 +255,14 @@ def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "") ->
     for c in refused:
         lines.append(f"# not adopted: {c.key}: {_flow(c.old)} -> {_flow(c.new)} ({c.rung}): {c.reason}")
     for key, value in tuned.to_dict().items():
-        line = f"{key}: {_flow(value)}"
-        c = by_key.get(key)
+        c, notes = by_key.get(key), []
         if c:
-            line += f"  # {c.rung}, {c.evidence}; was {_flow(c.old)}"
+            notes.append(f"{c.rung}, {c.evidence}; was {_flow(c.old)}")
         elif key == "job_name" and value != job.job_name:
-            line += f"  # was {_flow(job.job_name)}"
-        lines.append(line)
+            notes.append(f"was {_flow(job.job_name)}")
+        if key in given:
+            what = "from the command line" if value == getattr(job, key) else "the value it replaced came from the " \
+                "command line"
+            notes.append(f"{what} ({ov.flag(key, given[key])}), not {source}")
+        lines.append(f"{key}: {_flow(value)}" + (f"  # {'; '.join(notes)}" if notes else ""))
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mfu_lab.core import __version__
+from mfu_lab.core import __version__, overrides
 from mfu_lab.core.errors import MfuLabError
 
 SOURCES = ("measured", "counted", "analytic", "datasheet", "emulated", "modelled")
@@ -198,6 +198,7 @@ def environment(device_name: str, device_type: str) -> dict[str, Any]:
         "device_name": device_name,
         "torch_threads": torch.get_num_threads(),
         "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "overrides": overrides.from_env(),  # the command line's -p KEY=VALUE (core.overrides); {} for none
     }
     if device_type == "cuda":  # pragma: no cover - GPU only
         env["cuda"] = torch.version.cuda

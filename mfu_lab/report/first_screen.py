@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from mfu_lab.core import overrides as ov
 from mfu_lab.core.ledger import LABELS, ORDER, upgrade
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.report.format import fmt
 from mfu_lab.report.gains import first_change
-from mfu_lab.report.summary import shared_how, verified_text
+from mfu_lab.report.summary import shared_how, the_job, verified_text
 
 # One colour per ledger item, the same order as the waterfall: MFU green, recompute and the losses after it.
 COLOURS = {"mfu": "#2f9e44", "recompute": "#94d82d", "efficiency": "#f08c00", "structure": "#1971c2",
            "software": "#c2255c", "operations": "#868e96"}
+OTHERS_SHOWN = 80  # characters of the overrides that leave the job as it is, beyond which they are only counted
 LABEL_INSIDE = 0.07  # a segment at least this wide carries its own label; narrower ones only in the legend
 
 
@@ -73,7 +75,12 @@ def _headline_mfu(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         quiet = (f"the machine was quiet while step 1 measured (other processes kept {c['other_cores']:.2f} of "
                  f"{c.get('usable_cores')} cores busy)")
     device = str(env.get("device_name") or env.get("device_type") or "")
+    given = ov.recorded(base)  # the command line's -p: said beside the figures they produced
+    changed = ov.workload(given)
+    others = ov.flags({k: v for k, v in given.items() if k not in changed})  # sweeps, run lengths, budget
     return {"mfu": mfu, "peak": peak, "quiet": quiet, "dtype": str(job.get("dtype") or ""), "device": device,
+            "job": the_job(base), "overrides": ov.flags(changed),
+            "others": others if len(others) <= OTHERS_SHOWN else f"{len(given) - len(changed)}, in the steps table",
             "where": where, "statistic": statistic, "shared": shared,
             "tokens": _metric(base, "tokens_per_s"), "median": _metric(base, "step_time_median_s")}
 

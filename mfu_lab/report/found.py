@@ -5,7 +5,7 @@ notebook's outputs: the headline figures, each with its unit and label; the reco
 recommendation texts, then its ``act`` advice); and MFU now against step 1's (``../01_baseline/result.json``),
 naming the job parameters the two were measured with that differ.
 
-Which parameters count: :data:`mfu_lab.report.index.WORKLOAD_KEYS`, the keys that define the workload measured
+Which parameters count: :data:`mfu_lab.core.overrides.WORKLOAD_KEYS`, the keys that define the workload measured
 (model and shapes, data, batch, precision, compile, DDP settings; the same rule the index page uses). Bookkeeping
 (``job_name``, ``out_dir``, ``keep``), run lengths (``steps``, ``warmup_steps``) and the other steps' sweep settings
 are not compared; the device the results were measured on is (``environment.device_name``).
@@ -20,12 +20,13 @@ from typing import Any
 
 from markupsafe import Markup
 
+from mfu_lab.core import overrides as ov
 from mfu_lab.core.files import RESULT_FILE, DamagedFile, read_json
+from mfu_lab.core.overrides import WORKLOAD_KEYS
 from mfu_lab.core.registry import STEPS, StepInfo
 from mfu_lab.core.runstate import step_state
 from mfu_lab.report.format import fmt
 from mfu_lab.report.gains import estimate, rank
-from mfu_lab.report.index import WORKLOAD_KEYS
 from mfu_lab.report.summary import bar_meaning, peak_dtype, shared_line
 from mfu_lab.report.templating import render
 
@@ -168,7 +169,7 @@ def _since_step1(info: StepInfo, d: dict[str, Any], folder: Path) -> dict[str, A
 def _context(notebook: Path, info: StepInfo, result: Path | None = None) -> dict[str, Any]:
     folder = Path(notebook).parent
     ctx: dict[str, Any] = {"info": info, "figures": [], "recs": [], "more": 0, "look": [], "since": None,
-                           "note": "", "created": "", "nodes": "", "layout": ""}
+                           "note": "", "created": "", "nodes": "", "layout": "", "overrides": ""}
     res = Path(result) if result is not None else folder / RESULT_FILE
     # a damaged result.json reads as "damaged" (or as the failure, when one is recorded); a staged one is given
     state = step_state(folder, read_json(res) if result is not None else None)
@@ -198,6 +199,7 @@ def _context(notebook: Path, info: StepInfo, result: Path | None = None) -> dict
     ctx["created"] = str(_get(d, "environment", "created_at") or "")
     ctx["nodes"] = str(_get(d, "nodes", "text") or "")  # a multi-node job: whose figures these are
     ctx["layout"] = " ".join(x for x in (shared_line(d), layout_line(d)) if x)  # the first line of the block
+    ctx["overrides"] = ov.pairs(ov.recorded(d))  # the command line's -p, beside the figures they produced
     return ctx
 
 

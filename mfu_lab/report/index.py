@@ -19,10 +19,12 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from mfu_lab import plots
+from mfu_lab.core import overrides as ov
 from mfu_lab.core.files import RESULT_FILE, load_results, write_atomic
 from mfu_lab.core.history import mfu_trend, runs
 from mfu_lab.core.job import find_workbook_root
 from mfu_lab.core.ledger import Ledger, LedgerItem
+from mfu_lab.core.overrides import WORKLOAD_KEYS
 from mfu_lab.core.registry import BY_KEY, STEPS, StepInfo
 from mfu_lab.core.runstate import step_state
 from mfu_lab.report.first_screen import first_screen
@@ -90,17 +92,10 @@ def _step_row(job_root: Path, info: StepInfo, result: dict | None) -> dict[str, 
             "detail": "; ".join(x for x in (st.detail, stale) if x),
             "css": STATUS_CSS.get(st.status, "failed"), "metrics": (result or {}).get("metrics", {}), "links": links,
             "nodes": ((result or {}).get("nodes") or {}).get("text", ""),
-            "shared": bool(result and shared_line(result))}
+            "shared": bool(result and shared_line(result)), "overrides": ov.flags(ov.recorded(result))}
 
 
-# The job keys that define the workload measured: two steps measured with different values of these measured
-# different jobs, so a comparison between them is not like for like. Step-specific keys (sweeps, trial lengths)
-# and bookkeeping are left out.
-WORKLOAD_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "attention",
-                 "activation_checkpointing", "data", "min_seq_len", "seq_policy", "seq_buckets", "last_batch",
-                 "dataset_samples", "num_workers", "prefetch_factor", "pin_memory", "synthetic_load_ms", "micro_batch",
-                 "dtype", "matmul_precision", "compile_mode", "lr", "adamw_impl", "device", "peak_flops", "seed",
-                 "fp8_layers", "fp8_recipe", "ddp_bucket_mb", "ddp_hook", "ddp_grad_as_bucket_view")
+
 
 
 def job_differences(results: dict[str, dict]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mfu_lab.core import overrides as ov
 from mfu_lab.core.ledger import upgrade
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.report.gains import comm_gain, ordered
@@ -109,15 +110,32 @@ BAR_MEANING = {"baseline": "the job as it came, one process, eager",
                "verify": "the tuned job, one process, side by side with the original"}
 
 
+def the_job(result: dict[str, Any] | None) -> str:
+    """"the job as it came", or "the job with -p micro_batch=16" when the result was measured with command-line
+    overrides that change the job (:func:`mfu_lab.core.overrides.workload`)."""
+    changed = ov.workload(ov.recorded(result))
+    return f"the job with {ov.flags(changed)}" if changed else "the job as it came"
+
+
+def overrides_line(results: dict[str, dict[str, Any]]) -> list[str]:
+    """One sentence naming every step whose result was measured with command-line overrides, and them."""
+    said = [f"{info.number} ({ov.flags(o)})" for info in STEPS if (o := ov.recorded(results.get(info.key)))]
+    if not said:
+        return []
+    return [f"Measured with overrides from the command line, not the job file's values: step {'; step '.join(said)}."]
+
+
 def bar_meaning(key: str, result: dict[str, Any]) -> str:
     """What a step's MFU bar measures: :data:`BAR_MEANING`, or for a job run in its own layout (steps 1, 3 and
-    7 under torchrun) the layout and its ranks."""
+    7 under torchrun) the layout and its ranks; step 1's names its command-line overrides (:func:`the_job`)."""
     lay = (result or {}).get("layout") or {}
     name = (lay.get("layout") or {}).get("name")
     if name and key in ("baseline", "kernels"):
         return f"the job in its layout {name}, {lay.get('world')} ranks, slowest rank per step"
     if key == "verify" and any("in the job's layout" in (r.get("reason") or "") for r in result.get("rungs") or []):
         return "the tuned job in its layout, side by side with the original"
+    if key == "baseline":
+        return BAR_MEANING[key].replace("the job as it came", the_job(result))
     return BAR_MEANING.get(key, "as the step measured it")
 
 
@@ -239,7 +257,9 @@ def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None =
                  if (lay.get("layout") or {}).get("name") else "")
         shared = ", on a shared machine: see the steps table" if shared_how(results.get("baseline") or {}) is not None \
             else ""
-        lines.append(f"The job as it came measured {base['value']:.1%} MFU{where} (step 1, {base['source']}{shared}).")
+        job = the_job(results.get("baseline"))
+        lines.append(f"{job[0].upper()}{job[1:]} measured {base['value']:.1%} MFU{where} (step 1, {base['source']}"
+                     f"{shared}).")
     later = [p for p in pts if p[0] != BY_KEY["baseline"].folder]
     if later:
         peak = {f: peak_dtype(results[next(i.key for i in STEPS if f.startswith(i.folder))], v) for f, v, _ in pts}
@@ -265,7 +285,7 @@ def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None =
     if to_adopt:
         lines.append(f"{len(to_adopt)} change(s) to adopt: "
                      + "; ".join(f"{c.change} [{c.source}]" for c in to_adopt) + ".")
-    lines += _states_line(states)
+    lines += overrides_line(results) + _states_line(states)
     missing = [i.folder for i in STEPS if i.key not in results and states.get(i.key, "not run") == "not run"]
     if missing:
         lines.append("Not run yet: " + ", ".join(missing) + ".")
@@ -282,7 +302,7 @@ def ledger_before_after(results: dict[str, dict[str, Any]]) -> tuple[tuple[str, 
         return (("Before: the original job (step 7, interleaved rounds)", upgrade(ledgers["before"])),
                 ("After: the tuned job (step 7, the same rounds)", upgrade(ledgers["after"])))
     b = results.get("baseline", {}).get("ledger")
-    return (("Before: the job as it came (step 1, one process)", upgrade(b)) if b else None), None
+    return ((f"Before: {the_job(results.get('baseline'))} (step 1, one process)", upgrade(b)) if b else None), None
 
 
 def with_operations(ledger: dict[str, Any], ops: float, note: str) -> dict[str, Any]:
