@@ -60,6 +60,8 @@ def test_workload_overrides_and_how_they_are_said():
     assert ov.workload({"tp": 2, "comm_hooks": ["none"], "steps": 9, "job_name": "x"}) == {"tp": 2}  # nor sweeps
     assert ov.flags(given) == "-p micro_batch=16 --thorough --budget 5"
     assert ov.pairs({"dtype": "bfloat16", "compile_mode": "default"}) == "dtype=bfloat16, compile_mode=default"
+    assert ov.flags({"comm_hooks": ["none", "allreduce"], "comm_bucket_mb": [0.05, 25], "sp": False}) \
+        == "-p comm_hooks=[none, allreduce] -p comm_bucket_mb=[0.05, 25] -p sp=false"  # as typed
     assert ov.recorded({"environment": {}}) == {} and ov.recorded(None) == {}  # results from before: none
 
 

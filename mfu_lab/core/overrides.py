@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import yaml
+
 OVERRIDES_ENV = "MFU_LAB_OVERRIDES"
 # The job keys that define the workload measured: two steps measured with different values of these measured
 # different jobs, so a comparison between them is not like for like (report.index.job_differences, report.found).
@@ -70,7 +72,11 @@ def workload(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _value(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v, default=str)
+    """A value as it is typed after ``-p KEY=``: YAML's flow style (``16``, ``true``, ``[none, allreduce]``)."""
+    if isinstance(v, str):
+        return v
+    text = yaml.safe_dump(v, default_flow_style=True, width=10_000).strip()
+    return text[:-4].strip() if text.endswith("\n...") else text
 
 
 def flag(key: str, value: Any) -> str:
