@@ -142,10 +142,12 @@ def test_tuned_yaml_reads_the_runs_overrides_by_default(tmp_path):
     assert "micro_batch: 2  # from the command line (-p micro_batch=2)" in text
 
 
-def test_mfu_lab_step_records_its_overrides_in_the_result(tmp_path):
+def test_mfu_lab_step_records_its_overrides_in_the_result(tmp_path, capsys):
     from mfu_lab.cli import main
 
     assert main(["step", "baseline", "--job", str(TINY), "--out", str(tmp_path), "-p", "micro_batch=2"]) == 0
+    assert "measured with overrides from the command line, not the job file's values: -p micro_batch=2" \
+        in capsys.readouterr().out
     result = read_json(tmp_path / "tiny" / BY_KEY["baseline"].folder / "result.json")
     assert result["environment"]["overrides"] == {"micro_batch": 2}
     assert result["job"]["micro_batch"] == 2

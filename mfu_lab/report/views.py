@@ -11,6 +11,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
+from mfu_lab.core import overrides as ov
 from mfu_lab.core.results import jsonable
 from mfu_lab.report.format import badge, fmt
 from mfu_lab.report.tables_attention_comm import attention_table, comm_table
@@ -98,6 +99,8 @@ def text_summary(result) -> str:
         lines.append(f"- {a['severity']}: {a['message']} ({a['because']})")
     for s in d.get("skipped", []):
         lines.append(f"- skipped {s['what']}: {s['reason']}")
+    if given := ov.recorded(d):
+        lines.append(f"- measured with overrides from the command line, not the job file's values: {ov.flags(given)}")
     return "\n".join(lines)
 
 
