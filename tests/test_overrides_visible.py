@@ -154,3 +154,6 @@ def test_mfu_lab_step_records_its_overrides_in_the_result(tmp_path, capsys):
     assert ov.OVERRIDES_ENV not in os.environ
     page = (tmp_path / "tiny" / "index.html").read_text()
     assert "MFU of the job with -p micro_batch=2 (step 1," in page
+    line = json.loads((tmp_path / "tiny" / "history.jsonl").read_text().splitlines()[-1])
+    assert line["overrides"] == {"micro_batch": 2}  # the run's line in the history, and the runs table, name them
+    assert "<br><small>with <code>-p micro_batch=2</code></small>" in page

@@ -104,7 +104,7 @@ def history_line(rid: str, folder: str, step: str, result: dict[str, Any]) -> st
     env = result.get("environment", {})
     line = {"run": rid, "step": step, "folder": folder, "saved_at": env.get("created_at"),
             "git_commit": env.get("git_commit"), "source_digest": env.get("source_digest"),
-            "device": env.get("device_name"),
+            "device": env.get("device_name"), "overrides": env.get("overrides") or {},  # the command line's -p
             "job_digest": job_digest(result.get("job", {})), "status": result.get("status", "ok"),
             "elapsed_s": result.get("elapsed_s"),
             "metrics": {k: {"value": m.get("value"), "unit": m.get("unit"), "source": m.get("source")}

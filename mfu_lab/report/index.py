@@ -153,7 +153,8 @@ def history_html(job_root: Path) -> Markup:
         first = next(iter(steps.values()))
         rows.append({"id": rid, "is_dir": (job_root / "runs" / rid).is_dir(), "steps": list(steps),
                      "mfus": ", ".join(f"{k[:2]}: {v:.1%}" for k, v in by_run.get(rid, {}).items()),
-                     "digest": str(first.get("job_digest")), "commit": str(first.get("git_commit"))})
+                     "digest": str(first.get("job_digest")), "commit": str(first.get("git_commit")),
+                     "overrides": ov.flags(first.get("overrides") if isinstance(first.get("overrides"), dict) else {})})
     uri = plots.to_data_uri(plots.mfu_trend(trend)) if trend else None
     more = len(table) - RUNS_LISTED if len(table) > RUNS_LISTED else 0
     return macros(PARTS).history_html(rows, more, str(job_root), uri)
