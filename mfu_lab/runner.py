@@ -38,15 +38,8 @@ from mfu_lab.report import export_html
 def run_id_set(run_id: str) -> Iterator[str]:
     """``MFU_LAB_RUN_ID`` set for the length of a run (saves and the notebooks' kernels read it), then restored,
     so that a later run in the same process (a notebook, a test) draws an id of its own."""
-    before = os.environ.get(RUN_ENV)
-    os.environ[RUN_ENV] = run_id
-    try:
+    with procs.env_set(RUN_ENV, run_id):
         yield run_id
-    finally:
-        if before is None:
-            os.environ.pop(RUN_ENV, None)
-        else:
-            os.environ[RUN_ENV] = before
 
 
 KERNEL_FILES = ".kernels"

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from mfu_lab.core import procs
+
 OVERRIDES_ENV = "MFU_LAB_OVERRIDES"
 # The job keys that define the workload measured: two steps measured with different values of these measured
 # different jobs, so a comparison between them is not like for like (report.index.job_differences, report.found).
@@ -48,15 +50,8 @@ def from_env() -> dict[str, Any]:
 def overrides_set(overrides: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
     """``MFU_LAB_OVERRIDES`` set to ``overrides`` (``out_dir`` left out) for the length of a run, then restored."""
     kept = {k: v for k, v in (overrides or {}).items() if k != "out_dir"}
-    before = os.environ.get(OVERRIDES_ENV)
-    os.environ[OVERRIDES_ENV] = json.dumps(kept, default=str)
-    try:
+    with procs.env_set(OVERRIDES_ENV, json.dumps(kept, default=str)):
         yield kept
-    finally:
-        if before is None:
-            os.environ.pop(OVERRIDES_ENV, None)
-        else:
-            os.environ[OVERRIDES_ENV] = before
 
 
 def recorded(result: Any) -> dict[str, Any]:

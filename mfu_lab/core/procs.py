@@ -291,3 +291,18 @@ def kernel_manager_class():
                 adopt(proc)
 
     return DyingKernelManager
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str) -> Iterator[str]:
+    """``os.environ[name]`` set to ``value`` for the length of the block (the children started meanwhile inherit
+    it), then restored as it was, removed when it was not set."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield value
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
