@@ -26,6 +26,7 @@ from mfu_lab.core.job_rules import (
     COMPILE_CHOICES,
     COMPILE_DYNAMIC,
     COMPILE_MODES,
+    DATA_DTYPES,
     DATA_SOURCES,
     DEVICES,
     DP_MODES,
@@ -40,6 +41,8 @@ from mfu_lab.core.job_rules import (
     SEQ_POLICIES,
     TP_STYLES,
     cross_key_problems,
+    data_problems,
+    factory_keys,
     rule_problem,
     type_problem,
     unknown_key_problem,
@@ -47,10 +50,10 @@ from mfu_lab.core.job_rules import (
 from mfu_lab.core.paths import anchored_paths, find_workbook_root, input_path, job_file_folder
 
 __all__ = ["ADAMW_IMPLS", "ATTENTIONS", "COMM_HOOKS", "COMPILE_CHOICES", "COMPILE_DYNAMIC", "COMPILE_MODES",
-           "DATA_SOURCES", "DEVICES", "DP_MODES", "DTYPES", "FIELDS", "FP8_RECIPES", "JOB_NAME_RE", "KEY_GROUPS",
-           "LAST_BATCH", "MATMUL_PRECISIONS", "MODEL_RE", "PP_SCHEDULES", "PRECISION_RUNGS", "SEQ_POLICIES",
-           "TP_STYLES", "Job", "JobError", "JobProblem", "find_workbook_root", "from_namespace", "load_job",
-           "validate"]
+           "DATA_DTYPES", "DATA_SOURCES", "DEVICES", "DP_MODES", "DTYPES", "FIELDS", "FP8_RECIPES", "JOB_NAME_RE",
+           "KEY_GROUPS", "LAST_BATCH", "MATMUL_PRECISIONS", "MODEL_RE", "PP_SCHEDULES", "PRECISION_RUNGS",
+           "SEQ_POLICIES", "TP_STYLES", "Job", "JobError", "JobProblem", "find_workbook_root", "from_namespace",
+           "load_job", "validate"]
 
 
 def _key(default, help: str, **rules):
@@ -97,14 +100,25 @@ class Job:
     n_layers: int = _key(4, "transformer blocks (reference model)", min=1)
     n_heads: int = _key(4, "attention heads; must divide d_model", min=1)
     d_model: int = _key(256, "hidden size", min=1)
-    vocab_size: int = _key(2048, "token vocabulary", min=2)
+    vocab_size: int = _key(2048, "token vocabulary (0: the model's input embedding size, the default for a model "
+                           "factory; the reference gpt takes 2048)", min=0)
     seq_len: int = _key(256, "tokens per sample", min=1)
     attention: str = _key("sdpa", "sdpa (fused scaled_dot_product_attention) | unfused (explicit softmax(QK^T)V)",
                           choices=ATTENTIONS)
     activation_checkpointing: bool = _key(False, "recompute each block's activations in backward (raises HFU, not MFU)")
     # --- data ---
     data: str = _key("synthetic", "synthetic: seeded random token ids through a real DataLoader | synthetic_varlen: "
-                     "the same with sample lengths varying in [min_seq_len, seq_len]", choices=DATA_SOURCES)
+                     "the same with sample lengths varying in [min_seq_len, seq_len] | tokens:PATH: a flat token file "
+                     "(nanoGPT's train.bin) read with numpy.memmap | hf:PATH: a Hugging Face dataset saved with "
+                     "save_to_disk | package.module:function: your own Dataset, IterableDataset, DataLoader or "
+                     "iterable of batches (README, 'Your own model and data')", pattern="data")
+    data_dtype: str = _key("uint16", "tokens:PATH files: the token dtype, uint16 (nanoGPT's) | uint32",
+                           choices=DATA_DTYPES)
+    data_column: str = _key("input_ids", "hf:PATH datasets: the column of token ids (or of text, with tokenizer)")
+    tokenizer: str = _key("", "hf:PATH datasets of text: the folder of a tokenizer saved with save_pretrained, "
+                          "loaded offline ('': the column holds token ids)")
+    loss: str = _key("", "the loss: '' (the output's .loss when the model computes one from labels, else "
+                     "cross-entropy of its logits) | package.module:function of (output, batch)", pattern="loss")
     min_seq_len: int = _key(0, "shortest sample of synthetic_varlen (0: seq_len // 2)", min=0)
     seq_policy: str = _key("longest", "how samples of different lengths form a batch: longest (pad to the batch's "
                            "longest) | pad (to seq_len) | bucket (to the next of seq_buckets lengths) | pack (end to "
@@ -117,8 +131,9 @@ class Job:
     num_workers: int = _key(0, "DataLoader worker processes (0: load in the training process)", min=0)
     prefetch_factor: int = _key(2, "batches each worker loads ahead (used when num_workers > 0)", min=1)
     pin_memory: bool = _key(False, "pin host batches for faster copies (CUDA only; ignored on CPU)")
-    synthetic_load_ms: float = _key(0.0, "simulated loading latency per batch, in ms (a sleep standing in for "
-                                    "storage or decoding)", min=0.0)
+    persistent_workers: bool = _key(False, "keep the DataLoader's worker processes between epochs (num_workers > 0)")
+    synthetic_load_ms: float = _key(0.0, "simulated loading latency per batch, in ms, added to any data kind (a "
+                                    "sleep standing in for storage or decoding)", min=0.0)
     # --- training ---
     micro_batch: int = _key(8, "samples per training step", min=1)
     steps: int = _key(20, "measured training steps (at least 2, so a spread exists)", min=2)
@@ -311,8 +326,11 @@ def validate(values: dict[str, Any], source: str, folder: Path | None = None) ->
         else:
             clean[key] = value
     bad = {p.key for p in problems}
+    if "vocab_size" not in values and clean.get("model", "gpt") != "gpt":
+        clean["vocab_size"] = 0  # a factory's vocabulary is its input embedding's
     job = Job(**clean)  # the clean keys over the defaults: cross-key checks of keys that are fine on their own
-    problems += cross_key_problems(job, bad) + factory_key_problems(job, bad, folder)
+    problems += cross_key_problems(job, bad) + factory_key_problems(job, bad, folder, factory_keys(job))
+    problems += data_problems(job, bad, folder)
     if problems:
         raise JobError(source, problems)
     return job

@@ -22,7 +22,9 @@ from mfu_lab.core.errors import JobProblem, short_repr
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTIONS = ("sdpa", "unfused")
-DATA_SOURCES = ("synthetic", "synthetic_varlen")
+DATA_SOURCES = ("synthetic", "synthetic_varlen")  # besides tokens:PATH, hf:PATH and package.module:function
+DATA_DTYPES = ("uint16", "uint32")
+DATA_PREFIXES = ("tokens:", "hf:")
 SEQ_POLICIES = ("longest", "pad", "bucket", "pack")
 LAST_BATCH = ("drop", "keep", "pad")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
@@ -40,6 +42,7 @@ TP_STYLES = ("colwise", "rowwise", "sequence")
 FSDP_KEYS = ("fsdp_reshard_after_forward", "fsdp_prefetch", "fsdp_param_dtype", "fsdp_reduce_dtype")
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 # Keys whose meaning changed (issue 28): step 6's cluster-scale tp, pp and interleave became cluster_tp, cluster_pp
@@ -201,6 +204,12 @@ def rule_problem(name: str, meta: dict, value: Any) -> str | None:
                 "(it names a folder, so no path separators)")
     if name == "out_dir" and (not value.strip() or "\x00" in value):
         return "must be a folder path (not empty, no NUL character)"
+    if meta.get("pattern") == "data" and value not in DATA_SOURCES and not (
+            value.startswith(DATA_PREFIXES) and value.split(":", 1)[1].strip()) and not FACTORY_RE.fullmatch(value):
+        return ("must be one of " + ", ".join(DATA_SOURCES) + ", tokens:PATH (a flat token file), hf:PATH (a "
+                "dataset saved with save_to_disk) or package.module:function (your own data)")
+    if meta.get("pattern") == "loss" and value and not FACTORY_RE.fullmatch(value):
+        return "must be '' (the model's own loss, else cross-entropy) or package.module:function of (output, batch)"
     if meta.get("pattern") == "model" and not MODEL_RE.fullmatch(value):
         return "must be 'gpt' or 'package.module:function' (a function returning an nn.Module)"
     return None
@@ -298,4 +307,59 @@ def layout_problems(job: Any, bad: set[str]) -> list[JobProblem]:
     if ok("tp_plan", "model") and gpt and job.tp_plan:
         problems.append(JobProblem("tp_plan", job.tp_plan, "must be {} when model is gpt: the reference GPT has its "
                                    "built-in plan (tp_plan is for a model: package.module:function)"))
+    return problems
+
+
+def factory_keys(job: Any) -> tuple[str, ...]:
+    """The keys of ``job`` that name code (``package.module:function``), checked under the factory rule."""
+    keys = ["model"]
+    if job.data not in DATA_SOURCES and not job.data.startswith(DATA_PREFIXES):
+        keys.append("data")
+    if job.loss:
+        keys.append("loss")
+    return tuple(keys)
+
+
+def data_problems(job: Any, bad: set[str], folder: Any) -> list[JobProblem]:
+    """The data keys against what is on disk: the token file or saved dataset exists and has the right shape; the
+    vocabulary key fits the model kind. Opens no dataset and imports nothing."""
+    from mfu_lab.core.paths import input_path
+
+    problems: list[JobProblem] = []
+    if not bad & {"vocab_size", "model"} and job.vocab_size == 1:
+        problems.append(JobProblem("vocab_size", 1, "must be 0 (the model's input embedding size) or >= 2"))
+    if not bad & {"vocab_size", "model"} and job.vocab_size == 0 and job.model == "gpt":
+        problems.append(JobProblem("vocab_size", 0, "must be >= 2 for the reference gpt (0 takes the vocabulary "
+                                   "from a model factory's input embedding)"))
+    if "data" in bad:
+        return problems
+    kind = next((p for p in DATA_PREFIXES if job.data.startswith(p)), "")
+    path = input_path(job.data[len(kind):].strip(), "data", folder) if kind else None
+    if kind == "tokens:" and "data_dtype" not in bad:
+        size = {"uint16": 2, "uint32": 4}[job.data_dtype]
+        if not path.is_file():
+            problems.append(JobProblem("data", job.data, f"no such token file ({path}); a relative path is taken "
+                                       "from the job file's folder, then its checkout"))
+        elif path.stat().st_size % size:
+            problems.append(JobProblem("data", job.data, f"{path} holds {path.stat().st_size:,} bytes, not a whole "
+                                       f"number of {job.data_dtype} tokens ({size} bytes each): is data_dtype right "
+                                       f"({', '.join(DATA_DTYPES)})?"))
+        elif "seq_len" not in bad and path.stat().st_size // size < job.seq_len + 2:
+            problems.append(JobProblem("data", job.data, f"{path} holds {path.stat().st_size // size:,} tokens; a "
+                                       f"sample takes seq_len + 1 ({job.seq_len + 1}) at a random offset"))
+    if kind == "hf:" and not (path.is_dir() and any((path / f).is_file() for f in (
+            "dataset_info.json", "state.json", "dataset_dict.json"))):
+        problems.append(JobProblem("data", job.data, f"{path} is not a dataset saved with save_to_disk (a folder "
+                                   "holding dataset_info.json or dataset_dict.json)"))
+    if job.tokenizer and "tokenizer" not in bad:
+        if kind != "hf:":
+            problems.append(JobProblem("tokenizer", job.tokenizer, "is read only for data: hf:PATH (a dataset of "
+                                       "text); token files and your own data bring token ids"))
+        elif not input_path(job.tokenizer, "tokenizer", folder).is_dir():
+            problems.append(JobProblem("tokenizer", job.tokenizer, f"no such folder "
+                                       f"({input_path(job.tokenizer, 'tokenizer', folder)}): a tokenizer saved "
+                                       "with save_pretrained"))
+    if kind == "hf:" and not job.data_column.strip():
+        problems.append(JobProblem("data_column", job.data_column, "must name the dataset's column of token ids "
+                                   "(or of text, with tokenizer)"))
     return problems

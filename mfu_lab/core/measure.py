@@ -111,6 +111,11 @@ def _count(y, useful: list[int], padded: list[int]) -> None:
     padded.append(y.numel())
 
 
+def _kwargs(batch, device, non_blocking: bool = False) -> dict:
+    """The model's extra keyword tensors a batch brings (:class:`mfu_lab.core.batches.Batch`), on ``device``."""
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in (getattr(batch, "kwargs", None) or {}).items()}
+
+
 def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: int, steps: int,
               progress: Progress | None = None) -> Timings:
     """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor."""
@@ -132,11 +137,12 @@ def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
     start = prev_end = time.perf_counter()
     for i in range(n):
         t0 = time.perf_counter()
-        x, y = next(it)
+        batch = next(it)
+        x, y = batch
         _count(y, useful, padded)
-        x, y = x.to(device), y.to(device)
+        x, y, kw = x.to(device), y.to(device), _kwargs(batch, device)
         t1 = time.perf_counter()
-        losses.append(step(x, y))
+        losses.append(step(x, y, **kw))
         end = time.perf_counter()
         wall.append(end - prev_end)
         data.append(t1 - t0)
@@ -164,12 +170,14 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     useful, padded = [], []
     for i in range(n):
         t0 = time.perf_counter()
-        x, y = next(it)
+        batch = next(it)
+        x, y = batch
         _count(y, useful, padded)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        kw = _kwargs(batch, device, True)
         fetch.append(time.perf_counter() - t0)
         ready[i].record()
-        losses.append(step(x, y))
+        losses.append(step(x, y, **kw))
         done[i].record()
         if progress:
             progress(i + 1, n, time.perf_counter() - start)
@@ -227,8 +235,8 @@ def profile_steps(step, batches, device: torch.device, warmup: int, active: int,
                                         on_trace_ready=ready.append) as prof:
         calls = {"n": 0}
 
-        def stepped(x, y):
-            loss = step(x, y)
+        def stepped(x, y, **kw):
+            loss = step(x, y, **kw)
             calls["n"] += 1
             if calls["n"] == warmup and device.type == "cuda":  # pragma: no cover - GPU only
                 # sync point: the warm-up's kernels finish before the recorded window opens at prof.step()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mfu_lab.core.batches import input_embedding
 from mfu_lab.core.job import Job
 from mfu_lab.core.layout_check import read_shape
 from mfu_lab.core.workload import build_model
@@ -42,22 +43,6 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _input_embedding(model: nn.Module) -> tuple[nn.Embedding | None, str]:
-    get = getattr(model, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            emb = get()
-            if isinstance(emb, nn.Embedding):
-                return emb, "get_input_embeddings()"
-        except (NotImplementedError, AttributeError):
-            pass
-    embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    if not embs:
-        return None, ""
-    name, emb = max(embs, key=lambda nm: nm[1].num_embeddings)  # the token table, not positions
-    return emb, name
-
-
 def shape_of(model: nn.Module) -> MetaShape:
     """The size of a model on any device (the meta device included)."""
     params = list({id(p): p for p in model.parameters()}.values())
@@ -71,7 +56,7 @@ def shape_of(model: nn.Module) -> MetaShape:
     if heads:
         source["n_heads"] = heads[0]
     config = getattr(model, "config", None)
-    emb, emb_where = _input_embedding(model)
+    emb, emb_where = input_embedding(model)
     d_model = vocab = None
     for key in HIDDEN_KEYS:
         for owner, where in ((config, "config"), (model, "model")):

@@ -1,4 +1,4 @@
-"""The workload: a model, synthetic token data through a real DataLoader, a training step.
+"""The workload: a model and a training step (the data is :mod:`mfu_lab.core.data`'s, re-exported here).
 
 The reference model is a small decoder-only GPT (nanoGPT's layout: pre-norm
 blocks, GELU MLP of width 4d, tied input/output embedding) whose attention can
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +21,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset
 
+from mfu_lab.core.batches import FORWARD_KEYS, input_embedding, loss_view, vocab_problem
+from mfu_lab.core.data import (  # noqa: F401  (re-exported: the steps import the data from here too)
+    IGNORE,
+    PAD_ID,
+    Collate,
+    PackedTokens,
+    SyntheticTokens,
+    VarLenTokens,
+    bucket_lengths,
+    build_dataset,
+    build_loader,
+)
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.factories import load_factory
 from mfu_lab.core.job import Job
-from mfu_lab.core.measure import IGNORE  # the target id cross_entropy skips: padding
 
 
 # ------------------------------------------------------------------ reference GPT
@@ -183,172 +193,71 @@ def build_model(job: Job) -> nn.Module:
     return model
 
 
-# ------------------------------------------------------------------ data
-class SyntheticTokens(Dataset):
-    """Seeded random token ids; sample i is the same on every run and in every worker.
-
-    ``load_ms`` sleeps that long per batch (spread over its samples) to stand in
-    for storage or decoding latency, so a slow loader can be demonstrated.
-    """
-
-    def __init__(self, n_samples: int, seq_len: int, vocab_size: int, seed: int, load_ms_per_sample: float = 0.0):
-        self.n, self.seq_len, self.vocab, self.seed = n_samples, seq_len, vocab_size, seed
-        self.load_s = load_ms_per_sample / 1000.0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if self.load_s:
-            time.sleep(self.load_s)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        tokens = torch.randint(self.vocab, (self.seq_len + 1,), generator=g)
-        return tokens[:-1], tokens[1:]
-
-
-PAD_ID = 0  # input id of padding positions
-
-
-class VarLenTokens(SyntheticTokens):
-    """Seeded random token sequences of varying length, uniform in [min_len, seq_len]."""
-
-    def __init__(self, n_samples: int, seq_len: int, min_len: int, vocab_size: int, seed: int,
-                 load_ms_per_sample: float = 0.0):
-        super().__init__(n_samples, seq_len, vocab_size, seed, load_ms_per_sample)
-        self.min_len = min_len
-
-    def length(self, i: int) -> int:
-        g = torch.Generator().manual_seed(self.seed * 7_000_003 + i)
-        return int(torch.randint(self.min_len, self.seq_len + 1, (1,), generator=g))
-
-    def __getitem__(self, i: int):
-        x, y = super().__getitem__(i)
-        n = self.length(i)
-        return x[:n], y[:n]
-
-
-class PackedTokens(Dataset):
-    """Variable-length samples laid end to end and cut into rows of exactly seq_len tokens (no padding)."""
-
-    def __init__(self, source: VarLenTokens, n_rows: int):
-        self.src, self.n, self.seq_len = source, n_rows, source.seq_len
-        self.starts = [0]  # stream offset where each source sample starts
-        i = 0
-        while self.starts[-1] < n_rows * self.seq_len:
-            self.starts.append(self.starts[-1] + source.length(i))
-            i += 1
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, r: int):
-        lo, hi = r * self.seq_len, (r + 1) * self.seq_len
-        xs, ys = [], []
-        for i in range(len(self.starts) - 1):
-            s, e = self.starts[i], self.starts[i + 1]
-            if e <= lo or s >= hi:
-                continue
-            x, y = self.src[i]
-            a, b = max(lo, s) - s, min(hi, e) - s
-            xs.append(x[a:b])
-            ys.append(y[a:b])
-        return torch.cat(xs), torch.cat(ys)
-
-
-def bucket_lengths(seq_len: int, buckets: int) -> list[int]:
-    """``buckets`` lengths evenly spaced up to seq_len, each rounded up to a multiple of 8."""
-    out = set()
-    for k in range(1, buckets + 1):
-        length = math.ceil(seq_len * k / buckets)
-        out.add(min(seq_len, math.ceil(length / 8) * 8))
-    return sorted(out)
-
-
-@dataclass
-class Collate:
-    """Batch samples of different lengths into one (batch, length) tensor pair: padded to the longest
-    sample ('longest'), to seq_len ('pad'), or to the next bucket length ('bucket'). With
-    ``fill_to`` set, a short last batch gets rows of padding (targets ignored) up to that size."""
-
-    policy: str
-    seq_len: int
-    buckets: list[int]
-    fill_to: int = 0
-
-    def __call__(self, samples):
-        longest = max(len(x) for x, _ in samples)
-        if self.policy == "pad":
-            length = self.seq_len
-        elif self.policy == "bucket":
-            length = min([b for b in self.buckets if b >= longest] or [self.seq_len])
-        else:
-            length = longest
-        rows = max(len(samples), self.fill_to)
-        x = torch.full((rows, length), PAD_ID, dtype=torch.long)
-        y = torch.full((rows, length), IGNORE, dtype=torch.long)
-        for i, (xi, yi) in enumerate(samples):
-            x[i, :len(xi)], y[i, :len(yi)] = xi, yi
-        return x, y
-
-
-def build_dataset(job: Job, n_samples: int) -> Dataset:
-    per_sample_ms = job.synthetic_load_ms / job.micro_batch
-    if job.data == "synthetic":
-        return SyntheticTokens(n_samples, job.seq_len, job.vocab_size, job.seed, per_sample_ms)
-    src = VarLenTokens(n_samples, job.seq_len, job.min_seq_len or max(1, job.seq_len // 2), job.vocab_size,
-                       job.seed, per_sample_ms)
-    return PackedTokens(src, n_samples) if job.seq_policy == "pack" else src
-
-
-def build_loader(job: Job, n_batches: int, device_type: str, n_samples: int | None = None) -> DataLoader:
-    """The job's DataLoader over ``n_batches`` full batches (or exactly ``n_samples`` samples)."""
-    ds = build_dataset(job, n_samples if n_samples is not None else n_batches * job.micro_batch)
-    workers = job.num_workers
-    collate = None
-    if job.data != "synthetic" and job.seq_policy != "pack":
-        collate = Collate(job.seq_policy, job.seq_len, bucket_lengths(job.seq_len, job.seq_buckets),
-                          job.micro_batch if job.last_batch == "pad" else 0)
-    elif job.last_batch == "pad":
-        collate = Collate("longest", job.seq_len, [], job.micro_batch)
-    return DataLoader(ds, batch_size=job.micro_batch, shuffle=False, drop_last=job.last_batch == "drop",
-                      num_workers=workers, collate_fn=collate,
-                      prefetch_factor=job.prefetch_factor if workers else None,
-                      pin_memory=job.pin_memory and device_type == "cuda")
-
-
 # ------------------------------------------------------------------ training step
 @dataclass
 class TrainStep:
-    """One optimiser step: forward, loss, backward, AdamW update (autocast for bf16/fp16)."""
+    """One optimiser step: forward, loss, backward, AdamW update (autocast for bf16/fp16).
+
+    The loss: the job's ``loss`` function of ``(output, batch)`` when it names one; else the output's ``.loss`` when
+    the batch brings ``labels`` and the model's forward takes them (Hugging Face: the model shifts them); else
+    cross-entropy of the logits against the targets. Before the first step, the largest token id of the batch is
+    held against the model's input embedding (:func:`mfu_lab.core.batches.vocab_problem`).
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     device_type: str
     dtype: str
-    vocab_size: int
+    vocab_size: int  # 0: the model's input embedding rows
     compiled: nn.Module | None = None  # torch.compile(model) when the job compiles; shares model's parameters
+    loss_fn: Any = None  # the job's own loss of (output, batch), or None
+    data: str = "synthetic"  # the job's data key, named in the vocabulary check's message
+    reference: bool = True  # the reference GPT (its vocabulary is a job key)
 
     def __post_init__(self):
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
+        try:
+            params = inspect.signature(self.model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.takes = {k for k in FORWARD_KEYS if k in params or (anything and k == "attention_mask")}
+        if not self.vocab_size:
+            emb, _ = input_embedding(self.model)
+            self.vocab_size = emb.num_embeddings if emb is not None else 0
+        self.vocab_checked = False
 
     def autocast(self):
         if self.dtype == "float32":
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype))
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor, eager: bool = False) -> torch.Tensor:
-        """The step's loss; ``eager`` runs the uncompiled model (FLOP counting traces eager operators)."""
+    def loss(self, x: torch.Tensor, y: torch.Tensor, eager: bool = False, **kw: torch.Tensor) -> torch.Tensor:
+        """The step's loss; ``eager`` runs the uncompiled model (FLOP counting traces eager operators). ``kw``: the
+        batch's keyword tensors (``labels``, ``attention_mask``); those the forward takes go into it."""
+        if not self.vocab_checked and x.device.type != "meta":
+            why = vocab_problem(self.model, x, self.vocab_size, self.data, self.reference)
+            if why:
+                raise StepError(why)
+            self.vocab_checked = True
         forward = self.model if eager or self.compiled is None else self.compiled
+        fkw = {k: v for k, v in kw.items() if k in self.takes}
         with self.autocast():
-            logits = logits_of(forward(x))
-        if logits.shape[:2] != x.shape or logits.size(-1) != self.vocab_size:
+            out = forward(x, **fkw)
+        if self.loss_fn is not None:
+            return self.loss_fn(out, loss_view(x, y, kw))
+        own = getattr(out, "loss", None) if "labels" in fkw else None
+        if isinstance(own, torch.Tensor):
+            return own.float()
+        logits = logits_of(out)
+        if logits.shape[:2] != x.shape or (self.vocab_size and logits.size(-1) != self.vocab_size):
             raise StepError(f"the model's logits have shape {tuple(logits.shape)}; expected "
                             f"({x.size(0)}, {x.size(1)}, vocab_size={self.vocab_size}). "
-                            "Set vocab_size in the job to the model's vocabulary")
+                            "Set vocab_size in the job to the model's vocabulary (0: its input embedding's)")
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.loss(x, y)
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, **kw: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(x, y, **kw)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -388,4 +297,6 @@ def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
     if job.compile_mode != "off":
         compiled = torch.compile(model, **compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic,
                                                          job.compile_options))
-    return TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled)
+    loss_fn = load_factory(job.loss, None, job.factory_paths, job.trust, key="loss") if job.loss else None
+    return TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled, loss_fn, job.data,
+                     job.uses_reference_model)
