@@ -228,13 +228,16 @@ def factory_key_problems(values: Any, bad: set[str], folder: Path | str | None,
     return problems
 
 
-def anchored_factory_paths(spec: str, folder: Path | None, factory_paths: list) -> list[str] | None:
-    """A job file's ``factory_paths`` as absolute folders, with the file's own folder first when ``spec``'s module
-    lies there (so a kernel or worker in another folder finds it); None when nothing changes."""
+def anchored_factory_paths(spec: str | tuple[str, ...], folder: Path | None, factory_paths: list) -> list[str] | None:
+    """A job file's ``factory_paths`` as absolute folders, with the file's own folder first when a module of
+    ``spec`` (one ``package.module:function`` or several: the model, data and loss factories) lies there, so a
+    kernel or worker in another folder finds it; None when nothing changes."""
     if folder is None:
         return None
     out = [str(p) for p in listed_folders(folder, factory_paths)]
-    if spec != "gpt" and ":" in spec and _walk(spec.split(":")[0], [str(job_folder(folder))]) is not None:
+    specs = (spec,) if isinstance(spec, str) else spec
+    if any(s != "gpt" and ":" in s and _walk(s.split(":")[0], [str(job_folder(folder))]) is not None
+           for s in specs):
         if str(job_folder(folder)) not in out:
             out.insert(0, str(job_folder(folder)))
     return out if out != list(factory_paths) else None

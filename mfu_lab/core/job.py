@@ -373,7 +373,8 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None, anchor: 
         raise
     # relative paths taken from the job file's folder are made absolute: a notebook's kernel gets them as values
     anchored = anchored_paths(job.to_dict(), path, written) if anchor else {}
-    factory_paths = anchored_factory_paths(job.model, job_file_folder(path), job.factory_paths) if anchor else None
+    factory_paths = (anchored_factory_paths(tuple(getattr(job, k) for k in factory_keys(job)), job_file_folder(path),
+                                           job.factory_paths) if anchor else None)
     if factory_paths is not None:  # a factory beside the job file, relative factory_paths: from the file's folder
         anchored["factory_paths"] = factory_paths
     return dataclasses.replace(job, **anchored) if anchored else job
