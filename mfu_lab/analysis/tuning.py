@@ -97,6 +97,15 @@ def _data(job: Job, r: dict) -> list[Change]:
     if data is None or data <= DATA_WAIT_LIMIT:
         return []
     why = f"step 1: data wait {data:.1%} of the step (limit {DATA_WAIT_LIMIT:.0%}; measured)"
+    race = r.get("loader_race") or {}
+    if race.get("adopted"):
+        sp = race["speedup"]
+        evidence = (f"{why}; step 1's loader race: {race['pick']} {sp['value']:.2f}x [{sp['low']:.2f}, "
+                    f"{sp['high']:.2f}] over the job's own loader (measured side by side)")
+        return [Change("data", "baseline", k, getattr(job, k), v, evidence, "measured")
+                for k, v in race["pick_knobs"].items() if getattr(job, k) != v]
+    if race.get("ran") is False:  # the user's own DataLoader: its knobs are not the job's to change
+        return []
     new = 2 if job.num_workers == 0 else job.num_workers * 2
     out = [Change("data", "baseline", "num_workers", job.num_workers, new,
                   why + "; the setting is proposed, the verify step measures what it gives", "proposed")]

@@ -41,6 +41,7 @@ from mfu_lab.core.thresholds import (
 )
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps import baseline_layout
+from mfu_lab.steps.data_race import race_loader
 from mfu_lab.steps.fit import check_fit
 from mfu_lab.workers.launch import world_layout
 
@@ -62,6 +63,8 @@ class BaselineResult(StepResult):
     advice: list[Advice]
     layout: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job in its layout (steps.baseline_layout)
     fit: dict[str, Any] = dataclasses.field(default_factory=dict)  # memory per rank against what is available
+    loader_race: dict[str, Any] = dataclasses.field(default_factory=dict)  # steps.data_race, when data waits
+    data_notes: list[str] = dataclasses.field(default_factory=list)  # what the job's data kind implies
 
 
 Result = BaselineResult  # the step contract: every step module names its result class Result
@@ -178,10 +181,12 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "peak_memory_bytes": _peak_memory(timings),
         "final_loss": Metric(timings.loss[-1], "nats", "measured", "training loss of the last step"),
     }
+    race = race_loader(job, train_step, torch_device, device.type, data_f, DATA_WAIT_LIMIT,
+                       p.say)
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
         report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], fit=fit,
-        skipped=skipped + clock.shortened)
+        skipped=skipped + clock.shortened, loader_race=race, data_notes=list(getattr(loader, "notes", ())))
     result.budget = clock.record()
     return _finish(job, result, t_start, write)
 
@@ -284,6 +289,27 @@ def _run_in_layout(job: Job, device: dev.DeviceInfo, world: int, fit: dict, p, s
     return _finish(job, result, t_start, write)
 
 
+def _data_advice(job: dict, data: float, race: dict) -> Advice:
+    evidence = f"data wait is {data:.1%} of wall time (limit {DATA_WAIT_LIMIT:.0%})"
+    if race.get("adopted"):
+        sp = race["speedup"]
+        return Advice("act", f"The device waits on data: load with {race['pick']} (step 1's loader race: "
+                      f"{sp['value']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}] over the job's own loader, measured); "
+                      "tuned.yaml takes it and step 7 verifies it.", evidence + "; " + race["method"])
+    if race.get("ran") is False:
+        return Advice("act", f"The device waits on data: {race['note']}.", evidence)
+    if job["num_workers"] == 0:
+        fix = "load batches in background processes: set num_workers to 2 or more (one per free core)"
+    else:
+        fix = (f"raise num_workers (now {job['num_workers']}) or prefetch_factor (now {job['prefetch_factor']}); "
+               "store data as large sequential shards")
+    if race.get("ran"):
+        sp = race["speedup"]
+        fix += (f" (step 1's loader race found no loader proven faster: best {race['pick']}, {sp['value']:.2f}x "
+                f"[{sp['low']:.2f}, {sp['high']:.2f}]; the loading itself is the cost)")
+    return Advice("act", f"The device waits on data: {fix}.", evidence)
+
+
 def advise(r: BaselineResult) -> list[Advice]:
     """Step 1's advice from its figures: data waits, host time, spread, compute efficiency loss, FLOP agreement,
     heat."""
@@ -300,13 +326,9 @@ def advise(r: BaselineResult) -> list[Advice]:
     on_gpu = r.peak["device_type"] == "cuda"
 
     if data > DATA_WAIT_LIMIT:
-        if job["num_workers"] == 0:
-            fix = "load batches in background processes: set num_workers to 2 or more (one per free core)"
-        else:
-            fix = (f"raise num_workers (now {job['num_workers']}) or prefetch_factor (now {job['prefetch_factor']}); "
-                   "store data as large sequential shards")
-        out.append(Advice("act", f"The device waits on data: {fix}.",
-                          f"data wait is {data:.1%} of wall time (limit {DATA_WAIT_LIMIT:.0%})"))
+        out.append(_data_advice(job, data, r.loader_race or {}))
+    for note in r.data_notes or []:
+        out.append(Advice("look", f"Data: {note}.", f"data: {job['data']}"))
     if host > HOST_LIMIT:
         out.append(Advice("look", "Host-side overhead is visible between steps: larger micro-batches, "
                           "torch.compile (step 4) or CUDA graphs reduce per-step host work.",
