@@ -147,15 +147,8 @@ def cmd_validate(args) -> int:
     layout = layout_here(job, f"{args.job} and the command line (-p KEY=VALUE)" if args.param else str(args.job))
     print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable{mon}"
           f"{layout})")
-    if not job.uses_reference_model:
-        module, func = job.model.split(":")
-        heads = (" Its heads and blocks, which tp and pp must divide, are read from it on the meta device "
-                 "(mfu_lab.core.layout_check) before a layout runs." if job.tp > 1 or job.pp > 1 else "")
-        found = factories.locate(job.model, Path(args.job).resolve().parent, job.factory_paths, job.trust)[0]
-        where = f"{found.origin}, {found.how}" if found else "where the rule allows"
-        print(f"note: this job names code. Every step will import the module '{module}' ({where}; README, 'Your "
-              f"own model') and call {func}(**model_kwargs): a job file that "
-              f"names code runs that code, so run only job files you trust. validate did not import it.{heads}")
+    for line in factories.code_notes(job, Path(args.job).resolve().parent):
+        print(line)
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
     return EXIT_OK
 

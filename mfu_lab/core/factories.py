@@ -272,3 +272,32 @@ def load_factory(spec: str, folder: Path | str | None, factory_paths: list, trus
     if not callable(func):
         raise StepError(f"job key '{key}' = {spec!r}: module '{module_name}' has no function '{func_name}'")
     return func
+
+
+CALLS = {"model": "{func}(**model_kwargs)", "data": "{func}() (with rank and world_size when it takes them)",
+         "loss": "{func}(output, batch) at every step"}
+
+
+def code_notes(job: Any, folder: Path | str | None) -> list[str]:
+    """validate's notes on the code a job names (its model, data and loss factories): which module each step will
+    import from where and what it calls; and, for a factory model, which shape keys are read from the model."""
+    from mfu_lab.core.job_rules import factory_keys
+
+    out = []
+    for key in factory_keys(job):
+        spec = getattr(job, key)
+        if spec == "gpt":
+            continue
+        module, func = spec.split(":")
+        found = locate(spec, folder, job.factory_paths, job.trust, key)[0]
+        where = f"{found.origin}, {found.how}" if found else "where the rule allows"
+        out.append(f"note: this job names code ({key}). Every step will import the module '{module}' ({where}; "
+                   f"README, 'Your own model and data') and call {CALLS[key].format(func=func)}: a job file that "
+                   "names code runs that code, so run only job files you trust. validate did not import it.")
+    if job.model != "gpt":
+        heads = (" Its heads and blocks, which tp and pp must divide, are checked before a layout runs "
+                 "(mfu_lab.core.layout_check)." if job.tp > 1 or job.pp > 1 else "")
+        vocab = "" if job.vocab_size else "; vocab_size 0: its input embedding's rows"
+        out.append(f"note: n_layers, d_model and n_heads are read from the model (built on the meta device when "
+                   f"step 6 or a layout needs them), not taken from this file{vocab}.{heads}")
+    return out

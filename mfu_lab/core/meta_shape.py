@@ -83,3 +83,18 @@ def job_shape(job: Job) -> MetaShape:
     """The job's model size without allocating it. The reference GPT's layers, heads, width and vocabulary are its
     keys (read back from the model); a factory's are read from what it built."""
     return shape_of(meta_model(job))
+
+
+def shaped(job: Job) -> Job:
+    """The job with a factory model's ``n_layers``, ``d_model``, ``n_heads`` and (for 0) ``vocab_size`` read from
+    the model built on the meta device; the file's values stay where the model does not tell (None in
+    :class:`MetaShape`). The reference GPT's job is returned as it is: those keys build it."""
+    if job.uses_reference_model:
+        return job
+    import dataclasses
+
+    s = job_shape(job)
+    read = {k: getattr(s, k) for k in ("n_layers", "d_model", "n_heads") if getattr(s, k)}
+    if not job.vocab_size and s.vocab_size:
+        read["vocab_size"] = s.vocab_size
+    return dataclasses.replace(job, **read)

@@ -20,12 +20,13 @@ where they point, so the job keeps its meaning in any process (a notebook's kern
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # the mfu_lab folder
 PACKAGED = PACKAGE / "_workbook"  # the build's copy of notebooks/ and parameters/ (an installed package)
 MARKER = Path("notebooks") / "01_baseline.ipynb"
-INPUT_KEYS = ("cluster", "monitor_dir", "tokenizer")  # relative paths to things that exist; out_dir is made
+INPUT_KEYS = ("cluster", "monitor_dir")  # relative paths to things that exist; out_dir is made
 PATH_PREFIXES = ("tokens:", "hf:")  # the data key's file kinds: tokens:PATH, hf:PATH
 
 
@@ -124,12 +125,16 @@ def anchored_paths(values: dict, path: Path, written: set[str]) -> dict[str, str
         there = input_path(value, key, folder if key in written else None, home)
         if there != input_path(value, key):
             out[key] = str(there)
+    # the data's file and tokenizer folder: always absolute, so a tuned.yaml written elsewhere reads the same data
     data = values.get("data") or ""
     prefix = next((p for p in PATH_PREFIXES if data.startswith(p)), "")
     if prefix and not _path(data[len(prefix):]).is_absolute():
         there = input_path(data[len(prefix):], "data", folder if "data" in written else None, home)
-        if there != input_path(data[len(prefix):], "data"):
-            out["data"] = prefix + str(there)
+        out["data"] = prefix + os.path.normpath(there)
+    value = values.get("tokenizer") or ""
+    if value and not _path(value).is_absolute():
+        out["tokenizer"] = os.path.normpath(input_path(value, "tokenizer", folder if "tokenizer" in written else None,
+                                                       home))
     value = values.get("out_dir") or ""
     if value and not _path(value).is_absolute() and output_base(home) != output_base():
         out["out_dir"] = str(output_base(home) / _path(value))

@@ -14,6 +14,7 @@ from mfu_lab.analysis import attention as att
 from mfu_lab.analysis import racing
 from mfu_lab.core import flops as fl
 from mfu_lab.core.measure import run_steps, stats
+from mfu_lab.core.meta_shape import shaped
 from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 
 JOB_IMPL = {"sdpa": "sdpa (torch's choice)", "unfused": "unfused"}  # the job's attention among the candidates
@@ -45,6 +46,7 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
     """Every implementation checked against unfused float32 and timed alone; then their training steps raced
     (:mod:`mfu_lab.analysis.racing`): ``race_steps`` steps each, the survivors (the job's own attention always) for
     the job's ``steps``, side by side. ``thorough``: every correct implementation for the full ``steps``."""
+    job = shaped(job)  # a factory model's own width and heads (core.meta_shape), not the file's
     hd = job.d_model // job.n_heads
     check_shape = (min(2, job.micro_batch), job.n_heads, job.seq_len, hd)
     time_shape = (job.micro_batch, job.n_heads, job.seq_len, hd)
