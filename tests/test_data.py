@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mfu_lab.core.batches import Batch, as_batch
-from mfu_lab.core.data import Feed, build_loader
+from mfu_lab.core.data import Feed, build_loader, same_batches
 from mfu_lab.core.errors import JobError, StepError
 from mfu_lab.core.job import load_job, validate
 from mfu_lab.core.measure import run_steps
@@ -52,6 +52,9 @@ FACTORY = textwrap.dedent('''
 
     def loader():
         return DataLoader(Rows(), batch_size=2)
+
+    def shuffled():
+        return DataLoader(Rows(), batch_size=2, shuffle=True)  # a different order on every call
 
     class Lm(nn.Module):
         """Logits from ids; a Hugging Face style .loss when labels come in (the model shifts them)."""
@@ -271,3 +274,14 @@ def test_a_slow_loader_shows_as_data_wait_of_at_least_its_sleep(user, kind):
     job = job_file(user, **keys)
     t = run_steps(lambda x, y, **kw: torch.tensor(0.0), build_loader(job, 3, "cpu"), torch.device("cpu"), 0, 3)
     assert min(t.data_s) >= 0.050
+
+
+def test_side_by_side_candidates_get_the_same_batches_from_a_shuffling_loader(user):
+    job = job_file(user, data="userdata:shuffled", model="userdata:lm")
+    first = [b[0] for b in same_batches(job, 4, "cpu")]
+    again = [b for b in same_batches(job, 4, "cpu")]
+    assert all(torch.equal(a, b[0]) for a, b in zip(first, again)) and len(again) == 4
+    assert all(set(b.kwargs) == {"labels", "attention_mask"} for b in again)  # saved with their keyword tensors
+    assert list((job.output_root() / ".batches").glob("*.pt"))
+    plain = job_file(user, data="userdata:data", model="userdata:lm")
+    assert isinstance(same_batches(plain, 2, "cpu"), Feed)  # mfu-lab's own loader: the same batches already

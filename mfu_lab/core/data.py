@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from mfu_lab.core.batches import as_batch, input_embedding
+from mfu_lab.core.batches import Batch, as_batch, input_embedding
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.factories import load_factory
 from mfu_lab.core.job import Job
@@ -390,3 +390,33 @@ def _user_feed(job: Job, n: int, device_type: str, rank: int, world: int) -> Fee
                     LOADER_KNOBS)
     raise StepError(f"job key 'data' = {job.data!r}: {job.data.split(':')[1]}() returned {type(obj).__name__}; "
                     "expected a torch Dataset, IterableDataset, DataLoader or an iterable of batches")
+
+
+def same_batches(job: Job, n_batches: int, device_type: str, rank: int = 0, world: int = 1) -> Any:
+    """The batches of a side-by-side comparison (steps 2, 4, 5 and 7), the same for every candidate, in any process.
+
+    mfu-lab's own loaders give the same batches on every call (seeded windows, rows in order, a map-style dataset
+    unshuffled): they are returned as they are, data wait included. A factory's own DataLoader or iterable may
+    shuffle: its first ``n_batches`` are drawn once, saved under ``<out>/<job>/.batches/`` and read back by every
+    later candidate (none of them then waits on data: these steps compare compute, not loading)."""
+    feed = build_loader(job, n_batches, device_type, rank=rank, world=world)
+    if not getattr(feed, "fixed", ()):
+        return feed
+    import hashlib
+    import json
+    import os
+
+    key = hashlib.sha256(json.dumps([job.data, job.factory_paths, job.micro_batch, job.seq_len, job.seed, n_batches,
+                                     rank, world]).encode()).hexdigest()[:16]
+    path = job.output_root() / ".batches" / f"{key}.pt"
+    if path.is_file():
+        try:
+            return [Batch(x, y, kw) for x, y, kw in torch.load(path, weights_only=True)]
+        except Exception:  # a torn or foreign file: drawn again below
+            pass
+    batches = list(feed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save([(b[0], b[1], b.kwargs) for b in batches], tmp)
+    os.replace(tmp, path)
+    return batches

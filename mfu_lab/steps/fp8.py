@@ -40,6 +40,7 @@ from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.budget import Clock
+from mfu_lab.core.data import same_batches
 from mfu_lab.core.errors import JobError, JobProblem
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
@@ -155,8 +156,8 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
             convert_to_float8_training(model, config=config, module_filter_fn=keep)
         ts = build_train_step(bf16, torch.compile(model), "cuda")
         say(f"  compiling and warming {label} (3 steps)")
-        run_steps(ts, build_loader(job, 3, "cuda"), device, 3, 0)
-        timers[label] = (lambda n, ts=ts: run_steps(ts, build_loader(job, n, "cuda"), device, 0, n).measured("wall_s"))
+        run_steps(ts, same_batches(job, 3, "cuda"), device, 3, 0)
+        timers[label] = (lambda n, ts=ts: run_steps(ts, same_batches(job, n, "cuda"), device, 0, n).measured("wall_s"))
     rounds = min(3, job.steps)
     say(f"  timing bf16 and fp8 (compiled) in {rounds} interleaved rounds, {job.steps} steps each")
     walls = interleaved(timers, rounds, job.steps)

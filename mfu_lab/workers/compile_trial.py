@@ -29,11 +29,12 @@ def main() -> int:
         import torch
 
         from mfu_lab.analysis.recompiles import RecompileLog, guard_lines, mode_kwargs
+        from mfu_lab.core.data import same_batches
         from mfu_lab.core.device import resolve_device
         from mfu_lab.core.job import validate
         from mfu_lab.core.measure import run_steps
         from mfu_lab.core.progress import GAP_S
-        from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
+        from mfu_lab.core.workload import build_model, build_train_step, eager
 
         job = eager(validate(spec["job"], "step 4 worker spec"))  # the trial compiles, not the job
         device = resolve_device(job.device)
@@ -64,7 +65,7 @@ def main() -> int:
 
         counters.clear()
         with RecompileLog() as log:
-            timings = run_steps(step, build_loader(job, warm + steps, device.type), tdev, warm, steps, progress)
+            timings = run_steps(step, same_batches(job, warm + steps, device.type), tdev, warm, steps, progress)
         result.update(status="ok", wall_s=timings.wall_s, loss=timings.loss, warmup=warm, method=timings.method,
                       recompiles=log.count, recompile_messages=[guard_lines(m) for m in log.messages[:20]],
                       graphs=int(counters["stats"]["unique_graphs"]), seconds=time.perf_counter() - t0)
@@ -72,7 +73,7 @@ def main() -> int:
             from mfu_lab.core.measure import profile_steps
 
             print(f"{spec['label']}: profiling 3 steps", flush=True)
-            profile_steps(step, build_loader(job, 5, device.type), tdev, 2, 3, Path(spec["trace"]))
+            profile_steps(step, same_batches(job, 5, device.type), tdev, 2, 3, Path(spec["trace"]))
             result["trace"] = spec["trace"]
     except Exception as exc:  # recorded for the step; the other modes still run
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

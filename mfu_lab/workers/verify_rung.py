@@ -145,6 +145,7 @@ def main() -> int:
         import torch
 
         from mfu_lab.core import flops as fl
+        from mfu_lab.core.data import same_batches
         from mfu_lab.core.device import resolve_device
         from mfu_lab.core.job import validate
         from mfu_lab.core.measure import run_steps
@@ -164,7 +165,7 @@ def main() -> int:
         report = fl.count_step_flops(model, step, x0.to(tdev), y0.to(tdev))
         torch.manual_seed(job.seed)  # every rung starts its steps from the same random state, whatever counting drew
         total = job.verify_warmup_steps + spec["steps_total"]
-        batches = iter(build_loader(job, total, device.type))
+        batches = iter(same_batches(job, total, device.type))
         t0 = time.perf_counter()
         warm = run_steps(step, batches, tdev, job.verify_warmup_steps, 0) if job.verify_warmup_steps else None
         reply({"ready": True, "model_flops_per_step": report.model_flops_per_step,
