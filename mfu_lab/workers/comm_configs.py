@@ -68,10 +68,3 @@ def fsdp_job(job: Job, cfg: dict) -> Job:
     """``job`` as this FSDP2 candidate trains it (parameters computed in the job's dtype)."""
     return dataclasses.replace(job, **fsdp_job_keys(cfg))
 
-
-def lossy(cfg: dict) -> bool:
-    """Whether a candidate changes the numbers beyond summation order: a compressing DDP hook, or FSDP2 reducing the
-    gradients in a narrower dtype than float32."""
-    if is_fsdp(cfg):
-        return cfg["reduce_dtype"] != "float32"
-    return cfg["hook"] in ("fp16_compress", "bf16_compress", "powersgd")
