@@ -117,3 +117,19 @@ def test_step7_verifies_a_layout_change_side_by_side_under_torchrun(monkeypatch,
     assert "faster" in torchrun_reason(rung, {"status": "skipped", "layout": r})
     none = verify_layout.verify_layout_change(job, "cpu", [], tmp_path, lambda *a: None)
     assert none["status"] == "skipped"
+
+
+def test_step7_withdraws_a_layout_it_does_not_find_faster(monkeypatch, tmp_path):
+    from mfu_lab.steps import verify_layout
+
+    job = dataclasses.replace(_job(), verify_rounds=2)
+    chosen = tuning.changes(job, {"placement": _placement(_entry("ddp2", 0.100, 0.098, 0.102),
+                                                          _entry("fsdp2", 0.080, 0.078, 0.082))})
+    monkeypatch.setattr(verify_layout, "run_layouts", lambda job, dt, work, items, **k: [SimpleNamespace(
+        status="ok", reason="", losses=[5.0], layout={"name": "x"},
+        step_times_s=[[0.12, 0.121, 0.119] if it["overrides"] else [0.1, 0.101, 0.099]]) for it in items])
+    r = verify_layout.verify_layout_change(job, "cpu", chosen, tmp_path, lambda *a: None)
+    assert r["withdrawn"] and "slower" in r["text"]
+    stored = {"placement": _placement(_entry("ddp2", 0.100, 0.098, 0.102), _entry("fsdp2", 0.080, 0.078, 0.082)),
+              "verify": {"changes": [c.to_dict() for c in chosen]}}
+    assert tuning.changes(job, stored) == []  # tuned.yaml, written again after step 7, keeps the job's layout

@@ -35,7 +35,9 @@ def torchrun_reason(rung, ddp: dict[str, Any]) -> str:
     if rung.name == "layout":
         lay = ddp.get("layout") or {}
         return "a layout change, verified under torchrun; " + (
-            lay["text"] if lay.get("status") == "ok" else f"layout check {lay.get('status')}: {lay.get('reason', '')}")
+            lay["text"] if lay.get("status") == "ok" else f"layout check {lay.get('status')}: {lay.get('reason', '')}") + (
+            "; withdrawn: tuned.yaml keeps the job's layout" if lay.get("withdrawn") or lay.get("status") == "failed"
+            else "")
     return rung.reason
 
 

@@ -121,8 +121,9 @@ def verify_layout_change(job: Job, device_type: str, chosen: list, work: Path, s
         who = "tuned" if o else "original"
         order.append(who)
         if run.status != "ok":
-            return {"status": "failed", "keys": keys, "reason": f"{who} layout {run.layout.get('name')}: "
-                    f"{run.status}: {run.reason}", "order": order}
+            why = f"{who} layout {run.layout.get('name')}: {run.status}: {run.reason}"
+            _withdraw(job, chosen, keys, f"step 7: the layout check failed ({why})")
+            return {"status": "failed", "keys": keys, "reason": why, "order": order}
         side[who]["wall"] += slowest_rank_steps(run)
         side[who]["loss"].append(run.losses[-1] if run.losses else None)
         names[who] = run.layout.get("name")
@@ -133,7 +134,7 @@ def verify_layout_change(job: Job, device_type: str, chosen: list, work: Path, s
     loss_ok = gap is not None and gap <= job.loss_tolerance
     verdict = "faster" if sp.low > 1 else "slower" if sp.high < 1 else "not proven (the interval includes 1.0)"
     sa, sb = stats(a), stats(b)
-    return {"status": "ok", "keys": keys, "layouts": names, "order": order, "world_size": nnodes * nproc,
+    out = {"status": "ok", "keys": keys, "layouts": names, "order": order, "world_size": nnodes * nproc,
             "original_median_s": sa.median, "tuned_median_s": sb.median, "speedup": sp.value, "speedup_low": sp.low,
             "speedup_high": sp.high, "proven": sp.proven, "loss_gap": gap, "loss_ok": loss_ok,
             "text": f"layout {names.get('original')} -> {names.get('tuned')} ({nnodes * nproc} ranks, under torchrun): "
@@ -141,3 +142,17 @@ def verify_layout_change(job: Job, device_type: str, chosen: list, work: Path, s
                     f"{sp.text()} (measured side by side, {turns} alternating turns); final loss "
                     + (f"{gap:.1e} from the original's, " + ("within" if loss_ok else "OUTSIDE") +
                        f" loss_tolerance {job.loss_tolerance:.0%}" if gap is not None else "not compared")}
+    if not (sp.low > 1 and loss_ok):  # not faster beyond the noise, or the loss left the tolerance: not adopted
+        _withdraw(job, chosen, keys, "step 7: " + out["text"])
+        out["withdrawn"] = True
+    return out
+
+
+def _withdraw(job: Job, chosen: list, keys: dict[str, Any], evidence: str) -> None:
+    """Step 7's own finding against a proposed layout: each key back to the job's value (analysis.tuning reads step
+    7's adopted changes last, and a change back to the job's value removes the earlier one from tuned.yaml)."""
+    from mfu_lab.analysis.tuning import Change
+
+    for key, new in keys.items():
+        chosen.append(Change("layout", "verify", key, new, getattr(job, key), evidence, "measured",
+                             reason="the proposed layout is withdrawn: not verified faster beside the original"))
