@@ -34,10 +34,10 @@ def torchrun_reason(rung, ddp: dict[str, Any]) -> str:
             ddp["text"] if ddp["status"] == "ok" else f"DDP check {ddp['status']}: {ddp.get('reason', '')}")
     if rung.name == "layout":
         lay = ddp.get("layout") or {}
-        return "a layout change, verified under torchrun; " + (
-            lay["text"] if lay.get("status") == "ok" else f"layout check {lay.get('status')}: {lay.get('reason', '')}") + (
-            "; withdrawn: tuned.yaml keeps the job's layout" if lay.get("withdrawn") or lay.get("status") == "failed"
-            else "")
+        said = lay["text"] if lay.get("status") == "ok" else f"layout check {lay.get('status')}: {lay.get('reason')}"
+        gone = lay.get("withdrawn") or lay.get("status") == "failed"
+        return "a layout change, verified under torchrun; " + said + (
+            "; withdrawn: tuned.yaml keeps the job's layout" if gone else "")
     return rung.reason
 
 
