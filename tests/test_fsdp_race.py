@@ -94,3 +94,23 @@ def test_step_2_races_fsdp2_candidates_at_world_2_with_confirmation_and_loss_che
     assert pick.kind == "fsdp" and pick.loss_gap <= job.loss_tolerance
     assert sweep.confirm["candidate"] == config_name(_cfg(pick)) and sweep.confirm["done"]
     assert [config_name(ev["config"]) for ev in sweep.turns].count(config_name(_cfg(pick))) == 3
+
+
+def test_an_fsdp_pick_is_not_taken_for_a_ddp_configuration_by_steps_3_and_6(tmp_path):
+    import json
+
+    from mfu_lab.analysis.placement_calibration import recommended_comm
+    from mfu_lab.steps import kernels
+
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
+    name = "fsdp reshard=true prefetch=1 reduce=float32"
+    rec = {"kind": "fsdp", "hook": name, "bucket_cap_mb": 0.0, "gradient_as_bucket_view": False,
+           "job_keys": {"dp_mode": "fsdp"}}
+    rows = [{"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False, "status": "ok"},
+            {"hook": name, "bucket_mb": 0.0, "grad_as_bucket_view": False, "status": "ok", "kind": "fsdp"}]
+    folder = job.step_dir("02_attention_and_comm")
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({"recommendation": {"comm": rec}}))
+    cfg, why = kernels._comm_config(job)  # step 3 profiles DDP as the job has it
+    assert cfg == {"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False} and "FSDP2" in why
+    assert recommended_comm({"recommendation": {"comm": rec}, "comm": rows}) is rows[0]  # step 6: DDP's figures
