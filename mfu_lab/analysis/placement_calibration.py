@@ -28,6 +28,8 @@ def recommended_comm(step2: dict) -> dict | None:
     rec = step2.get("recommendation", {}).get("comm")
     if not rec:
         return None
+    if rec.get("kind") == "fsdp":  # an FSDP2 pick: DDP's own figures are its defaults' row
+        rec = {"hook": "none", "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False}
     return next((c for c in step2["comm"] if c["status"] == "ok" and c["hook"] == rec["hook"]
                  and float(c["bucket_mb"]) == float(rec["bucket_cap_mb"])
                  and c["grad_as_bucket_view"] == rec["gradient_as_bucket_view"]), None)

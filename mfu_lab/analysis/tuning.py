@@ -4,7 +4,7 @@ Each step that recommends a change says it in its result; this module reads thos
 dicts, as stored) and turns each recommendation into :class:`Change` rows, one per job key, in the
 workflow's order (the staircase the verify step measures):
 
-    attention -> communication -> data -> compile -> precision -> fp8
+    attention -> communication -> layout -> data -> compile -> precision -> fp8
 
 A change is ``adopted`` (applied to the tuned job), or not, with the reason:
 
@@ -14,7 +14,9 @@ A change is ``adopted`` (applied to the tuned job), or not, with the reason:
 - a step that said "keep as is", or a lossy trial that diverged or left the tolerance, produces no
   change at all: there is nothing to adopt.
 
-Placement stays a hint (it is modelled): it is not a key of the tuned job.
+Placement on the cluster stays a hint (it is modelled): it is not a key of the tuned job. A layout measured on this
+node (step 6's ``layouts``, or step 2's FSDP2 pick) faster beyond the noise is proposed as the ``layout`` rung
+(dp_mode, fsdp_*, tp, sp, pp, pp_schedule...), with its measured figures; step 7 verifies it under torchrun.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from typing import Any
 
 import yaml
 
+from mfu_lab.analysis.layout_proposal import faster_layout
 from mfu_lab.core import overrides as ov
 from mfu_lab.core.job import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
-RUNGS = ("attention", "communication", "data", "compile", "precision", "fp8")
+RUNGS = ("attention", "communication", "layout", "data", "compile", "precision", "fp8")
 # keys that change what a step measured: a result taken with other values is evidence about another job
 SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "micro_batch",
               "data", "seq_policy", "device", "dtype", "attention", "compile_mode")
@@ -72,6 +75,8 @@ def _communication(job: Job, r: dict) -> list[Change]:
     comm = (r.get("recommendation") or {}).get("comm")
     if not comm:
         return []
+    if comm.get("kind") == "fsdp":  # step 2 picked an FSDP2 candidate: a layout change, not DDP settings
+        return _fsdp_pick(job, r, comm)
     wanted = {"ddp_hook": comm["hook"], "ddp_bucket_mb": float(comm["bucket_cap_mb"]),
               "ddp_grad_as_bucket_view": bool(comm["gradient_as_bucket_view"])}
     rows = {(x.get("hook"), float(x.get("bucket_mb", 0)), x.get("grad_as_bucket_view")): x for x in r.get("comm", [])}
@@ -90,6 +95,42 @@ def _communication(job: Job, r: dict) -> list[Change]:
                         "set ddp_hook by hand once a training run shows the loss within loss_tolerance")
         out.append(c)
     return out
+
+
+def _fsdp_pick(job: Job, r: dict, comm: dict) -> list[Change]:
+    row = next((x for x in r.get("comm", []) if x.get("hook") == comm.get("hook")), {})
+    ref = next((x for x in r.get("comm", []) if x.get("hook") == "none" and float(x.get("bucket_mb", 0)) == 25.0
+                and not x.get("grad_as_bucket_view")), {})
+    fig = (f"{row['step_median_s'] * 1e3:.1f} ms against DDP's defaults' {ref['step_median_s'] * 1e3:.1f} ms"
+           if row.get("step_median_s") and ref.get("step_median_s") else "step time not recorded")
+    conf = ((r.get("races") or {}).get("ddp") or {}).get("confirmation") or {}
+    if conf.get("speedup") is not None:
+        fig += f", confirmed side by side {conf['speedup']:.2f}x [{conf.get('low', 0):.2f}, {conf.get('high', 0):.2f}]"
+    gap = f"; final loss {row['loss_gap']:.1e} from DDP's defaults'" if row.get("loss_gap") is not None else ""
+    lossy = comm["job_keys"].get("fsdp_reduce_dtype", "float32") not in ("float32", "")
+    out = []
+    for key, new in comm["job_keys"].items():
+        if new == getattr(job, key):
+            continue
+        c = Change("layout", "attention_comm", key, getattr(job, key), new,
+                   f"step 2: {comm['hook']}, {fig}{gap} (measured)", "measured", lossy)
+        if lossy:
+            c.reason = (f"reduces gradients in {comm['job_keys']['fsdp_reduce_dtype']}: adopted because step 2's "
+                        f"final loss stayed within loss_tolerance ({job.loss_tolerance:.0%}); step 7 checks it again")
+        out.append(c)
+    return out
+
+
+def _layout(job: Job, r: dict) -> list[Change]:
+    """Step 6: a layout measured on this node, faster beyond the noise than the job's own (analysis.layout_proposal)."""
+    found = faster_layout(job, r.get("layouts") or [])
+    if not found:
+        return []
+    evidence = (f"step 6: layout {found['layout']} measured on this node, {found['step_s'] * 1e3:.1f} ms per step "
+                f"against the job's own {found['reference']} {found['reference_step_s'] * 1e3:.1f} ms "
+                f"({found['speedup']:.2f}x; {found['rule']})")
+    return [Change("layout", "placement", k, getattr(job, k), v, evidence, "measured")
+            for k, v in found["changes"].items()]
 
 
 def _data(job: Job, r: dict) -> list[Change]:
@@ -177,7 +218,8 @@ def _rechecked(job: Job, r: dict) -> list[Change]:
             if c.get("step") == "verify" and c.get("adopted")]
 
 
-READERS = (("attention_comm", _attention), ("attention_comm", _communication), ("baseline", _data),
+READERS = (("attention_comm", _attention), ("attention_comm", _communication), ("placement", _layout),
+           ("baseline", _data),
            ("compile", _compile), ("fp8", _precision), ("fp8", _fp8), ("verify", _rechecked))
 
 
@@ -197,9 +239,12 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
         r = results.get(step)
         if not r:
             continue
+        found = read(job, r)
+        if step == "placement" and found:  # step 6 compared every layout that fits: its pick replaces step 2's
+            out = [o for o in out if o.rung != "layout"]
         measured_with = {k: v for k, v in (r.get("job") or {}).items()
                          if k in SHAPE_KEYS and v != getattr(job, k)}
-        for c in read(job, r):
+        for c in found:
             if measured_with:
                 c.evidence += "; measured with " + ", ".join(f"{k}={v!r} (this job: {getattr(job, k)!r})"
                                                             for k, v in measured_with.items())

@@ -164,6 +164,17 @@ class Job:
     comm_hooks: list = _key(list(COMM_HOOKS), "DDP communication hooks to sweep: " + " | ".join(COMM_HOOKS),
                             items="hook")
     comm_grad_as_bucket_view: list = _key([False, True], "gradient_as_bucket_view values to sweep", items="bool")
+    comm_fsdp_reshard: list = _key([True, False], "FSDP2 candidates of step 2's race: reshard_after_forward values "
+                                   "(each FSDP2 candidate is one of these x comm_fsdp_prefetch x "
+                                   "comm_fsdp_reduce_dtype); [] in all three: no FSDP2 candidate", items="bool",
+                                   empty=True)
+    comm_fsdp_prefetch: list = _key([0, 1], "FSDP2 candidates: explicit prefetch depths in blocks (as fsdp_prefetch; "
+                                    "0: FSDP's implicit prefetch); [] in all three comm_fsdp_* keys: none",
+                                    items="count", empty=True)
+    comm_fsdp_reduce_dtype: list = _key(["float32", "bfloat16"], "FSDP2 candidates: MixedPrecisionPolicy "
+                                        "reduce_dtype values (" + " | ".join(DTYPES) + "); a lossy one is adopted "
+                                        "only with the loss within loss_tolerance; [] in all three comm_fsdp_* "
+                                        "keys: none", items="dtype", empty=True)
     comm_steps: int = _key(3, "measured DDP steps per configuration (and as many under no_sync)", min=2)
     comm_warmup_steps: int = _key(1, "discarded DDP steps per configuration", min=0)
     comm_timeout_s: float = _key(60.0, "a DDP launch with no finished step for this long is ended as hung",

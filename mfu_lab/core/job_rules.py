@@ -168,6 +168,10 @@ def items_problem(kind: str, items: list, keys: Collection[str]) -> str | None:
         if kind == "package" and (v == "mfu_lab" or v == "builtins" or v in sys.stdlib_module_names):
             return (f"item {v!r}: mfu_lab's own code and Python's standard library are never trusted: a job file "
                     "that names code runs that code; name installed packages that hold model factories")
+        if kind == "count" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            return f"item {v!r}: every item must be a whole number >= 0"
+        if kind == "dtype" and v not in DTYPES:
+            return f"item {v!r}: every item must be one of {', '.join(DTYPES)}"
         if kind == "bool" and not isinstance(v, bool):
             return f"item {v!r}: every item must be true or false"
     if len(set(map(repr, items))) != len(items):
@@ -244,7 +248,25 @@ def cross_key_problems(job: Any, bad: set[str]) -> list[JobProblem]:
                                    "perfect scaling)"))
     if not bad & {"assumed_mfu"} and job.assumed_mfu > 1:
         problems.append(JobProblem("assumed_mfu", job.assumed_mfu, "must be <= 1 (a fraction of peak)"))
-    return problems + layout_problems(job, bad)
+    return problems + fsdp_candidate_problems(job, bad) + layout_problems(job, bad)
+
+
+FSDP_CANDIDATE_KEYS = ("comm_fsdp_reshard", "comm_fsdp_prefetch", "comm_fsdp_reduce_dtype")
+
+
+def fsdp_candidate_problems(job: Any, bad: set[str]) -> list[JobProblem]:
+    """Step 2's FSDP2 candidates are the product of the three comm_fsdp_* lists: one empty list alone would silently
+    drop them all, so an empty list is accepted only when all three are empty (no FSDP2 candidate)."""
+    if bad & set(FSDP_CANDIDATE_KEYS):
+        return []
+    empty = [k for k in FSDP_CANDIDATE_KEYS if not getattr(job, k)]
+    if not empty or len(empty) == len(FSDP_CANDIDATE_KEYS):
+        return []
+    return [JobProblem(k, [], "must not be empty while " + " and ".join(x for x in FSDP_CANDIDATE_KEYS if x not in
+                                                                        empty)
+                       + " list values: FSDP2 candidates are the product of the three lists; give [] in all three "
+                       "(comm_fsdp_reshard, comm_fsdp_prefetch, comm_fsdp_reduce_dtype) to race no FSDP2 candidate")
+            for k in empty]
 
 
 def layout_problems(job: Any, bad: set[str]) -> list[JobProblem]:

@@ -40,7 +40,7 @@ def comm_sweep(result) -> ReportFigure:
     """Step time and exposed-communication share against bucket size, one line per hook."""
     fig = ReportFigure(figsize=(11, 3.8))
     ax, ax2 = fig.subplots(1, 2)
-    for hook in dict.fromkeys(r.hook for r in result.comm):
+    for hook in dict.fromkeys(r.hook for r in result.comm if getattr(r, "kind", "ddp") == "ddp"):  # FSDP2: no buckets
         for gabv, style in ((False, "-"), (True, "--")):
             pts = sorted((r.bucket_mb, r) for r in result.comm
                          if r.hook == hook and r.grad_as_bucket_view == gabv and r.status == "ok")

@@ -50,8 +50,10 @@ def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
             gain = comm_gain(d)
             is_default = (comm.get("hook"), comm.get("bucket_cap_mb"), bool(comm.get("gradient_as_bucket_view"))) \
                 == ("none", 25, False)
-            out.append(Change(folder, f"DDP: hook {comm.get('hook')}, bucket_cap_mb {comm.get('bucket_cap_mb')}, "
-                              f"gradient_as_bucket_view {comm.get('gradient_as_bucket_view')}", gain, "x", "measured",
+            what = (f"FSDP2 instead of DDP: {comm.get('hook')}" if comm.get("kind") == "fsdp" else
+                    f"DDP: hook {comm.get('hook')}, bucket_cap_mb {comm.get('bucket_cap_mb')}, "
+                    f"gradient_as_bucket_view {comm.get('gradient_as_bucket_view')}")
+            out.append(Change(folder, what, gain, "x", "measured",
                               "keep as is" if is_default else "adopt",
                               "DDP step time of DDP's defaults / this configuration's, in one launch; "
                               + rec.get("comm_text", "")))

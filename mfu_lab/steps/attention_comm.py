@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.analysis import racing
+from mfu_lab.analysis.dp_family import loss_gap, loss_verdict
 from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
@@ -38,6 +39,7 @@ from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_st
 from mfu_lab.steps.attention_race import IMPOSSIBLE_SHARE, JOB_IMPL, AttentionRow, _pick, attention_section
 from mfu_lab.steps.baseline import step1_reference
 from mfu_lab.steps.comm_race import confirm_pick, race_ddp
+from mfu_lab.workers.comm_configs import fsdp_job_keys, is_fsdp
 from mfu_lab.workers.launch import config_key, config_name, one_rank_reason, sweep_configs, world_layout
 
 INFO = BY_KEY["attention_comm"]
@@ -63,6 +65,11 @@ class CommRow:
     exposed_share: float | None = None
     param_diff: float | None = None
     mfu: float | None = None
+    kind: str = "ddp"  # ddp | fsdp (an FSDP2 candidate: hook holds its name, bucket_mb 0; see fsdp)
+    fsdp: dict | None = None  # FSDP2: {reshard, prefetch, reduce_dtype}
+    loss: float | None = None  # rank 0's last timed step, same batches and steps as every candidate
+    loss_gap: float | None = None  # relative to DDP's defaults' loss (analysis.dp_family)
+    loss_note: str = ""  # why the loss check refused it
 
 
 @dataclass
@@ -99,8 +106,7 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
         ev = sweep.outcomes.get(config_key(cfg))
         if ev is None:
             continue
-        row = CommRow(cfg["hook"], cfg["bucket_mb"], cfg["grad_as_bucket_view"], ev["event"],
-                      ev.get("error", ""), ev.get("stderr", ""))
+        row = _row(cfg, ev)
         if ev["event"] == "dropped" and ev.get("wall_s"):  # the race's first round only, said in the table
             s = stats(ev["wall_s"])
             row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
@@ -108,8 +114,9 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
             s = stats(ev["wall_s"])
             local = statistics.median(ev["no_sync_wall_s"])
             exposed = max(0.0, s.median - local)
-            diff = ev["param_checksum_max_diff"]
-            row.status = "ok" if diff <= DDP_SYNC_TOLERANCE else "out of sync"
+            diff = ev["param_checksum_max_diff"]  # None under FSDP2: one sharded copy, nothing to drift
+            row.status = "ok" if (diff or 0.0) <= DDP_SYNC_TOLERANCE else "out of sync"
+            row.loss = ev.get("loss")
             row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
             row.comm_s, row.no_sync_step_s, row.exposed_s, row.param_diff = ev["comm_s"], local, exposed, diff
             row.comm_share = min(1.0, ev["comm_s"] / ev["profiled_step_s"])  # both from the profiled step
@@ -117,6 +124,28 @@ def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: fl
             row.mfu = fl.mfu(world * flops_per_step, len(ev["wall_s"]) / sum(ev["wall_s"]), peak_total)
         rows.append(row)
     return rows
+
+
+def _row(cfg: dict, ev: dict) -> CommRow:
+    if is_fsdp(cfg):
+        return CommRow(config_name(cfg), 0.0, False, ev["event"], ev.get("error", ""), ev.get("stderr", ""),
+                       kind="fsdp", fsdp={k: cfg[k] for k in ("reshard", "prefetch", "reduce_dtype")})
+    return CommRow(cfg["hook"], cfg["bucket_mb"], cfg["grad_as_bucket_view"], ev["event"], ev.get("error", ""),
+                   ev.get("stderr", ""))
+
+
+def _loss_check(rows: list[CommRow], reference: CommRow | None, tolerance: float) -> list[CommRow]:
+    """The rows step 2 may pick: each row's loss compared with DDP's defaults' (analysis.dp_family's rule, which the
+    worker's own pick obeys too); a refused row keeps its figures and says why."""
+    ok = []
+    for r in rows:
+        r.loss_gap = loss_gap(r.loss, reference.loss) if reference else None
+        fine, why = loss_verdict(_cfg(r), r.loss, reference.loss if reference else None, tolerance)
+        if fine:
+            ok.append(r)
+        else:
+            r.loss_note = why
+    return ok
 
 
 def _ddp_ledger(row: CommRow, ev: dict, world: int, hw: HardwareFlops | None, why_not: str) -> Ledger:
@@ -203,8 +232,9 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
             took = "" if kind != "done" else (
                 f", {statistics.median(ev['wall_s']) * 1e3:.0f} ms/step" + (" (first round)" if ev.get("screen") else
                 f" ({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"))
-            say(f"  comm [{done['n']}/{done['total']}] {c['hook']}, bucket {c['bucket_mb']} MB, "
-                f"gradient_as_bucket_view={c['grad_as_bucket_view']}: {kind}{took}"
+            what = config_name(c) if is_fsdp(c) else (f"{c['hook']}, bucket {c['bucket_mb']} MB, "
+                                                     f"gradient_as_bucket_view={c['grad_as_bucket_view']}")
+            say(f"  comm [{done['n']}/{done['total']}] {what}: {kind}{took}"
                 + done["eta"].tag(min(done["n"], done["total"])))
             beat.said()
 
@@ -221,7 +251,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     comm_rows = _comm_rows(configs, sweep, fps, peak_total, world)
     good = [r for r in comm_rows if r.status == "ok"]
     ddp_default = next((r for r in good if (r.hook, float(r.bucket_mb), r.grad_as_bucket_view) == DDP_DEFAULT), None)
-    best_comm = _pick(good, ddp_default)
+    best_comm = _pick(_loss_check(good, ddp_default, job.loss_tolerance), ddp_default)
     decided = sweep.confirm  # the worker's pick, by the same rule on rank 0's figures, the same on every node
     if decided is not None and "error" not in decided and ddp_default is not None:
         best_comm = next((r for r in good if config_name(_cfg(r)) == decided.get("candidate")), ddp_default)
@@ -235,7 +265,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
             best_comm = ddp_default
     ledger = None
     if best_comm:
-        ev = sweep.outcomes[config_key(vars(best_comm))]
+        ev = sweep.outcomes[config_key(_cfg(best_comm))]
         # the FLOP count is the job's own attention's: its recompute share holds when the ranks ran that kernel
         own = best_att is None or best_att is job_impl
         ledger = _ddp_ledger(best_comm, ev, world, hardware_flops(flops) if own else None,
@@ -258,6 +288,8 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
 
 
 def _cfg(row: CommRow) -> dict:
+    if row.kind == "fsdp":
+        return {"kind": "fsdp", **(row.fsdp or {})}
     return {"hook": row.hook, "bucket_mb": row.bucket_mb, "grad_as_bucket_view": row.grad_as_bucket_view}
 
 
@@ -276,7 +308,18 @@ def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | Non
                                      f"ms, {best_att.speedup:.2f}x the job's own attention in the same run"
                                      f"{mfu_change}.")
         rec["job_fragment"] = {"attention": "unfused" if best_att.name == "unfused" else "sdpa"}
-    if best_comm:
+    if best_comm and best_comm.kind == "fsdp":  # a layout change: dp_mode fsdp and its keys (tuned.yaml, step 7)
+        rec["comm"] = {"kind": "fsdp", "hook": best_comm.hook, "bucket_cap_mb": 0.0, "gradient_as_bucket_view": False,
+                       "job_keys": fsdp_job_keys(_cfg(best_comm))}
+        gap = f", final loss {best_comm.loss_gap:.2%} from DDP's defaults'" if best_comm.loss_gap is not None else ""
+        confirmed = f"; {confirmation.text()}" if confirmation is not None else ""
+        rec["comm_text"] = (f"Train with FSDP2 instead of DDP ({best_comm.hook}; job keys "
+                            + ", ".join(f"{k}: {v}" for k, v in rec["comm"]["job_keys"].items())
+                            + f"): step {best_comm.step_median_s * 1e3:.1f} ms, exposed communication "
+                            f"{(best_comm.exposed_share or 0):.1%} of the step{gap} (within loss_tolerance "
+                            f"{job.loss_tolerance:.0%}){confirmed}. A layout change: step 7 verifies it under "
+                            "torchrun beside the original job.")
+    elif best_comm:
         rec["comm"] = {"hook": best_comm.hook, "bucket_cap_mb": best_comm.bucket_mb,
                        "gradient_as_bucket_view": best_comm.grad_as_bucket_view}
         figures = (f"step {best_comm.step_median_s * 1e3:.1f} ms, exposed communication "
@@ -336,8 +379,9 @@ def advise(r: AttentionCommResult) -> list[Advice]:
         out.append(Advice("look", f"Wrong results from: {', '.join(wrong)}; they are never recommended.",
                           "relative error above tolerance against unfused float32"))
     if r.recommendation.get("comm_text"):
-        out.append(Advice("act", r.recommendation["comm_text"], "DDP configurations timed in one launch, ranks in "
-                          "sync; a change is recommended only when its p10-p90 range clears the default's"))
+        out.append(Advice("act", r.recommendation["comm_text"], "DDP configurations and FSDP2 candidates timed in "
+                          "one launch, DDP's ranks in sync; a change is recommended only when its p10-p90 range clears "
+                          "the default's and its final loss stays within loss_tolerance of the default's"))
     best = r.metric("exposed_comm_share")
     if best is not None and best > 0.15:
         out.append(Advice("look", "Exposed communication stays above 15% of the step even at the best setting: "

@@ -22,6 +22,7 @@ from mfu_lab.core.budget import Clock
 from mfu_lab.core.job import Job
 from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
+from mfu_lab.workers.comm_configs import hook_of
 from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import (
     SweepOutcome,
@@ -72,7 +73,8 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     ref_name = next((name(c) for c in runnable if config_key(c) == reference), None)
     left = clock.left_s()
     deadline = None if left is None else time.time() + left
-    confirm = {"reference": ref_name, "turns": RACE_CONFIRM_TURNS, "deadline": deadline} if ref_name else None
+    confirm = {"reference": ref_name, "turns": RACE_CONFIRM_TURNS, "deadline": deadline,
+               "loss_tolerance": job.loss_tolerance} if ref_name else None  # the pick obeys step 2's loss check
     log = racing.RaceLog("exhaustive" if job.thorough else "racing", refs)
     by_name = {name(c): c for c in runnable}
 
@@ -167,7 +169,7 @@ def confirm_pick(job: Job, device_type: str, attention: str | None, sweep: Sweep
         return racing.Confirmation(pick_name, ref_name, "skipped", "several nodes: the sweep's own launch ended "
                                    "before it confirmed this pick, and one node cannot start a launch the others "
                                    "would not join")
-    warm = max(ddp_warmup(job.comm_warmup_steps, c["hook"]) for c in (reference, pick))  # as the worker warms up
+    warm = max(ddp_warmup(job.comm_warmup_steps, hook_of(c)) for c in (reference, pick))  # as the worker warms up
     estimate = racing.confirm_seconds(turns, warm + job.comm_steps, step_s)
     if not clock.fits(estimate):
         return _skipped(clock, pick_name, ref_name, f"budget: {clock.left_s():.0f} s of the step's share left, the "

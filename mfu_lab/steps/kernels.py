@@ -109,6 +109,10 @@ def _comm_config(job: Job) -> tuple[dict[str, Any], str]:
     """Step 2's recommended DDP configuration when it has one, else the job's own (ddp_* keys)."""
     step2 = store.earlier(job, "attention_comm")
     rec = (step2.data.get("recommendation") or {}).get("comm") if step2 else None
+    if rec and rec.get("kind") == "fsdp":  # a layout change (step 7 verifies it): DDP is profiled as the job has it
+        return ({"hook": job.ddp_hook, "bucket_mb": job.ddp_bucket_mb,
+                 "grad_as_bucket_view": job.ddp_grad_as_bucket_view},
+                f"the job's own (ddp_* keys; step 2 recommends FSDP2, {rec['hook']}, a layout change)")
     if rec:
         return ({"hook": rec["hook"], "bucket_mb": rec["bucket_cap_mb"],
                  "grad_as_bucket_view": rec["gradient_as_bucket_view"]}, "step 2's recommendation")

@@ -43,7 +43,7 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
-from mfu_lab.steps.verify_ddp import verify_ddp
+from mfu_lab.steps.verify_ddp import UNDER_TORCHRUN, torchrun_reason, verify_ddp
 from mfu_lab.steps.verify_layout import measure_in_layout, rung_figures
 from mfu_lab.workers.launch import world_layout
 from mfu_lab.workers.verify_rung import RungProcess
@@ -107,10 +107,10 @@ Result = VerifyResult  # the step contract: every step module names its result c
 
 
 def earlier_results(job: Job) -> tuple[dict[str, dict], list[str]]:
-    """The stored results of steps 1-5 (key -> dict), and why each missing one is missing."""
+    """The stored results of steps 1-6 (key -> dict), and why each missing one is missing."""
     found, missing = {}, []
     for info in STEPS:
-        if info.number > 5:
+        if info.number > 6:  # step 6 too: a layout it measured faster here is proposed (analysis.layout_proposal)
             continue
         e = store.earlier(job, info.key)
         if e:
@@ -313,8 +313,8 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     for name, rjob, mine in stairs:
         keys = {c.key: c.new for c in mine}
         rung = Rung(name, keys, "ok", dtype=rjob.dtype)
-        if name == "communication":
-            rung.status, rung.reason = "excluded", "DDP settings do nothing in one process: verified under DDP below"
+        if name in UNDER_TORCHRUN:  # DDP settings, a layout change: verified under torchrun (steps.verify_ddp)
+            rung.status, rung.reason = "excluded", UNDER_TORCHRUN[name]
         elif name == "fp8" and no_fp8_units:
             rung.status, rung.reason = "excluded", (f"FP8 is emulated on this device ({no_fp8_units}): adopted for "
                                                     "its numerics only, no speed is claimed or measured")
@@ -371,9 +371,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
                    if r.hardware_flops_ratio else None) for name, r in (("before", before), ("after", after))}
     ddp = verify_ddp(job, device.type, chosen, work / "ddp", say)
     for r in rungs:
-        if r.name == "communication":
-            r.reason = ("DDP settings do nothing in one process; " + (ddp["text"] if ddp["status"] == "ok" else
-                        f"DDP check {ddp['status']}: {ddp.get('reason', '')}"))
+        r.reason = torchrun_reason(r, ddp)
     headline = _headline(before, after, rungs, loss)
     metrics = _metrics(before, after, loss)
     result = VerifyResult("verify", job.to_dict(), environment(device.name, device.type), metrics,

@@ -17,10 +17,28 @@ from mfu_lab.analysis.tuning import Change
 from mfu_lab.core.job import Job
 from mfu_lab.core.measure import stats
 from mfu_lab.core.sidebyside import bootstrap_speedup
+from mfu_lab.steps.verify_layout import verify_layout_change
 from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import alternate, config_key, turn_lines, world_layout
 
 DDP_ROUNDS = 5  # each DDP turn builds a fresh DDP model and warms it up: far dearer than a round
+# staircase rungs one process cannot time: each is verified under torchrun below (verify_ddp), and says so
+UNDER_TORCHRUN = {"communication": "DDP settings do nothing in one process: verified under DDP below",
+                  "layout": "a layout change needs its ranks: verified under torchrun beside the original job below"}
+
+
+def torchrun_reason(rung, ddp: dict[str, Any]) -> str:
+    """A rung's reason once the torchrun checks ran (:func:`verify_ddp`'s record, its ``layout`` inside)."""
+    if rung.name == "communication":
+        return "DDP settings do nothing in one process; " + (
+            ddp["text"] if ddp["status"] == "ok" else f"DDP check {ddp['status']}: {ddp.get('reason', '')}")
+    if rung.name == "layout":
+        lay = ddp.get("layout") or {}
+        said = lay["text"] if lay.get("status") == "ok" else f"layout check {lay.get('status')}: {lay.get('reason')}"
+        gone = lay.get("withdrawn") or lay.get("status") == "failed"
+        return "a layout change, verified under torchrun; " + said + (
+            "; withdrawn: tuned.yaml keeps the job's layout" if gone else "")
+    return rung.reason
 
 
 def ddp_configs(job: Job, chosen: list[Change]) -> tuple[dict, dict] | None:
@@ -37,6 +55,13 @@ def ddp_configs(job: Job, chosen: list[Change]) -> tuple[dict, dict] | None:
 
 
 def verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say) -> dict[str, Any]:
+    """The DDP check, with the layout change's check (steps.verify_layout) under ``layout``."""
+    out = _verify_ddp(job, device_type, chosen, work, say)
+    out["layout"] = verify_layout_change(job, device_type, chosen, work, say)
+    return out
+
+
+def _verify_ddp(job: Job, device_type: str, chosen: list[Change], work: Path, say) -> dict[str, Any]:
     configs = ddp_configs(job, chosen)
     if configs is None:
         return {"status": "skipped", "reason": "no DDP change was adopted"}

@@ -83,3 +83,76 @@ def measure_in_layout(job: Job, rungs: list, jobs: list[Job], work: Path, say, d
                 f"over {rounds} alternating rounds)"
         rung.reason = f"{rung.reason}; {where}" if rung.reason else where
     return [[k, r.name] for k, r, _ in plan]
+
+
+LAYOUT_TURNS = 3  # a layout change: the original and the proposed layout alternated A B, B A, A B in one launch
+
+
+def layout_change(job: Job, chosen: list) -> dict[str, Any]:
+    """The adopted layout change (the ``layout`` rung of analysis.tuning) as job keys, {} when none."""
+    return {c.key: c.new for c in chosen if c.adopted and c.rung == "layout"}
+
+
+def verify_layout_change(job: Job, device_type: str, chosen: list, work: Path, say) -> dict[str, Any]:
+    """A proposed layout (step 6's or step 2's FSDP2 pick) against the job's own, side by side under torchrun: one
+    launch of the layout worker, the two alternated for :data:`LAYOUT_TURNS` turns (ABBA), each turn checked against
+    one process's loss, then ``warmup_steps`` discarded and ``verify_steps`` timed; the slowest rank's step times
+    pooled per side and compared with a bootstrap interval, and the final losses against ``loss_tolerance``."""
+    from mfu_lab.core.sidebyside import bootstrap_speedup
+    from mfu_lab.workers.launch import world_layout
+
+    keys = layout_change(job, chosen)
+    if not keys:
+        return {"status": "skipped", "reason": "no layout change was adopted"}
+    nnodes, nproc = world_layout(job, device_type)
+    if nnodes * nproc < 2:
+        return {"status": "skipped", "keys": keys, "reason": f"the job runs {nnodes * nproc} process: a layout needs "
+                "2 or more ranks (nproc_per_node: 2+)"}
+    turns = max(1, min(job.verify_rounds, LAYOUT_TURNS))
+    pair = [{}, keys]
+    plan = [pair[i] for t in range(turns) for i in ((0, 1) if t % 2 == 0 else (1, 0))]
+    say(f"layout change {keys}: the original and the proposed layout alternated {turns} times in one torchrun launch "
+        f"of {nnodes * nproc} ranks")
+    runs = run_layouts(job, device_type, work / "layout_change", [{"overrides": o} for o in plan],
+                       progress=on_events(say), steps=job.verify_steps)
+    side: dict[str, dict[str, list]] = {"original": {"wall": [], "loss": []}, "tuned": {"wall": [], "loss": []}}
+    names, order = {}, []
+    for o, run in zip(plan, runs):
+        who = "tuned" if o else "original"
+        order.append(who)
+        if run.status != "ok":
+            why = f"{who} layout {run.layout.get('name')}: {run.status}: {run.reason}"
+            _withdraw(job, chosen, keys, f"step 7: the layout check failed ({why})")
+            return {"status": "failed", "keys": keys, "reason": why, "order": order}
+        side[who]["wall"] += slowest_rank_steps(run)
+        side[who]["loss"].append(run.losses[-1] if run.losses else None)
+        names[who] = run.layout.get("name")
+    a, b = side["original"]["wall"], side["tuned"]["wall"]
+    sp = bootstrap_speedup(a, b)
+    la, lb = side["original"]["loss"][-1], side["tuned"]["loss"][-1]
+    gap = abs(lb - la) / abs(la) if la and lb is not None else None
+    loss_ok = gap is not None and gap <= job.loss_tolerance
+    verdict = "faster" if sp.low > 1 else "slower" if sp.high < 1 else "not proven (the interval includes 1.0)"
+    sa, sb = stats(a), stats(b)
+    out = {"status": "ok", "keys": keys, "layouts": names, "order": order, "world_size": nnodes * nproc,
+            "original_median_s": sa.median, "tuned_median_s": sb.median, "speedup": sp.value, "speedup_low": sp.low,
+            "speedup_high": sp.high, "proven": sp.proven, "loss_gap": gap, "loss_ok": loss_ok,
+            "text": f"layout {names.get('original')} -> {names.get('tuned')} ({nnodes * nproc} ranks, under torchrun): "
+                    f"the proposed layout is {verdict}: {sa.median * 1e3:.1f} -> {sb.median * 1e3:.1f} ms per step, "
+                    f"{sp.text()} (measured side by side, {turns} alternating turns); final loss "
+                    + (f"{gap:.1e} from the original's, " + ("within" if loss_ok else "OUTSIDE") +
+                       f" loss_tolerance {job.loss_tolerance:.0%}" if gap is not None else "not compared")}
+    if not (sp.low > 1 and loss_ok):  # not faster beyond the noise, or the loss left the tolerance: not adopted
+        _withdraw(job, chosen, keys, "step 7: " + out["text"])
+        out["withdrawn"] = True
+    return out
+
+
+def _withdraw(job: Job, chosen: list, keys: dict[str, Any], evidence: str) -> None:
+    """Step 7's own finding against a proposed layout: each key back to the job's value (analysis.tuning reads step
+    7's adopted changes last, and a change back to the job's value removes the earlier one from tuned.yaml)."""
+    from mfu_lab.analysis.tuning import Change
+
+    for key, new in keys.items():
+        chosen.append(Change("layout", "verify", key, new, getattr(job, key), evidence, "measured",
+                             reason="the proposed layout is withdrawn: not verified faster beside the original"))

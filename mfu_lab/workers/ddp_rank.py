@@ -29,12 +29,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mfu_lab.analysis import racing
+from mfu_lab.analysis.dp_family import loss_ok
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.job import validate
 from mfu_lab.core.measure import run_steps, stats
 from mfu_lab.core.procs import die_with_parent
 from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
+from mfu_lab.workers import fsdp_candidate
+from mfu_lab.workers.comm_configs import hook_of, is_fsdp
 from mfu_lab.workers.launch import config_name, full_factor
 
 BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PERFORMANCE.md)
@@ -233,7 +236,8 @@ def pick_to_confirm(full: dict[str, dict | None], confirm: dict, steps_per_turn:
     turns would end past ``confirm["deadline"]``. None when the reference stands or was not measured."""
     figures = {}
     for name, ev in full.items():
-        if ev and ev.get("event") == "done" and (ev.get("param_checksum_max_diff") or 0.0) <= DDP_SYNC_TOLERANCE:
+        if ev and ev.get("event") == "done" and (ev.get("param_checksum_max_diff") or 0.0) <= DDP_SYNC_TOLERANCE \
+                and loss_ok(ev, full.get(confirm["reference"]), confirm.get("loss_tolerance")):  # dp_family's rule
             st = stats(ev["wall_s"])
             figures[name] = (st.median, st.p10, st.p90)
     ref = confirm["reference"]
@@ -322,16 +326,19 @@ def main() -> None:
                     raise RuntimeError(f"injected crash on rank {rank} (test fault)")
                 time.sleep(10_000)  # injected hang
         heartbeat(out, rank, index, 0)  # 0: building DDP (its constructor waits for every rank), then the steps
-        model = fresh_model()
-        ddp = DDP(model, device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
-                  gradient_as_bucket_view=cfg["grad_as_bucket_view"])
-        try:
-            register_hook(ddp, cfg["hook"])
-        except Exception as e:  # refused by this backend: record and go on
-            emit(out, {"event": "unsupported", "config": cfg, "error": f"{type(e).__name__}: {e}"})
-            return None
-        ts = build_train_step(job, ddp, device.type)
-        w = ddp_warmup(warm, cfg["hook"])  # never the bucket rebuild nor PowerSGD's uncompressed steps
+        if is_fsdp(cfg):  # FSDP2, laid out by the job's own machinery (core.parallelize), measured as DDP is
+            ddp = fsdp_candidate.build(job, cfg, fresh_model(), device, world)
+            ts = ddp.step
+        else:
+            ddp = DDP(fresh_model(), device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
+                      gradient_as_bucket_view=cfg["grad_as_bucket_view"])
+            try:
+                register_hook(ddp, cfg["hook"])
+            except Exception as e:  # refused by this backend: record and go on
+                emit(out, {"event": "unsupported", "config": cfg, "error": f"{type(e).__name__}: {e}"})
+                return None
+            ts = build_train_step(job, ddp, device.type)
+        w = ddp_warmup(warm, hook_of(cfg))  # never the bucket rebuild nor PowerSGD's uncompressed steps
         for fault in faults:
             if fault.get("kind") == "slow" and fault["name"] == config_name(cfg):
                 ts = slowed(ts, fault["ms"] / 1e3)
@@ -351,8 +358,9 @@ def main() -> None:
                 if cuda:
                     torch.cuda.synchronize()  # sync point: the step's kernels are inside the profile
                 profiled_s = time.perf_counter() - t0
-            comm = reduce_max(comm_time_from_profile(prof, device.type), device)
-            diff = in_sync(ddp.module, device)
+            comm = reduce_max((fsdp_candidate.comm_seconds if is_fsdp(cfg) else comm_time_from_profile)(
+                prof, device.type), device)
+            diff = None if is_fsdp(cfg) else in_sync(ddp.module, device)  # FSDP2 holds one copy, sharded
 
             def local_step(x, y, ddp=ddp, ts=ts):  # bound now: the loop rebinds both names
                 with ddp.no_sync():  # the same step with gradients kept local: no communication at all
@@ -394,7 +402,7 @@ def main() -> None:
                    "seconds": time.perf_counter() - t_final})
     confirm = spec.get("confirm")
     if confirm and full:  # the step's pick by its own rule, measured again beside the reference, alternating
-        d = decide(lambda: pick_to_confirm(full, confirm, max(ddp_warmup(warm, c["hook"]) for c in configs) + steps))
+        d = decide(lambda: pick_to_confirm(full, confirm, max(ddp_warmup(warm, hook_of(c)) for c in configs) + steps))
         if not d:  # the reference stands: said, so every node's step follows this decision, not its own figures
             emit(out, {"event": "confirm", "candidate": None, "reference": confirm["reference"], "done": True})
         else:

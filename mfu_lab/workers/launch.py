@@ -23,6 +23,7 @@ from mfu_lab.core import procs
 from mfu_lab.core.device import release_device_memory
 from mfu_lab.core.job import Job
 from mfu_lab.core.progress import GAP_S, as_progress
+from mfu_lab.workers.comm_configs import config_key, config_name, is_fsdp, sweep_configs
 
 
 def world_layout(job: Job, device_type: str) -> tuple[int, int]:
@@ -56,22 +57,6 @@ def check_nproc(job: Job, device_type: str) -> None:
         raise JobError(LAYOUT_SOURCE, [JobProblem("nproc_per_node", job.nproc_per_node, (
             f"must be at most the {count} GPU(s) this node sees (torch.cuda.device_count() = {count}{seen}): each "
             f"rank takes a GPU of its own; use nproc_per_node: 0 (one per visible GPU) or {count} or fewer"))])
-
-
-def sweep_configs(job: Job) -> list[dict]:
-    """Hook x bucket size (largest first, see the module docstring) x gradient_as_bucket_view."""
-    return [{"hook": h, "bucket_mb": b, "grad_as_bucket_view": g}
-            for h in job.comm_hooks for b in sorted(job.comm_bucket_mb, reverse=True)
-            for g in job.comm_grad_as_bucket_view]
-
-
-def config_key(cfg: dict) -> tuple:
-    return cfg["hook"], float(cfg["bucket_mb"]), bool(cfg["grad_as_bucket_view"])
-
-
-def config_name(cfg: dict) -> str:
-    """A configuration as the race and the report name it: hook/bucketMB/view or copy."""
-    return f"{cfg['hook']}/{cfg['bucket_mb']:g}MB/{'view' if cfg['grad_as_bucket_view'] else 'copy'}"
 
 
 def full_factor(job: Job) -> float:
@@ -375,7 +360,7 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
         done = set(result.outcomes)
         rest = [c for c in remaining if config_key(c) not in done]
         for cfg in rest:  # smaller buckets of a hook that already hung or failed would only be worse
-            if cfg["hook"] == started["hook"] and cfg["bucket_mb"] <= started["bucket_mb"]:
+            if not is_fsdp(cfg) and cfg["hook"] == started.get("hook") and cfg["bucket_mb"] <= started["bucket_mb"]:
                 result.outcomes[config_key(cfg)] = {
                     "event": "skipped", "config": cfg,
                     "error": f"not tried: {cfg['hook']} {status} at bucket {started['bucket_mb']} MB, and this "
@@ -398,7 +383,7 @@ def known_refusal(cfg: dict, backend: str, grad_bytes: int) -> str | None:
       gradients), which costs a relaunch; one bucket (bucket_cap_mb at least the gradients' size) runs.
     Anything not listed here is tried.
     """
-    if backend != "gloo":
+    if backend != "gloo" or is_fsdp(cfg):
         return None
     if cfg["hook"] == "bf16_compress":
         return ("gloo: bf16_compress_hook needs NCCL 2.10+ (CUDA 11+), torch raises a TypeError on any other "

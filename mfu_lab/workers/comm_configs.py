@@ -1,0 +1,70 @@
+"""Step 2's candidates, the data-parallel family: DDP configurations (hook x bucket size x gradient_as_bucket_view)
+and FSDP2 configurations (reshard_after_forward x explicit prefetch x MixedPrecisionPolicy reduce_dtype).
+
+A candidate is a plain dict, as the launcher hands it to the ranks (JSON): a DDP one ``{"hook", "bucket_mb",
+"grad_as_bucket_view"}``, an FSDP2 one ``{"kind": "fsdp", "reshard", "prefetch", "reduce_dtype"}``. Its key (a tuple)
+and its name (as the race, the report and the advice say it) come from here, for both kinds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mfu_lab.core.job import Job
+
+FSDP = "fsdp"
+
+
+def is_fsdp(cfg: dict) -> bool:
+    return cfg.get("kind") == FSDP
+
+
+def ddp_configs(job: Job) -> list[dict]:
+    """Hook x bucket size (largest first: a hook that hangs at one size is not tried at smaller ones) x view."""
+    return [{"hook": h, "bucket_mb": b, "grad_as_bucket_view": g}
+            for h in job.comm_hooks for b in sorted(job.comm_bucket_mb, reverse=True)
+            for g in job.comm_grad_as_bucket_view]
+
+
+def fsdp_configs(job: Job) -> list[dict]:
+    """reshard_after_forward x prefetch depth x reduce dtype (empty lists: no FSDP2 candidate)."""
+    return [{"kind": FSDP, "reshard": bool(r), "prefetch": int(p), "reduce_dtype": d}
+            for r in job.comm_fsdp_reshard for p in job.comm_fsdp_prefetch for d in job.comm_fsdp_reduce_dtype]
+
+
+def sweep_configs(job: Job) -> list[dict]:
+    """Every candidate of step 2's race: the DDP configurations, then the FSDP2 ones."""
+    return ddp_configs(job) + fsdp_configs(job)
+
+
+def config_key(cfg: dict) -> tuple:
+    if is_fsdp(cfg):
+        return FSDP, bool(cfg["reshard"]), int(cfg["prefetch"]), str(cfg["reduce_dtype"])
+    return cfg["hook"], float(cfg["bucket_mb"]), bool(cfg["grad_as_bucket_view"])
+
+
+def config_name(cfg: dict) -> str:
+    """A candidate as the race and the report name it: hook/bucketMB/view or copy (DDP), or
+    ``fsdp reshard=true prefetch=1 reduce=bfloat16`` (FSDP2)."""
+    if is_fsdp(cfg):
+        return (f"fsdp reshard={'true' if cfg['reshard'] else 'false'} prefetch={int(cfg['prefetch'])} "
+                f"reduce={cfg['reduce_dtype']}")
+    return f"{cfg['hook']}/{cfg['bucket_mb']:g}MB/{'view' if cfg['grad_as_bucket_view'] else 'copy'}"
+
+
+def hook_of(cfg: dict) -> str:
+    """The DDP hook that sets a candidate's warm-up (:func:`mfu_lab.workers.ddp_rank.ddp_warmup`): FSDP2 warms up as
+    DDP without a hook does, so every candidate's loss is read after the same number of steps on the same batches."""
+    return "none" if is_fsdp(cfg) else cfg["hook"]
+
+
+def fsdp_job_keys(cfg: dict) -> dict:
+    """The job keys that make a job train as this FSDP2 candidate (dp_mode fsdp and the fsdp_* keys)."""
+    return {"dp_mode": "fsdp", "fsdp_reshard_after_forward": bool(cfg["reshard"]),
+            "fsdp_prefetch": int(cfg["prefetch"]), "fsdp_reduce_dtype": cfg["reduce_dtype"]}
+
+
+def fsdp_job(job: Job, cfg: dict) -> Job:
+    """``job`` as this FSDP2 candidate trains it (parameters computed in the job's dtype)."""
+    return dataclasses.replace(job, **fsdp_job_keys(cfg))
+
