@@ -202,13 +202,13 @@ def timed_steps(par: Parallelized, batches: list, device: torch.device, beat) ->
     return times, [None if v is None else float(v) for v in losses]
 
 
-def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str]:
+def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str, dict]:
     """The step's peak: max_memory_allocated over the timed steps on a GPU (reset before them). On a CPU, one
     more step under torch.distributed._tools.mem_tracker.MemTracker: the peak of the tensor bytes alive
     (parameters, gradients, optimizer state, activations, buffers), which a CPU's allocator does not report.
     Under PP its module hooks are left out (they refuse a module called once per micro-batch)."""
     if device.type == "cuda":  # pragma: no cover - GPU only
-        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated (timed steps)"
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated (timed steps)", {}
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class TensorsOnly(MemTracker):  # the tensors, without the per-module breakdown
@@ -221,8 +221,9 @@ def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str
     mt.track_external(*par.modules, par.optimizer)
     with mt:
         par.step(x, y)
-    peak = int(max(v.get("Total", 0) for v in mt.get_tracker_snapshot("peak").values()))
-    return peak, "MemTracker (torch.distributed._tools), 1 step" + (", tensors only" if par.schedule else "")
+    snap = max(mt.get_tracker_snapshot("peak").values(), key=lambda v: v.get("Total", 0))  # by kind at the peak
+    return (int(snap.get("Total", 0)), "MemTracker (torch.distributed._tools), 1 step"
+            + (", tensors only" if par.schedule else ""), {k: int(v) for k, v in snap.items()})
 
 
 def counted_step(par: Parallelized, x, y) -> dict:
@@ -348,14 +349,15 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
 
         profile_steps(step, [rest[2]], device, 0, 1, path)
         mine_rank["trace"] = str(path)
-    mine_rank["peak_bytes"], mine_rank["peak_source"] = peak_memory(par, *rest[1], device)  # last
+    mine_rank["peak_bytes"], mine_rank["peak_source"], mine_rank["peak_by_kind"] = peak_memory(par, *rest[1],
+                                                                                                device)  # last
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine_rank)
     record |= {"status": "ok", "reason": "", "losses": global_losses(losses, layout, device),
                "step_times_s": [r["step_times_s"] for r in everyone],
                "collectives": [r["collectives"] for r in everyone],
                "memory": [{"peak_bytes": r["peak_bytes"], "peak_source": r["peak_source"],
-                           "shard_bytes": r["shard_bytes"]} for r in everyone],
+                           "peak_by_kind": r["peak_by_kind"], "shard_bytes": r["shard_bytes"]} for r in everyone],
                "trace_paths": [r["trace"] for r in everyone if r.get("trace")]}
     if clock:
         p, v, m = layout.pp, layout.pp_virtual_stages, layout.pp_microbatches
