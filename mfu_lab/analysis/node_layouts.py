@@ -79,7 +79,10 @@ def node_layouts(world: int, n_heads: int, n_layers: int, micro_batch: int = 0,
 def term(name: str, model: float | None, observed: float | None, source: str, note: str = "") -> dict:
     """One row: the model's figure, the observed one, observed / model, and where the observed came from."""
     ratio = observed / model if model and observed is not None else None
-    return {"term": name, "model": model, "observed": observed, "ratio": ratio, "source": source, "note": note}
+    unit = ("s" if name.endswith("_s") else "fraction" if name == "bubble_fraction" else "sends"
+            if name == "p2p_sends" else "bytes")
+    return {"term": name, "model": model, "observed": observed, "ratio": ratio, "source": source, "unit": unit,
+            "note": note}
 
 
 @dataclasses.dataclass
