@@ -277,6 +277,7 @@ def advise(r: PlacementResult) -> list[Advice]:
     if r.coloc.status == "ok" and r.coloc.slowdown and r.coloc.slowdown > 1.2:
         out.append(Advice("look", f"Sharing this device with a copy of itself slowed the job {r.coloc.slowdown:.2f}x "
                           "(measured): do not pack two jobs onto one device.", "co-location experiment"))
+    out += _layout_advice(r)
     used = r.check.used() if r.check.available else None
     if used:
         out.append(Advice("info", f"The model, with the inputs its cluster predictions use ('{used['name']}'), "
@@ -288,6 +289,27 @@ def advise(r: PlacementResult) -> list[Advice]:
         out.append(Advice("look", "The single-GPU efficiency is an assumption (assumed_mfu): run steps 1 to 4 on the "
                           "cluster's GPU and rerun this step to calibrate it.", "no measurement on the cluster's GPU"))
     return out
+
+
+def _layout_advice(r: PlacementResult) -> list[Advice]:
+    """What this node's layouts said about the model: the counted terms it gets right, those it does not."""
+    ok = [e for e in r.layouts if e["status"] == "ok"]
+    if not ok:
+        return []
+    counted = [(e["layout"], t) for e in ok for t in e["terms"] if t["source"] == "counted" and t["ratio"]]
+    off = [(lay, t) for lay, t in counted if abs(t["ratio"] - 1) > 0.01]
+    exact = len(counted) - len(off)
+    msg = (f"{len(ok)} of {len(r.layouts)} layouts of this node measured; {exact} of {len(counted)} counted terms "
+           "(collective bytes, pipeline sends, shard bytes) match the placement model within 1%")
+    if off:
+        worst = sorted(off, key=lambda x: -abs(x[1]["ratio"] - 1))[:3]
+        msg += "; it is off on " + ", ".join(f"{lay} {t['term']} ({t['ratio']:.3f}x)" for lay, t in worst)
+    fastest = min(ok, key=lambda e: next((t["observed"] for t in e["terms"] if t["term"] == "step_time_s"),
+                                         None) or float("inf"))
+    timed = ok[0].get("timed_on", "")
+    msg += (f". Fastest here: {fastest['layout']}" + (" (over gloo on a CPU: a GPU node's ranking may differ)"
+                                                      if timed == "gloo" else "") + ".")
+    return [Advice("info", msg, "counted and measured on this node; see the layouts table")]
 
 
 def save(job: Job, result: PlacementResult) -> Path:
