@@ -20,6 +20,8 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.workers.launch import world_layout
 from mfu_lab.workers.layout_launch import run_layouts
 
+CHECK_STEPS = 2  # the loss check's steps per layout (the worker's default is 3): the second step has trained once
+
 
 def job_facts(job: Job, shape: pl.Shape) -> Facts:
     """The root FSDP group's parameters (those outside the blocks: embeddings, final norm, head), whether this
@@ -74,13 +76,14 @@ def measure_layouts(job: Job, device_type: str, work: Path, shape: pl.Shape, com
         about["skipped"] = f"{world} rank(s): no layout to form"
         return [], about
     t0 = time.perf_counter()
-    p.say(f"node layouts: {len(items)} on {world} {timed_on} ranks in one launch, {job.comm_steps} timed steps "
-          f"each (comm_steps), after {job.comm_warmup_steps} warm-up (comm_warmup_steps)")
+    p.say(f"node layouts: {len(items)} on {world} {timed_on} ranks in one launch; each checked over {CHECK_STEPS} "
+          f"steps against one process, then {job.comm_warmup_steps} warm-up (comm_warmup_steps) and "
+          f"{job.comm_steps} timed steps (comm_steps)")
     # the layouts' own keys come from the items; the step counts from step 2's (a few steps each)
     run_job = dataclasses.replace(job, warmup_steps=job.comm_warmup_steps, compile_mode="off")
     names = [it["name"] for it in items]
     runs = run_layouts(run_job, device_type, work, [{"overrides": it["overrides"]} for it in items],
-                       progress=_events(progress, names, t0), steps=job.comm_steps)
+                       progress=_events(progress, names, t0), steps=job.comm_steps, check_steps=CHECK_STEPS)
     about["seconds"] = time.perf_counter() - t0
     facts = job_facts(job, shape)
     entries = []

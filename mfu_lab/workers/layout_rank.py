@@ -258,9 +258,14 @@ def reference_check(job: Job, layout: Layout, item: dict, base: dict, batches: l
             ref = {"dp_mode": "fsdp"} if not (layout.fsdp and layout.dp == world) else {"tp": world}
             why = why if item.get("one_process_fits", True) else "as the spec says"
             notes.append(f"one process cannot hold the model ({why}): the loss is checked against layout {ref}")
-    if ref == "single":
+    if ref == "single":  # the same job, batches and tied head give the same losses: computed once per launch
         check["reference"] = "single process, global batch"
-        check["reference_losses"] = reference_losses(job, layout, batches, device)
+        key = json.dumps([{k: v for k, v in job.to_dict().items() if k not in LAYOUT_KEYS}, layout.dp,
+                          layout.pp > 1, len(batches)], sort_keys=True, default=str)
+        cache = ctx.setdefault("references", {})
+        if key not in cache:
+            cache[key] = reference_losses(job, layout, batches, device)
+        check["reference_losses"] = list(cache[key])
         return check
     values = {**job.to_dict(), **{k: Job.__dataclass_fields__[k].default for k in LAYOUT_KEYS if k != "tp_plan"},
               "tp_plan": job.tp_plan, **ref}
@@ -313,15 +318,16 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     dp_rank = mesh["dp"].get_local_rank()
     warm, steps = spec["warmup"], spec["steps"]
     extra = 2 + bool(spec.get("profile"))  # counted step, memory step, profiled step
-    batches = global_batches(job, layout.dp, CHECK_STEPS + warm + steps + extra, device.type)
+    checks = int(spec.get("check_steps") or CHECK_STEPS)  # the spec may ask for fewer (step 6: 2)
+    batches = global_batches(job, layout.dp, checks + warm + steps + extra, device.type)
     mine = [rows(b, dp_rank, job.micro_batch, device) for b in batches]
-    check = reference_check(job, layout, item, base, batches[:CHECK_STEPS], ctx, notes)
+    check = reference_check(job, layout, item, base, batches[:checks], ctx, notes)
     par = parallelize(build_model(job).to(device).train(), job, layout, mesh, device)
     notes += par.notes
     if any(f["kind"] == "perturb" for f in faults):
         with torch.no_grad():
             par.parameters()[0].mul_(1.5)
-    check["layout_losses"] = global_losses([par.step(x, y) for x, y in mine[:CHECK_STEPS]], layout, device)
+    check["layout_losses"] = global_losses([par.step(x, y) for x, y in mine[:checks]], layout, device)
     if check["reference_losses"]:
         check["max_rel_gap"] = gap(check["layout_losses"], check["reference_losses"])
         check["passed"] = check["max_rel_gap"] <= check["tolerance"]
@@ -333,11 +339,11 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     clock = StageClock(par, device.type == "cuda") if par.schedule is not None else None
     if device.type == "cuda":  # pragma: no cover - GPU only
         torch.cuda.reset_peak_memory_stats(device)
-    run = mine[CHECK_STEPS:CHECK_STEPS + warm + steps]
+    run = mine[checks:checks + warm + steps]
     times, losses = timed_steps(par, run, device, beat)
     times, losses = times[warm:], losses[warm:]
     stages = clock.rows(skip=warm) if clock else []
-    rest = mine[CHECK_STEPS + warm + steps:]
+    rest = mine[checks + warm + steps:]
     mine_rank = {"rank": rank, "step_times_s": times, "stages": stages}
     mine_rank["shard_bytes"] = par.shard_bytes()  # after a step: its gradients are still held
     mine_rank["collectives"] = counted_step(par, *rest[0])
