@@ -315,12 +315,29 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
     assert not model_check(shape, {}, coloc, device).available
 
 
-def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job):
+def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job, monkeypatch):
     from mfu_lab.core.files import read_json
     from mfu_lab.steps import placement
 
+    # the node's layouts are launched in tests/test_layouts_step6.py; here their entries as the step files them
+    seen = {}
+
+    def layouts(job, device_type, work, shape, compute_s, progress=None):
+        seen["compute_s"] = compute_s
+        t = {"term": "tp_bytes_per_layer", "model": 2.0, "observed": 2.0, "ratio": 1.0, "source": "counted",
+             "unit": "bytes", "note": ""}
+        return ([{"layout": "tp2", "status": "ok", "terms": [t], "timed_on": "gloo"},
+                 {"layout": "pp2-1f1b-m4", "status": "crashed", "reason": "rank 1 exited", "terms": [],
+                  "timed_on": "gloo"}], {"world": 2, "backend": "gloo", "steps": 3, "seconds": 1.0})
+
+    monkeypatch.setattr(placement, "measure_layouts", layouts)
     job = dataclasses.replace(tiny_job, coloc_steps=3, global_batch=64)
     r = placement.run(job, progress=lambda m: None)
+    assert seen["compute_s"] == r.coloc.pair_median_s  # the compute a rank gets beside the others
+    assert [e["layout"] for e in r.layouts] == ["tp2", "pp2-1f1b-m4"] and r.metric("layouts_measured") == 1
+    assert {"what": "layout pp2-1f1b-m4", "reason": "crashed: rank 1 exited"} in r.skipped  # the step went on
+    row = next(c for c in r.calibration if c["input"] == "node layouts: tp_bytes_per_layer")
+    assert row["source"] == "counted" and "calibrated here" in row["from"]
     d = read_json(job.step_dir("06_placement") / "result.json")
     assert d["metrics"]["predicted_mfu"]["source"] == "modelled"
     assert d["metrics"]["coloc_slowdown"]["source"] == "measured"

@@ -227,8 +227,14 @@ def calibration_rows(entries: list[dict]) -> list[dict]:
         lo, hi = min(r for _, r in ratios), max(r for _, r in ratios)
         src = got[0][1]["source"]
         span = f"observed/model {lo:.3g}-{hi:.3g} over {', '.join(lay for lay, _ in ratios)}"
-        if src == "counted":
+        off = [lay for lay, r in ratios if abs(r - 1) > 0.01]
+        if src == "counted" and not off:
             use = "calibrated here (counts and bytes hold on any device): the model uses the counted formula"
+        elif src == "counted":
+            use = (f"counted here, and the model is off beyond 1% on {', '.join(off)}: not corrected yet (shards: the "
+                   "model divides every parameter by t*p; the embeddings, norms and head stay whole under TP, and "
+                   "the pipeline's stages are not equal)" if name.startswith("memory") else
+                   f"counted here, and the model is off beyond 1% on {', '.join(off)}: not corrected yet")
         elif name.startswith("memory"):
             use = "checked here, not used to calibrate (MemTracker on a CPU; max_memory_allocated on GPUs)"
         elif got[0][1]["timed_on"] == "gloo":
