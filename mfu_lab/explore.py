@@ -338,6 +338,42 @@ def explore_placement(job, result) -> Explorer:
                     controls, lambda **kw: draw_placement(job, result, **kw))
 
 
+def draw_layout(result, layout: str) -> tuple[ReportFigure, str]:
+    """One of this node's layouts: each term's observed figure against the model's (model = 1), and the step
+    time beside it; the cluster extrapolation is the size sweep above, from the model these terms checked."""
+    e = next((x for x in result.layouts if x["layout"] == layout), None)
+    terms = [t for t in (e or {}).get("terms", []) if t["ratio"] is not None]
+    fig = ReportFigure(figsize=(9, 0.35 * max(len(terms), 1) + 1.6))
+    ax = fig.subplots()
+    if not terms:
+        ax.set_axis_off()
+        why = "not measured" if e is None else f"{e['status']}: {e['reason']}" if e["status"] != "ok" else "no ratio"
+        ax.text(0.5, 0.5, textwrap.fill(f"{layout}: {why}", 90), ha="center", va="center", transform=ax.transAxes)
+        return fig, why
+    ys = list(range(len(terms)))[::-1]
+    ax.barh([y + 0.2 for y in ys], [1.0] * len(terms), height=0.4, color="#adb5bd", label="model")
+    ax.barh([y - 0.2 for y in ys], [t["ratio"] for t in terms], height=0.4, label="observed",
+            color=[plots.COLORS["mfu"] if t["source"] == "counted" else plots.COLORS["data"] for t in terms])
+    for y, t in zip(ys, terms):
+        ax.text(t["ratio"], y - 0.2, f" {t['ratio']:.3f} ({t['source']})", va="center", fontsize=7)
+    ax.set_yticks(ys, [t["term"] for t in terms], fontsize=8)
+    ax.set_xlabel("observed / model")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{layout} on this node ({e['timed_on']}): counted terms exact, times "
+                 + ("gloo's, not used to calibrate" if e["timed_on"] == "gloo" else "measured"), fontsize=9)
+    fig.tight_layout()
+    return fig, "; ".join(f"{t['term']} {t['ratio']:.3f}" for t in terms)
+
+
+def explore_layouts(result) -> Explorer:
+    import ipywidgets as w
+
+    names = [e["layout"] for e in result.layouts] or ["-"]
+    return Explorer("This node's layouts: each term against the model",
+                    {"layout": w.Dropdown(options=names, value=names[0], description="layout")},
+                    lambda **kw: draw_layout(result, **kw))
+
+
 # ------------------------------------------------------------------ step 7
 def draw_verify(result, rungs: list[str], steps: int) -> tuple[ReportFigure, str]:
     """Wall-clock time of a training run of ``steps`` steps for each selected rung: warm-up time + steps x its

@@ -115,7 +115,14 @@ def test_tp_traffic_with_recompute_and_p2p_without_sequence_parallelism():
     lay = pl.Layout(tp=2, pp=2, dp=4, m=8)
     place = ps.place_topology_aware(c, lay)
     plain, ckpt = (pl.predict(c, _shape(checkpointing=k), lay, place, cal) for k in (False, True))
-    assert ckpt.tp_s == pytest.approx(plain.tp_s * 6 / 4)  # the recomputed forward repeats its 2 all-reduces
+    # PyTorch's default checkpoint stops early: 5 all-reduces a layer (counted); early_stop=False repeats both: 6
+    assert ckpt.tp_s == pytest.approx(plain.tp_s * 5 / 4)
+    full = pl.predict(c, _shape(checkpointing=True, checkpoint_early_stop=False), lay, place, cal)
+    assert full.tp_s == pytest.approx(plain.tp_s * 6 / 4)
+    # sends per rank 2*m*(p*v - 1)/p: interleaving v = 2 at p = 2 sends 3x as often as v = 1 (the model had
+    # 2*v*m before issue 29: 2x)
+    inter = pl.predict(c, _shape(), dataclasses.replace(lay, v=2), place, cal)
+    assert inter.pp_s == pytest.approx(plain.pp_s * 3)
     sp = pl.predict(c, _shape(sequence_parallel=True), lay, place, cal)
     assert plain.pp_s > sp.pp_s  # plain TP sends the whole b*s*h between stages, SP 1/t of it
 
@@ -288,24 +295,49 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
     pair = next(r for r in chk.rows if r["name"].startswith("two at once"))
     assert pair["predicted_s"] == pytest.approx(0.9 + ar, rel=1e-6)  # one bucket: nothing hides
     assert pair["error"] == pytest.approx((0.9 + ar - 1.0) / 1.0, rel=1e-6)
-    # the headline is the row the cluster predictions use (no step 1 here: the first with the model's overlap
-    # rule), never the row that happens to land closest
-    assert chk.headline == "alone, as a rank, model's overlap rule" and chk.used()["name"] == chk.headline
+    # the headline is the row the cluster predictions use: where ranks share a device (a CPU), the compute a rank
+    # really gets, the co-location run with as many copies as ranks (issue 29), never the row that lands closest
+    assert chk.headline == "two at once, as ranks, model's overlap rule" and chk.used()["name"] == chk.headline
     step1 = {"environment": {"device_name": "SomeCPU", "torch_threads": 2},
              "metrics": {"step_time_median_s": {"value": 0.5}}}
     chk = model_check(shape, {"attention_comm": step2, "baseline": step1}, coloc, device)
+    assert chk.headline == "two at once, as ranks, model's overlap rule"  # not step 1's, which had both cores
+    assert chk.used()["predicted_s"] == pytest.approx(0.9 + ar, rel=1e-6)
+    # no co-location run: step 2's no_sync steps, still not step 1's
+    chk = model_check(shape, {"attention_comm": step2, "baseline": step1}, Coloc("failed", "x"), device)
+    assert chk.headline == "step 2 no_sync steps, model's overlap rule"
+    assert chk.used()["predicted_s"] == pytest.approx(0.95 + ar, rel=1e-6)
+    # a rank with a GPU to itself: step 1's single process
+    gpu = dev.DeviceInfo("cuda", "SomeCPU", None, None, 1)
+    chk = model_check(shape, {"attention_comm": step2, "baseline": step1}, coloc, gpu)
     assert chk.headline == "step 1 single process, model's overlap rule"
-    assert chk.used()["predicted_s"] == pytest.approx(0.5 + ar, rel=1e-6)
     assert abs(chk.used()["error"]) > min(abs(r["error"]) for r in chk.rows)  # not the luckiest row
     assert not model_check(shape, {}, coloc, device).available
 
 
-def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job):
+def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job, monkeypatch):
     from mfu_lab.core.files import read_json
     from mfu_lab.steps import placement
 
+    # the node's layouts are launched in tests/test_layouts_step6.py; here their entries as the step files them
+    seen = {}
+
+    def layouts(job, device_type, work, shape, compute_s, progress=None):
+        seen["compute_s"] = compute_s
+        t = {"term": "tp_bytes_per_layer", "model": 2.0, "observed": 2.0, "ratio": 1.0, "source": "counted",
+             "unit": "bytes", "note": ""}
+        return ([{"layout": "tp2", "status": "ok", "terms": [t], "timed_on": "gloo"},
+                 {"layout": "pp2-1f1b-m4", "status": "crashed", "reason": "rank 1 exited", "terms": [],
+                  "timed_on": "gloo"}], {"world": 2, "backend": "gloo", "steps": 3, "seconds": 1.0})
+
+    monkeypatch.setattr(placement, "measure_layouts", layouts)
     job = dataclasses.replace(tiny_job, coloc_steps=3, global_batch=64)
     r = placement.run(job, progress=lambda m: None)
+    assert seen["compute_s"] == r.coloc.pair_median_s  # the compute a rank gets beside the others
+    assert [e["layout"] for e in r.layouts] == ["tp2", "pp2-1f1b-m4"] and r.metric("layouts_measured") == 1
+    assert {"what": "layout pp2-1f1b-m4", "reason": "crashed: rank 1 exited"} in r.skipped  # the step went on
+    row = next(c for c in r.calibration if c["input"] == "node layouts: tp_bytes_per_layer")
+    assert row["source"] == "counted" and "calibrated here" in row["from"]
     d = read_json(job.step_dir("06_placement") / "result.json")
     assert d["metrics"]["predicted_mfu"]["source"] == "modelled"
     assert d["metrics"]["coloc_slowdown"]["source"] == "measured"

@@ -18,7 +18,11 @@ import dataclasses
 from types import SimpleNamespace
 
 from mfu_lab.analysis import placement_model as pl
-from mfu_lab.analysis.placement_model import bubble_fraction  # noqa: F401  (one home; re-exported with the terms)
+from mfu_lab.analysis.placement_model import (  # noqa: F401  (one home each; re-exported with the terms)
+    bubble_fraction,
+    p2p_sends_per_rank,
+    tp_collectives_per_layer,
+)
 from mfu_lab.core.results import Metric
 
 
@@ -52,23 +56,6 @@ def fsdp_reduce_scatter_bytes(params: float, reduce_bytes: int = 4) -> float:
 
 
 # ------------------------------------------------------------------ tensor and sequence parallel
-def tp_collectives_per_layer(sp: bool = False, checkpointing: bool = False, early_stop: bool = True) -> dict[str, int]:
-    """TP collectives of one transformer layer per micro-batch, by kind (Megatron-LM: Shoeybi et al. 2019, section 3;
-    Korthikanti et al. 2022, sections 4.2 and 5).
-
-    Without SP: 2 all-reduces forward (attention and MLP outputs) and 2 backward (their inputs' gradients).
-    With SP each becomes an all-gather plus a reduce-scatter: 4 of each. Activation checkpointing re-runs the
-    forward's collectives in backward; PyTorch's default (non-reentrant) checkpoint stops once the tensors backward
-    needs are back, so the MLP output's collective is not re-run: +1 all-reduce (5 per layer), or +2 all-gathers
-    and +1 reduce-scatter under SP; with ``early_stop=False`` the whole forward: +2 all-reduces (6, Megatron's
-    figure), or +2 all-gathers and +2 reduce-scatters (FIELD-NOTES; counted).
-    """
-    redo = (1 if early_stop else 2) if checkpointing else 0
-    if sp:
-        return {"allgather": 4 + (2 if checkpointing else 0), "reduce_scatter": 4 + redo}
-    return {"allreduce": 4 + redo}
-
-
 def tp_bytes_per_layer(b: int, s: int, h: int, act_bytes: int, sp: bool = False, checkpointing: bool = False,
                        early_stop: bool = True) -> dict[str, float]:
     """TP bytes of one layer per micro-batch by kind: each collective moves the b*s*h activations,
@@ -102,13 +89,6 @@ def p2p_sends_of_rank(rank: int, p: int, m: int, v: int = 1) -> int:
     GPipe and 1F1B (v = 1): m on the first and last rank, 2m between (counted)."""
     stages = [rank + k * p for k in range(v)]
     return sum(m * ((st < p * v - 1) + (st > 0)) for st in stages)
-
-
-def p2p_sends_per_rank(p: int, m: int, v: int = 1) -> float:
-    """Sends per rank, averaged over the p ranks: 2*m*(p*v - 1)/p (p*v - 1 stage boundaries, m micro-batches
-    each way; FIELD-NOTES, counted: 12 at p=2, v=2, m=4, not the 2*v*m = 16 the placement model assumes). At
-    v = 1 (GPipe, 1F1B): 2*m*(p - 1)/p, m per rank at p = 2."""
-    return 2 * m * (p * v - 1) / p
 
 
 def p2p_send_bytes(micro_batch: int, s: int, h: int, act_bytes: int, tp: int = 1, sp: bool = False) -> float:

@@ -99,6 +99,10 @@ def model_check(shape: Shape, earlier: dict[str, dict], coloc: Coloc, device: de
         sources.append(("two at once, as ranks", coloc.pair_median_s,
                         "this step's co-location run: two copies sharing the device, as step 2's ranks do"
                         if shares_device else "two copies on one GPU (DDP gives each rank its own GPU)"))
+    if row.get("no_sync_step_s"):
+        sources.append(("step 2 no_sync steps", row["no_sync_step_s"],
+                        "step 2's DDP steps under no_sync (no all-reduce): the compute each rank got beside the "
+                        "others"))
     for name, compute, origin in sources:
         hidden = min(ar - last, 2 / 3 * compute)  # the model's rule: all but the last bucket, within backward
         variants = [("model's overlap rule", ar - hidden)] + ([("no overlap", ar)] if hidden > 0 else [])
@@ -107,7 +111,11 @@ def model_check(shape: Shape, earlier: dict[str, dict], coloc: Coloc, device: de
             chk.rows.append({"name": f"{name}, {variant}", "compute_s": compute, "compute_from": origin,
                              "comm_s": comm, "predicted_s": pred,
                              "error": (pred - row["step_median_s"]) / row["step_median_s"]})
-    # the cluster predictions take compute from step 1 (calibration) and hide communication by the model's rule
+    # the headline takes the compute a rank really gets and hides communication by the model's rule: where ranks
+    # share a device (always on a CPU) the co-location run with as many copies as ranks, else step 2's no_sync
+    # steps; a rank with a device to itself, step 1's single process (issue 29: step 1's compute had both cores)
     ruled = [r["name"] for r in chk.rows if r["name"].endswith("model's overlap rule")]
-    chk.headline = next((n for n in ruled if n.startswith("step 1")), ruled[0] if ruled else "")
+    order = (["two at once" if world == 2 else "-", "step 2 no_sync", "step 1"] if shares_device
+             else ["step 1", "step 2 no_sync"])
+    chk.headline = next((n for o in order for n in ruled if n.startswith(o)), ruled[0] if ruled else "")
     return chk

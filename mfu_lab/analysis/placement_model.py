@@ -60,6 +60,30 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m)
 
 
+def tp_collectives_per_layer(sp: bool = False, checkpointing: bool = False, early_stop: bool = True) -> dict[str, int]:
+    """TP collectives of one transformer layer per micro-batch, by kind (Megatron-LM: Shoeybi et al. 2019, section 3;
+    Korthikanti et al. 2022, sections 4.2 and 5).
+
+    Without SP: 2 all-reduces forward (attention and MLP outputs) and 2 backward (their inputs' gradients).
+    With SP each becomes an all-gather plus a reduce-scatter: 4 of each. Activation checkpointing re-runs the
+    forward's collectives in backward; PyTorch's default (non-reentrant) checkpoint stops once the tensors backward
+    needs are back, so the MLP output's collective is not re-run: +1 all-reduce (5 per layer), or +2 all-gathers
+    and +1 reduce-scatter under SP; with ``early_stop=False`` the whole forward: +2 all-reduces (6, Megatron's
+    figure), or +2 all-gathers and +2 reduce-scatters (FIELD-NOTES; counted).
+    """
+    redo = (1 if early_stop else 2) if checkpointing else 0
+    if sp:
+        return {"allgather": 4 + (2 if checkpointing else 0), "reduce_scatter": 4 + redo}
+    return {"allreduce": 4 + redo}
+
+
+def p2p_sends_per_rank(p: int, m: int, v: int = 1) -> float:
+    """Sends per rank, averaged over the p ranks: 2*m*(p*v - 1)/p (p*v - 1 stage boundaries, m micro-batches
+    each way; FIELD-NOTES, counted: 12 at p=2, v=2, m=4, not the 2*v*m = 16 the model assumed before issue 29).
+    At v = 1 (GPipe, 1F1B): 2*m*(p - 1)/p, m per rank at p = 2."""
+    return 2 * m * (p * v - 1) / p
+
+
 def fit_alpha_beta(table: list[dict], world: int) -> tuple[float, float] | None:
     """Least-squares fit t = alpha_ring + bytes * k / B over an all-reduce size sweep (step 2's benchmark).
 
@@ -103,6 +127,8 @@ class Shape:
     residual_bytes: int = 4  # the residual stream (a checkpointed layer's input) stays in the parameters' dtype
     grad_as_bucket_view: bool = False  # DDP's gradient_as_bucket_view: no second copy of the gradients
     sequence_parallel: bool = False  # TP with sequence parallelism (or scatter/gather): p2p sends b*s*h / t
+    checkpoint_early_stop: bool = True  # PyTorch's default checkpoint (5 TP collectives a layer); False: 6
+    fsdp_reshard: bool = True  # FSDP2 reshard_after_forward: parameters all-gathered twice a step (once without)
 
 
 @dataclass(frozen=True)
@@ -315,6 +341,33 @@ class Prediction:
         return self.tokens_per_s * 3600 / self.layout.gpus
 
 
+def ring_gather_s(nbytes: float, n: int, busbw_gbps: float, latency_s: float) -> float:
+    """Ring all-gather or reduce-scatter of an ``nbytes`` buffer (gathered output, scattered input): half a ring
+    all-reduce, (n-1)/n * nbytes / B + (n-1) * alpha (nccl-tests' bus bandwidth convention)."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / (busbw_gbps * GB) + (n - 1) * latency_s
+
+
+def fsdp_s(s: Shape, lay: Layout, link: Link | None, compute: float) -> tuple[float, float]:
+    """FSDP2's traffic time per step and the part hidden by prefetching: (full, hidden).
+
+    Per step each rank all-gathers the parameters before forward and, resharded after forward, again before
+    backward (2x param bytes; 1x without resharding), and reduce-scatters the gradients once (counted:
+    layout_terms.fsdp_all_gather_bytes, fsdp_reduce_scatter_bytes); its shard of params/(t*p) over the dp ranks.
+    Prefetching overlaps each group's gather with the previous group's compute and each reduce-scatter with the
+    next group's backward: all but the first gather and the last reduce-scatter (one group's of the blocks + root)
+    hide, never more than the compute."""
+    if link is None:
+        return 0.0, 0.0
+    shard = s.params / (lay.tp * lay.pp)
+    gathers = 2 if s.fsdp_reshard else 1  # per step; under PP the stage's groups are assumed gathered once a step
+    gather = gathers * ring_gather_s(shard * 4, lay.dp, link.busbw_gbps, link.latency_s)
+    scatter = ring_gather_s(shard * s.grad_bytes, lay.dp, link.busbw_gbps, link.latency_s)
+    full = gather + scatter
+    groups_n = s.n_layers / lay.pp + 1  # one group per block and the root's
+    exposed = (gather / gathers + scatter) / groups_n
+    return full, max(0.0, min(full - exposed, compute))
+
+
 def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: Calibration,
             neighbours: list[list[int]] | None = None, neighbour_weight: float = 1.0) -> Prediction:
     """Step time of one optimizer step (global batch = dp * m * micro_batch samples) on this placement.
@@ -336,29 +389,36 @@ def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: 
     compute = flops / lay.gpus / (cal.peak_flops * cal.efficiency)
     act = s.seq_len * s.micro_batch * s.d_model * s.act_bytes  # one micro-batch's hidden states, b*s*h
     # TP: Megatron-LM does 2 all-reduces of b*s*h forward and 2 backward per layer (attention and MLP); with
-    # activation recomputation the recomputed forward repeats its 2: 6 (Korthikanti et al. 2022, section 5)
+    # activation recomputation the recomputed forward repeats them: 5 under PyTorch's default checkpoint, which stops
+    # early, 6 with early_stop=False (Megatron's figure); counted (tp_collectives_per_layer). Under SP each
+    # all-reduce is an all-gather plus a reduce-scatter of the same bytes in all: the same time at the ring's rate
     worst_tp = min(tp_links, key=lambda k: k.busbw_gbps) if tp_links else None
-    tp_calls = 6 if s.checkpointing else 4
+    tp_calls = tp_collectives_per_layer(False, s.checkpointing, s.checkpoint_early_stop)["allreduce"]
     tp = (tp_calls * (s.n_layers / lay.pp) * lay.m * allreduce_s(act, lay.tp, worst_tp.busbw_gbps,
                                                                  worst_tp.latency_s) if worst_tp else 0.0)
-    # PP: each micro-batch sends its activations forward and receives their gradient back, v times interleaved;
+    # PP: each micro-batch sends its activations forward and receives their gradient back at each stage boundary;
     # plain TP sends the whole b*s*h from every rank, sequence parallelism (or scatter/gather) 1/t of it
     worst_pp = min(pp_links, key=lambda k: k.busbw_gbps) if pp_links else None
     p2p_bytes = act / lay.tp if s.sequence_parallel else act
-    pp = 2 * lay.v * lay.m * p2p_s(p2p_bytes, worst_pp.busbw_gbps, worst_pp.latency_s) if worst_pp else 0.0
+    # sends per rank: 2*m*(p*v - 1)/p (counted; the model had 2*v*m before issue 29)
+    pp = (p2p_sends_per_rank(lay.pp, lay.m, lay.v) * p2p_s(p2p_bytes, worst_pp.busbw_gbps, worst_pp.latency_s)
+          if worst_pp else 0.0)
     # bubble: (p-1)/(v*m) of every micro-batch's time on the critical path idles in the pipeline's fill and
     # drain: its compute, its TP all-reduces and its p2p sends (Narayanan et al. 2021, section 2.2)
     bubble = (compute + tp + pp) * bubble_fraction(lay.pp, lay.m, lay.v)
     # DP: one all-reduce of this GPU's gradient shard, params/(tp*pp) * grad_bytes, over the slowest DP group
     worst_dp = min(dp_links, key=lambda k: k.busbw_gbps) if dp_links else None
-    dp = allreduce_s(s.params / (lay.tp * lay.pp) * s.grad_bytes, lay.dp, worst_dp.busbw_gbps,
-                     worst_dp.latency_s) if worst_dp else 0.0
-    # hidden: the overlapped share, but never more than the last micro-batch's backward (2/3 of its compute),
-    # and never the last bucket, whose all-reduce starts when backward ends
-    shard = s.params / (lay.tp * lay.pp) * s.grad_bytes
-    last = (allreduce_s(min(cal.bucket_bytes, shard), lay.dp, worst_dp.busbw_gbps, worst_dp.latency_s)
-            if worst_dp else 0.0)
-    hidden = max(0.0, min(cal.overlap * dp, 2 / 3 * compute / lay.m, dp - last))
+    if lay.fsdp:
+        dp, hidden = fsdp_s(s, lay, worst_dp, compute)
+    else:
+        dp = allreduce_s(s.params / (lay.tp * lay.pp) * s.grad_bytes, lay.dp, worst_dp.busbw_gbps,
+                         worst_dp.latency_s) if worst_dp else 0.0
+        # hidden: the overlapped share, but never more than the last micro-batch's backward (2/3 of its compute),
+        # and never the last bucket, whose all-reduce starts when backward ends
+        shard = s.params / (lay.tp * lay.pp) * s.grad_bytes
+        last = (allreduce_s(min(cal.bucket_bytes, shard), lay.dp, worst_dp.busbw_gbps, worst_dp.latency_s)
+                if worst_dp else 0.0)
+        hidden = max(0.0, min(cal.overlap * dp, 2 / 3 * compute / lay.m, dp - last))
     step = compute + bubble + tp + pp + (dp - hidden)
     mem = memory_bytes(s, lay)
     links = {k: (f"{w.level}, {w.busbw_gbps:.0f} GB/s" if w else "-") for k, w in

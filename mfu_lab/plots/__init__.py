@@ -48,4 +48,5 @@ from mfu_lab.plots.placement import (  # noqa: F401 - re-exported
     size_sweep,
     term_bars,
 )
+from mfu_lab.plots.placement_layouts import node_layouts  # noqa: F401
 from mfu_lab.plots.verify import RUNG_COLORS, staircase, verify_loss  # noqa: F401

@@ -38,6 +38,7 @@ from mfu_lab.report.tables_placement import (
     check_table,
     gang_table,
     hints_html,
+    layouts_table,
     shared_table,
     strategies_table,
     sweep_table,
@@ -59,6 +60,7 @@ from mfu_lab.report.views import (
     headline_view,
     hints_view,
     layout_view,
+    layouts_view,
     ledger_view,
     metrics_view,
     policies_view,
@@ -88,5 +90,5 @@ __all__ = [
     "shared_table", "shared_view", "step3_table", "step3_view", "strategies_table", "strategies_view", "sweep_table",
     "sweep_view", "text_summary", "top_table", "top_view", "trials_table", "trials_view", "write_index",
     "precision_table", "precision_view", "adopted_table", "adopted_view", "headline_view", "staircase_table",
-    "staircase_view", "tuned_file_view",
+    "staircase_view", "tuned_file_view", "layouts_table", "layouts_view",
 ]

@@ -52,6 +52,12 @@ def check_table(r) -> Markup:
     return macros(TEMPLATE).check_table(r)
 
 
+def layouts_table(r) -> Markup:
+    """Every layout of this node: status and, per term, the model's figure, the observed one, their ratio and the
+    source (counted or measured)."""
+    return macros(TEMPLATE).layouts_table(r)
+
+
 def gang_table(r) -> Markup:
     """The simulated queue under each scheduling policy: idle GPU-hours, makespan, deadlocks (modelled)."""
     return macros(TEMPLATE).gang_table(r)
@@ -70,6 +76,7 @@ def placement_section(d: dict[str, Any]) -> Markup:
     """Step 6's section of the index page, from its result dict."""
     r = PlacementResult.from_dict(d)
     uris = {"check": _uri(plots.model_check(r)), "sweep": _uri(plots.size_sweep(r)),
+            "layouts": _uri(plots.node_layouts(r)),
             "strategies": _uri(plots.placement_strategies(r) if r.chosen else None),
             "map": _uri(plots.placement_map(r)), "gang": _uri(plots.gang_timeline(r) if r.gang else None)}
     return macros(TEMPLATE).section(r, d["metrics"], shared_totals(r), uris)

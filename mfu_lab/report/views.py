@@ -24,6 +24,7 @@ from mfu_lab.report.tables_placement import (
     check_table,
     gang_table,
     hints_html,
+    layouts_table,
     shared_table,
     strategies_table,
     sweep_table,
@@ -184,6 +185,11 @@ def calibration_view(result) -> Html:
 def check_view(result) -> Html:
     """Step 6: co-location and the model against this machine (:func:`check_table`)."""
     return _part(check_table(result))
+
+
+def layouts_view(result) -> Html:
+    """Step 6: this node's layouts, each term against the model (:func:`layouts_table`)."""
+    return _part(layouts_table(result))
 
 
 def sweep_view(result) -> Html:

@@ -21,6 +21,7 @@ from typing import Any
 
 from mfu_lab.analysis import placement_model as pl
 from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.analysis.node_layouts import calibration_rows
 from mfu_lab.analysis.placement_calibration import CALIBRATED_FROM, calibrate
 from mfu_lab.analysis.placement_check import Check, Coloc, model_check
 from mfu_lab.analysis.placement_strategies import (
@@ -43,6 +44,7 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps.placement_coloc import colocate
+from mfu_lab.steps.placement_layouts import measure_layouts
 
 INFO = BY_KEY["placement"]
 
@@ -66,6 +68,9 @@ class PlacementResult(StepResult):
     gang: list[dict]
     hints: dict[str, str]
     advice: list[Advice]
+    # issue 29: every layout of this node measured, each term beside the model's (analysis.node_layouts)
+    layouts: list[dict] = dataclasses.field(default_factory=list)
+    layouts_run: dict = dataclasses.field(default_factory=dict)  # world, backend, steps, seconds (or skipped)
 
 
 Result = PlacementResult  # the step contract: every step module names its result class Result
@@ -90,7 +95,8 @@ def job_shape(job: Job, device: dev.DeviceInfo) -> tuple[pl.Shape, str]:
     shape = pl.Shape(job.n_layers, job.n_heads, job.d_model, job.seq_len, job.micro_batch, params,
                      fl.model_flops_per_step / job.micro_batch, 4 if job.dtype == "float32" else 2, 4,
                      job.attention == "unfused", job.activation_checkpointing, dropout=False, residual_bytes=4,
-                     grad_as_bucket_view=job.ddp_grad_as_bucket_view, sequence_parallel=False)
+                     grad_as_bucket_view=job.ddp_grad_as_bucket_view, sequence_parallel=job.sp and job.tp > 1,
+                     checkpoint_early_stop=True, fsdp_reshard=job.fsdp_reshard_after_forward)
     return shape, f"{fl.model_flops_source} model FLOPs of one micro-batch / micro_batch; {params:.4g} parameters"
 
 
@@ -100,13 +106,18 @@ def model_choices(shape: pl.Shape, job: Job) -> list[dict]:
     return [
         {"input": "dropout", "value": "none" if not shape.dropout else "on", "unit": "", "source": "analytic",
          "from": f"{ref}: activation memory without dropout masks (s*b*h*(8 + 24/t), 2*a*s^2*b/t unfused)"},
-        {"input": "sequence parallelism", "value": "off", "unit": "", "source": "analytic",
-         "from": "plain tensor parallelism: each stage sends the whole b*s*h from every rank to the next"},
+        {"input": "sequence parallelism", "value": "on" if shape.sequence_parallel else "off", "unit": "",
+         "source": "analytic", "from": "SP: activations (8 + 24)/t per layer plus the gathered attention input, "
+                                       "p2p 1/t of b*s*h" if shape.sequence_parallel else
+         "plain tensor parallelism: each stage sends the whole b*s*h from every rank to the next"},
         {"input": "checkpointed layer input", "value": shape.residual_bytes, "unit": "bytes/element",
          "source": "analytic", "from": "the residual stream stays in the parameters' dtype (float32)"},
-        {"input": "TP all-reduces per layer", "value": 6 if shape.checkpointing else 4, "unit": "", "source":
-         "analytic", "from": "2 forward + 2 backward (Megatron-LM); +2 for the recomputed forward with "
-                             "activation checkpointing (Korthikanti et al. 2022)"},
+        {"input": "TP all-reduces per layer", "value": pl.tp_collectives_per_layer(
+            False, shape.checkpointing, shape.checkpoint_early_stop)["allreduce"], "unit": "", "source": "counted",
+         "from": "2 forward + 2 backward (Megatron-LM); with activation checkpointing the job's checkpoint "
+                 "(torch.utils.checkpoint's default, non-reentrant) re-runs 1 (5 a layer; early_stop=False: 6)"},
+        {"input": "pipeline sends per rank", "value": "2*m*(p*v-1)/p", "unit": "", "source": "counted",
+         "from": "p*v - 1 stage boundaries, m micro-batches each way (was 2*v*m before issue 29)"},
         {"input": "DDP gradient copy", "value": 0 if shape.grad_as_bucket_view else shape.grad_bytes,
          "unit": "bytes/param", "source": "analytic", "from": "ddp_grad_as_bucket_view: "
                                                               f"{job.ddp_grad_as_bucket_view}"},
@@ -133,6 +144,18 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     coloc = colocate(job, job.step_dir(INFO.folder) / "coloc", device.type, p.say)
     if coloc.status != "ok":
         skipped.append({"what": "co-location experiment", "reason": coloc.reason})
+    layouts, layouts_run = [], {"skipped": "placement_layouts: false in the job"}
+    try:
+        if getattr(job, "placement_layouts", True):  # a proposed job key (issue 29); until it exists, always on
+            layouts, layouts_run = measure_layouts(job, device.type, job.step_dir(INFO.folder) / "layouts", shape,
+                                                   coloc.pair_median_s if coloc.status == "ok" else None, p)
+    except Exception as e:  # noqa: BLE001 - the layouts inform the model; their failure never ends the step
+        layouts_run = {"skipped": f"{type(e).__name__}: {e}"}
+    if layouts_run.get("skipped"):
+        skipped.append({"what": "the node's layouts", "reason": layouts_run["skipped"]})
+    skipped += [{"what": f"layout {e['layout']}", "reason": f"{e['status']}: {e['reason']}"}
+                for e in layouts if e["status"] != "ok"]
+    cal_rows += calibration_rows(layouts)
     check = model_check(shape, earlier, coloc, device)
     if not check.available:
         skipped.append({"what": "model check against step 2", "reason": check.reason})
@@ -165,7 +188,7 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     result = PlacementResult(
         "placement", job.to_dict(), environment(device.name, device.type), {}, cluster.to_dict(),
         dataclasses.asdict(shape) | {"from": shape_from}, cal_rows, coloc, check, sweep, size, chosen_row,
-        strategies, shared, gang, hint, [], skipped=skipped)
+        strategies, shared, gang, hint, [], layouts, layouts_run, skipped=skipped)
     result.metrics = _metrics(result, cal)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
@@ -199,6 +222,8 @@ def _metrics(r: PlacementResult, cal: pl.Calibration) -> dict[str, Metric]:
                               "(predicted - measured) / measured of step 2's data-parallel step, for the row the "
                               f"cluster predictions use ({r.check.headline or 'none'}); the table shows the others"),
         "ddp_step_measured_s": Metric(r.check.measured_s, "s", "measured", "step 2, recommended configuration"),
+        "layouts_measured": Metric(float(sum(e["status"] == "ok" for e in r.layouts)), "layouts", "counted",
+                                   f"of {len(r.layouts)} this node's ranks can form, run in one launch"),
     }
     return m
 
@@ -253,6 +278,7 @@ def advise(r: PlacementResult) -> list[Advice]:
     if r.coloc.status == "ok" and r.coloc.slowdown and r.coloc.slowdown > 1.2:
         out.append(Advice("look", f"Sharing this device with a copy of itself slowed the job {r.coloc.slowdown:.2f}x "
                           "(measured): do not pack two jobs onto one device.", "co-location experiment"))
+    out += _layout_advice(r)
     used = r.check.used() if r.check.available else None
     if used:
         out.append(Advice("info", f"The model, with the inputs its cluster predictions use ('{used['name']}'), "
@@ -264,6 +290,27 @@ def advise(r: PlacementResult) -> list[Advice]:
         out.append(Advice("look", "The single-GPU efficiency is an assumption (assumed_mfu): run steps 1 to 4 on the "
                           "cluster's GPU and rerun this step to calibrate it.", "no measurement on the cluster's GPU"))
     return out
+
+
+def _layout_advice(r: PlacementResult) -> list[Advice]:
+    """What this node's layouts said about the model: the counted terms it gets right, those it does not."""
+    ok = [e for e in r.layouts if e["status"] == "ok"]
+    if not ok:
+        return []
+    counted = [(e["layout"], t) for e in ok for t in e["terms"] if t["source"] == "counted" and t["ratio"]]
+    off = [(lay, t) for lay, t in counted if abs(t["ratio"] - 1) > 0.01]
+    exact = len(counted) - len(off)
+    msg = (f"{len(ok)} of {len(r.layouts)} layouts of this node measured; {exact} of {len(counted)} counted terms "
+           "(collective bytes, pipeline sends, shard bytes) match the placement model within 1%")
+    if off:
+        worst = sorted(off, key=lambda x: -abs(x[1]["ratio"] - 1))[:3]
+        msg += "; it is off on " + ", ".join(f"{lay} {t['term']} ({t['ratio']:.3f}x)" for lay, t in worst)
+    fastest = min(ok, key=lambda e: next((t["observed"] for t in e["terms"] if t["term"] == "step_time_s"),
+                                         None) or float("inf"))
+    timed = ok[0].get("timed_on", "")
+    msg += (f". Fastest here: {fastest['layout']}" + (" (over gloo on a CPU: a GPU node's ranking may differ)"
+                                                      if timed == "gloo" else "") + ".")
+    return [Advice("info", msg, "counted and measured on this node; see the layouts table")]
 
 
 def save(job: Job, result: PlacementResult) -> Path:

@@ -127,11 +127,12 @@ def launch(job: Job, spec: dict, work: Path, attempt: int, progress=None) -> dic
 
 
 def run_layouts(job: Job, device_type: str, work: Path, items: list[dict], progress=None, profile: bool = False,
-                steps: int | None = None, fault: list | None = None) -> list[LayoutRun]:
+                steps: int | None = None, fault: list | None = None, check_steps: int | None = None) -> list[LayoutRun]:
     """Every layout in ``items`` (each ``{"overrides": {job key: value}, "reference": "auto" | "single" |
     {overrides of another layout}, "one_process_fits": bool}``) in as few launches as crashes allow: a layout that
     crashes or hangs is recorded so, and a new launch takes the ones after it. ``steps``: timed steps (default
-    the job's ``steps``); warm-up steps are the job's ``warmup_steps``. ``fault`` (tests only): a list of
+    the job's ``steps``); warm-up steps are the job's ``warmup_steps``; ``check_steps``: the loss check's steps
+    (default the worker's CHECK_STEPS). ``fault`` (tests only): a list of
     ``{"layout": index, "rank": r, "kind": "crash" | "hang"}`` for the first launch."""
     nnodes, nproc = world_layout(job, device_type)
     world, backend = nnodes * nproc, "nccl" if device_type == "cuda" else "gloo"
@@ -141,6 +142,7 @@ def run_layouts(job: Job, device_type: str, work: Path, items: list[dict], progr
     while todo:
         spec = {"job": job.to_dict(), "device_type": device_type, "layouts": [items[i] for i in todo],
                 "steps": steps or job.steps, "warmup": job.warmup_steps, "profile": profile,
+                "check_steps": check_steps,
                 "fault": fault if attempt == 0 else None}
         run = launch(job, spec, work, attempt, progress)
         attempt += 1

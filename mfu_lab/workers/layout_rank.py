@@ -202,13 +202,13 @@ def timed_steps(par: Parallelized, batches: list, device: torch.device, beat) ->
     return times, [None if v is None else float(v) for v in losses]
 
 
-def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str]:
+def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str, dict]:
     """The step's peak: max_memory_allocated over the timed steps on a GPU (reset before them). On a CPU, one
     more step under torch.distributed._tools.mem_tracker.MemTracker: the peak of the tensor bytes alive
     (parameters, gradients, optimizer state, activations, buffers), which a CPU's allocator does not report.
     Under PP its module hooks are left out (they refuse a module called once per micro-batch)."""
     if device.type == "cuda":  # pragma: no cover - GPU only
-        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated (timed steps)"
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated (timed steps)", {}
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class TensorsOnly(MemTracker):  # the tensors, without the per-module breakdown
@@ -221,8 +221,9 @@ def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str
     mt.track_external(*par.modules, par.optimizer)
     with mt:
         par.step(x, y)
-    peak = int(max(v.get("Total", 0) for v in mt.get_tracker_snapshot("peak").values()))
-    return peak, "MemTracker (torch.distributed._tools), 1 step" + (", tensors only" if par.schedule else "")
+    snap = max(mt.get_tracker_snapshot("peak").values(), key=lambda v: v.get("Total", 0))  # by kind at the peak
+    return (int(snap.get("Total", 0)), "MemTracker (torch.distributed._tools), 1 step"
+            + (", tensors only" if par.schedule else ""), {k: int(v) for k, v in snap.items()})
 
 
 def counted_step(par: Parallelized, x, y) -> dict:
@@ -257,9 +258,14 @@ def reference_check(job: Job, layout: Layout, item: dict, base: dict, batches: l
             ref = {"dp_mode": "fsdp"} if not (layout.fsdp and layout.dp == world) else {"tp": world}
             why = why if item.get("one_process_fits", True) else "as the spec says"
             notes.append(f"one process cannot hold the model ({why}): the loss is checked against layout {ref}")
-    if ref == "single":
+    if ref == "single":  # the same job, batches and tied head give the same losses: computed once per launch
         check["reference"] = "single process, global batch"
-        check["reference_losses"] = reference_losses(job, layout, batches, device)
+        key = json.dumps([{k: v for k, v in job.to_dict().items() if k not in LAYOUT_KEYS}, layout.dp,
+                          layout.pp > 1, len(batches)], sort_keys=True, default=str)
+        cache = ctx.setdefault("references", {})
+        if key not in cache:
+            cache[key] = reference_losses(job, layout, batches, device)
+        check["reference_losses"] = list(cache[key])
         return check
     values = {**job.to_dict(), **{k: Job.__dataclass_fields__[k].default for k in LAYOUT_KEYS if k != "tp_plan"},
               "tp_plan": job.tp_plan, **ref}
@@ -312,15 +318,16 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     dp_rank = mesh["dp"].get_local_rank()
     warm, steps = spec["warmup"], spec["steps"]
     extra = 2 + bool(spec.get("profile"))  # counted step, memory step, profiled step
-    batches = global_batches(job, layout.dp, CHECK_STEPS + warm + steps + extra, device.type)
+    checks = int(spec.get("check_steps") or CHECK_STEPS)  # the spec may ask for fewer (step 6: 2)
+    batches = global_batches(job, layout.dp, checks + warm + steps + extra, device.type)
     mine = [rows(b, dp_rank, job.micro_batch, device) for b in batches]
-    check = reference_check(job, layout, item, base, batches[:CHECK_STEPS], ctx, notes)
+    check = reference_check(job, layout, item, base, batches[:checks], ctx, notes)
     par = parallelize(build_model(job).to(device).train(), job, layout, mesh, device)
     notes += par.notes
     if any(f["kind"] == "perturb" for f in faults):
         with torch.no_grad():
             par.parameters()[0].mul_(1.5)
-    check["layout_losses"] = global_losses([par.step(x, y) for x, y in mine[:CHECK_STEPS]], layout, device)
+    check["layout_losses"] = global_losses([par.step(x, y) for x, y in mine[:checks]], layout, device)
     if check["reference_losses"]:
         check["max_rel_gap"] = gap(check["layout_losses"], check["reference_losses"])
         check["passed"] = check["max_rel_gap"] <= check["tolerance"]
@@ -332,11 +339,11 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     clock = StageClock(par, device.type == "cuda") if par.schedule is not None else None
     if device.type == "cuda":  # pragma: no cover - GPU only
         torch.cuda.reset_peak_memory_stats(device)
-    run = mine[CHECK_STEPS:CHECK_STEPS + warm + steps]
+    run = mine[checks:checks + warm + steps]
     times, losses = timed_steps(par, run, device, beat)
     times, losses = times[warm:], losses[warm:]
     stages = clock.rows(skip=warm) if clock else []
-    rest = mine[CHECK_STEPS + warm + steps:]
+    rest = mine[checks + warm + steps:]
     mine_rank = {"rank": rank, "step_times_s": times, "stages": stages}
     mine_rank["shard_bytes"] = par.shard_bytes()  # after a step: its gradients are still held
     mine_rank["collectives"] = counted_step(par, *rest[0])
@@ -348,14 +355,15 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
 
         profile_steps(step, [rest[2]], device, 0, 1, path)
         mine_rank["trace"] = str(path)
-    mine_rank["peak_bytes"], mine_rank["peak_source"] = peak_memory(par, *rest[1], device)  # last
+    mine_rank["peak_bytes"], mine_rank["peak_source"], mine_rank["peak_by_kind"] = peak_memory(par, *rest[1],
+                                                                                                device)  # last
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine_rank)
     record |= {"status": "ok", "reason": "", "losses": global_losses(losses, layout, device),
                "step_times_s": [r["step_times_s"] for r in everyone],
                "collectives": [r["collectives"] for r in everyone],
                "memory": [{"peak_bytes": r["peak_bytes"], "peak_source": r["peak_source"],
-                           "shard_bytes": r["shard_bytes"]} for r in everyone],
+                           "peak_by_kind": r["peak_by_kind"], "shard_bytes": r["shard_bytes"]} for r in everyone],
                "trace_paths": [r["trace"] for r in everyone if r.get("trace")]}
     if clock:
         p, v, m = layout.pp, layout.pp_virtual_stages, layout.pp_microbatches
