@@ -65,7 +65,8 @@ def baseline_result(loader_race: dict) -> dict:
 
 def test_tuned_job_takes_a_proven_loader_as_measured():
     got = [c for c in changes(TINY, {"baseline": baseline_result(race(True))}) if c.rung == "data"]
-    assert {(c.key, c.new, c.label) for c in got} == {("num_workers", 2, "measured"), ("prefetch_factor", 4, "measured")}
+    assert {(c.key, c.new, c.label) for c in got} == {("num_workers", 2, "measured"),
+                                                      ("prefetch_factor", 4, "measured")}
     assert all("1.50x [1.20, 1.90]" in c.evidence for c in got)
 
 

@@ -256,6 +256,8 @@ class Job:
                                           "share of the per-GPU throughput", min_exclusive=0.0)
     placement_jobs: int = _key(2, "copies of the job sharing the cluster in the whole-rack vs interleaved comparison",
                                min=1)
+    placement_layouts: bool = _key(True, "step 6: measure every layout this node's ranks can form (one torchrun "
+                                   "launch) before modelling the cluster; false skips it")
     coloc_steps: int = _key(8, "measured steps of the co-location experiment (the job alone, then two copies at once)",
                             min=2)
     # --- verify (step 7) ---

@@ -39,6 +39,7 @@ from mfu_lab.core.advice import Advice
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops, job_key_extra
 from mfu_lab.core.job import Job
+from mfu_lab.core.meta_shape import shaped
 from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.results import Metric, StepResult, environment
@@ -91,8 +92,8 @@ def job_shape(job: Job, device: dev.DeviceInfo) -> tuple[pl.Shape, str]:
     fl = count_step_flops(model, build_train_step(job, model, device.type), x.to(device.torch_device),
                           y.to(device.torch_device), cache_dir=job.output_root(), key_extra=job_key_extra(job))
     params = float(sum(p.numel() for p in model.parameters()))
-    # a user model is described by the job's shape keys as far as the placement model needs
-    shape = pl.Shape(job.n_layers, job.n_heads, job.d_model, job.seq_len, job.micro_batch, params,
+    dims = shaped(job)  # a factory model's layers, heads and width read from the model (core.meta_shape)
+    shape = pl.Shape(dims.n_layers, dims.n_heads, dims.d_model, job.seq_len, job.micro_batch, params,
                      fl.model_flops_per_step / job.micro_batch, 4 if job.dtype == "float32" else 2, 4,
                      job.attention == "unfused", job.activation_checkpointing, dropout=False, residual_bytes=4,
                      grad_as_bucket_view=job.ddp_grad_as_bucket_view, sequence_parallel=job.sp and job.tp > 1,
@@ -146,7 +147,7 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
         skipped.append({"what": "co-location experiment", "reason": coloc.reason})
     layouts, layouts_run = [], {"skipped": "placement_layouts: false in the job"}
     try:
-        if getattr(job, "placement_layouts", True):  # a proposed job key (issue 29); until it exists, always on
+        if job.placement_layouts:
             layouts, layouts_run = measure_layouts(job, device.type, job.step_dir(INFO.folder) / "layouts", shape,
                                                    coloc.pair_median_s if coloc.status == "ok" else None, p)
     except Exception as e:  # noqa: BLE001 - the layouts inform the model; their failure never ends the step

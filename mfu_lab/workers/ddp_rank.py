@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mfu_lab.analysis import racing
 from mfu_lab.analysis.dp_family import loss_ok
+from mfu_lab.core.data import same_batches
 from mfu_lab.core.files import write_atomic
 from mfu_lab.core.job import validate
 from mfu_lab.core.measure import run_steps, stats
@@ -294,9 +295,10 @@ def main() -> None:
             model.set_attention(impl.fn)
         return model
 
-    def loader(n):
-        # each rank reads its own shard of the synthetic data
-        return build_loader(dataclasses.replace(job, seed=job.seed + 7919 * (rank + 1)), n, device.type)
+    def loader(n):  # each rank its own shard: synthetic data by a seed of its own, the job's data split (core.data)
+        if job.data in ("synthetic", "synthetic_varlen"):
+            return build_loader(dataclasses.replace(job, seed=job.seed + 7919 * (rank + 1)), n, device.type)
+        return same_batches(job, n, device.type, rank=rank, world=world)
 
     if spec.get("allreduce_max_bytes"):
         emit(out, {"event": "allreduce", "rows": allreduce_benchmark(device, spec["allreduce_max_bytes"]),
