@@ -48,7 +48,9 @@ def test_tuned_yaml_proposes_a_layout_faster_beyond_the_noise_with_its_evidence(
     assert {c.key: c.new for c in chosen} == {"dp_mode": "fsdp"}  # reshard stays the job's (true)
     c = chosen[0]
     assert c.rung == "layout" and c.step == "placement" and c.adopted and c.label == "measured"
-    assert "fsdp2" in c.evidence and "80.0 ms" in c.evidence and "ddp2 100.0 ms" in c.evidence
+    mb = job.micro_batch  # world unknown here: the same data-parallel degree, compared per sample
+    assert "fsdp2" in c.evidence and f"{80 / mb:.1f} ms per sample" in c.evidence
+    assert f"ddp2 {100 / mb:.1f} ms" in c.evidence
     text = tuning.tuned_yaml(job, chosen, "tests/data/tiny.yaml", overrides={})
     line = next(ln for ln in text.splitlines() if ln.startswith("dp_mode:"))
     assert line.startswith("dp_mode: fsdp  # layout, step 6: layout fsdp2") and "was ddp" in line
@@ -62,10 +64,22 @@ def test_a_slower_or_within_noise_layout_is_not_proposed(other):
     results = {"placement": _placement(_entry("ddp2", 0.100, 0.095, 0.105), _entry("fsdp2-noreshard", *other))}
     assert tuning.changes(job, results) == []
     # without a recorded spread, the race's noise floor (3%) decides on the medians
-    near = {"placement": _placement(_entry("ddp2", 0.100), _entry("tp2", 0.098))}
+    near = {"placement": _placement(_entry("ddp2", 0.100), _entry("fsdp2", 0.098))}
     assert faster_layout(job, near["placement"]["layouts"]) is None
-    far = faster_layout(job, [_entry("ddp2", 0.100), _entry("tp2", 0.090)])
-    assert far["changes"] == {"tp": 2} and "noise floor" in far["rule"]
+    far = faster_layout(job, [_entry("ddp2", 0.100), _entry("fsdp2", 0.090)])
+    assert far["changes"] == {"dp_mode": "fsdp"} and "noise floor" in far["rule"]
+
+
+def test_layouts_of_another_data_parallel_degree_are_compared_per_sample_at_the_jobs_samples_per_step():
+    job = dataclasses.replace(_job(), micro_batch=4)
+    # on 2 ranks ddp2 trains 8 samples a step, tp2 and pp2 4: tp2's 0.090 s is slower per sample than ddp2's 0.100
+    assert faster_layout(job, [_entry("ddp2", 0.100), _entry("tp2", 0.090)], world=2) is None
+    assert faster_layout(job, [_entry("ddp2", 0.100), _entry("tp2", 0.090)]) is None  # world unknown: not compared
+    far = faster_layout(job, [_entry("ddp2", 0.100), _entry("tp2", 0.040)], world=2)
+    assert far["changes"] == {"tp": 2, "micro_batch": 8}  # the job's 8 samples a step, on one data-parallel rank
+    assert far["speedup"] == pytest.approx((0.100 / 8) / (0.040 / 4))
+    odd = dataclasses.replace(job, micro_batch=3)  # pp2 with 4 micro-batches cannot take 6 samples: not proposed
+    assert faster_layout(odd, [_entry("ddp2", 0.100), _entry("pp2-1f1b-m4", 0.010)], world=2) is None
 
 
 def _step2(reduce="bfloat16", gap=1e-6):

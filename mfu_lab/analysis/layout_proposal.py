@@ -87,30 +87,64 @@ def step_figures(entry: dict) -> tuple[float, float, float] | None:
     return (med, float(lo), float(hi)) if lo is not None and hi is not None else (med, med, med)
 
 
-def faster_layout(job: Any, layouts: list[dict]) -> dict[str, Any] | None:
-    """The layout to propose from step 6's ``layouts``, or None: ``{layout, keys, changes, step_s, reference,
-    reference_step_s, speedup, rule}``; ``changes`` holds only the keys that differ from the job's."""
-    figures, spread = {}, {}
+def dp_of(name: str, world: int | None) -> int | None:
+    """A layout's data-parallel degree on ``world`` ranks: world / (tp x pp); None when unknown."""
+    keys = layout_keys(name)
+    if keys is None or not world or world % (keys["tp"] * keys["pp"]):
+        return None
+    return world // (keys["tp"] * keys["pp"])
+
+
+def faster_layout(job: Any, layouts: list[dict], world: int | None = None) -> dict[str, Any] | None:
+    """The layout to propose from step 6's ``layouts`` measured on ``world`` ranks, or None: ``{layout, keys,
+    changes, step_s, reference, reference_step_s, speedup, rule}``; ``changes`` holds only the keys that differ
+    from the job's.
+
+    Step 6 runs every layout at the job's ``micro_batch`` per data-parallel rank, so a layout of a smaller
+    data-parallel degree trains fewer samples a step: layouts are compared per sample (step time / (micro_batch x
+    dp)), and the proposal keeps the job's samples per optimizer step by scaling ``micro_batch`` by dp_own /
+    dp_new (a layout where that is not a whole number, or not a multiple of its pipeline micro-batches, is not
+    proposed). Without ``world`` only layouts of the job's own data-parallel degree (tp x pp) are compared."""
+    figures, spread, samples = {}, {}, {}
     own = None
     for e in layouts:
         name, fig = e.get("layout"), step_figures(e)
         if e.get("status") != "ok" or not name or fig is None or layout_keys(name) is None:
             continue
-        figures[name], spread[name] = fig, fig[1] != fig[2]
         if own is None and is_own_layout(job, name):
             own = name
+        figures[name], spread[name] = fig, fig[1] != fig[2]
     if own is None or len(figures) < 2:
         return None
-    if all(spread.values()):
-        pick, rule = beyond_noise(figures, own), "its p90 step below the job's own layout's p10 (measured)"
+    own_keys = layout_keys(own)
+    for name in list(figures):
+        keys = layout_keys(name)
+        dp, own_dp = dp_of(name, world), dp_of(own, world)
+        if dp is None or own_dp is None:  # world unknown: only the job's own dp degree compares step for step
+            dp = own_dp = 1
+            if keys["tp"] * keys["pp"] != own_keys["tp"] * own_keys["pp"]:
+                del figures[name]
+                continue
+        mb, rest = divmod(job.micro_batch * own_dp, dp)
+        if rest or mb < 1 or (keys["pp"] > 1 and mb % keys["pp_microbatches"]):
+            del figures[name]
+            continue
+        samples[name] = (job.micro_batch * dp, mb)  # samples a step as measured, micro_batch that keeps the job's
+        figures[name] = tuple(v / samples[name][0] for v in figures[name])
+    if len(figures) < 2 or own not in figures:
+        return None
+    if all(spread[k] for k in figures):
+        pick, rule = beyond_noise(figures, own), "its p90 time per sample below the job's own layout's p10 (measured)"
     else:  # no spread recorded for some layout: the race's noise floor on the medians
         fastest = min(figures, key=lambda k: figures[k][0])
         pick = fastest if figures[fastest][0] < figures[own][0] * (1 - RACE_NOISE_FLOOR) else own
-        rule = (f"more than {RACE_NOISE_FLOOR:.0%} faster than the job's own layout (no spread recorded: the race's "
-                "noise floor)")
+        rule = (f"more than {RACE_NOISE_FLOOR:.0%} faster per sample than the job's own layout (no spread "
+                "recorded: the race's noise floor)")
     if pick == own:
         return None
-    keys = _relevant(layout_keys(pick))
+    keys = _relevant(layout_keys(pick)) | {"micro_batch": samples[pick][1]}
     changes = {k: v for k, v in keys.items() if getattr(job, k) != v}
-    return {"layout": pick, "keys": keys, "changes": changes, "step_s": figures[pick][0], "reference": own,
-            "reference_step_s": figures[own][0], "speedup": figures[own][0] / figures[pick][0], "rule": rule}
+    return {"layout": pick, "keys": keys, "changes": changes, "step_s": figures[pick][0] * samples[pick][0],
+            "reference": own, "reference_step_s": figures[own][0] * samples[own][0],
+            "per_sample_s": figures[pick][0], "reference_per_sample_s": figures[own][0],
+            "speedup": figures[own][0] / figures[pick][0], "rule": rule}

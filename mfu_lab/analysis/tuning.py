@@ -123,12 +123,12 @@ def _fsdp_pick(job: Job, r: dict, comm: dict) -> list[Change]:
 
 def _layout(job: Job, r: dict) -> list[Change]:
     """Step 6: a layout measured on this node, faster beyond the noise than the job's own (analysis.layout_proposal)."""
-    found = faster_layout(job, r.get("layouts") or [])
+    found = faster_layout(job, r.get("layouts") or [], (r.get("layouts_run") or {}).get("world"))
     if not found:
         return []
-    evidence = (f"step 6: layout {found['layout']} measured on this node, {found['step_s'] * 1e3:.1f} ms per step "
-                f"against the job's own {found['reference']} {found['reference_step_s'] * 1e3:.1f} ms "
-                f"({found['speedup']:.2f}x; {found['rule']})")
+    evidence = (f"step 6: layout {found['layout']} measured on this node, {found['per_sample_s'] * 1e3:.1f} ms per "
+                f"sample against the job's own {found['reference']} {found['reference_per_sample_s'] * 1e3:.1f} ms "
+                f"({found['speedup']:.2f}x; {found['rule']}); micro_batch scaled to keep the samples per step")
     return [Change("layout", "placement", k, getattr(job, k), v, evidence, "measured")
             for k, v in found["changes"].items()]
 
