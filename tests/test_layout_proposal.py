@@ -101,8 +101,8 @@ def test_step_2s_fsdp_pick_is_a_layout_change_and_step_6s_pick_replaces_it():
     assert "100.0 ms against DDP's defaults' 200.0 ms" in chosen[0].evidence
     tuning.tuned_job(job, chosen)  # validates
     both = tuning.changes(job, {"attention_comm": _step2(), "placement": _placement(
-        _entry("ddp2", 0.100, 0.098, 0.102), _entry("tp2", 0.050, 0.049, 0.051))})
-    assert {c.key: c.new for c in both} == {"tp": 2}
+        _entry("ddp2", 0.100, 0.098, 0.102), _entry("tp2", 0.020, 0.019, 0.021)) | {"layouts_run": {"world": 2}}})
+    assert {c.key: c.new for c in both} == {"tp": 2, "micro_batch": 2 * job.micro_batch}
 
 
 def test_step7_verifies_a_layout_change_side_by_side_under_torchrun(monkeypatch, tmp_path):
