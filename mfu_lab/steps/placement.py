@@ -21,6 +21,7 @@ from typing import Any
 
 from mfu_lab.analysis import placement_model as pl
 from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.analysis.layout_calibration import layout_calibration
 from mfu_lab.analysis.node_layouts import calibration_rows
 from mfu_lab.analysis.placement_calibration import CALIBRATED_FROM, calibrate
 from mfu_lab.analysis.placement_check import Check, Coloc, model_check
@@ -72,6 +73,8 @@ class PlacementResult(StepResult):
     # issue 29: every layout of this node measured, each term beside the model's (analysis.node_layouts)
     layouts: list[dict] = dataclasses.field(default_factory=list)
     layouts_run: dict = dataclasses.field(default_factory=dict)  # world, backend, steps, seconds (or skipped)
+    # the node's time terms the cluster predictions took (NCCL on GPUs) and not (analysis.layout_calibration)
+    calibrated_here: str = ""
 
 
 Result = PlacementResult  # the step contract: every step module names its result class Result
@@ -157,6 +160,9 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     skipped += [{"what": f"layout {e['layout']}", "reason": f"{e['status']}: {e['reason']}"}
                 for e in layouts if e["status"] != "ok"]
     cal_rows += calibration_rows(layouts)
+    node_cal = layout_calibration(layouts, layouts_run, device.type)
+    cal = node_cal.apply(cal)  # unchanged unless timed over NCCL on GPUs
+    cal_rows += node_cal.rows()
     check = model_check(shape, earlier, coloc, device)
     if not check.available:
         skipped.append({"what": "model check against step 2", "reason": check.reason})
@@ -189,7 +195,7 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     result = PlacementResult(
         "placement", job.to_dict(), environment(device.name, device.type), {}, cluster.to_dict(),
         dataclasses.asdict(shape) | {"from": shape_from}, cal_rows, coloc, check, sweep, size, chosen_row,
-        strategies, shared, gang, hint, [], layouts, layouts_run, skipped=skipped)
+        strategies, shared, gang, hint, [], layouts, layouts_run, node_cal.statement(), skipped=skipped)
     result.metrics = _metrics(result, cal)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
@@ -200,6 +206,8 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
 
 def _metrics(r: PlacementResult, cal: pl.Calibration) -> dict[str, Metric]:
     cal_note = "modelled: " + "; ".join(f"{k} {v}" for k, v in cal.sources.items())
+    if r.calibrated_here:
+        cal_note += f"; node layouts' times: {r.calibrated_here}"
     c = r.chosen or {}
     ok = [s for s in r.strategies if s.get("status") == "ok"]
     worst = max(ok, key=lambda s: s["step_s"]) if ok else None
