@@ -5,7 +5,9 @@ No cluster is at hand, so the cluster figures are ``modelled`` (mfu_lab.analysis
 what it was calibrated from: the job's FLOPs (counted here), its single-GPU efficiency (measured in
 steps 1, 2 and 4 when they ran on the cluster's GPU, else the job's ``assumed_mfu``), its overlap of
 gradient all-reduce (step 2), link bandwidths (the cluster file, or step 2's all-reduce benchmark on
-the cluster's GPU). Two things are measured here: the job alone against two copies of it at once on
+the cluster's GPU), and, only when this node's layouts were timed over NCCL on GPUs, the pipeline bubble's overhead
+and the intra-node TP link from them (mfu_lab.analysis.layout_calibration; over gloo shown, not used). Two things
+are measured here: the job alone against two copies of it at once on
 this device (co-location), and the model's prediction of step 2's two-process data-parallel step
 against what step 2 measured. Writes ``<out>/<job>/06_placement/result.json``.
 """
