@@ -167,3 +167,21 @@ def test_the_report_shows_the_layouts_table(measured):
         assert name in html
     assert "src-counted" in html and "src-measured" in html and "never used to calibrate" in html
     assert plots.node_layouts(r)  # a figure, not an Unavailable
+
+
+def test_gloo_times_are_shown_beside_the_model_and_never_calibrate(measured):
+    from mfu_lab.analysis import placement_model as pl
+    from mfu_lab.analysis.layout_calibration import GLOO_WHY, layout_calibration
+
+    entries, about, _, _ = measured
+    # the TP term carries its counted collectives a layer: tp2's and tp2-sp's messages are the same b*s*h*bytes
+    msg = [_t(entries[n], "tp_bytes_per_layer")["observed"] / _t(entries[n], "tp_bytes_per_layer")["calls"]
+           for n in ("tp2", "tp2-sp")]
+    assert msg[0] == pytest.approx(msg[1])
+    lcal = layout_calibration(list(entries.values()), about, "cpu")
+    assert not lcal.used and GLOO_WHY in lcal.why
+    assert lcal.bubble["value"] is not None and len(lcal.bubble["points"]) == len(PP)  # computed, shown
+    base = pl.Calibration(989e12, 0.5, 0.0)
+    assert lcal.apply(base) is base
+    rows = lcal.rows()
+    assert len(rows) == 3 and not any(r["used"] for r in rows) and all(r["source"] == "measured" for r in rows)

@@ -160,10 +160,12 @@ def layout_entry(run: dict, facts: Facts, compute_s: float | None = None, timed_
             obs = (_kind(run, "allgather") - edge + _kind(run, "reduce_scatter")) / layers
         else:
             obs = _kind(run, "allreduce") / layers  # FSDP beside it gathers and reduce-scatters, never all-reduces
+        calls = ((_kind(run, "allgather", "count") - 2 + _kind(run, "reduce_scatter", "count")) if sp else
+                 _kind(run, "allreduce", "count")) / layers
         terms.append(term("tp_bytes_per_layer", sum(per.values()), obs, "counted",
                           f"{sum(pl.tp_collectives_per_layer(sp, s.checkpointing, facts.early_stop).values())} "
                           "collectives of b*s*h*bytes a layer" + (", SP's two boundary all-gathers aside" if sp
-                                                                   else "")))
+                                                                   else "")) | {"layers": layers, "calls": calls})
         if sp:
             norms = lt.sp_norm_grad_all_reduces(facts.norm_tensors_per_layer * s.n_layers,
                                                 facts.norm_tensors_per_layer * s.n_layers * s.d_model,
@@ -240,7 +242,8 @@ def calibration_rows(entries: list[dict]) -> list[dict]:
         elif got[0][1]["timed_on"] == "gloo":
             use = "not calibrated here: timed over gloo on a CPU, shown beside the model, not used"
         else:
-            use = "measured over NCCL: waits for its fit into the cluster model (shown, not yet used)"
+            use = ("measured over NCCL: the cluster model takes the bubble's overhead and the TP link from these "
+                   "(see their rows)")
         rows.append({"input": f"node layouts: {name}", "value": statistics.median(r for _, r in ratios),
                      "unit": "x", "source": src, "from": f"{use}; {span}"})
     return rows

@@ -317,6 +317,10 @@ class Calibration:
     overlap: float  # share of the DP all-reduce hidden behind backward (capped by the backward's length)
     bucket_bytes: float = 25 * 2 ** 20  # DDP bucket size: the last bucket is reduced after backward ends
     sources: dict[str, str] = field(default_factory=dict)
+    # measured on this node's layouts over NCCL (analysis.layout_calibration); the defaults keep the model as it was
+    bubble_factor: float = 1.0  # the bubble's overhead over (p-1)/(v*m)
+    tp_link_gbps: float | None = None  # intra-node TP groups' effective bus bandwidth
+    tp_link_latency_s: float | None = None  # and their per-ring-step latency
 
 
 @dataclass
@@ -392,6 +396,9 @@ def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: 
     # activation recomputation the recomputed forward repeats them: 5 under PyTorch's default checkpoint, which stops
     # early, 6 with early_stop=False (Megatron's figure); counted (tp_collectives_per_layer). Under SP each
     # all-reduce is an all-gather plus a reduce-scatter of the same bytes in all: the same time at the ring's rate
+    if cal.tp_link_gbps:  # the node's measured TP link replaces the intra-node figure for TP groups inside a node
+        tp_links = [Link(cal.tp_link_gbps, k.latency_s if cal.tp_link_latency_s is None else cal.tp_link_latency_s,
+                         "node") if k.level == "node" else k for k in tp_links]
     worst_tp = min(tp_links, key=lambda k: k.busbw_gbps) if tp_links else None
     tp_calls = tp_collectives_per_layer(False, s.checkpointing, s.checkpoint_early_stop)["allreduce"]
     tp = (tp_calls * (s.n_layers / lay.pp) * lay.m * allreduce_s(act, lay.tp, worst_tp.busbw_gbps,
@@ -405,7 +412,7 @@ def predict(cluster: Cluster, s: Shape, lay: Layout, placement: list[int], cal: 
           if worst_pp else 0.0)
     # bubble: (p-1)/(v*m) of every micro-batch's time on the critical path idles in the pipeline's fill and
     # drain: its compute, its TP all-reduces and its p2p sends (Narayanan et al. 2021, section 2.2)
-    bubble = (compute + tp + pp) * bubble_fraction(lay.pp, lay.m, lay.v)
+    bubble = (compute + tp + pp) * bubble_fraction(lay.pp, lay.m, lay.v) * cal.bubble_factor
     # DP: one all-reduce of this GPU's gradient shard, params/(tp*pp) * grad_bytes, over the slowest DP group
     worst_dp = min(dp_links, key=lambda k: k.busbw_gbps) if dp_links else None
     if lay.fsdp:

@@ -5,7 +5,9 @@ No cluster is at hand, so the cluster figures are ``modelled`` (mfu_lab.analysis
 what it was calibrated from: the job's FLOPs (counted here), its single-GPU efficiency (measured in
 steps 1, 2 and 4 when they ran on the cluster's GPU, else the job's ``assumed_mfu``), its overlap of
 gradient all-reduce (step 2), link bandwidths (the cluster file, or step 2's all-reduce benchmark on
-the cluster's GPU). Two things are measured here: the job alone against two copies of it at once on
+the cluster's GPU), and, only when this node's layouts were timed over NCCL on GPUs, the pipeline bubble's overhead
+and the intra-node TP link from them (mfu_lab.analysis.layout_calibration; over gloo shown, not used). Two things
+are measured here: the job alone against two copies of it at once on
 this device (co-location), and the model's prediction of step 2's two-process data-parallel step
 against what step 2 measured. Writes ``<out>/<job>/06_placement/result.json``.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 from mfu_lab.analysis import placement_model as pl
 from mfu_lab.analysis.cluster_files import load_cluster
+from mfu_lab.analysis.layout_calibration import layout_calibration
 from mfu_lab.analysis.node_layouts import calibration_rows
 from mfu_lab.analysis.placement_calibration import CALIBRATED_FROM, calibrate
 from mfu_lab.analysis.placement_check import Check, Coloc, model_check
@@ -72,6 +75,8 @@ class PlacementResult(StepResult):
     # issue 29: every layout of this node measured, each term beside the model's (analysis.node_layouts)
     layouts: list[dict] = dataclasses.field(default_factory=list)
     layouts_run: dict = dataclasses.field(default_factory=dict)  # world, backend, steps, seconds (or skipped)
+    # the node's time terms the cluster predictions took (NCCL on GPUs) and not (analysis.layout_calibration)
+    calibrated_here: str = ""
 
 
 Result = PlacementResult  # the step contract: every step module names its result class Result
@@ -157,6 +162,9 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     skipped += [{"what": f"layout {e['layout']}", "reason": f"{e['status']}: {e['reason']}"}
                 for e in layouts if e["status"] != "ok"]
     cal_rows += calibration_rows(layouts)
+    node_cal = layout_calibration(layouts, layouts_run, device.type)
+    cal = node_cal.apply(cal)  # unchanged unless timed over NCCL on GPUs
+    cal_rows += node_cal.rows()
     check = model_check(shape, earlier, coloc, device)
     if not check.available:
         skipped.append({"what": "model check against step 2", "reason": check.reason})
@@ -189,7 +197,7 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     result = PlacementResult(
         "placement", job.to_dict(), environment(device.name, device.type), {}, cluster.to_dict(),
         dataclasses.asdict(shape) | {"from": shape_from}, cal_rows, coloc, check, sweep, size, chosen_row,
-        strategies, shared, gang, hint, [], layouts, layouts_run, skipped=skipped)
+        strategies, shared, gang, hint, [], layouts, layouts_run, node_cal.statement(), skipped=skipped)
     result.metrics = _metrics(result, cal)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
@@ -200,6 +208,8 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
 
 def _metrics(r: PlacementResult, cal: pl.Calibration) -> dict[str, Metric]:
     cal_note = "modelled: " + "; ".join(f"{k} {v}" for k, v in cal.sources.items())
+    if r.calibrated_here:
+        cal_note += f"; node layouts' times: {r.calibrated_here}"
     c = r.chosen or {}
     ok = [s for s in r.strategies if s.get("status") == "ok"]
     worst = max(ok, key=lambda s: s["step_s"]) if ok else None
