@@ -75,3 +75,19 @@ def test_an_unproven_loader_leaves_the_proposal_and_a_users_own_loader_nothing()
     assert [(c.key, c.label) for c in got] == [("num_workers", "proposed")]
     fixed = {"ran": False, "fixed": ["num_workers"], "note": "its own DataLoader"}
     assert [c for c in changes(TINY, {"baseline": baseline_result(fixed)}) if c.rung == "data"] == []
+
+
+def test_the_notebook_and_the_index_show_the_race_table():
+    from mfu_lab.report import loader_race_view
+
+    r = race(True) | {"why": "step 1 measured data wait 40.0%", "method": "m", "reference": "num_workers=0",
+                      "rows": [{"candidate": "num_workers=0", "steps": 12, "median_step_s": 0.5,
+                                "data_wait_fraction": 0.4},
+                               {"candidate": "num_workers=2 prefetch_factor=4", "steps": 12, "median_step_s": 0.3,
+                                "data_wait_fraction": 0.02}]}
+    html = str(loader_race_view({"loader_race": r}))
+    assert "500.0 ms" in html and "300.0 ms" in html and "40.0%" in html and "adopted" in html
+    assert "(the job's own)" in html
+    assert "No loader race" in str(loader_race_view({"loader_race": {}}))
+    fixed = str(loader_race_view({"loader_race": {"ran": False, "why": "w", "note": "its own DataLoader"}}))
+    assert "its own DataLoader" in fixed

@@ -72,6 +72,12 @@ def layout_view(result) -> Html:
     return _part(layout_table(d.get("layout")) + fit_line(d.get("fit")))
 
 
+def loader_race_view(result) -> Html:
+    """Step 1: the loader race, when the device waited on data (steps.data_race), or a line saying none ran."""
+    d = _as_dict(result)
+    return _part(macros("tables_baseline.html.j2").loader_race(d.get("loader_race") or {}))
+
+
 def fit_line(fit: dict | None) -> Markup:
     """Step 1's memory check before the run, in one sentence."""
     if not fit:

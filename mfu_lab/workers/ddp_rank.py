@@ -115,21 +115,7 @@ def comm_time_from_profile(prof, device_type: str) -> float:
     GPU: NCCL kernels' device time. CPU: gloo's all-reduce events (the work as it runs
     on gloo's threads). Overlapping buckets are counted by their union, not their sum.
     """
-    spans = []
-    for ev in prof.events():
-        name = ev.name.lower()
-        if device_type == "cuda":
-            hit = name.startswith("nccl") and ev.device_type == torch.autograd.DeviceType.CUDA
-        else:
-            hit = name.startswith("gloo:all_reduce") or name.startswith("gloo:allreduce")
-        if hit:
-            spans.append((ev.time_range.start, ev.time_range.end))
-    total, end = 0.0, -1.0
-    for s, e in sorted(spans):  # union of intervals, in microseconds
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total / 1e6
+    return fsdp_candidate.comm_seconds(prof, device_type, ("gloo:all_reduce", "gloo:allreduce"))
 
 
 def params_checksum(model: torch.nn.Module) -> torch.Tensor:

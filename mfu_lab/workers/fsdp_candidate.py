@@ -59,15 +59,17 @@ def build(job: Job, cfg: dict, model: nn.Module, device: torch.device, world: in
     return FSDPCandidate(parallelize(model, cand, layout, _MESHES[key], device))
 
 
-def comm_seconds(prof, device_type: str) -> float:
-    """Seconds in FSDP2's collectives during the profiled step (the union of their spans), from the profiler."""
+def comm_seconds(prof, device_type: str, cpu_names: tuple[str, ...] = FSDP_COLLECTIVES) -> float:
+    """Seconds in the collectives of the profiled step (the union of their spans), from the profiler: NCCL kernels'
+    device time on a GPU; on a CPU gloo's events named ``cpu_names`` (FSDP2's gathers and reduce-scatters by
+    default)."""
     spans = []
     for ev in prof.events():
         name = ev.name.lower()
         if device_type == "cuda":
             hit = name.startswith("nccl") and ev.device_type == torch.autograd.DeviceType.CUDA
         else:
-            hit = name.startswith(FSDP_COLLECTIVES)
+            hit = name.startswith(cpu_names)
         if hit:
             spans.append((ev.time_range.start, ev.time_range.end))
     total, end = 0.0, -1.0
