@@ -285,3 +285,12 @@ def test_side_by_side_candidates_get_the_same_batches_from_a_shuffling_loader(us
     assert list((job.output_root() / ".batches").glob("*.pt"))
     plain = job_file(user, data="userdata:data", model="userdata:lm")
     assert isinstance(same_batches(plain, 2, "cpu"), Feed)  # mfu-lab's own loader: the same batches already
+
+
+def test_a_saved_dataset_packs_into_full_rows(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="the datasets package is not installed")
+    datasets.Dataset.from_dict({"input_ids": [list(range(1, n)) for n in (5, 9, 17, 30, 3, 12)]}).save_to_disk(
+        str(tmp_path / "ds"))
+    job = job_file(tmp_path, data="hf:ds", seq_policy="pack")
+    shapes = [tuple(x.shape) for x, _ in build_loader(job, 3, "cpu")]
+    assert shapes == [(4, 16)] * 3  # rows laid end to end (epochs of the 6 rows), no padding

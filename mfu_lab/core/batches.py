@@ -11,7 +11,7 @@ with them, ``-100`` (:data:`IGNORE`) where a position has none. Users' data come
   ``attention_mask`` where it is 0.
 
 :class:`Batch` is that pair with the forward's keyword tensors (``labels``, ``attention_mask``) riding along in
-``kwargs``; a loop that knows them passes them on (:func:`forward_kwargs`), one that does not trains on the pair.
+``kwargs``; :func:`mfu_lab.core.measure.run_steps` passes them on, a loop that does not trains on the pair.
 """
 
 from __future__ import annotations
@@ -40,18 +40,6 @@ class Batch(tuple):
 
     def __reduce__(self):  # DataLoader workers send batches through pickle; keep the keyword tensors
         return (Batch, (self[0], self[1], self.kwargs))
-
-    def to(self, device: Any, non_blocking: bool = False) -> Batch:
-        return Batch(self[0].to(device, non_blocking=non_blocking), self[1].to(device, non_blocking=non_blocking),
-                     {k: v.to(device, non_blocking=non_blocking) for k, v in self.kwargs.items()})
-
-
-def forward_kwargs(batch: Any, device: Any = None, non_blocking: bool = False) -> dict[str, torch.Tensor]:
-    """The keyword tensors a batch brings for the model's forward (none for a plain pair), on ``device``."""
-    kw = getattr(batch, "kwargs", None) or {}
-    if device is None:
-        return dict(kw)
-    return {k: v.to(device, non_blocking=non_blocking) for k, v in kw.items()}
 
 
 def shift_left(labels: torch.Tensor) -> torch.Tensor:

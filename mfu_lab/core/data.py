@@ -360,7 +360,7 @@ def build_loader(job: Job, n_batches: int, device_type: str, n_samples: int | No
         ds = build_dataset(job, want, rank)
         return DataLoader(ds, batch_size=job.micro_batch, shuffle=False, drop_last=job.last_batch == "drop",
                           collate_fn=collate, **_loader_kw(job, device_type))
-    ds = build_dataset(job, want if kind == "tokens" else 0, rank)
+    ds = build_dataset(job, want, rank)  # a dataset's rows stay its own; packed rows and token windows: ``want``
     sampler = DistributedSampler(ds, world, rank, shuffle=False) if kind == "hf" and world > 1 else None
     loader = DataLoader(ds, batch_size=job.micro_batch, shuffle=False, sampler=sampler, collate_fn=collate,
                         drop_last=job.last_batch == "drop", **_loader_kw(job, device_type))

@@ -27,12 +27,14 @@ def job_facts(job: Job, shape: pl.Shape) -> Facts:
     """The root FSDP group's parameters (those outside the blocks: embeddings, final norm, head), whether this
     torch reshards the root, and the checkpoint's early stop (the reference model and parallelize use
     torch.utils.checkpoint's default, which stops early: 5 TP collectives a layer)."""
+    import torch
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     from mfu_lab.core.parallelize import blocks_of
     from mfu_lab.core.workload import build_model
 
-    model = build_model(job)
+    with torch.device("meta"):  # parameter counts only: no memory, no weights
+        model = build_model(job)
     in_blocks = sum(p.numel() for b in blocks_of(model) for p in b.parameters())
     root = float(sum(p.numel() for p in model.parameters()) - in_blocks)
     # torch 2.13 reshards the root when told explicitly (parallelize passes reshard_after_forward to every group)
