@@ -14,7 +14,7 @@ step is timed from the end of the previous one (the loader's ``next()`` and ``mo
 One monitor per arm stays open for the whole run, as in a real job, and the costs it pays once are taken
 in an untimed warm-up through it and reported apart, in seconds: ``start()``, the first step, the second (run
 under the FLOP counter, since only the model is given) and the first profiler window: its steps in the loop, and
-what the steps beside its analysis pay (the analysis runs in a forked child process, off the loop, but on a CPU
+what the steps beside its analysis pay (the analysis runs in a child process, off the loop, but on a CPU
 it shares the cores with the job while it runs). Note that the first window
 is not 1800 s away at the defaults: ``profile_every_s`` counts from ``start()``, so the first window opens at
 the first interval boundary (after step ``every`` + 2) and the next ones ``profile_every_s`` later. After the
@@ -131,6 +131,12 @@ class Loop:
         return {"wall_s": walls}
 
 
+def profiled_windows(mon) -> int:
+    """Windows whose steps ran so far, from the interval records' profiled steps: a window's own record waits for
+    its analysis, which may still be running in its child."""
+    return round(sum(r["profiled_steps"] for r in records(mon, "interval")) / mon.profile_steps)
+
+
 def warm_up(mon: Monitor, loop: Loop, every: int, stack: contextlib.ExitStack, tail: int = 100) -> dict:
     """Open the monitor (``with``, through ``stack``) and take it through its one-off costs, untimed by the
     rounds: start(), the warm-up step and the FLOP-counted second step, the first profiler window (opened at the
@@ -245,14 +251,15 @@ def main() -> int:
         prof_windows_before = 0
         if prof is not None:
             warm_up(prof, arms["with_profile"], args.every, stack)
-            prof_windows_before = len(records(prof, "profile"))
+            prof_windows_before = profiled_windows(prof)
         print(f"  start() {one['start_s'] * 1e3:.1f} ms; first step +{one['first_step_extra_s'] * 1e3:.1f} ms; "
               f"second step, under the FLOP counter, +{one['counted_step_extra_s'] * 1e3:.1f} ms", end="")
         if one["first_window_at_step"]:
             print(f"; first profiler window at step {one['first_window_at_step']} (profile_every_s counts from "
                   f"start): its {mon.profile_steps} steps +{one['first_window_extra_s']:.2f} s in the loop "
-                  f"(profiler stop and fork {one['first_window_overhead_s']:.2f} s of it); its analysis ran "
-                  f"{one['first_window_analysis_s']:.2f} s in a forked child, and the {one['analysis_steps']} "
+                  f"(profiler stop, trace export and the child's start {one['first_window_overhead_s']:.2f} s of it); "
+                  "its analysis ran "
+                  f"{one['first_window_analysis_s']:.2f} s in a child process, and the {one['analysis_steps']} "
                   f"steps beside it paid {one['analysis_paid_by_loop_s']:+.2f} s")
         else:
             print("; no profiler window")
@@ -262,7 +269,7 @@ def main() -> int:
         done = interleave(arms, args.rounds, args.steps, lambda s: print("  " + s, flush=True))
         report["order"] = done.order
         windows_timed = len(records(mon, "profile")) - windows_before
-        prof_windows = len(records(prof, "profile")) - prof_windows_before if prof is not None else 0
+        prof_windows = profiled_windows(prof) - prof_windows_before if prof is not None else 0
         report["isolated_s_per_step"] = iso = isolated_cost(Path(tmp), args.every)
 
     w, b = done.series["with"].wall_s, done.series["without"].wall_s

@@ -63,13 +63,19 @@ _local = threading.local()  # .groups: this thread's open groups, innermost last
 _spawner: ThreadPoolExecutor | None = None
 
 
+def die_with(parent: int, death_signal: int = signal.SIGKILL) -> None:
+    """In a forked child (before exec, or a fork that never execs): receive ``death_signal`` when ``parent``
+    ends (Linux); if it already ended, die now."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
+    if os.getppid() != parent:  # the parent ended between fork and prctl
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _preexec(death_signal: int, parent: int):
     """Run in the child after fork, before exec: die with ``parent``; if it already died, die now."""
     def arm() -> None:
-        if _PRCTL is not None:
-            _PRCTL(PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
-        if os.getppid() != parent:  # the parent ended between fork and prctl
-            os.kill(os.getpid(), signal.SIGKILL)
+        die_with(parent, death_signal)
     return arm
 
 

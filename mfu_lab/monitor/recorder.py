@@ -34,7 +34,7 @@ other time left out, as Lightning's ``ThroughputMonitor`` leaves evaluation out:
 At a low duty cycle a torch.profiler window of ``profile_steps`` steps is taken (the first at the first interval
 boundary, so a short job gets one too, then one every ``profile_every_s`` seconds; a run shorter than ``every``
 + 2 + ``profile_steps`` steps gets none), its steps left out of the timing and its analysis run off the loop
-(:mod:`mfu_lab.monitor.profiling`).
+(:mod:`mfu_lab.monitor.profiling`); no window opens while the last one's analysis is still running.
 
 FLOPs: ``flops_per_token`` when given (the job's formula: analytic); otherwise, with ``model``, one training
 step is counted with the workbook's counter (:mod:`mfu_lab.monitor.flops_window`: the window between the first
@@ -104,12 +104,10 @@ class Monitor(CountsOneStep):
         self._writer_path: Path | None = None
         self._unwritten_start: dict[str, Any] | None = None
         self._started = self._closed = self._writer_closed = False
-        self._peak_flops = None
-        self._comm_timed = False
-        self.nvml = self._tb = None
+        self._peak_flops, self._comm_timed, self.nvml, self._tb = None, False, None, None
         self._flops: StepFlops | None = None
         self._prof: ProfileWindows | None = None
-        self._next_profile: float | None = None
+        self._next_profile: float | None = None  # when the next profiler window may open (None: never)
         self._reset_pending()
         self._reset_interval()
         self._mark = time.perf_counter()
@@ -230,11 +228,12 @@ class Monitor(CountsOneStep):
                                 "computed")
             if self._prof is not None:
                 self._prof.stop()  # waits for a window still being analysed, so its record is written
+            tail = 0 if self._iv["durs"] else self._iv["profiled"]  # profiled steps after the last timed one
             if self._iv["durs"]:
                 self._interval(partial=True)
             if self.nvml is not None:
                 self.nvml.stop()
-            self._emit("end", steps=self.steps_done, reason=why, errors=dict(self.errors))
+            self._emit("end", steps=self.steps_done, reason=why, errors=dict(self.errors), profiled_steps=tail)
         except Exception as e:
             self._fail("close", e)
         finally:
@@ -366,7 +365,8 @@ class Monitor(CountsOneStep):
             iv["tokens"] = (iv["tokens"] or 0) + tokens
         if len(iv["durs"]) >= self.every:
             self._interval()
-            if self._next_profile is not None and self._flops is None and time.monotonic() >= self._next_profile:
+            if (self._next_profile is not None and self._flops is None and time.monotonic() >= self._next_profile
+                    and not self._prof.analysing):  # one window's child at a time: none piles up on the cores
                 try:
                     self._prof.start()
                 except Exception as e:
