@@ -24,6 +24,7 @@ Exit codes: 0 all steps passed; 1 a step failed; 2 bad input (job file, argument
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -232,8 +233,11 @@ def cmd_history(args) -> int:
     for rid, steps in table.items():
         first = next(iter(steps.values()))
         mfus = ", ".join(f"{k} {fmt(v, 'fraction')}" for k, v in trend.get(rid, {}).items())
+        given = {k: v for line in steps.values() for k, v in (line.get("overrides") or {}).items()}
+        over = " ".join(f"-p {k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sorted(given.items()))
         print(f"{rid}  {len(steps)} step(s): {', '.join(steps)}; commit {str(first.get('git_commit'))[:12]}; "
-              f"job {first.get('job_digest')}" + (f"; MFU {mfus}" if mfus else ""))
+              f"job {first.get('job_digest')}" + (f"; overrides {over}" if over else "; the job as in its file")
+              + (f"; MFU {mfus}" if mfus else ""))
     return EXIT_OK
 
 

@@ -146,6 +146,22 @@ def test_cli_compare_and_history(tmp_path, capsys):
     assert main(["history", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "20261129-100000" in out and "01_baseline 40.0%" in out
+    assert out.count("the job as in its file") == 2 and "overrides" not in out
+
+
+def test_history_lists_each_runs_overrides_beside_its_figures(tmp_path, capsys, monkeypatch):
+    from mfu_lab.core import overrides
+
+    save(tmp_path, baseline(0.40), "20261129-100000")
+    monkeypatch.setenv(overrides.OVERRIDES_ENV, json.dumps({"micro_batch": 4, "attention": "sdpa"}))
+    r = baseline(0.55)
+    r["environment"]["overrides"] = overrides.from_env()  # as results.environment() records a run's -p
+    save(tmp_path, r, "20261129-110000")
+    assert main(["history", str(tmp_path)]) == 0
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert first.startswith("20261129-100000") and "the job as in its file" in first and "-p" not in first
+    assert second.startswith("20261129-110000") and "overrides -p attention=sdpa -p micro_batch=4" in second
+    assert second.index("overrides") < second.index("MFU 01_baseline 55.0%")
 
 
 # ------------------------------------------------------------------ the summary page
