@@ -295,10 +295,11 @@ def cmd_lab(args) -> int:
 
     if args.port is not None and not 0 < args.port < 65536:
         raise JobError("command line", [JobProblem("--port", args.port, "must be a port number, 1 to 65535")])
-    job, source = resolve_job(args.job, parse_overrides(args.param), args.out)
+    given = parse_overrides(args.param)
+    job, source = resolve_job(args.job, given, args.out)
     prepared = lab.prepare_lab(job, fresh=args.fresh)
     port = args.port if args.prepare_only else lab.pick_port(args.port)  # started now: on a port free now, only
-    cmd, env = lab.lab_command(prepared.folder, port, not args.no_browser), lab.kernel_env(job, prepared.folder)
+    cmd, env = lab.lab_command(prepared.folder, port, not args.no_browser), lab.kernel_env(job, prepared.folder, given)
     print("\n".join(lab.describe(job, source, prepared, cmd, env, port, not args.prepare_only, args.port)), flush=True)
     return EXIT_OK if args.prepare_only else lab.start(cmd, env)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from mfu_lab.core import procs
 from mfu_lab.core.errors import MfuLabError
 from mfu_lab.core.job import Job
+from mfu_lab.core.overrides import OVERRIDES_ENV
 from mfu_lab.core.paths import find_workbook_root, workbook_file
 from mfu_lab.core.registry import STEPS
 
@@ -198,13 +199,19 @@ def lab_command(folder: Path, port: int | None = None, browser: bool = True, *ex
     return cmd + list(extra)
 
 
-def kernel_env(job: Job, folder: Path) -> dict[str, str]:
-    """Environment the lab's kernels need beyond this one's: a ``module:function`` model is imported from the
-    workbook root (as under ``mfu-lab run``), which a kernel started in a lab outside the checkout does not see."""
+def kernel_env(job: Job, folder: Path, overrides: dict | None = None) -> dict[str, str]:
+    """Environment the lab's kernels need beyond this one's: the command line's ``-p`` overrides
+    (``MFU_LAB_OVERRIDES``, as under ``mfu-lab run``: each step's result records them, so the index and the reports
+    show them beside the figures); and a ``module:function`` model is imported from the workbook root, which a
+    kernel started in a lab outside the checkout does not see."""
+    env = {}
+    kept = {k: v for k, v in (overrides or {}).items() if k != "out_dir"}
+    if kept:
+        env[OVERRIDES_ENV] = json.dumps(kept, default=str)
     root = find_workbook_root()
-    if ":" not in job.model or find_workbook_root(folder) == root:
-        return {}
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    if ":" in job.model and find_workbook_root(folder) != root:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def shell_line(cmd: list[str], env: dict[str, str]) -> str:

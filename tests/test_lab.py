@@ -40,6 +40,8 @@ def test_prepare_only_puts_each_step_notebook_with_the_jobs_parameters_and_nothi
     assert "prepared (parameters injected, not run): " + ", ".join(STEP_NOTEBOOKS) in out
     assert f"results land in {tmp_path / 'tiny'}/NN_step/, as with mfu-lab run" in out
     assert f"-m jupyter lab --ServerApp.root_dir={folder}" in out
+    # the kernels get the -p overrides, as under mfu-lab run: each step's result records them beside its figures
+    assert """MFU_LAB_OVERRIDES='{"micro_batch": 8}'""" in out
     assert ("--allow-root" in out) == (os.geteuid() == 0) and (lab.ROOT_NOTE in out) == (os.geteuid() == 0)
     for name in STEP_NOTEBOOKS:
         nb = json.loads((folder / name).read_text())
