@@ -79,7 +79,7 @@ def test_recommendations_are_ordered_by_estimated_gain_and_the_optimizer_comes_b
     results = issue_case(stored())
     items = su.recommendations(results)
     shares = [a["gain"].share for _, a in items if a["gain"] is not None and a["gain"].kind != "none"]
-    assert shares and shares == sorted(shares, reverse=True)
+    assert shares and shares == sorted(shares, reverse=True)  # (no measured change caps a bound here)
     msgs = [a["message"] for _, a in items]
     opt = next(i for i, m in enumerate(msgs) if m.startswith("The optimiser updates one parameter"))
     fuse = next(i for i, m in enumerate(msgs) if m.startswith("Fuse 'add + layer_norm'"))
@@ -94,6 +94,34 @@ def test_recommendations_are_ordered_by_estimated_gain_and_the_optimizer_comes_b
     kinds = ["gain" if a["gain"] and a["gain"].kind != "none" and a["gain"].share > 0 else
              "none" if a["gain"] is None else "keep" for _, a in items]
     assert kinds == sorted(kinds, key=["gain", "none", "keep"].index)
+
+
+def test_a_measured_loader_pick_ranks_above_a_bound_on_the_same_data_wait():
+    """Step 1's loader race measured its pick 1.50x side by side (so about 33% of the step); step 3's profile says
+    up to 45% of its step waits for data, on the job's own loader. Both are about the data wait: the bound ranks
+    no higher than what the measured change gave, and the first thing to change is the measured pick."""
+    from mfu_lab.steps.baseline import _data_advice
+
+    results = stored()
+    b = results["baseline"]
+    race = {"adopted": True, "pick": "num_workers=2", "speedup": {"value": 1.5, "low": 1.3, "high": 1.7},
+            "method": "interleaved"}
+    b["loader_race"] = race
+    b["advice"] = [_data_advice(b["job"], 0.5, race).__dict__]
+    k = results["kernels"]
+    k["analysis"]["breakdown"]["waiting_for_data"] = 0.45
+    k["advice"] = [{"severity": "act", "message": "The device waits for the next batch 45% of the step.",
+                    "because": ""}] + list(k["advice"])
+    items = su.recommendations(results)
+    msgs = [a["message"] for _, a in items]
+    pick = next(i for i, m in enumerate(msgs) if m.startswith("The device waits on data: load with num_workers=2"))
+    bound = next(i for i, m in enumerate(msgs) if m.startswith("The device waits for the next batch"))
+    assert pick < bound
+    g = items[pick][1]["gain"]
+    assert g.kind == "estimate" and g.source == "measured" and g.share == pytest.approx(1 - 1 / 1.5)
+    assert "1.50x" in g.evidence and "loader race" in g.evidence
+    assert items[bound][1]["gain"].text == "up to 45.0% of the step"  # its own figure is still shown as it is
+    assert first_change(items)[1]["message"] == msgs[pick]
 
 
 def test_each_estimate_comes_from_the_result():

@@ -11,6 +11,10 @@ A recommendation is matched to its figure by the step that made it and the start
 - the share of the step the thing a change removes takes (data waits, idle gaps, the optimizer, exposed
   communication): the most the change could give back (``bound``, "up to").
 
+A bound and an estimate on the same loss (step 3's "waiting for data" up to a share of its profiled step, step 1's
+loader race measured side by side against the job's own loader) are not two gains: the bound ranks no higher than
+the largest measured estimate on that loss (:func:`rank`), and still shows its own figure.
+
 A recommendation no stored figure measures (placement on a cluster, a scheduler setting, the monitor's) has no
 gain and is listed after those that have one; one that says to keep the job as it is has a gain of 0 and is listed
 last. Pure functions of the steps' result dicts (``mfu_lab.core.files.load_results``).
@@ -18,6 +22,7 @@ last. Pure functions of the steps' result dicts (``mfu_lab.core.files.load_resul
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ class Gain:
     kind: str  # "estimate" | "bound" (the most it could give back) | "none" (keep as is: nothing to gain)
     source: str  # the figure's label: measured | analytic | emulated | modelled
     evidence: str  # which step measured what
+    topic: str = ""  # the loss it addresses ("data"): a bound ranks no higher than a measured estimate of it
 
     @property
     def text(self) -> str:
@@ -67,8 +73,14 @@ def _share(result: dict, name: str, step: str, what: str) -> Gain | None:
 
 
 def _baseline(d: dict, msg: str) -> Gain | None:
+    race = d.get("loader_race") or {}
+    if msg.startswith("The device waits on data: load with") and race.get("adopted"):
+        g = _speedup((race.get("speedup") or {}).get("value"), "1", f"loader race, {race.get('pick')} against the "
+                     "job's own loader, side by side")
+        return g and dataclasses.replace(g, topic="data")
     if msg.startswith("The device waits on data"):
-        return _share(d, "data_wait_fraction", "1", "data wait, share of wall time")
+        g = _share(d, "data_wait_fraction", "1", "data wait, share of wall time")
+        return g and dataclasses.replace(g, topic="data")
     if msg.startswith("Host-side overhead"):
         return _share(d, "host_fraction", "1", "host time between steps, share of wall time")
     items = {i.get("name"): i for i in (d.get("ledger") or {}).get("items") or []}
@@ -111,7 +123,8 @@ def _kernels(d: dict, msg: str, because: str) -> Gain | None:
                                ("The device is idle between", "idle", "device idle between operators"),
                                ("Communication is exposed", "communicating", "exposed communication")):
         if msg.startswith(prefix) and isinstance(b.get(name), int | float):
-            return Gain(b[name], "bound", "measured", f"step 3: {what} {b[name]:.1%} of the profiled step")
+            return Gain(b[name], "bound", "measured", f"step 3: {what} {b[name]:.1%} of the profiled step",
+                        "data" if name == "waiting_for_data" else "")
     if msg.startswith(("Data-parallel, communication is exposed", "Almost no communication is hidden")):
         return _share(d, "ddp_exposed_comm_share", "3", "exposed communication in the data-parallel step")
     if msg.startswith("Memory-bound operations"):
@@ -197,12 +210,27 @@ def estimate(key: str, result: dict[str, Any], advice: dict[str, Any]) -> Gain |
         return None
 
 
-def rank(order: int, a: dict[str, Any]) -> tuple:
+def rank(order: int, a: dict[str, Any], caps: dict[str, float] | None = None) -> tuple:
     """The sort key of one piece of advice with its ``gain``: those with a gain above zero, the largest first;
-    then those with no figure to estimate from; then those that say keep as is; each by severity, then ``order``."""
+    then those with no figure to estimate from; then those that say keep as is; each by severity, then ``order``.
+    ``caps``: per topic, the largest estimate of a change measured against that loss; a bound ("up to") on the
+    same loss ranks no higher (the change was measured: what could be left is not more than what it gave)."""
     g: Gain | None = a.get("gain")
     group = 1 if g is None else 0 if g.kind != "none" and g.share > 0 else 2
-    return group, -(g.share if g is not None and group == 0 else 0.0), SEVERITY_ORDER.get(a.get("severity"), 3), order
+    share = g.share if g is not None and group == 0 else 0.0
+    capped = g is not None and g.kind == "bound" and g.topic in (caps or {})
+    if capped:
+        share = min(share, caps[g.topic])
+    return group, -share, int(capped), SEVERITY_ORDER.get(a.get("severity"), 3), order
+
+
+def caps_of(gains: list[Gain | None]) -> dict[str, float]:
+    """Per topic, the largest estimated (not bounded) gain of a change measured against that loss."""
+    caps: dict[str, float] = {}
+    for g in gains:
+        if g is not None and g.topic and g.kind == "estimate":
+            caps[g.topic] = max(caps.get(g.topic, 0.0), g.share)
+    return caps
 
 
 def ordered(results: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -215,7 +243,8 @@ def ordered(results: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any
         for a in d.get("advice") or []:
             if isinstance(a, dict):
                 items.append((len(items), info.folder, {**a, "gain": estimate(info.key, d, a)}))
-    return [(folder, a) for _, folder, a in sorted(items, key=lambda x: rank(x[0], x[2]))]
+    caps = caps_of([a["gain"] for _, _, a in items])
+    return [(folder, a) for _, folder, a in sorted(items, key=lambda x: rank(x[0], x[2], caps))]
 
 
 def first_change(items: list[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]] | None:
