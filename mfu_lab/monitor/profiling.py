@@ -124,7 +124,7 @@ class ProfileWindows:
         try:
             out, err = proc.communicate(timeout=CHILD_S)
         except subprocess.TimeoutExpired:
-            self._kill(proc, f"the analysis child gave no answer within {CHILD_S:.0f} s and was killed")
+            self._kill(proc.pid, f"the analysis child gave no answer within {CHILD_S:.0f} s and was killed")
             out, err = proc.communicate()
         with self._reap:  # communicate() reaped it: close() never signals a reused pid
             why = self._children.pop(proc.pid, "")
@@ -158,8 +158,7 @@ class ProfileWindows:
         for t in self._threads:
             t.join(5.0)
 
-    def _kill(self, proc: subprocess.Popen | int, why: str) -> None:
-        pid = proc if isinstance(proc, int) else proc.pid
+    def _kill(self, pid: int, why: str) -> None:
         with self._reap:
             if pid not in self._children:  # answered and reaped meanwhile
                 return
