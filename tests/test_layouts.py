@@ -22,6 +22,7 @@ TINY = dict(job_name="layouts", n_layers=4, n_heads=4, d_model=32, seq_len=16, v
             steps=2, warmup_steps=1, comm_timeout_s=60.0, nproc_per_node=2)
 B, S, H, L = 4, 16, 32, 4  # micro_batch, seq_len, d_model, n_layers
 LLAMA = "tests.test_layouts:tiny_llama"
+SLOW = 0.1  # s, slept in each backward of the first pipeline stage's first block (an injected fault)
 
 
 def tiny_llama():
@@ -96,7 +97,7 @@ def test_tensor_and_pipeline_layouts_match_one_process(tmp_path):
         item(**pp, pp_schedule="interleaved_1f1b", pp_virtual_stages=2),
         item(model=LLAMA, tp=2),
         {"overrides": {"tp": 2}, "reference": {"dp_mode": "fsdp"}}, item(dp_mode="fsdp")],
-        fault=[{"layout": 7, "kind": "perturb"}])
+        fault=[{"layout": 7, "kind": "perturb"}, {"layout": 2, "rank": 0, "kind": "slow_backward", "seconds": SLOW}])
     tp, sp, gpipe, f1b, inter, llama, tp_vs_fsdp, perturbed = runs
     for r in runs[:7]:
         assert_equal_loss(r)
@@ -109,6 +110,9 @@ def test_tensor_and_pipeline_layouts_match_one_process(tmp_path):
     for r in (gpipe, f1b, inter):
         assert any("lm_head untied" in n for n in r.notes) and r.bubble["per_stage"]
         assert all(0 <= s["fraction"] < 1 for s in r.bubble["per_stage"])
+    # the last rank's drain is its wait for stage 0's last backward, slowed by SLOW: in its step, not after it
+    assert gpipe.bubble["per_pp_rank"][-1]["drain_s"] >= SLOW
+    assert gpipe.bubble["per_pp_rank"][-1]["fraction"] > gpipe.bubble["per_pp_rank"][0]["fraction"]
     assert gpipe.collectives[0]["send"]["count"] == 4  # m activations forward (rank 0) or gradients back
     assert inter.collectives[0]["send"]["count"] == 2 * 4 * (2 * 2 - 1) // 2  # 2m(pv-1)/p
     assert inter.bubble["analytic"] == pytest.approx(1 / 8) and len(inter.bubble["per_stage"]) == 4

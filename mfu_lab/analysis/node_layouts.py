@@ -182,7 +182,8 @@ def layout_entry(run: dict, facts: Facts, compute_s: float | None = None, timed_
         b = run.get("bubble") or {}
         last = (b.get("per_pp_rank") or [{}])[-1].get("fraction")
         terms.append(term("bubble_fraction", bub / (1 + bub), last, "measured",
-                          "the last pipeline rank's fill + drain / its step, against (p-1)/(v*m + p-1)" + gloo))
+                          "the last pipeline rank's fill + drain (its wait for the first stage's last backward) / its "
+                          "step, against (p-1)/(v*m + p-1)" + gloo))
     # memory per rank
     mem = lt.memory_per_rank(s, _Lay(lay))
     shards = run.get("memory") or []

@@ -151,7 +151,8 @@ def headline_metrics(job: Job, run: LayoutRun, report: FlopReport, peak_total: f
         rank, worst = bubble_share(run)
         metrics["pipeline_bubble"] = Metric(
             worst, "fraction", "measured",
-            f"idle before the first and after the last of pipeline rank {rank}'s stages, over its step (the "
+            f"idle before the first and after the last of pipeline rank {rank}'s stages (until every pipeline "
+            f"rank has left the schedule), over its step (the "
             f"largest of the pipeline ranks); analytic (p-1)/(v*m+p-1) = {run.bubble.get('analytic_of_step', 0):.1%} "
             f"of the step ((p-1)/(v*m) = {run.bubble['analytic']:.1%} of the compute); fill and drain only: idle "
             "inside the step is not counted")

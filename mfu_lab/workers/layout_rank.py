@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -120,9 +121,13 @@ def gap(a: list[float], b: list[float]) -> float:
 
 class StageClock:
     """Under PP: each stage's first forward and last backward in every ``schedule.step``, relative to that call's
-    start and end (the optimizer step is outside it). Forward: a pre-hook on the stage module; backward: a full
-    backward hook on its first block (the stage's last backward work, the embedding's aside). On a GPU the
-    instants are CUDA events, read after the steps (:meth:`rows`); on a CPU, perf_counter."""
+    start and to the instant every pipeline rank has left it (a one-element all-reduce over the "pp" group after
+    the call; the optimizer step is outside). That common end puts the last rank's drain, its wait for the
+    first stage's last backward, into the step: its own call returns as soon as its last gradient is sent.
+    Forward: a pre-hook on the stage module; backward: a full backward hook on its first block (the stage's
+    last backward work, the embedding's aside). On a GPU the instants are CUDA events, read after the steps
+    (:meth:`rows`), and the all-reduce is ordered on the stream, with no host synchronisation; on a CPU,
+    perf_counter."""
 
     def __init__(self, par: Parallelized, cuda: bool):
         self.cuda, self.steps, self.handles = cuda, [], []
@@ -132,10 +137,13 @@ class StageClock:
             first = (blocks_of(m) or [m])[0]
             self.handles.append(first.register_full_backward_hook(lambda mod, gi, go, i=i: self._mark("b", i)))
         self.schedule, self.orig = par.schedule, par.schedule.step
+        group = par.mesh["pp"].get_group()
+        flag = torch.zeros(1, device=next(par.modules[0].parameters()).device)
 
         def step(*args, **kw):
             self.cur = {"start": self._now(), "f": {}, "b": {}}
             out = self.orig(*args, **kw)
+            dist.all_reduce(flag, group=group)  # returns (CPU) or completes (GPU) once every pp rank is here
             self.cur["end"] = self._now()
             self.steps.append(self.cur)
             return out
@@ -290,6 +298,12 @@ def reference_check(job: Job, layout: Layout, item: dict, base: dict, batches: l
     return check
 
 
+def slow_last_backward(module, seconds: float, micro_batches: int) -> None:
+    """Tests only: ``module``'s backward sleeps ``seconds`` on every ``micro_batches``-th call."""
+    calls = itertools.count(1)
+    module.register_full_backward_hook(lambda *_: time.sleep(seconds) if next(calls) % micro_batches == 0 else None)
+
+
 def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     """One layout: check, time, count, read memory, trace; the record every rank gathered (emitted by local
     rank 0). A StepError (the same on every rank, before any collective) refuses the layout."""
@@ -303,11 +317,13 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
                      "weighs tokens unlike one process's mean over the global batch; the loss check may show it")
     emit(out, {"event": "start", "index": index, "name": layout.name})
     heartbeat(out, rank, index, -1)
-    # tests only: {"layout": index, "rank": r, "kind": "crash" | "hang"}, or {"layout": index, "kind": "perturb"}
-    # (every rank scales its first parameter after the layout is built: a layout whose loss differs)
+    # tests only: {"layout": index, "rank": r, "kind": "crash" | "hang"}, {"layout": index, "kind": "perturb"}
+    # (every rank scales its first parameter after the layout is built: a layout whose loss differs), or
+    # {"layout": index, "rank": r, "kind": "slow_backward", "seconds": s} (the last micro-batch's backward of
+    # rank r's first module's first block sleeps s in every step: an idle the other pipeline ranks must show)
     faults = [f for f in spec.get("fault") or [] if f.get("layout") == index]
     for fault in faults:
-        if fault.get("rank") == rank:
+        if fault.get("rank") == rank and fault["kind"] in ("crash", "hang"):
             if fault["kind"] == "crash":
                 raise RuntimeError(f"injected crash on rank {rank} (test fault)")
             time.sleep(10_000)  # injected hang
@@ -327,6 +343,10 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     if any(f["kind"] == "perturb" for f in faults):
         with torch.no_grad():
             par.parameters()[0].mul_(1.5)
+    for f in faults:
+        if f["kind"] == "slow_backward" and f.get("rank") == rank:
+            slow_last_backward((blocks_of(par.modules[0]) or [par.modules[0]])[0], float(f["seconds"]),
+                               layout.pp_microbatches)
     check["layout_losses"] = global_losses([par.step(x, y) for x, y in mine[:checks]], layout, device)
     if check["reference_losses"]:
         check["max_rel_gap"] = gap(check["layout_losses"], check["reference_losses"])
