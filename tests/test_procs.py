@@ -299,3 +299,17 @@ def test_every_place_that_starts_processes_leaves_none_when_its_parent_is_killed
         except (AssertionError, pytest.fail.Exception, subprocess.TimeoutExpired) as e:
             failed.append(f"{name} ({sig.name}): {e}")
     assert not failed, "\n".join(failed)
+
+
+def test_a_started_command_runs_as_the_child_itself_with_no_signal_left_ignored():
+    """procs.popen starts its command through a few lines of Python (the parent-death signal, then exec: no
+    preexec_fn, whose Python in a forked child can deadlock): the command is the child itself (same pid), and the
+    signals Python ignores (SIGPIPE, SIGXFSZ) are not left ignored in it. A shell line goes through /bin/sh."""
+    p = procs.popen("echo $$; grep SigIgn /proc/$$/status", shell=True, stdout=subprocess.PIPE, text=True)
+    out, _ = p.communicate(timeout=60)
+    pid, ign = out.split("\n", 1)
+    assert int(pid) == p.pid
+    mask = int(ign.split()[1], 16)
+    assert not mask & (1 << (signal.SIGPIPE - 1)) and not mask & (1 << (signal.SIGXFSZ - 1)), ign
+    with pytest.raises(TypeError, match="one string"):
+        procs.popen(["true"], shell=True)

@@ -5,8 +5,9 @@ and co-located copies) spans several sessions: the kernel and every child below 
 their own, so neither Ctrl-C nor a kill of ``mfu-lab run`` reaches them by itself. Three guarantees close that:
 
 - :func:`popen` starts a child in a process group (session) of its own and asks the Linux kernel, through
-  ``prctl(PR_SET_PDEATHSIG)`` in the child before it runs its command, to send it ``death_signal`` the moment
-  this process ends, however it ends (SIGKILL included). A child started from a thread other than the main one
+  ``prctl(PR_SET_PDEATHSIG)`` in the child before it runs its command (a few lines of Python the child execs
+  first, which then exec the command: no ``preexec_fn``, see :data:`_ARM`), to send it ``death_signal`` the
+  moment this process ends, however it ends (SIGKILL included). A child started from a thread other than the main one
   is forked from a spawner thread that lives as long as the process, since the signal comes when the *thread*
   that forked the child ends.
 - :func:`group` ends, on every way out of its block (success, exception, Ctrl-C, SIGTERM made Ctrl-C by
@@ -72,11 +73,31 @@ def die_with(parent: int, death_signal: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _preexec(death_signal: int, parent: int):
-    """Run in the child after fork, before exec: die with ``parent``; if it already died, die now."""
-    def arm() -> None:
-        die_with(parent, death_signal)
-    return arm
+# Run as the child's first program, between fork and the command's exec: the parent-death signal, then the command
+# (execvp keeps the pid and the signal). Not a preexec_fn: Python code run in a forked child of a process with
+# threads can deadlock before it starts (CPython 3.11's PyOS_AfterFork_Child waited forever on a lock a thread held
+# at the fork, in the monitor's profiler-window children); Popen without preexec_fn runs no Python in the child.
+# Python ignores SIGPIPE and SIGXFSZ; an ignored signal would stay ignored in the command, so both are reset.
+_ARM = ("import ctypes, os, signal, sys\n"
+        "sig, parent = int(sys.argv[1]), int(sys.argv[2])\n"
+        "try:\n    ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)\n"
+        "except (OSError, AttributeError):\n    pass\n"
+        "if os.getppid() != parent:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "for s in ('SIGPIPE', 'SIGXFSZ'):\n"
+        "    hasattr(signal, s) and signal.signal(getattr(signal, s), signal.SIG_DFL)\n"
+        "os.execvp(sys.argv[3], sys.argv[3:])\n")
+
+
+_PYTHON = sys.executable  # the interpreter that runs _ARM, fixed at import (a test may point sys.executable elsewhere)
+
+
+def armed(cmd, death_signal: int, parent: int) -> list[str]:
+    """``cmd`` (a list, or a shell line) started through :data:`_ARM`: it gets ``death_signal`` when ``parent``
+    ends (Linux), and runs as the same process (exec). Elsewhere than Linux, ``cmd`` unchanged."""
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(c) for c in cmd]
+    if _PRCTL is None:
+        return argv
+    return [_PYTHON, "-S", "-E", "-c", _ARM, str(int(death_signal)), str(parent), *argv]
 
 
 def _start(cmd, kw: dict[str, Any]) -> subprocess.Popen:
@@ -103,9 +124,12 @@ def popen(cmd, *, death_signal: int = signal.SIGKILL, new_session: bool = True, 
 
     ``preexec_fn`` and ``start_new_session`` are this function's own; every other Popen argument passes through.
     """
-    if "preexec_fn" in kw or "start_new_session" in kw:
-        raise TypeError("procs.popen sets preexec_fn and start_new_session itself (new_session=...)")
-    kw = {**kw, "start_new_session": new_session, "preexec_fn": _preexec(death_signal, os.getpid())}
+    if "preexec_fn" in kw or "start_new_session" in kw or "executable" in kw:
+        raise TypeError("procs.popen sets the program, preexec_fn and start_new_session itself (new_session=...)")
+    if kw.pop("shell", False) and not isinstance(cmd, str):
+        raise TypeError("procs.popen(shell=True) takes the command as one string")
+    cmd = armed(cmd, death_signal, os.getpid())
+    kw = {**kw, "start_new_session": new_session}
     if threading.current_thread() is threading.main_thread():
         proc = _start(cmd, kw)
     else:  # fork from a thread that lives as long as the process: PDEATHSIG follows the forking thread
@@ -290,8 +314,7 @@ def kernel_manager_class():
 
     class DyingKernelManager(AsyncKernelManager):
         async def _async_launch_kernel(self, kernel_cmd, **kw):
-            kw["preexec_fn"] = _preexec(signal.SIGKILL, os.getpid())
-            await super()._async_launch_kernel(kernel_cmd, **kw)
+            await super()._async_launch_kernel(armed(kernel_cmd, signal.SIGKILL, os.getpid()), **kw)
             proc = getattr(self.provisioner, "process", None)
             if isinstance(proc, subprocess.Popen):
                 adopt(proc)
