@@ -156,7 +156,8 @@ def test_a_race_screens_and_measures_its_finalists_in_one_launch(tiny_job, tmp_p
     sweep, log, configs = _race(job, tmp_path)
     assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
     screened, final = log.rounds
-    assert len(screened.medians) == len(configs) == 6 and "none/25MB/copy" in final.medians  # the reference stays
+    # the factor screen: the job's own none/25MB, the two other hooks at 25 MB, none at 1 MB (not their product, 6)
+    assert len(screened.medians) == len(configs) == 4 and "none/25MB/copy" in final.medians  # the reference stays
     assert set(final.medians) == set(screened.kept) and set(screened.dropped) | set(screened.kept) == set(
         screened.medians)
     for name in screened.kept:  # measured in full in the same launch: the timed, no_sync and profiled steps
@@ -170,7 +171,7 @@ def test_a_race_screens_and_measures_its_finalists_in_one_launch(tiny_job, tmp_p
 def test_a_crash_in_the_final_round_is_recorded_and_the_other_finalists_still_measured(tiny_job, tmp_path):
     # the job's own configuration is a second reference: at least two finalists, whatever the screen measured
     job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25], ddp_hook="allreduce",
-                ddp_bucket_mb=1.0)
+                ddp_bucket_mb=1.0, comm_screen="product")
     n = 4  # screened configurations: the finalists' indices count on from here
     sweep, log, configs = _race(job, tmp_path, fault={"config": n, "rank": 1, "kind": "crash"})
     assert len(configs) == n

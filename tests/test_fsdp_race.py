@@ -77,7 +77,7 @@ def test_step_2_races_fsdp2_candidates_at_world_2_with_confirmation_and_loss_che
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none"], comm_bucket_mb=[25],
                               comm_grad_as_bucket_view=[False], comm_steps=2, comm_warmup_steps=1,
                               comm_fsdp_reshard=[True, False], comm_fsdp_prefetch=[1],
-                              comm_fsdp_reduce_dtype=["float32", "bfloat16"])
+                              comm_fsdp_reduce_dtype=["float32", "bfloat16"], comm_screen="product")
     sweep, log, configs = comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 16,
                                              reference=("none", 25.0, False), clock=Clock(None),
                                              fault={"kind": "slow", "name": "none/25MB/copy", "ms": 150})

@@ -14,6 +14,7 @@ from mfu_lab.core.budget import Clock
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.job import load_job
 from mfu_lab.steps import comm_race
+from mfu_lab.workers.comm_configs import factor_configs, is_fsdp, screened_configs
 from mfu_lab.workers.launch import SweepOutcome, config_key, known_refusal
 
 from .conftest import TINY
@@ -45,7 +46,7 @@ def test_references_are_never_dropped_however_slow():
 
 def test_known_refusals_are_recorded_without_a_launch(tmp_path, monkeypatch):
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "bf16_compress", "powersgd"],
-                              comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False])
+                              comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False], comm_screen="product")
     launched = []
 
     def fake_sweep(job, device_type, attention, work, progress=None, configs=None, screen=0, allreduce=True, **kw):
@@ -71,6 +72,44 @@ def test_known_refusals_are_recorded_without_a_launch(tmp_path, monkeypatch):
     assert known_refusal({"hook": "bf16_compress", "bucket_mb": 25, "grad_as_bucket_view": False}, "nccl", 1) is None
     assert [s for _, s in launched] == [job.race_steps, 0]  # a screening launch, then the final one
     assert log.mode == "racing" and "none/25MB/copy" in log.rounds[0].kept
+
+
+def _changed(a: dict, b: dict) -> set:
+    return {k for k in a if a[k] != b[k]}
+
+
+def test_the_factor_screen_varies_one_knob_at_a_time_from_the_jobs_own_settings(tmp_path, monkeypatch):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), ddp_hook="fp16_compress", ddp_bucket_mb=8.0,
+                              comm_hooks=["none", "allreduce", "fp16_compress", "powersgd"], comm_bucket_mb=[1, 8, 25],
+                              comm_grad_as_bucket_view=[False, True], comm_fsdp_reshard=[True, False],
+                              comm_fsdp_prefetch=[0, 1], comm_fsdp_reduce_dtype=["float32", "bfloat16"],
+                              fsdp_prefetch=1)
+    own = comm_race.job_config(job)
+    configs = factor_configs(job, own)
+    ddp, fsdp = [c for c in configs if not is_fsdp(c)], [c for c in configs if is_fsdp(c)]
+    assert ddp[0] == own and all(len(_changed(c, own)) == 1 for c in ddp[1:])
+    assert len(ddp) == 1 + 3 + 2 + 1  # the other hooks, the other bucket sizes, the view flipped
+    assert {c["hook"] for c in ddp} == set(job.comm_hooks) and {c["bucket_mb"] for c in ddp} == {1, 8, 25}
+    base = {"kind": "fsdp", "reshard": True, "prefetch": 1, "reduce_dtype": "float32"}  # the job's own fsdp_* keys
+    assert fsdp[0] == base and len(fsdp) == 4 and all(len(_changed(c, base)) == 1 for c in fsdp[1:])
+    assert len({config_key(c) for c in configs}) == len(configs)
+    product = dataclasses.replace(job, comm_screen="product")
+    assert len(screened_configs(product, own)) == 4 * 3 * 2 + 8  # the own configuration is one of them
+    assert len(screened_configs(dataclasses.replace(job, thorough=True), own)) == 4 * 3 * 2 + 8
+    off = dataclasses.replace(job, comm_fsdp_reshard=[], comm_fsdp_prefetch=[], comm_fsdp_reduce_dtype=[])
+    assert not any(is_fsdp(c) for c in factor_configs(off, own))
+
+    launched = []
+
+    def fake_sweep(job, device_type, attention, work, progress=None, configs=None, screen=0, allreduce=True, **kw):
+        launched.append([config_key(c) for c in configs])
+        return SweepOutcome({"world_size": 2}, [])
+
+    monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
+    _, _, listed = comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 10,
+                                      reference=("none", 25.0, False), clock=Clock(None))
+    assert [config_key(c) for c in listed] == [config_key(c) for c in configs]  # the screen is what step 2 races
+    assert set(launched[0]) <= {config_key(c) for c in configs}
 
 
 def test_thorough_runs_every_configuration_in_full_in_one_launch(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ from mfu_lab.core.job_rules import (
     ADAMW_IMPLS,
     ATTENTIONS,
     COMM_HOOKS,
+    COMM_SCREENS,
     COMPILE_CHOICES,
     COMPILE_DYNAMIC,
     COMPILE_MODES,
@@ -164,6 +165,10 @@ class Job:
     comm_hooks: list = _key(list(COMM_HOOKS), "DDP communication hooks to sweep: " + " | ".join(COMM_HOOKS),
                             items="hook")
     comm_grad_as_bucket_view: list = _key([False, True], "gradient_as_bucket_view values to sweep", items="bool")
+    comm_screen: str = _key("factors", "which candidates step 2's race screens: 'factors' (the job's own DDP and "
+                            "FSDP2 settings, then each swept knob's other values one at a time, e.g. 9 DDP + 4 FSDP2 "
+                            "on the default job) or 'product' (every combination of the comm_* lists, 48 + 8); "
+                            "--thorough measures the product in full", choices=COMM_SCREENS)
     comm_fsdp_reshard: list = _key([True, False], "FSDP2 candidates of step 2's race: reshard_after_forward values "
                                    "(each FSDP2 candidate is one of these x comm_fsdp_prefetch x "
                                    "comm_fsdp_reduce_dtype); [] in all three: no FSDP2 candidate", items="bool",

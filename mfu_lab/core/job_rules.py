@@ -31,6 +31,7 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "ma
 COMPILE_DYNAMIC = ("auto", "static", "dynamic")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")
+COMM_SCREENS = ("factors", "product")  # step 2's first round: knobs one at a time, or every combination
 COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
 MATMUL_PRECISIONS = ("highest", "high")
 ADAMW_IMPLS = ("default", "foreach", "fused")

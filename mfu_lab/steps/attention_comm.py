@@ -3,9 +3,10 @@ overlapped gradient all-reduce give back?
 
 ``run(job)`` (1) checks every attention implementation on this device against the
 unfused form in float32, times attention alone and the whole training step with
-each, and (2) runs data-parallel training through torchrun across a sweep of DDP
-bucket sizes x communication hooks x gradient_as_bucket_view, with an all-reduce
-bandwidth benchmark. Every figure is measured here. Writes
+each, and (2) runs data-parallel training through torchrun across DDP bucket sizes,
+communication hooks and gradient_as_bucket_view, and FSDP2 candidates (one knob at a
+time from the job's own settings, or their product: ``comm_screen``), with an
+all-reduce bandwidth benchmark. Every figure is measured here. Writes
 ``<out>/<job>/02_attention_and_comm/result.json``.
 """
 
@@ -38,9 +39,9 @@ from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
 from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step
 from mfu_lab.steps.attention_race import IMPOSSIBLE_SHARE, JOB_IMPL, AttentionRow, _pick, attention_section
 from mfu_lab.steps.baseline import step1_reference
-from mfu_lab.steps.comm_race import confirm_pick, race_ddp
-from mfu_lab.workers.comm_configs import fsdp_job_keys, is_fsdp
-from mfu_lab.workers.launch import config_key, config_name, one_rank_reason, sweep_configs, world_layout
+from mfu_lab.steps.comm_race import confirm_pick, job_config, race_ddp
+from mfu_lab.workers.comm_configs import fsdp_job_keys, is_fsdp, screened_configs
+from mfu_lab.workers.launch import config_key, config_name, one_rank_reason, world_layout
 
 INFO = BY_KEY["attention_comm"]
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets
@@ -205,9 +206,11 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
 
     # ---- communication
     nnodes, nproc = world_layout(job, device.type)
-    n_configs = len(sweep_configs(job))
+    n_configs = len(screened_configs(job, job_config(job)))
+    screen = ("one knob at a time from the job's own settings (comm_screen: factors)" if job.comm_screen == "factors"
+              else "every combination of the comm_* lists")
     say(f"communication: {n_configs} configurations, " + ("each measured in full (thorough)" if job.thorough else
-        f"raced: {job.race_steps} steps each, then the survivors in full") if nnodes * nproc > 1 else
+        f"{screen}, raced: {job.race_steps} steps each, then the survivors in full") if nnodes * nproc > 1 else
         f"communication: skipped, {one_rank_reason(nnodes, nproc, device.type)}")
     done = {"n": 0, "total": n_configs, "eta": say.eta("communication configurations", n_configs), "cfg": ""}
     beat = say.heartbeat("  comm")  # inside a configuration and while the ranks start: a line at least every GAP_S

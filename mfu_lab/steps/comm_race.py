@@ -22,7 +22,7 @@ from mfu_lab.core.budget import Clock
 from mfu_lab.core.job import Job
 from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
-from mfu_lab.workers.comm_configs import hook_of
+from mfu_lab.workers.comm_configs import hook_of, screened_configs
 from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import (
     SweepOutcome,
@@ -32,7 +32,6 @@ from mfu_lab.workers.launch import (
     full_factor,
     known_refusal,
     run_sweep,
-    sweep_configs,
     turn_lines,
     world_layout,
 )
@@ -63,10 +62,8 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     only, passed to the first launch (:func:`mfu_lab.workers.launch.run_sweep`)."""
     nnodes, nproc = world_layout(job, device_type)
     backend = "nccl" if device_type == "cuda" else "gloo"
-    configs = sweep_configs(job)
     own = job_config(job)
-    if config_key(own) not in {config_key(c) for c in configs}:
-        configs.append(own)  # the job's own configuration is always in the race
+    configs = screened_configs(job, own)  # the job's own configuration is always in the race
     refused = {config_key(c): why for c in configs if (why := known_refusal(c, backend, grad_bytes))}
     runnable = [c for c in configs if config_key(c) not in refused]
     refs = [name(c) for c in runnable if config_key(c) in (reference, config_key(own))]

@@ -1,5 +1,6 @@
 """Step 2's candidates, the data-parallel family: DDP configurations (hook x bucket size x gradient_as_bucket_view)
-and FSDP2 configurations (reshard_after_forward x explicit prefetch x MixedPrecisionPolicy reduce_dtype).
+and FSDP2 configurations (reshard_after_forward x explicit prefetch x MixedPrecisionPolicy reduce_dtype): the whole
+product (``comm_screen: product``, ``thorough``), or by default each knob varied alone (:func:`factor_configs`).
 
 A candidate is a plain dict, as the launcher hands it to the ranks (JSON): a DDP one ``{"hook", "bucket_mb",
 "grad_as_bucket_view"}``, an FSDP2 one ``{"kind": "fsdp", "reshard", "prefetch", "reduce_dtype"}``. Its key (a tuple)
@@ -35,6 +36,40 @@ def fsdp_configs(job: Job) -> list[dict]:
 def sweep_configs(job: Job) -> list[dict]:
     """Every candidate of step 2's race: the DDP configurations, then the FSDP2 ones."""
     return ddp_configs(job) + fsdp_configs(job)
+
+
+def factor_configs(job: Job, own: dict) -> list[dict]:
+    """Step 2's factor screen (``comm_screen: factors``): the job's own DDP settings ``own``, then each swept knob's
+    other values alone (hooks, bucket sizes largest first, gradient_as_bucket_view), the rest held at the job's; then
+    FSDP2 from the job's own fsdp_* settings (each list's first value where the job's is not in it), varied the same
+    way. A one-factor-at-a-time design: it measures what each knob gives alone and never a combination of two
+    changed knobs (``comm_screen: product`` races every combination)."""
+    out: list[dict] = []
+
+    def vary(base: dict, knobs: tuple) -> None:
+        for c in [base] + [base | {k: v} for k, levels in knobs for v in levels]:
+            if config_key(c) not in {config_key(o) for o in out}:
+                out.append(c)
+
+    vary(dict(own), (("hook", job.comm_hooks), ("bucket_mb", sorted(job.comm_bucket_mb, reverse=True)),
+                     ("grad_as_bucket_view", job.comm_grad_as_bucket_view)))
+    lists = (job.comm_fsdp_reshard, job.comm_fsdp_prefetch, job.comm_fsdp_reduce_dtype)
+    if all(lists):
+        mine = (bool(job.fsdp_reshard_after_forward), int(job.fsdp_prefetch), job.fsdp_reduce_dtype or "float32")
+        r, p, d = (v if v in levels else levels[0] for v, levels in zip(mine, lists))
+        vary({"kind": FSDP, "reshard": bool(r), "prefetch": int(p), "reduce_dtype": d},
+             (("reshard", [bool(x) for x in lists[0]]), ("prefetch", [int(x) for x in lists[1]]),
+              ("reduce_dtype", list(lists[2]))))
+    return out
+
+
+def screened_configs(job: Job, own: dict) -> list[dict]:
+    """The candidates step 2 races: the factor screen, or the whole product (``comm_screen: product``, or
+    ``thorough``, which measures every combination in full), with the job's own DDP settings always in."""
+    if job.comm_screen == "factors" and not job.thorough:
+        return factor_configs(job, own)
+    configs = sweep_configs(job)
+    return configs if config_key(own) in {config_key(c) for c in configs} else configs + [dict(own)]
 
 
 def config_key(cfg: dict) -> tuple:
