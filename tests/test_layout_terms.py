@@ -110,6 +110,19 @@ def test_placement_models_fsdp_term_is_off_by_default():
     assert sharded.label() == "TP2 PP2 FSDP4 m8" and lay.label() == "TP2 PP2 DP4 m8"
 
 
+def test_parameters_outside_the_blocks_stay_whole_under_tp_and_a_pipeline_adds_the_untied_head():
+    s = dataclasses.replace(_shape(), root_params=1e8, pp_head_params=4e7)  # 9e8 in the blocks
+    tp = pl.state_bytes(s, pl.Layout(tp=2, pp=1, dp=1, m=1))
+    assert tp["params"] == pytest.approx(4 * (9e8 / 2 + 1e8))
+    pp = pl.state_bytes(s, pl.Layout(tp=1, pp=2, dp=1, m=4))  # the mean rank: half the blocks, half of root + head
+    assert pp["params"] == pytest.approx(4 * (9e8 / 2 + (1e8 + 4e7) / 2))
+    fsdp = pl.state_bytes(s, pl.Layout(tp=2, pp=2, dp=2, m=4, fsdp=True))
+    assert fsdp["optimizer"] == pytest.approx(8 * (9e8 / 4 + 1.4e8 / 2) / 2)
+    assert pl.state_bytes(_shape(), pl.Layout(tp=2, pp=2, dp=1, m=4))["params"] == pytest.approx(4 * 1e9 / 4)
+    note = lt.memory_per_rank(s, SimpleNamespace(dp_mode="ddp", dp=1, tp=1, pp=2, pp_microbatches=4))["params"].note
+    assert "100,000,000 parameters outside the blocks whole under TP" in note and "untied head's 40,000,000" in note
+
+
 def test_sequence_parallel_activations_as_measured():
     s = _shape(act_bytes=4)  # float32, as the trial measured
     sbh = SBH

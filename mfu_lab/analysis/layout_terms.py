@@ -135,6 +135,10 @@ def memory_per_rank(shape: pl.Shape, layout) -> dict[str, Metric]:
            "optimizer": "AdamW's two float32 moments, 8 B/param",
            "ddp_buckets": "DDP's bucket copy of the gradients (0 under FSDP or gradient_as_bucket_view)"}
     split = f"/ (tp {lay.tp} x pp {lay.pp}{f' x fsdp {lay.dp}' if lay.fsdp else ''})"
+    if shape.root_params:
+        split += (f"; the {shape.root_params:,.0f} parameters outside the blocks whole under TP"
+                  + (f", + the untied head's {shape.pp_head_params:,.0f} under PP" if shape.pp_head_params and
+                     lay.pp > 1 else ""))
     out = {k: Metric(float(v), "bytes", "analytic", f"{how[k]} {split}") for k, v in state.items()}
     out["activations"] = Metric(float(acts), "bytes", "analytic", "s*b*h*(8 + 24/t)*bytes/2 per layer"
                                 f"{' (SP: (8 + 24)/t + the gathered attention input)' if sp else ''}, "

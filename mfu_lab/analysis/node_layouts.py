@@ -93,6 +93,7 @@ class Facts:
     shape: pl.Shape  # the job's shape (micro_batch: one data-parallel rank's samples)
     root_params: float = 0.0
     root_reshards: bool = True
+    head_params: float = 0.0  # a head tied to the input embedding: the copy PP's untying adds
     early_stop: bool = True
     norm_tensors_per_layer: int = 4  # the reference GPT's ln1, ln2: weight and bias
 
@@ -185,7 +186,8 @@ def layout_entry(run: dict, facts: Facts, compute_s: float | None = None, timed_
                           "the last pipeline rank's fill + drain (its wait for the first stage's last backward) / its "
                           "step, against (p-1)/(v*m + p-1)" + gloo))
     # memory per rank
-    mem = lt.memory_per_rank(s, _Lay(lay))
+    mem = lt.memory_per_rank(dataclasses.replace(s, root_params=facts.root_params,
+                                                 pp_head_params=facts.head_params), _Lay(lay))
     shards = run.get("memory") or []
     for kind in ("params", "grads", "optimizer"):
         terms.append(term(f"memory_{kind}", mem[kind].value, _mean(r["shard_bytes"].get(kind) for r in shards),
@@ -235,8 +237,9 @@ def calibration_rows(entries: list[dict]) -> list[dict]:
             use = "calibrated here (counts and bytes hold on any device): the model uses the counted formula"
         elif src == "counted":
             use = (f"counted here, and the model is off beyond 1% on {', '.join(off)}: not corrected yet (shards: the "
-                   "model divides every parameter by t*p; the embeddings, norms and head stay whole under TP, and "
-                   "the pipeline's stages are not equal)" if name.startswith("memory") else
+                   "model holds the blocks' parameters / (t*p) and those outside them (embeddings, final norm, head) "
+                   "whole under TP, with an untied head's copy under PP; a TP plan that also shards the embeddings "
+                   "holds less)" if name.startswith("memory") else
                    f"counted here, and the model is off beyond 1% on {', '.join(off)}: not corrected yet")
         elif name.startswith("memory"):
             use = "checked here, not used to calibrate (MemTracker on a CPU; max_memory_allocated on GPUs)"

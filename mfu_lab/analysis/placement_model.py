@@ -129,6 +129,8 @@ class Shape:
     sequence_parallel: bool = False  # TP with sequence parallelism (or scatter/gather): p2p sends b*s*h / t
     checkpoint_early_stop: bool = True  # PyTorch's default checkpoint (5 TP collectives a layer); False: 6
     fsdp_reshard: bool = True  # FSDP2 reshard_after_forward: parameters all-gathered twice a step (once without)
+    root_params: float = 0.0  # parameters outside the blocks (embeddings, final norm, head): TP leaves them whole
+    pp_head_params: float = 0.0  # a head tied to the input embedding gets its own copy under PP (untied)
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,13 @@ def state_bytes(s: Shape, lay: Layout) -> dict[str, float]:
     ranks too: 16/(t*p*d) B/param (FSDPMemTracker's shard bytes on CPU, FIELD-NOTES). DDP keeps a second copy of
     the gradients in its buckets (+grad_bytes per param) unless ``gradient_as_bucket_view``; FSDP has none.
     FSDP's transient unsharded block (the gathered parameters and gradients of the blocks in flight) is not
-    counted.
+    counted. Where the shape knows them, the parameters outside the blocks (``root_params``: embeddings, final
+    norm, head) are not divided by t, and a pipeline adds the untied head's copy (``pp_head_params``): the mean
+    rank holds blocks/(t*p) + (root + head copy)/p, as step 6's node layouts count (issue 29).
     """
-    shard = s.params / (lay.tp * lay.pp) / (lay.dp if lay.fsdp else 1)
+    blocks = s.params - s.root_params
+    per_rank = blocks / (lay.tp * lay.pp) + (s.root_params + (s.pp_head_params if lay.pp > 1 else 0.0)) / lay.pp
+    shard = per_rank / (lay.dp if lay.fsdp else 1)
     buckets = 0.0 if lay.fsdp or s.grad_as_bucket_view else s.grad_bytes * shard
     return {"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard, "ddp_buckets": buckets}
 

@@ -24,8 +24,9 @@ CHECK_STEPS = 2  # the loss check's steps per layout (the worker's default is 3)
 
 
 def job_facts(job: Job, shape: pl.Shape) -> Facts:
-    """The root FSDP group's parameters (those outside the blocks: embeddings, final norm, head), whether this
-    torch reshards the root, and the checkpoint's early stop (the reference model and parallelize use
+    """The root FSDP group's parameters (those outside the blocks: embeddings, final norm, head), the head a
+    pipeline unties (core.parallelize.untie_head: the same test), whether this torch reshards the root, and the
+    checkpoint's early stop (the reference model and parallelize use
     torch.utils.checkpoint's default, which stops early: 5 TP collectives a layer)."""
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -37,8 +38,11 @@ def job_facts(job: Job, shape: pl.Shape) -> Facts:
         model = build_model(job)
     in_blocks = sum(p.numel() for b in blocks_of(model) for p in b.parameters())
     root = float(sum(p.numel() for p in model.parameters()) - in_blocks)
+    head, wte = getattr(model, "lm_head", None), getattr(model, "wte", None)
+    tied = float(head.weight.numel()) if head is not None and wte is not None and head.weight is wte.weight else 0.0
     # torch 2.13 reshards the root when told explicitly (parallelize passes reshard_after_forward to every group)
-    return Facts(shape, root, hasattr(FSDPState(), "_auto_reshard_after_forward"), early_stop=True)
+    return Facts(shape, root, hasattr(FSDPState(), "_auto_reshard_after_forward"), early_stop=True,
+                 head_params=tied)
 
 
 def _events(progress, names: list[str], t0: float):
