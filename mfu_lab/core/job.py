@@ -170,8 +170,8 @@ class Job:
                             "on the default job) or 'product' (every combination of the comm_* lists, 48 + 8); "
                             "--thorough measures the product in full", choices=COMM_SCREENS)
     comm_fsdp_reshard: list = _key([True, False], "FSDP2 candidates of step 2's race: reshard_after_forward values "
-                                   "(each FSDP2 candidate is one of these x comm_fsdp_prefetch x "
-                                   "comm_fsdp_reduce_dtype); [] in all three: no FSDP2 candidate", items="bool",
+                                   "(with comm_fsdp_prefetch and comm_fsdp_reduce_dtype, one at a time or every "
+                                   "combination: comm_screen); [] in all three: no FSDP2 candidate", items="bool",
                                    empty=True)
     comm_fsdp_prefetch: list = _key([0, 1], "FSDP2 candidates: explicit prefetch depths in blocks (as fsdp_prefetch; "
                                     "0: FSDP's implicit prefetch); [] in all three comm_fsdp_* keys: none",
