@@ -31,6 +31,7 @@ class Contention:
     gpu_processes: list[str] = field(default_factory=list)  # other compute processes on the GPU (pid: name)
     shared: bool = False
     gpu_unknown: list[str] = field(default_factory=list)  # pids NVML gave from another PID namespace: cannot tell
+    rechecks: list[str] = field(default_factory=list)  # a peak re-check below the cache (step 1): why it is shared
 
     def text(self) -> str:
         parts = []
@@ -44,6 +45,7 @@ class Contention:
                          "whether another process used the GPU cannot be told")
         if self.load_1min is not None:
             parts.append(f"load average {self.load_1min:.2f}")
+        parts += self.rechecks  # the matmul rate fell while no process here used the cores: the host's neighbours
         return "; ".join(parts) or self.reason
 
 

@@ -266,8 +266,8 @@ def _recheck_after(job: Job, device: dev.DeviceInfo, peak: dev.Peak, timings: Ti
             if chk and chk["verdict"] == "below":
                 timings.contention.shared = True
                 ratio = statistics.median(chk["rates"]) / chk["cached"]
-                timings.contention.reason += (f"; the matmul rate re-checked {when} the steps was {ratio:.0%} of "
-                                              "the cached peak, below the probes' p10-p90")
+                timings.contention.rechecks.append(f"the matmul rate re-checked {when} the steps was {ratio:.0%} "
+                                                   "of the cached peak, below the probes' p10-p90")
     if after is None:
         return peak
     return dataclasses.replace(peak, note=peak.note + f"; re-checked after the steps: {after.text()}")
