@@ -33,11 +33,17 @@ NOTE_UNTIED = "lm_head untied under PP"
 
 
 # ------------------------------------------------------------------ pipeline split
+def tied_head(model: nn.Module) -> nn.Module | None:
+    """The model's head when its weight is the input embedding's (the reference GPT ties them), else None."""
+    head, wte = getattr(model, "lm_head", None), getattr(model, "wte", None)
+    return head if head is not None and wte is not None and head.weight is wte.weight else None
+
+
 def untie_head(model: nn.Module) -> bool:
     """Give a head tied to the input embedding its own copy of the weight (a tie cannot span pipeline stages).
     The single-process reference of a PP layout is untied the same way: a tied head trains differently."""
-    head, wte = getattr(model, "lm_head", None), getattr(model, "wte", None)
-    if head is None or wte is None or head.weight is not wte.weight:
+    head, wte = tied_head(model), getattr(model, "wte", None)
+    if head is None:
         return False
     head.weight = nn.Parameter(wte.weight.detach().clone())
     return True

@@ -25,21 +25,20 @@ CHECK_STEPS = 2  # the loss check's steps per layout (the worker's default is 3)
 
 def job_facts(job: Job, shape: pl.Shape) -> Facts:
     """The root FSDP group's parameters (those outside the blocks: embeddings, final norm, head), the head a
-    pipeline unties (core.parallelize.untie_head: the same test), whether this torch reshards the root, and the
+    pipeline unties (core.parallelize.tied_head, as untie_head tells it), whether this torch reshards the root, and the
     checkpoint's early stop (the reference model and parallelize use
     torch.utils.checkpoint's default, which stops early: 5 TP collectives a layer)."""
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from mfu_lab.core.parallelize import blocks_of
+    from mfu_lab.core.parallelize import blocks_of, tied_head
     from mfu_lab.core.workload import build_model
 
     with torch.device("meta"):  # parameter counts only: no memory, no weights
         model = build_model(job)
     in_blocks = sum(p.numel() for b in blocks_of(model) for p in b.parameters())
     root = float(sum(p.numel() for p in model.parameters()) - in_blocks)
-    head, wte = getattr(model, "lm_head", None), getattr(model, "wte", None)
-    tied = float(head.weight.numel()) if head is not None and wte is not None and head.weight is wte.weight else 0.0
+    tied = float(head.weight.numel()) if (head := tied_head(model)) is not None else 0.0
     # torch 2.13 reshards the root when told explicitly (parallelize passes reshard_after_forward to every group)
     return Facts(shape, root, hasattr(FSDPState(), "_auto_reshard_after_forward"), early_stop=True,
                  head_params=tied)

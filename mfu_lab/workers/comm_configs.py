@@ -45,10 +45,12 @@ def factor_configs(job: Job, own: dict) -> list[dict]:
     way. A one-factor-at-a-time design: it measures what each knob gives alone and never a combination of two
     changed knobs (``comm_screen: product`` races every combination)."""
     out: list[dict] = []
+    seen: set[tuple] = set()
 
     def vary(base: dict, knobs: tuple) -> None:
         for c in [base] + [base | {k: v} for k, levels in knobs for v in levels]:
-            if config_key(c) not in {config_key(o) for o in out}:
+            if config_key(c) not in seen:
+                seen.add(config_key(c))
                 out.append(c)
 
     vary(dict(own), (("hook", job.comm_hooks), ("bucket_mb", sorted(job.comm_bucket_mb, reverse=True)),

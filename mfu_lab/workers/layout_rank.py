@@ -45,7 +45,7 @@ from mfu_lab.core.layout import Layout, build_mesh
 from mfu_lab.core.layout_check import check_layout
 from mfu_lab.core.measure import IGNORE, profile_steps
 from mfu_lab.core.meta_shape import job_shape
-from mfu_lab.core.parallelize import Parallelized, blocks_of, parallelize, untie_head
+from mfu_lab.core.parallelize import Parallelized, parallelize, untie_head
 from mfu_lab.core.procs import die_with_parent
 from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 from mfu_lab.workers.ddp_rank import emit, heartbeat, step_beat
@@ -275,8 +275,7 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
             par.parameters()[0].mul_(1.5)
     for f in faults:
         if f["kind"] == "slow_backward" and f.get("rank") == rank:
-            slow_last_backward((blocks_of(par.modules[0]) or [par.modules[0]])[0], float(f["seconds"]),
-                               layout.pp_microbatches)
+            slow_last_backward(par.modules[0], float(f["seconds"]), layout.pp_microbatches)
     check["layout_losses"] = global_losses([par.step(x, y) for x, y in mine[:checks]], layout, device)
     if check["reference_losses"]:
         check["max_rel_gap"] = gap(check["layout_losses"], check["reference_losses"])

@@ -78,6 +78,8 @@ class StageClock:
 
 
 def slow_last_backward(module, seconds: float, micro_batches: int) -> None:
-    """Tests only: ``module``'s backward sleeps ``seconds`` on every ``micro_batches``-th call."""
+    """Tests only: the backward of ``module``'s first block (where the stage's backward ends, as :class:`StageClock`
+    reads it) sleeps ``seconds`` on every ``micro_batches``-th call."""
     calls = itertools.count(1)
-    module.register_full_backward_hook(lambda *_: time.sleep(seconds) if next(calls) % micro_batches == 0 else None)
+    first = (blocks_of(module) or [module])[0]
+    first.register_full_backward_hook(lambda *_: time.sleep(seconds) if next(calls) % micro_batches == 0 else None)
