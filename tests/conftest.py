@@ -67,3 +67,13 @@ def _temp_peak_cache(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts): the tests that use the session's full
+    run share one worker, so it runs once; every other test runs on the worker that holds its file, so a
+    module-scoped fixture is built once."""
+    for item in items:
+        shared = {"full_run", "two_ranks"} & set(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("full_run" if shared else item.path.name))

@@ -26,3 +26,14 @@ def test_readme_images_exist():
     assert images, "the README shows the report"
     for path in images:
         assert (ROOT / path).is_file(), path
+
+
+def test_the_suite_runs_on_two_workers_each_file_in_one_group(request):
+    """pyproject's addopts run the README's test command on two pytest-xdist workers; conftest groups each file
+    (module fixtures built once) and the full run's users. Under pytest 9 a group no longer reaches the nodeid
+    xdist schedules by, so files split and the full run would be built twice: this catches it."""
+    import os
+
+    assert request.node.get_closest_marker("xdist_group").args == ("test_readme.py",)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        assert request.node.nodeid.endswith("@test_readme.py"), request.node.nodeid
