@@ -43,13 +43,10 @@ class Documents(Dataset):
 def documents(rank: int = 0, world_size: int = 1, path: str = str(HERE / "data" / "train.bin"), seq_len: int = 256):
     """The example's data; its token file is written on first use (examples/make_train_bin.py, offline)."""
     if not Path(path).is_file():
-        import os
         import sys
 
         sys.path.insert(0, str(HERE))
-        from make_train_bin import main
+        from make_train_bin import ensure
 
-        tmp = f"{path}.{os.getpid()}.tmp"
-        main([tmp])
-        os.replace(tmp, path)  # ranks that write it at once each write it whole
+        ensure(path)  # ranks that write it at once each write it whole
     return Documents(Path(path), seq_len)

@@ -36,5 +36,18 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def ensure(path: str | Path) -> Path:
+    """``path`` written from the standard library's sources when it is missing, whole: each writer writes a file
+    of its own and renames it over ``path``, so processes that find it missing at once each leave it complete."""
+    path = Path(path)
+    if not path.is_file():
+        import os
+
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        main([str(tmp)])
+        os.replace(tmp, path)
+    return path
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -38,18 +38,11 @@ def test_every_notebook_parameters_cell_matches_the_job_keys_and_defaults():
 
 def test_every_shipped_job_file_is_valid():
     # own_data.yaml reads examples/data/train.bin, which the README has the user write first (and
-    # examples/hf_batches.py writes on first use): written the same way here when missing, whole (os.replace), so
-    # this test holds whichever test runs first, on whichever worker
-    import os
-    import subprocess
-    import sys
+    # examples/hf_batches.py writes on first use): written the same way here when missing, so this test holds
+    # whichever test runs first, on whichever worker
+    from examples.make_train_bin import ensure
 
-    token_file = ROOT / "examples" / "data" / "train.bin"
-    if not token_file.is_file():
-        tmp = f"{token_file}.{os.getpid()}.tmp"
-        subprocess.run([sys.executable, str(ROOT / "examples" / "make_train_bin.py"), tmp], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(tmp, token_file)
+    ensure(ROOT / "examples" / "data" / "train.bin")
     files = sorted((ROOT / "parameters").glob("*.yaml"))
     assert len(files) >= 2
     for f in files:
