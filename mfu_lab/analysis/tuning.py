@@ -250,11 +250,22 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
                                                             for k, v in measured_with.items())
             if c.key in pinned:
                 c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
-            if step == "verify":  # step 7's own finding replaces an earlier step's change of the same key
-                out = [o for o in out if o.key != c.key]
-                if c.new == getattr(job, c.key):
-                    continue  # back to the job's own value: nothing to change
             out.append(c)
+    return in_effect(out, job.to_dict())
+
+
+def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
+    """The changes that stand, in order: a change step 7 made itself (``step == "verify"``: a choice timed again,
+    or a proposed layout withdrawn) replaces every earlier change of its key, and one back to the job's own value
+    (``job_values``) leaves nothing to change. :func:`changes` and the index's summary both read this, so the
+    summary counts what ``tuned.yaml`` holds."""
+    out: list[Change] = []
+    for c in chosen:
+        if c.step == "verify":
+            out = [o for o in out if o.key != c.key]
+            if c.key in job_values and c.new == job_values[c.key]:
+                continue
+        out.append(c)
     return out
 
 

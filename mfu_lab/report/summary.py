@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mfu_lab.analysis import tuning
 from mfu_lab.core import overrides as ov
 from mfu_lab.core.ledger import upgrade
 from mfu_lab.core.registry import BY_KEY, STEPS
@@ -277,12 +278,12 @@ def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None =
             text += (f"; step 1's step times spread ±{(p90 - p10) / 2 / med:.0%} (p10-p90), so differences within that "
                      "are run-to-run noise, not gains: the gains are in Changes measured, each timed side by side")
         lines.append(text + ".")
-    tuned = (results.get("verify") or {}).get("changes")
+    tuned = standing(results.get("verify") or {})
     to_adopt = [] if tuned is not None else [c for c in changes(results) if c.status == "adopt"]
     if tuned is not None:
-        adopted = [c for c in tuned if c.get("adopted")]
+        adopted = [c for c in tuned if c.adopted]
         lines.append(f"tuned.yaml adopts {len(adopted)} of {len(tuned)} recommended change(s)"
-                     + (": " + "; ".join(f"{c['key']}: {c['new']} ({c['rung']}, {c['label']})" for c in adopted)
+                     + (": " + "; ".join(f"{c.key}: {c.new} ({c.rung}, {c.label})" for c in adopted)
                         if adopted else "") + " (step 7).")
     if to_adopt:
         lines.append(f"{len(to_adopt)} change(s) to adopt: "
@@ -292,6 +293,17 @@ def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None =
     if missing:
         lines.append("Not run yet: " + ", ".join(missing) + ".")
     return lines
+
+
+def standing(verify: dict[str, Any]) -> list[tuning.Change] | None:
+    """The recommended changes that stand after step 7, as ``tuned.yaml`` holds them (:func:`tuning.in_effect`:
+    a layout step 7 withdrew is neither counted nor listed); None when step 7 has not run."""
+    stored = verify.get("changes")
+    if stored is None:
+        return None
+    fields = tuning.Change.__dataclass_fields__
+    return tuning.in_effect([tuning.Change(**{k: v for k, v in c.items() if k in fields}) for c in stored],
+                            verify.get("job") or {})
 
 
 def ledger_before_after(results: dict[str, dict[str, Any]]) -> tuple[tuple[str, dict] | None, tuple[str, dict] | None]:
