@@ -157,7 +157,7 @@ def test_the_budget_divides_time_by_the_stated_weights():
     p = budget.plan(10)
     assert sum(p.values()) == pytest.approx(600)
     total = sum(budget.WEIGHTS.values())
-    assert p["attention_comm"] == pytest.approx(600 * 155 / total) and p["baseline"] == pytest.approx(600 * 15 / total)
+    assert p["attention_comm"] == pytest.approx(600 * 132 / total) and p["baseline"] == pytest.approx(600 * 27 / total)
     assert budget.plan(0) == {} and Clock.for_step(load_job(TINY), "compile").planned_s is None
     line = budget.plan_text(10, ["baseline", "compile"], {"baseline": 1, "compile": 4})
     assert "step 1 " in line and "step 4 " in line and "step 2" not in line

@@ -1,27 +1,32 @@
 """The run's time budget (``budget_min``, ``mfu-lab run --budget``), spread over the steps by one stated rule.
 
 Rule: each step gets the budget times its weight over the sum of the weights of steps 1-7. The weights are each
-step's wall time in a ``--thorough`` run of the default job on a 2-core Intel CPU (``benchmarks/bench_cost.py``,
-2026-12-01: step 1 15 s, step 2 155 s, step 3 25 s, step 4 96 s, step 5 110 s, step 6 23 s, step 7 39 s), so a
-budget cuts every step in the same proportion. A step run alone gets the same share it would get in a whole run.
+step's wall time in the default run of the default job on a 2-core AMD EPYC without native bf16 (2026-12-03:
+step 1 27 s, step 2 132 s, step 3 49 s, step 4 143 s, step 5 73 s, step 6 155 s; step 7 127 s from the
+2026-12-02 run, where it verified a proposed layout under torchrun), so a budget cuts every step in the same
+proportion. A step run alone gets the same share it would get in a whole run.
 
-A step that measures in rounds (steps 2, 4 and 5) checks its clock at each round's start: when the next round would
-end past the step's share, it shortens the round (fewer candidates, fewer steps, no warm-cache compile) and records
-what it left out, with the planned and the used seconds. Step 1 times its warm-up first and then as many of the
-job's timed steps as fit its share (never fewer than :data:`STEP1_MIN_STEPS`), and says what it cut; a budget whose
-share cannot hold step 1's minimum is refused before the run starts (:func:`step1_refusal`), with the estimate.
-Steps 3 and 6 take the time their measurement needs.
+Every step keeps to its share. A step that measures in rounds (steps 2, 4, 5 and 7) checks its clock before each
+round: when the next round would end past the step's share, it shortens the round (fewer candidates, fewer steps
+or rounds, no warm-cache compile) and records what it left out, with the planned and the used seconds. Step 1
+times its warm-up first and then as many of the job's timed steps as fit its share (never fewer than
+:data:`STEP1_MIN_STEPS`), and says what it cut; a budget whose share cannot hold step 1's minimum is refused before
+the run starts (:func:`step1_refusal`), with the estimate. Step 3 times fewer unprofiled steps and leaves out the
+data-parallel traces; step 6 times fewer co-location steps and fewer of the node's layouts (the job's own first,
+then one of each family). Each estimate is the job's own step time as step 1 measured it, times the steps the
+work runs, and says so (:func:`fit_count`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
 
-WEIGHTS = {"baseline": 15, "attention_comm": 155, "kernels": 25, "compile": 96, "fp8": 110, "placement": 23,
-           "verify": 39}
+WEIGHTS = {"baseline": 27, "attention_comm": 132, "kernels": 49, "compile": 143, "fp8": 73, "placement": 155,
+           "verify": 127}
 
 
 def plan(budget_min: float, keys: list[str] | None = None) -> dict[str, float]:
@@ -38,14 +43,14 @@ def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> st
     if not p:
         return ""
     parts = ", ".join(f"step {numbers.get(k, '?')} {s:.0f} s" for k, s in p.items())
-    return (f"budget {budget_min:g} min, spread by each step's share of a thorough run (README, 'Cost'): {parts}; "
+    return (f"budget {budget_min:g} min, spread by each step's share of the default run (README, 'Cost'): {parts}; "
             f"{sum(p.values()) / 60:.1f} min planned for the steps selected")
 
 
 STEP1_MIN_STEPS = 3  # timed steps step 1 keeps under a budget: a median and a spread (the job's own minimum is 2)
-# Step 1 of the default job on the reference CPU, its 15 s weight split: about 3 s of set-up (the peak, the FLOP
-# count, the model) and 23 training steps (3 warm-up, 20 timed) of about 0.5 s. Used when the job has no step-1
-# result of its own to estimate from.
+# Step 1 of the default job on a 2-core Intel CPU (2026-12-01), 15 s in all: about 3 s of set-up (the peak, the
+# FLOP count, the model) and 23 training steps (3 warm-up, 20 timed) of about 0.5 s. Used when the job has no
+# step-1 result of its own to estimate from.
 REFERENCE_SETUP_S, REFERENCE_STEP_S = 3.0, 0.5
 
 
@@ -72,6 +77,76 @@ def step1_minimum_s(job, earlier: dict | None = None) -> tuple[float, str]:
     need = setup + (first if warm else 0.0) + timed * step
     return need, (f"set-up about {setup:.0f} s, then {warm} warm-up and {timed} timed steps at about {step:.2g} s "
                   f"each; from {source}")
+
+
+def fit_count(left_s: float | None, wanted: int, each_s: float, fixed_s: float = 0.0, least: int = 1) -> int:
+    """How many of ``wanted`` items of about ``each_s`` seconds each, after ``fixed_s`` seconds of set-up, end
+    inside ``left_s`` seconds: ``wanted`` without a budget (None), never fewer than ``least`` (nor more than
+    ``wanted``)."""
+    left = left_s
+    if left is None or each_s <= 0:
+        return wanted
+    return max(min(least, wanted), min(wanted, int((left - fixed_s) // each_s)))
+
+
+def job_step_s(earlier: dict | None) -> tuple[float, str]:
+    """(seconds, where from) of one training step of the job in one process: step 1's median (measured) when the
+    job has a step-1 result, else the reference CPU's (:data:`REFERENCE_STEP_S`), said so."""
+    m = ((earlier or {}).get("metrics") or {}).get("step_time_median_s") or {}
+    if m.get("value"):
+        return float(m["value"]), f"step 1's median step {m['value'] * 1e3:.0f} ms (measured)"
+    return REFERENCE_STEP_S, (f"the reference CPU's {REFERENCE_STEP_S:g} s step (the job has no step-1 result; "
+                              "a larger model takes longer)")
+
+
+def fit_kernels(job, clock: Clock, step_s: tuple[float, str]) -> tuple[object, bool]:
+    """(the job as the unprofiled timing runs it, whether the per-rank traces are taken) within step 3's share:
+    the profiled steps always (the step's point, about 1.5 steps' time each and 5 s to read the trace), then at
+    least 3 timed steps after 1 warm-up, then the per-rank traces (a launch, about 10 s, and the profiled steps on
+    two ranks), then as many timed steps as are left, up to the job's; each step at ``step_s``."""
+    left = clock.left_s()
+    if left is None:
+        return job, True
+    each = step_s[0]
+    profiled = 1.5 * each * (job.profile_warmup_steps + job.profile_steps) + 5.0
+    ranks = (10.0 + 2 * profiled) if job.profile_ddp else 0.0
+    with_ddp = not job.profile_ddp or left - profiled - 4 * each >= ranks
+    n = fit_count(left - profiled - (ranks if with_ddp else 0.0), job.steps, each, fixed_s=each, least=3)
+    how = f"{left:.0f} s of step 3's share left, about {each:.2f} s a step: {step_s[1]}"
+    if not with_ddp:
+        clock.shorten("per-rank profile", f"the data-parallel traces (about {ranks:.0f} s) do not fit ({how})")
+    if n < job.steps:
+        clock.shorten("unprofiled steps", f"{n} of the job's {job.steps} timed, after 1 warm-up ({how})")
+    return dataclasses.replace(job, steps=n, warmup_steps=min(job.warmup_steps, 1)) if n < job.steps else job, with_ddp
+
+
+def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout: bool, ddp: bool):
+    """The job as step 7 times it within its share: ``verify_rounds`` lowered to the most rounds whose estimate
+    fits, never below 2 (a spread of the ratio; 1 without a staircase). A round times each of the ``rungs``
+    processes for ``verify_steps`` (after a start-up of about 5 s and its warm-up each); the layout check
+    (``layout``) runs min(rounds, 3) turns of both sides, each about 15 + ``verify_steps`` steps (the check's
+    steps in the layout and in one process, the rebuild, the warm-up) on ranks of one thread (2 x ``step_s``);
+    the DDP check (``ddp``) min(rounds, 5) turns of both sides, each 2 + ``comm_warmup_steps`` + ``verify_steps``
+    such steps; each check's launch about 10 s."""
+    left = clock.left_s()
+    if left is None:
+        return job
+    each = step_s[0]
+
+    def need(r: int) -> float:
+        stairs = rungs * (5.0 + job.verify_warmup_steps * each + r * job.verify_steps * each) if rungs > 1 else 0.0
+        lay = 10.0 + min(r, 3) * 2 * (15 + job.verify_steps) * 2 * each if layout else 0.0
+        dp = 10.0 + min(r, 5) * 2 * (2 + job.comm_warmup_steps + job.verify_steps) * 2 * each if ddp else 0.0
+        return stairs + lay + dp
+
+    least = 2 if rungs > 1 else 1
+    rounds = next((r for r in range(job.verify_rounds, least - 1, -1) if need(r) <= left), least)
+    if rounds >= job.verify_rounds:
+        return job
+    clock.shorten("verify rounds", f"{rounds} of verify_rounds {job.verify_rounds} (about {need(rounds):.0f} s of the "
+                  f"{left:.0f} s of step 7's share left; {rungs} rung(s)" + (", the layout check" if layout else "")
+                  + (", the DDP check" if ddp else "") + f"; about {each:.2f} s a step: {step_s[1]})")
+    return dataclasses.replace(job, verify_rounds=rounds)
 
 
 def budget_for(key: str, seconds: float) -> float:

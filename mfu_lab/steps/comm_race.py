@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from mfu_lab.analysis import racing
-from mfu_lab.core.budget import Clock
+from mfu_lab.core import store
+from mfu_lab.core.budget import Clock, fit_count, job_step_s
 from mfu_lab.core.job import Job
 from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
@@ -53,6 +54,29 @@ def layout_beyond_ddp(job: Job) -> str:
     return (f"the job trains in its own layout ({what}), which does not communicate through DDP's buckets and "
             "hooks: DDP's settings are not raced; step 1 measures the layout's collectives, and racing layouts "
             "against each other is step 6's (the issue 'Layouts raced')")
+
+
+SCREEN_SHARE = 0.5  # under a budget the first round gets at most half the time left (then: finals, confirmation)
+
+
+def screen_fit(job: Job, runnable: list[dict], refs: list[str], clock: Clock) -> tuple[list[dict], list[tuple]]:
+    """(the configurations the first round screens, [(configuration, why not)]) within the budget: the
+    references, then the others in their order, as many as fit :data:`SCREEN_SHARE` of the time left at about
+    (``comm_warmup_steps`` + ``race_steps`` + 1 for the re-wrap) steps each on ranks of one thread (2 x the job's
+    step as step 1 measured it), after a launch of about 10 s."""
+    left = clock.left_s()
+    if left is None:
+        return runnable, []
+    step_s, where = job_step_s(store.earlier(job, "baseline").data)
+    each = (job.comm_warmup_steps + job.race_steps + 1) * 2 * step_s
+    keep = fit_count(left * SCREEN_SHARE, len(runnable), each, fixed_s=10.0, least=len(refs))
+    ordered = [c for c in runnable if name(c) in refs] + [c for c in runnable if name(c) not in refs]
+    if keep >= len(ordered):
+        return runnable, []
+    why = (f"budget: not screened ({left * SCREEN_SHARE:.0f} s, half of step 2's {left:.0f} s left, holds {keep} of "
+           f"{len(ordered)} at about {each:.1f} s each: {where})")
+    clock.shorten("DDP first round", why.removeprefix("budget: "))
+    return ordered[:keep], [(c, why) for c in ordered[keep:]]
 
 
 def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_event, grad_bytes: int,
@@ -102,6 +126,7 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
             log.note = "nothing to race: " + ("one rank" if nnodes * nproc < 2 else "two configurations or fewer")
         return finish(sweep), log, configs
 
+    runnable, unscreened = screen_fit(job, runnable, refs, clock)
     t0 = time.perf_counter()
     sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable, screen=job.race_steps,
                       race={"references": refs, "deadline": deadline}, confirm=confirm, fault=fault)
@@ -112,6 +137,9 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     else:  # a relaunch screened the rest: decide here
         spent = time.perf_counter() - t0
         kept, dropped, cut = racing.finalists(samples, refs, spent, full_factor(job), clock.left_s())
+    for c, why in unscreened:
+        sweep.outcomes[config_key(c)] = ev = {"event": "skipped", "config": c, "error": why}
+        on_event(ev)
     if cut:
         clock.shorten("DDP final round", f"{len(cut)} configuration(s) inside the noise band not measured in full "
                       f"({', '.join(cut)}); the leader and the references were")

@@ -26,6 +26,7 @@ from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.budget import Clock, fit_kernels, job_step_s
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
@@ -352,15 +353,17 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     if not ref:
         skipped.append({"what": "comparison with step 1", "reason": "step 1 has no result on this device yet"})
 
-    say(f"timing {job.steps} steps without the profiler ({job.warmup_steps} warm-up)")
-    unprofiled = run_steps(train_step, build_loader(job, job.warmup_steps + job.steps, device.type), torch_device,
-                           job.warmup_steps, job.steps, say.items("unprofiled steps"))
+    clock = Clock.for_step(job, INFO.key)
+    timed, with_ddp = fit_kernels(job, clock, job_step_s(store.earlier(job, "baseline").data))
+    say(f"timing {timed.steps} steps without the profiler ({timed.warmup_steps} warm-up)")
+    unprofiled = run_steps(train_step, build_loader(timed, timed.warmup_steps + timed.steps, device.type),
+                           torch_device, timed.warmup_steps, timed.steps, say.items("unprofiled steps"))
     say(f"profiling {job.profile_steps} steps ({job.profile_warmup_steps} warm-up) with shapes recorded")
     profiled = profile_steps(
         train_step, build_loader(job, job.profile_warmup_steps + job.profile_steps, device.type), torch_device,
         job.profile_warmup_steps, job.profile_steps, trace_path, say.items("profiled steps"))
     trace = tr.load_trace(trace_path)
-    if job.profile_ddp:
+    if job.profile_ddp and with_ddp:
         say("profiling the job data-parallel, one trace per rank")
         ddp = profile_ranks(job, device.type, out_dir, say)
         if ddp["status"] == "skipped":
@@ -368,7 +371,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         elif ddp["status"] == "failed":
             say(f"  the per-rank profile failed: {ddp['error']}")
     else:
-        ddp = {"status": "skipped", "reason": "profile_ddp is false in the job"}
+        ddp = {"status": "skipped", "reason": "profile_ddp is false in the job" if not job.profile_ddp else
+               "budget: " + clock.shortened[-1]["reason"].removeprefix("budget: ")}
         skipped.append({"what": "per-rank profile", "reason": ddp["reason"]})
     say("measuring memory bandwidth")
     bandwidth, bw_note = dev.measure_memory_bandwidth(torch_device)
@@ -412,7 +416,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         metrics["ddp_step_time_s"] = Metric(max(r.step_time_s for r in ranks), "s", "measured",
                                             "profiled window / steps, slowest rank")
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
-                           unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped=skipped)
+                           unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped=skipped + clock.shortened)
+    result.budget = clock.record()
     if ranks:  # advice sizes DDP's buckets against the gradients
         ddp["gradient_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     result.advice = advise(result)

@@ -39,6 +39,7 @@ from mfu_lab.analysis.scheduler_sim import gang_rows
 from mfu_lab.core import device as dev
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.budget import Clock, fit_count, job_step_s
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops, job_key_extra
 from mfu_lab.core.job import Job
@@ -147,18 +148,23 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     cluster, cal, cal_rows = calibrate(job, cluster, earlier)
     cal_rows += model_choices(shape, job)
 
-    coloc = colocate(job, job.step_dir(INFO.folder) / "coloc", device.type, p.say)
+    clock = Clock.for_step(job, INFO.key)
+    step_s = job_step_s(earlier.get("baseline"))
+    coloc = colocate(coloc_job(job, clock, step_s), job.step_dir(INFO.folder) / "coloc", device.type, p.say)
     if coloc.status != "ok":
         skipped.append({"what": "co-location experiment", "reason": coloc.reason})
     layouts, layouts_run = [], {"skipped": "placement_layouts: false in the job"}
     try:
         if job.placement_layouts:
             layouts, layouts_run = measure_layouts(job, device.type, job.step_dir(INFO.folder) / "layouts", shape,
-                                                   coloc.pair_median_s if coloc.status == "ok" else None, p)
+                                                   coloc.pair_median_s if coloc.status == "ok" else None, p,
+                                                   clock.left_s(), step_s)
     except Exception as e:  # noqa: BLE001 - the layouts inform the model; their failure never ends the step
         layouts_run = {"skipped": f"{type(e).__name__}: {e}"}
     if layouts_run.get("skipped"):
         skipped.append({"what": "the node's layouts", "reason": layouts_run["skipped"]})
+    if layouts_run.get("budget"):
+        clock.shorten("the node's layouts", layouts_run["budget"])
     skipped += [{"what": f"layout {e['layout']}", "reason": f"{e['status']}: {e['reason']}"}
                 for e in layouts if e["status"] != "ok"]
     cal_rows += calibration_rows(layouts)
@@ -197,13 +203,34 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
     result = PlacementResult(
         "placement", job.to_dict(), environment(device.name, device.type), {}, cluster.to_dict(),
         dataclasses.asdict(shape) | {"from": shape_from}, cal_rows, coloc, check, sweep, size, chosen_row,
-        strategies, shared, gang, hint, [], layouts, layouts_run, node_cal.statement(), skipped=skipped)
+        strategies, shared, gang, hint, [], layouts, layouts_run, node_cal.statement(),
+        skipped=skipped + clock.shortened)
+    result.budget = clock.record()
     result.metrics = _metrics(result, cal)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
     return result
+
+
+COLOC_START_S = 6.0  # one co-location launch's process start and model build (2-core AMD EPYC, 2026-12-03: 5-7 s)
+
+
+def coloc_job(job: Job, clock: Clock, step_s: tuple[float, str]) -> Job:
+    """The job as the co-location experiment runs it: under a budget, one warm-up and the ``coloc_steps`` that fit
+    a third of step 6's share (the layouts get the rest), at least 3 (a median). Each co-location step is timed
+    alone and then in the pair, each copy on one thread: about 2 x 2 x the job's step (``step_s``), after two
+    launches' :data:`COLOC_START_S`."""
+    left = clock.left_s()
+    if left is None:
+        return job
+    each = 4 * step_s[0]
+    n = fit_count(left / 3, job.coloc_steps, each, fixed_s=2 * COLOC_START_S + each, least=3)
+    if n < job.coloc_steps:
+        clock.shorten("co-location steps", f"{n} of coloc_steps {job.coloc_steps}, after 1 warm-up ({left / 3:.0f} s, "
+                      f"a third of step 6's {left:.0f} s left; about {each:.1f} s a step: 2 x 2 x {step_s[1]})")
+    return dataclasses.replace(job, coloc_steps=n, warmup_steps=min(job.warmup_steps, 1))
 
 
 def _metrics(r: PlacementResult, cal: pl.Calibration) -> dict[str, Metric]:

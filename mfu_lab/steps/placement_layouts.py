@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mfu_lab.analysis import placement_model as pl
 from mfu_lab.analysis.node_layouts import Facts, layout_entry, node_layouts
+from mfu_lab.core.budget import fit_count
 from mfu_lab.core.job import Job
 from mfu_lab.core.progress import as_progress
 from mfu_lab.workers.launch import world_layout
@@ -62,18 +63,60 @@ def _events(progress, names: list[str], t0: float):
     return on
 
 
+REBUILD_STEPS = 3  # a layout's model rebuild and the check's one-process reference, in steps (the estimate below)
+
+
+def layout_seconds(job: Job, step_s: float) -> float:
+    """Estimated seconds of one layout in the launch: the check's steps in the layout and in one process, the
+    warm-up and timed steps, and :data:`REBUILD_STEPS` for the rebuild, each at twice ``step_s`` (the job's step in
+    one process: a rank gets one thread of two). On the default job (2-core AMD EPYC, 2026-12-03) it read 12.4 s
+    against 12.2 s measured per layout."""
+    return (2 * CHECK_STEPS + job.comm_warmup_steps + job.comm_steps + REBUILD_STEPS) * 2 * step_s
+
+
+def budget_order(job: Job, items: list[dict]) -> list[dict]:
+    """The layouts in the order a budget keeps them: the job's own first (every proposal is against it), then the
+    first of each family (data parallel, FSDP, tensor parallel, pipeline), then the rest in their order."""
+    from mfu_lab.analysis.layout_proposal import is_own_layout
+
+    def family(name: str) -> str:
+        return next((f for f in ("fsdp", "tp", "pp", "ddp") if name.startswith(f)), name)
+
+    own = [it for it in items if is_own_layout(job, it["name"])][:1]
+    firsts, seen = [], {family(it["name"]) for it in own}
+    for it in items:
+        if family(it["name"]) not in seen:
+            seen.add(family(it["name"]))
+            firsts.append(it)
+    return own + firsts + [it for it in items if it not in own and it not in firsts]
+
+
 def measure_layouts(job: Job, device_type: str, work: Path, shape: pl.Shape, compute_s: float | None,
-                    progress=None) -> tuple[list[dict], dict]:
+                    progress=None, left_s: float | None = None, step_s: tuple[float, str] | None = None
+                    ) -> tuple[list[dict], dict]:
     """Every layout of this node, measured and held against the model: (entries, about). ``compute_s``: the
     compute one rank gets when the ranks run at once (the co-location pair), for the step-time model.
-    ``about``: the world, the backend, the steps per layout, the launch's seconds."""
+    ``about``: the world, the backend, the steps per layout, the launch's seconds. Under a budget (``left_s``
+    seconds left of step 6's share, ``step_s`` the job's step and where it comes from), the layouts that fit by
+    :func:`layout_seconds` in :func:`budget_order`; ``about["budget"]`` says which were left out."""
     p = as_progress(progress)
     nnodes, nproc = world_layout(job, device_type)
     world = nnodes * nproc
     items = node_layouts(world, job.n_heads, job.n_layers, job.micro_batch, job.pp_microbatches)
+    cut: list[str] = []
+    if left_s is not None and step_s is not None and items:
+        each = layout_seconds(job, step_s[0])
+        keep = fit_count(left_s, len(items), each, least=1)
+        if keep < len(items):
+            ordered = budget_order(job, items)
+            items, cut = ordered[:keep], [it["name"] for it in ordered[keep:]]
     timed_on = "nccl" if device_type == "cuda" else "gloo"
     about = {"world": world, "backend": timed_on, "steps": job.comm_steps, "warmup_steps": job.comm_warmup_steps,
              "layouts": len(items), "seconds": 0.0, "nnodes": nnodes}
+    if cut:
+        about["budget"] = (f"{len(cut)} layout(s) not measured: {', '.join(cut)} ({left_s:.0f} s of step 6's share "
+                           f"left, about {layout_seconds(job, step_s[0]):.0f} s a layout: {step_s[1]} x 2 x "
+                           f"{layout_seconds(job, 1.0) / 2:.0f} steps)")
     if nnodes > 1:
         about["skipped"] = "the job spans several nodes: step 6 measures one node's layouts"
         return [], about

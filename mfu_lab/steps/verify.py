@@ -30,6 +30,7 @@ from mfu_lab.analysis import tuning
 from mfu_lab.core import device as dev
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.budget import Clock, fit_verify, job_step_s
 from mfu_lab.core.errors import DeviceError
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.files import write_atomic
@@ -43,8 +44,8 @@ from mfu_lab.core.progress import as_progress
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.results import Metric, StepResult, environment
 from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
-from mfu_lab.steps.verify_ddp import UNDER_TORCHRUN, torchrun_reason, verify_ddp
-from mfu_lab.steps.verify_layout import measure_in_layout, rung_figures
+from mfu_lab.steps.verify_ddp import UNDER_TORCHRUN, ddp_configs, torchrun_reason, verify_ddp
+from mfu_lab.steps.verify_layout import layout_change, measure_in_layout, rung_figures
 from mfu_lab.workers.launch import world_layout
 from mfu_lab.workers.verify_rung import RungProcess
 
@@ -334,13 +335,15 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         if r.status == "ok":
             r.peak_flops_per_s, r.peak_source, r.peak_precision = peaks[(r.dtype, j.matmul_precision)]
     work = launcher_folder(job.step_dir(INFO.folder) / "work")  # one per node: nodes share no progress file
-    timed = sum(r.status == "ok" for r in rungs) > 1  # the original and at least one rung to time against it
+    timed = (ok := sum(r.status == "ok" for r in rungs)) > 1  # the original and at least one rung to time against it
     nnodes, nproc = world_layout(job, device.type)
-    in_layout = beyond_ddp(job)
-    if in_layout and timed:
-        order = measure_in_layout(job, rungs, jobs, work, say, device, nnodes * nproc)
+    clock = Clock.for_step(job, INFO.key)
+    run_job = fit_verify(job, clock, job_step_s(results.get("baseline")), ok, bool(layout_change(job, chosen)),
+                         ddp_configs(job, chosen) is not None)
+    if beyond_ddp(job) and timed:
+        order = measure_in_layout(run_job, rungs, jobs, work, say, device, nnodes * nproc)
     else:
-        order = _measure(job, rungs, jobs, work, say) if timed else []
+        order = _measure(run_job, rungs, jobs, work, say) if timed else []
     if not timed:
         why = ("no change was adopted: the tuned job is the original" if len(rungs) == 1 else
                "no adopted change can be timed in one process here (" + "; ".join(
@@ -369,15 +372,15 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         ledgers = {name: single_process_ledger(_timings(r), r.mfu or 0.0, health, HardwareFlops(
                    r.hardware_flops_ratio, r.flops_source, "as the rung's process counted them")
                    if r.hardware_flops_ratio else None) for name, r in (("before", before), ("after", after))}
-    ddp = verify_ddp(job, device.type, chosen, work / "ddp", say)
+    ddp = verify_ddp(run_job, device.type, chosen, work / "ddp", say)
     for r in rungs:
         r.reason = torchrun_reason(r, ddp)
     headline = _headline(before, after, rungs, loss)
     metrics = _metrics(before, after, loss)
     result = VerifyResult("verify", job.to_dict(), environment(device.name, device.type), metrics,
                           [c.to_dict() for c in chosen], str(tuned_path), rungs, order, loss, ledgers, ddp, headline,
-                          [], skipped=skipped)
-    result.advice = advise(result)
+                          [], skipped=skipped + clock.shortened)
+    result.budget, result.advice = clock.record(), advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)

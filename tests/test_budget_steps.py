@@ -1,0 +1,147 @@
+"""--budget bounds steps 3, 6 and 7 too (issue 34): what each keeps and leaves out, against the stated estimates."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mfu_lab.core import budget
+from mfu_lab.core.budget import Clock, fit_count, fit_kernels, fit_verify, job_step_s
+from mfu_lab.core.job import load_job
+from mfu_lab.steps import placement_layouts
+from mfu_lab.steps.placement import coloc_job
+
+from .conftest import TINY
+
+STEP = (0.5, "step 1's median step 500 ms (measured)")
+
+
+def _job(**kw):
+    return dataclasses.replace(load_job(TINY), **kw)
+
+
+def test_fit_count_keeps_what_ends_inside_the_time_left():
+    assert fit_count(None, 20, 1.0) == 20  # no budget: everything
+    assert fit_count(10.0, 20, 1.0, fixed_s=2.0) == 8
+    assert fit_count(1.0, 20, 1.0, fixed_s=2.0, least=3) == 3  # never below the least
+    assert fit_count(100.0, 5, 1.0) == 5  # never above what is wanted
+    assert fit_count(1.0, 2, 1.0, least=3) == 2
+
+
+def test_the_job_step_comes_from_step_1_or_says_it_is_the_reference():
+    s, where = job_step_s({"metrics": {"step_time_median_s": {"value": 0.25}}})
+    assert s == 0.25 and "250 ms" in where and "measured" in where
+    s, where = job_step_s(None)
+    assert s == budget.REFERENCE_STEP_S and "no step-1 result" in where
+
+
+def test_weights_are_the_measured_default_run():
+    assert budget.WEIGHTS == {"baseline": 27, "attention_comm": 132, "kernels": 49, "compile": 143, "fp8": 73,
+                              "placement": 155, "verify": 127}
+    for k, v in budget.WEIGHTS.items():  # the rule is stated with the same figures it uses
+        assert f"{v} s" in budget.__doc__, k
+
+
+def test_step3_without_a_budget_changes_nothing():
+    job = _job(steps=20, profile_ddp=True)
+    assert fit_kernels(job, Clock(None), STEP) == (job, True)
+
+
+def test_step3_under_a_budget_keeps_the_profile_then_3_timed_steps_then_the_rank_traces():
+    job = _job(steps=20, warmup_steps=3, profile_warmup_steps=2, profile_steps=3, profile_ddp=True)
+    profiled = 1.5 * 0.5 * 5 + 5.0  # 8.75 s
+    ranks = 10.0 + 2 * profiled  # 27.5 s
+    clock = Clock(profiled + ranks + 0.5 * 6 + 0.01)  # the traces and 5 timed steps after 1 warm-up
+    timed, with_ddp = fit_kernels(job, clock, STEP)
+    assert with_ddp and timed.steps == 5 and timed.warmup_steps == 1
+    assert [c["what"] for c in clock.shortened] == ["unprofiled steps"]
+    assert "5 of the job's 20" in clock.shortened[0]["reason"] and "500 ms" in clock.shortened[0]["reason"]
+    tight = Clock(profiled + 0.5 * 4 + 1.0)  # no room for the traces: they go, the 3 timed steps stay
+    timed, with_ddp = fit_kernels(job, tight, STEP)
+    assert not with_ddp and timed.steps >= 3
+    assert tight.shortened[0]["what"] == "per-rank profile" and tight.shortened[0]["reason"].startswith("budget:")
+
+
+def test_step6_coloc_steps_fit_a_third_of_the_share_and_at_least_three():
+    job = _job(coloc_steps=8, warmup_steps=3)
+    assert coloc_job(job, Clock(None), STEP) is job
+    each = 4 * 0.5
+    clock = Clock(3 * (2 * 6.0 + each + 5 * each) + 0.3)  # a third of it holds 5 steps
+    c = coloc_job(job, clock, STEP)
+    assert c.coloc_steps == 5 and c.warmup_steps == 1
+    assert clock.shortened[0]["what"] == "co-location steps" and "5 of coloc_steps 8" in clock.shortened[0]["reason"]
+    assert coloc_job(job, Clock(1.0), STEP).coloc_steps == 3
+
+
+def test_step6_budget_keeps_the_job_own_layout_then_one_of_each_family(monkeypatch, tmp_path: Path):
+    job = _job(nproc_per_node=2, n_heads=4, n_layers=4, micro_batch=8, pp_microbatches=4)
+    items = placement_layouts.node_layouts(2, 4, 4, 8, 4)
+    names = [it["name"] for it in items]
+    order = [it["name"] for it in placement_layouts.budget_order(dataclasses.replace(job, dp_mode="fsdp"), items)]
+    assert order[0] == "fsdp2"  # the job's own first
+    assert order[1:4] == ["ddp2", "tp2", next(n for n in names if n.startswith("pp"))]
+    assert sorted(order) == sorted(names)
+    seen = {}
+
+    def fake(job, device_type, work, items, **kw):
+        seen["names"] = [it["overrides"] for it in items]
+        raise RuntimeError("stop here")  # the selection is what is tested; the launch is tested elsewhere
+
+    monkeypatch.setattr(placement_layouts, "run_layouts", fake)
+    each = placement_layouts.layout_seconds(job, STEP[0])
+    assert each == pytest.approx((2 * placement_layouts.CHECK_STEPS + job.comm_warmup_steps + job.comm_steps
+                                  + placement_layouts.REBUILD_STEPS) * 2 * 0.5)
+    monkeypatch.setattr(placement_layouts, "job_facts", lambda *a: None)
+    with pytest.raises(RuntimeError, match="stop here"):
+        placement_layouts.measure_layouts(job, "cpu", tmp_path, None, None, None, 3 * each + 0.1, STEP)
+    # ddp2 (the job's own), fsdp2, tp2
+    assert [(o["dp_mode"], o["tp"], o["pp"]) for o in seen["names"]] == [("ddp", 1, 1), ("fsdp", 1, 1), ("ddp", 2, 1)]
+
+
+def test_step6_layout_budget_is_said_in_about(monkeypatch, tmp_path: Path):
+    job = _job(nproc_per_node=2, n_heads=4, n_layers=4, micro_batch=8, pp_microbatches=4)
+    monkeypatch.setattr(placement_layouts, "run_layouts", lambda job, dt, work, items, **kw: [
+        SimpleNamespace(to_dict=lambda: {"status": "failed", "reason": "x"}, notes=[], threads_per_rank=1,
+                        loss_check=None) for _ in items])
+    monkeypatch.setattr(placement_layouts, "job_facts", lambda *a: None)
+    monkeypatch.setattr(placement_layouts, "layout_entry", lambda d, *a: {"status": d["status"]})
+    entries, about = placement_layouts.measure_layouts(job, "cpu", tmp_path, None, None, None, 1.0, STEP)
+    assert len(entries) == 1 and about["layouts"] == 1  # the job's own layout at least
+    assert about["budget"].startswith(f"{len(placement_layouts.node_layouts(2, 4, 4, 8, 4)) - 1} layout(s) not "
+                                      "measured") and "500 ms" in about["budget"]
+
+
+def test_step7_rounds_fit_the_share_never_below_two():
+    job = _job(verify_rounds=10, verify_steps=4, verify_warmup_steps=3, comm_warmup_steps=1)
+    assert fit_verify(job, Clock(None), STEP, 3, True, False) is job
+
+    def need(r, rungs=3, layout=False):
+        return rungs * (5 + 3 * 0.5 + r * 4 * 0.5) + (10 + min(r, 3) * 2 * 19 * 2 * 0.5 if layout else 0.0)
+
+    clock = Clock(need(6) + 0.5)
+    assert fit_verify(job, clock, STEP, 3, False, False).verify_rounds == 6
+    assert "6 of verify_rounds 10" in clock.shortened[0]["reason"]
+    assert fit_verify(job, Clock(1.0), STEP, 3, False, False).verify_rounds == 2
+    assert fit_verify(job, Clock(1.0), STEP, 1, True, False).verify_rounds == 1  # the layout check alone
+    assert fit_verify(job, Clock(need(10, layout=True) + 1), STEP, 3, True, False) is job
+
+
+def test_step2_screens_the_references_then_as_many_as_fit_half_the_time_left(tmp_path: Path):
+    from mfu_lab.steps.comm_race import name, screen_fit
+    from mfu_lab.workers.comm_configs import screened_configs
+
+    job = _job(out_dir=str(tmp_path), comm_warmup_steps=1, race_steps=2)
+    configs = screened_configs(job, {"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False})
+    refs = [name(configs[-1])]
+    assert screen_fit(job, configs, refs, Clock(None)) == (configs, [])
+    each = (1 + 2 + 1) * 2 * budget.REFERENCE_STEP_S  # no step-1 result in tmp_path: the reference step
+    clock = Clock(2 * (10.0 + 3 * each) + 0.1)
+    kept, cut = screen_fit(job, configs, refs, clock)
+    assert [name(c) for c in kept][0] == refs[0] and len(kept) == 3 and len(cut) == len(configs) - 3
+    assert all(why.startswith("budget: not screened") and "no step-1 result" in why for _, why in cut)
+    assert clock.shortened[0]["what"] == "DDP first round"
+    kept, _ = screen_fit(job, configs, refs, Clock(0.0))
+    assert [name(c) for c in kept] == refs  # the references always
