@@ -145,7 +145,9 @@ def test_a_budget_too_small_for_the_final_round_keeps_the_leader_and_the_referen
         return out
 
     monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
-    clock = Clock(planned_s=0.0)  # nothing left: the final round must shrink
+    # the first round screens everything here (its own cut: test_budget_steps); nothing left: the final round shrinks
+    monkeypatch.setattr(comm_race, "screen_fit", lambda job, runnable, refs, clock: (runnable, []))
+    clock = Clock(planned_s=0.0)
     sweep, log, _ = comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 10,
                                        reference=("none", 25.0, False), clock=clock)
     assert len(finals[0]) == 2 and ("none", 25.0, False) in finals[0]  # the leader and DDP's default
