@@ -322,8 +322,8 @@ def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job,
     # the node's layouts are launched in tests/test_layouts_step6.py; here their entries as the step files them
     seen = {}
 
-    def layouts(job, device_type, work, shape, compute_s, progress=None):
-        seen["compute_s"] = compute_s
+    def layouts(job, device_type, work, shape, compute_s, progress=None, left_s=None, step_s=None):
+        seen["compute_s"], seen["left_s"] = compute_s, left_s
         t = {"term": "tp_bytes_per_layer", "model": 2.0, "observed": 2.0, "ratio": 1.0, "source": "counted",
              "unit": "bytes", "note": ""}
         return ([{"layout": "tp2", "status": "ok", "terms": [t], "timed_on": "gloo"},
@@ -334,6 +334,7 @@ def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job,
     job = dataclasses.replace(tiny_job, coloc_steps=3, global_batch=64)
     r = placement.run(job, progress=lambda m: None)
     assert seen["compute_s"] == r.coloc.pair_median_s  # the compute a rank gets beside the others
+    assert seen["left_s"] is None and r.budget["planned_s"] is None  # no budget: every layout
     assert [e["layout"] for e in r.layouts] == ["tp2", "pp2-1f1b-m4"] and r.metric("layouts_measured") == 1
     assert {"what": "layout pp2-1f1b-m4", "reason": "crashed: rank 1 exited"} in r.skipped  # the step went on
     row = next(c for c in r.calibration if c["input"] == "node layouts: tp_bytes_per_layer")
