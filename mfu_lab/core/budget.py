@@ -1,10 +1,12 @@
 """The run's time budget (``budget_min``, ``mfu-lab run --budget``), spread over the steps by one stated rule.
 
-Rule: each step gets the budget times its weight over the sum of the weights of steps 1-7. The weights are each
-step's wall time in the default run of the default job on a 2-core AMD EPYC without native bf16 (2026-12-03:
-step 1 27 s, step 2 132 s, step 3 49 s, step 4 143 s, step 5 73 s, step 6 155 s; step 7 127 s from the
-2026-12-02 run, where it verified a proposed layout under torchrun), so a budget cuts every step in the same
-proportion. A step run alone gets the same share it would get in a whole run.
+Rule: each step's own work gets what is left of the budget after :data:`STEP_OVERHEAD_S` for each of the seven
+steps' notebook (its kernel's start, the imports, the report and its export), times the step's weight over the sum
+of the weights. The weights are the step functions' own seconds (``elapsed_s`` in each ``result.json``) in the
+default run of the default job on a 2-core AMD EPYC without native bf16 (2026-12-03: step 1 16 s, step 2 121 s,
+step 3 37 s, step 4 133 s, step 5 61 s, step 6 136 s; step 7 118 s, the 127 s it took in the run of 2026-12-02
+where it verified a proposed layout under torchrun, less its notebook's 9 s), so a budget cuts every step in the
+same proportion. A step run alone gets the same share it would get in a whole run.
 
 Every step keeps to its share. A step that measures in rounds (steps 2, 4, 5 and 7) checks its clock before each
 round: when the next round would end past the step's share, it shortens the round (fewer candidates, fewer steps
@@ -25,8 +27,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-WEIGHTS = {"baseline": 27, "attention_comm": 132, "kernels": 49, "compile": 143, "fp8": 73, "placement": 155,
-           "verify": 127}
+WEIGHTS = {"baseline": 16, "attention_comm": 121, "kernels": 37, "compile": 133, "fp8": 61, "placement": 136,
+           "verify": 118}
+# A step's notebook beside the step's own work: its wall time less its elapsed_s, 9-19 s a step in the run above
+# (median 11 s): the kernel's start and imports, the report, the HTML export, the index.
+STEP_OVERHEAD_S = 11.0
 
 
 def plan(budget_min: float, keys: list[str] | None = None) -> dict[str, float]:
@@ -34,7 +39,8 @@ def plan(budget_min: float, keys: list[str] | None = None) -> dict[str, float]:
     if not budget_min:
         return {}
     total = sum(WEIGHTS.values())
-    return {k: budget_min * 60.0 * w / total for k, w in WEIGHTS.items() if keys is None or k in keys}
+    work = max(0.0, budget_min * 60.0 - len(WEIGHTS) * STEP_OVERHEAD_S)
+    return {k: work * w / total for k, w in WEIGHTS.items() if keys is None or k in keys}
 
 
 def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> str:
@@ -44,7 +50,8 @@ def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> st
         return ""
     parts = ", ".join(f"step {numbers.get(k, '?')} {s:.0f} s" for k, s in p.items())
     return (f"budget {budget_min:g} min, spread by each step's share of the default run (README, 'Cost'): {parts}; "
-            f"{sum(p.values()) / 60:.1f} min planned for the steps selected")
+            f"{sum(p.values()) / 60:.1f} min planned for the steps' own work, and about {STEP_OVERHEAD_S:.0f} s "
+            "for each step's notebook and report")
 
 
 STEP1_MIN_STEPS = 3  # timed steps step 1 keeps under a budget: a median and a spread (the job's own minimum is 2)
@@ -151,7 +158,7 @@ def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout:
 
 def budget_for(key: str, seconds: float) -> float:
     """The --budget in minutes whose share for step ``key`` is ``seconds`` (rounded up to a tenth)."""
-    return math.ceil(seconds * sum(WEIGHTS.values()) / WEIGHTS[key] / 60.0 * 10) / 10
+    return math.ceil((seconds * sum(WEIGHTS.values()) / WEIGHTS[key] + len(WEIGHTS) * STEP_OVERHEAD_S) / 60.0 * 10) / 10
 
 
 def step1_refusal(job, keys: list[str], earlier: dict | None = None) -> str:
@@ -165,7 +172,8 @@ def step1_refusal(job, keys: list[str], earlier: dict | None = None) -> str:
         return ""
     others = [k for k in keys if k != "baseline"] or [k for k in WEIGHTS if k != "baseline"]
     return (f"--budget {budget:g} min gives step 1 {share:.1f} s (its share, {WEIGHTS['baseline']}/"
-            f"{sum(WEIGHTS.values())} of the budget), but step 1 needs at least about {need:.0f} s ({how}). "
+            f"{sum(WEIGHTS.values())} of the budget less {len(WEIGHTS)} x {STEP_OVERHEAD_S:.0f} s of notebooks), but "
+            f"step 1 needs at least about {need:.0f} s ({how}). "
             f"Give --budget {budget_for('baseline', need):g} or more, or leave step 1 out: --steps {','.join(others)}")
 
 
@@ -175,7 +183,7 @@ def busy_text(contention, job_arg: str, keys: list[str], job=None, earlier: dict
     step 1 needs), or fewer steps."""
     if contention is None or not contention.shared:
         return ""
-    ref_s = sum(w for k, w in WEIGHTS.items() if k in keys)
+    ref_s = sum(w + STEP_OVERHEAD_S for k, w in WEIGHTS.items() if k in keys)
     free = max(contention.usable_cores - (contention.other_cores or 0.0), 0.25)
     slower = contention.usable_cores / free if contention.other_cores is not None else None
     need = budget_for("baseline", step1_minimum_s(job, earlier)[0]) if job is not None else 0.0
