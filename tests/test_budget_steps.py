@@ -145,3 +145,18 @@ def test_step2_screens_the_references_then_as_many_as_fit_half_the_time_left(tmp
     assert clock.shortened[0]["what"] == "DDP first round"
     kept, _ = screen_fit(job, configs, refs, Clock(0.0))
     assert [name(c) for c in kept] == refs  # the references always
+
+
+def test_step4_times_fewer_steps_so_eager_and_one_mode_fit():
+    from mfu_lab.core.budget import COLD_COMPILE_S, TRIAL_START_S, fit_compile
+
+    job = _job(steps=20, compile_warmup_steps=2)
+    assert fit_compile(job, Clock(None), STEP) == 20
+    fixed = 2 * (TRIAL_START_S + (2 + 3) * 0.5) + COLD_COMPILE_S  # 55 s before any timed step
+    clock = Clock(fixed + 6 * 2 * 0.5 + 0.1)
+    assert fit_compile(job, clock, STEP) == 6
+    assert "6 of the job's 20" in clock.shortened[0]["reason"] and "the default job's" in clock.shortened[0]["reason"]
+    earlier = {"trials": [{"compile_cold_s": 10.0}, {"compile_cold_s": None}]}  # this job's own cold compile
+    longer = _job(steps=40, compile_warmup_steps=2)  # 20 s less of compile: 20 more steps of 1 s (eager + mode)
+    assert fit_compile(longer, Clock(fixed + 6 * 2 * 0.5 + 0.1), STEP, earlier) == 6 + 20
+    assert fit_compile(job, Clock(1.0), STEP) == 3

@@ -156,6 +156,30 @@ def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout:
     return dataclasses.replace(job, verify_rounds=rounds)
 
 
+TRIAL_START_S = 10.0  # a compile trial's process start, model build and trace (2-core AMD EPYC, 2026-12-03: ~10 s)
+COLD_COMPILE_S = 30.0  # the default job's cold compile there (26-33 s), when the job has no step-4 result of its own
+
+
+def fit_compile(job, clock: Clock, step_s: tuple[float, str], earlier: dict | None = None) -> int:
+    """Timed steps of each compile trial within step 4's share, so that eager and one compiled mode fit: each trial
+    a start (:data:`TRIAL_START_S`), ``compile_warmup_steps`` and 3 profiled steps and the timed steps at
+    ``step_s``, the compiled one also a cold compile (the longest of the job's last step 4, measured, else
+    :data:`COLD_COMPILE_S`); the job's ``steps`` without a budget, never fewer than 3."""
+    left = clock.left_s()
+    if left is None:
+        return job.steps
+    colds = [t["compile_cold_s"] for t in (earlier or {}).get("trials") or [] if t.get("compile_cold_s")]
+    cold, where = (max(colds), "this job's last step 4, measured") if colds else (COLD_COMPILE_S, "the default job's")
+    each = step_s[0]
+    fixed = 2 * (TRIAL_START_S + (job.compile_warmup_steps + 3) * each) + cold
+    n = fit_count(left, job.steps, 2 * each, fixed_s=fixed, least=3)
+    if n < job.steps:
+        clock.shorten("trial steps", f"{n} of the job's {job.steps} timed in each trial ({left:.0f} s of step 4's "
+                      f"share left for eager and one mode: about {fixed:.0f} s of starts, warm-up and a {cold:.0f} s "
+                      f"cold compile ({where}), then {2 * each:.2f} s a step: {step_s[1]})")
+    return n
+
+
 def budget_for(key: str, seconds: float) -> float:
     """The --budget in minutes whose share for step ``key`` is ``seconds`` (rounded up to a tenth)."""
     return math.ceil((seconds * sum(WEIGHTS.values()) / WEIGHTS[key] + len(WEIGHTS) * STEP_OVERHEAD_S) / 60.0 * 10) / 10

@@ -237,7 +237,10 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
                 f" ({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"))
             what = config_name(c) if is_fsdp(c) else (f"{c['hook']}, bucket {c['bucket_mb']} MB, "
                                                      f"gradient_as_bucket_view={c['grad_as_bucket_view']}")
-            say(f"  comm [{done['n']}/{done['total']}] {what}: {kind}{took}"
+            why = ""
+            if kind == "skipped" and ev.get("error") != done.get("why"):  # each reason once, where it first applies
+                done["why"] = why = ev.get("error", "")
+            say(f"  comm [{done['n']}/{done['total']}] {what}: {kind}{took}" + (f" ({why})" if why else "")
                 + done["eta"].tag(min(done["n"], done["total"])))
             beat.said()
 

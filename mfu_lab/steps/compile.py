@@ -30,7 +30,7 @@ from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
-from mfu_lab.core.budget import Clock
+from mfu_lab.core.budget import Clock, fit_compile, job_step_s
 from mfu_lab.core.faults import guarded
 from mfu_lab.core.flops import count_step_flops
 from mfu_lab.core.job import Job
@@ -265,8 +265,9 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     work, caches = out_dir / "trials", out_dir / "cache"
     shutil.rmtree(caches, ignore_errors=True)
     tolerance = cp.DRIFT_TOLERANCE[job.dtype]
-    base = {"job": job.to_dict(), "warmup": job.compile_warmup_steps, "steps": job.steps}
-    say(f"eager: {job.compile_warmup_steps} + {job.steps} steps in a fresh process")
+    steps = fit_compile(job, clock, job_step_s(store.earlier(job, "baseline").data), store.earlier(job, INFO.key).data)
+    base = {"job": job.to_dict(), "warmup": job.compile_warmup_steps, "steps": steps}
+    say(f"eager: {job.compile_warmup_steps} + {steps} steps in a fresh process")
     eager_trace = out_dir / "trace_eager.json.gz"
     d = run_worker(base | {"mode": "eager", "label": "eager", "trace": str(eager_trace)}, work, caches / "eager",
                    job.compile_timeout_s, say)
@@ -300,7 +301,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             trials.append(Trial(mode, "skipped", "budget: " + why))
             clock.shorten(f"mode {mode}", why)
             continue
-        say(f"[{i}/{len(modes)}] {mode}: cold compile (empty cache) and {job.steps} steps" + eta.tag(i - 1))
+        say(f"[{i}/{len(modes)}] {mode}: cold compile (empty cache) and {steps} steps" + eta.tag(i - 1))
         d = run_worker(base | {"mode": mode, "label": f"{mode} cold", "trace": str(trace)}, work, caches / mode,
                        job.compile_timeout_s, say)
         t = Trial(mode, d["status"], error=d.get("error", ""), traceback=d.get("traceback", ""),
