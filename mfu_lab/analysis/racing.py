@@ -214,7 +214,7 @@ def comm_bound(rows: list[dict], grad_bytes: float, bucket_bytes: float, step_s:
     near = min(rows, key=lambda r: abs(math.log(r["bytes"] / size)))
     seconds = grad_bytes * near["time_s"] / near["bytes"]
     how = (f"all-reducing the {grad_bytes / 1e6:.1f} MB of gradients takes about {seconds * 1e3:.1f} ms at the "
-           f"{near['bytes'] / 1e6:g} MB message's measured {near['algbw_gbps']:.2f} GB/s (all-reduce benchmark, this "
+           f"{near['bytes'] / 2**20:g} MiB message's measured {near['algbw_gbps']:.2f} GB/s (all-reduce benchmark, this "
            f"launch), {seconds / step_s:.1%} of the reference's {step_s * 1e3:.0f} ms step (its first-round median)")
     return seconds / step_s, how
 
