@@ -173,30 +173,3 @@ def test_budget_and_thorough_on_the_command_line_set_their_job_keys():
     assert cost_overrides(argparse.Namespace(budget=5.0, thorough=True), {}) == {"budget_min": 5.0, "thorough": True}
     with pytest.raises(JobError, match="--budget"):
         cost_overrides(argparse.Namespace(budget=-1.0, thorough=False), {})
-
-
-ROWS = [{"bytes": 1 << 20, "time_s": 0.002, "algbw_gbps": (1 << 20) / 0.002 / 1e9},
-        {"bytes": 16 << 20, "time_s": 0.016, "algbw_gbps": (16 << 20) / 0.016 / 1e9}]
-
-
-def test_the_all_reduce_benchmark_bounds_what_a_ddp_setting_can_give_back():
-    share, how = racing.comm_bound(ROWS, 15e6, 25 * 2**20, 0.9)
-    # 15 MB at the 16 MiB message's measured rate (16 MiB in 16 ms): 15e6 x 0.016 / 2**24 s, over a 0.9 s step
-    assert share == pytest.approx(15e6 * 0.016 / (16 << 20) / 0.9)
-    assert "16 MiB message" in how and "900 ms step" in how
-    small, _ = racing.comm_bound(ROWS, 15e6, 1 * 2**20, 0.9)  # 1 MiB buckets: the 1 MiB message's rate
-    assert small == pytest.approx(15e6 * 0.002 / (1 << 20) / 0.9)
-    assert racing.comm_bound([], 15e6, 25 * 2**20, 0.9) is None and racing.comm_bound(ROWS, 15e6, 1e6, 0.0) is None
-
-
-def test_ddp_settings_are_ruled_out_only_below_the_noise_floor():
-    refs = {"none/25MB/copy": (25 * 2**20, [0.9, 0.95])}
-    knobs = ["allreduce/25MB/copy", "none/1MB/copy"]
-    out = racing.ruled_out(ROWS, 15e6, refs, knobs)
-    assert set(out) == set(knobs) and all(w.startswith("ruled out before timing") and "--thorough" in w
-                                          for w in out.values())
-    assert racing.ruled_out(ROWS, 15e6, {"none/25MB/copy": (25 * 2**20, [0.01, 0.01])}, knobs) == {}  # 1.4 s > 3%
-    assert racing.ruled_out([], 15e6, refs, knobs) == {}  # no benchmark: everything is raced
-    assert racing.ruled_out(ROWS, 15e6, refs, []) == {}
-    # the most exposed reference decides: a second, faster reference whose step the communication would dominate
-    assert racing.ruled_out(ROWS, 15e6, refs | {"own": (2**20, [0.05])}, knobs) == {}

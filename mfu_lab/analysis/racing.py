@@ -198,39 +198,3 @@ def log_round(number: int, steps: int, samples: dict[str, list[float]], kept: li
               seconds: float | None = None) -> RoundLog:
     return RoundLog(number, steps, {k: statistics.median(v) if v else None for k, v in samples.items()}, kept,
                     dropped, seconds)
-
-
-def comm_bound(rows: list[dict], grad_bytes: float, bucket_bytes: float, step_s: float) -> tuple[float, str] | None:
-    """(the most a DDP communication setting can give back, as a share of ``step_s``; how) from the all-reduce
-    benchmark's ``rows`` (measured in the same launch): all-reducing ``grad_bytes`` at the measured algorithm
-    bandwidth of the message size nearest the bucket (``bucket_bytes``, at most the gradients). A hook, a bucket size
-    or ``gradient_as_bucket_view`` changes how the gradients are communicated (the last one saves a copy of them,
-    which moves the same bytes once in memory, no slower than all-reducing them), so none gives back more than the
-    communication costs. None without rows or a step time."""
-    rows = [r for r in rows or [] if r.get("time_s") and r.get("bytes")]
-    if not rows or not step_s or grad_bytes <= 0:
-        return None
-    size = max(1.0, min(grad_bytes, bucket_bytes))
-    near = min(rows, key=lambda r: abs(math.log(r["bytes"] / size)))
-    seconds = grad_bytes * near["time_s"] / near["bytes"]
-    how = (f"all-reducing the {grad_bytes / 1e6:.1f} MB of gradients takes about {seconds * 1e3:.1f} ms at the "
-           f"{near['bytes'] / 2**20:g} MiB message's measured {near['algbw_gbps']:.2f} GB/s (all-reduce benchmark, this "
-           f"launch), {seconds / step_s:.1%} of the reference's {step_s * 1e3:.0f} ms step (its first-round median)")
-    return seconds / step_s, how
-
-
-def ruled_out(rows: list[dict], grad_bytes: float, refs: dict[str, tuple[float, list[float]]], knobs: list[str],
-              floor: float = RACE_NOISE_FLOOR) -> dict[str, str]:
-    """{DDP candidate: why it is not raced} when no communication setting can give back more than ``floor`` of the
-    step (:func:`comm_bound` against each reference's (bucket bytes, first-round samples) in ``refs``, the largest
-    share), else {}. ``knobs``: the candidates that differ from a reference only in how DDP communicates (FSDP2
-    changes the computation too and is always raced)."""
-    bounds = [comm_bound(rows, grad_bytes, bucket, statistics.median(s)) for bucket, s in refs.values() if s]
-    if not knobs or not bounds or any(b is None for b in bounds):
-        return {}
-    share, how = max(bounds, key=lambda b: b[0])
-    if share >= floor:
-        return {}
-    why = (f"ruled out before timing: no DDP communication setting can give back more than {share:.1%} of the step, "
-           f"below the race's {floor:.0%} noise floor ({how}); measured, not raced (--thorough races it)")
-    return dict.fromkeys(knobs, why)

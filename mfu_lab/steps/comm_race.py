@@ -23,7 +23,7 @@ from mfu_lab.core.budget import Clock, fit_count, job_step_s
 from mfu_lab.core.job import Job
 from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
-from mfu_lab.workers.comm_configs import hook_of, is_fsdp, screened_configs
+from mfu_lab.workers.comm_configs import hook_of, screened_configs
 from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import (
     SweepOutcome,
@@ -129,16 +129,8 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     runnable, unscreened = screen_fit(job, runnable, refs, clock)
     t0 = time.perf_counter()
     sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable, screen=job.race_steps,
-                      race={"references": refs, "deadline": deadline, "rule_out": {
-                          "grad_bytes": grad_bytes, "knobs": [name(c) for c in runnable
-                                                              if not is_fsdp(c) and name(c) not in refs]}},
-                      confirm=confirm, fault=fault)
-    ruled = [c for c in runnable if (sweep.outcomes.get(config_key(c)) or {}).get("event") == "skipped"]
-    if ruled:  # the all-reduce benchmark bounded what they could give back (racing.ruled_out): not timed
-        log.note = (f"{len(ruled)} DDP setting(s) not timed: "
-                    + sweep.outcomes[config_key(ruled[0])]["error"].removeprefix("ruled out before timing: "))
-    samples = {name(c): (sweep.screened.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable
-               if c not in ruled}
+                      race={"references": refs, "deadline": deadline}, confirm=confirm, fault=fault)
+    samples = {name(c): (sweep.screened.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
     decided = {r.get("number"): r for r in sweep.rounds}
     if 1 in decided:  # the worker raced inside its launch: its decision, by the same rule
         kept, dropped, cut, spent = decided[1]["kept"], decided[1]["dropped"], decided[1]["cut"], decided[1]["seconds"]

@@ -286,9 +286,9 @@ def main() -> None:
             return build_loader(dataclasses.replace(job, seed=job.seed + 7919 * (rank + 1)), n, device.type)
         return same_batches(job, n, device.type, rank=rank, world=world)
 
-    bench = allreduce_benchmark(device, spec["allreduce_max_bytes"]) if spec.get("allreduce_max_bytes") else []
-    if bench:
-        emit(out, {"event": "allreduce", "rows": bench, "world_size": world, "backend": backend})
+    if spec.get("allreduce_max_bytes"):
+        emit(out, {"event": "allreduce", "rows": allreduce_benchmark(device, spec["allreduce_max_bytes"]),
+                   "world_size": world, "backend": backend})
 
     steps, warm = job.comm_steps, job.comm_warmup_steps
 
@@ -374,24 +374,9 @@ def main() -> None:
     configs, screen = spec["configs"], spec.get("screen") or 0
     by_name = {config_name(cfg): cfg for cfg in configs}
     t_screen = time.perf_counter()
-    race = spec.get("race")
-    rule = (race or {}).get("rule_out") if screen else None
-    refs = [r for r in (race or {}).get("references", []) if r in by_name] if rule else []
-    first, ruled, pending = {}, {}, set(refs)
-    for index in sorted(range(len(configs)), key=lambda i: config_name(configs[i]) not in refs):  # references first
-        cfg = configs[index]
-        if config_name(cfg) in ruled:  # the all-reduce benchmark bounds what it could give back: not timed
-            emit(out, {"event": "skipped", "config": cfg, "error": ruled[config_name(cfg)]})
-            first[config_name(cfg)] = None
-            continue
-        first[config_name(cfg)] = measure(index, cfg, screen)
-        pending.discard(config_name(cfg))
-        if rule and refs and not pending:  # every rank reaches this once, at the same configuration
-            pending.add(None)
-            ruled = decide(lambda: racing.ruled_out(bench, rule["grad_bytes"], {
-                r: (by_name[r].get("bucket_mb", 25.0) * 2**20, (first.get(r) or {}).get("wall_s") or []) for r in refs},
-                rule["knobs"]))
+    first = {config_name(cfg): measure(index, cfg, screen) for index, cfg in enumerate(configs)}
     full, index = ({} if screen else first), len(configs)
+    race = spec.get("race")
     if race and screen:  # the race's final round in this launch
         spent = time.perf_counter() - t_screen
         left = None if race.get("deadline") is None else race["deadline"] - time.time()

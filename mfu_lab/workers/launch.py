@@ -317,7 +317,7 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                 result.layout.setdefault("free_memory", {})[str(ev["rank"])] = ev["free_bytes"]
             elif kind == "start":
                 started = ev["config"]
-            elif kind in ("done", "unsupported", "error", "skipped"):
+            elif kind in ("done", "unsupported", "error"):
                 result.outcomes[config_key(ev["config"])] = ev
                 if kind == "done" and ev.get("screen"):
                     result.screened[config_key(ev["config"])] = ev
