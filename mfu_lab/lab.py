@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-from mfu_lab.core import procs
+from mfu_lab.core import procs, quick_imports
 from mfu_lab.core.errors import MfuLabError
 from mfu_lab.core.job import Job
 from mfu_lab.core.overrides import OVERRIDES_ENV
@@ -103,6 +103,7 @@ def prepare_lab(job: Job, fresh: bool = False) -> Lab:
     """Write the job's lab notebooks into :func:`lab_folder`: each committed notebook with the job's parameters
     injected and nothing executed (papermill ``prepare_only``). An existing lab notebook is kept unless ``fresh``;
     one kept whose injected parameters differ from the job's now is named in ``Lab.differ``."""
+    quick_imports.notebook_libraries()
     try:
         import papermill as pm  # lazy: over a second to import
     except ImportError:

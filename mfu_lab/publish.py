@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core import procs
+from mfu_lab.core import procs, quick_imports
 from mfu_lab.core.errors import StepExecutionError
 from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
 from mfu_lab.core.files import RESULT_FILE, PlantedLink, read_json, refuse_links, refuse_links_below, write_atomic
@@ -75,6 +75,7 @@ def _timed_out_preview(message: str) -> str:
 def _mark_timeout(notebook: Path, limit: float, preview: str) -> str:
     """Papermill marks every cell 'completed' after a cell timeout; tell the truth in the saved notebook: the cell
     that ran out of time is marked 'timeout', the ones after it 'not run', and a banner says so at the top."""
+    quick_imports.notebook_libraries()
     import nbformat  # lazy: only a timed-out run needs it, and it costs about a second to import
 
     nb = nbformat.read(str(notebook), as_version=4)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mfu_lab.analysis.cluster_files import load_cluster
-from mfu_lab.core import procs
+from mfu_lab.core import procs, quick_imports
 from mfu_lab.core.budget import plan_text
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.files import load_results
@@ -170,13 +170,18 @@ def execute_notebook(src: Path, out: Path, params: dict, cwd: Path, quiet: bool,
     """One notebook through papermill, its printed lines streamed (indented) unless ``quiet``. Its kernel, and so
     every process the kernel starts, ends with this call however it ends (``procs``: SIGTERM is taken as Ctrl-C,
     and a kill of this process ends the kernel through its PDEATHSIG)."""
+    quick_imports.notebook_libraries()
     import papermill as pm  # lazy: over a second to import; `mfu-lab --help`, `validate`, `step` do without it
 
+    # shutdown_kernel="immediate": the kernel is killed once its last cell has finished instead of being asked to
+    # exit, which took 2.7 s a notebook (the interpreter's finalisation with torch and matplotlib loaded, 2-core AMD
+    # EPYC). Every output has arrived by then and no step leaves work for exit: its result, notebook and processes
+    # are done (procs ends any child with the kernel, as on any other kill).
     with procs.interrupt_on_sigterm(), procs.group():
         pm.execute_notebook(str(src), str(out), parameters=params, progress_bar=False, cwd=str(cwd),
                             kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
                             execution_timeout=timeout, extra_arguments=QUIET_KERNEL,
-                            kernel_manager_class=procs.kernel_manager_class())
+                            kernel_manager_class=procs.kernel_manager_class(), shutdown_kernel="immediate")
 
 
 def warn_damaged(job: Job) -> list[str]:

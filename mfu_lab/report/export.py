@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core import quick_imports
 from mfu_lab.core.files import DamagedFile, write_atomic
 from mfu_lab.report.templating import TEMPLATES
 
@@ -96,6 +97,7 @@ def export_html(notebook: Path, html_path: Path, result: Path | None = None) -> 
     """Executed notebook -> self-contained HTML (no script or style fetched from the network), results first.
     ``result``: the step's result to summarise when it is not yet published (the runner's staged one)."""
     # nbconvert takes seconds to import; the index is rewritten after every step's save, without it.
+    quick_imports.notebook_libraries()
     import nbformat
     from nbconvert import HTMLExporter
 
