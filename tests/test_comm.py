@@ -194,3 +194,26 @@ def test_a_race_confirms_its_pick_in_the_same_launch(tiny_job, tmp_path):
     assert sweep.confirm["reference"] == "none/25MB/copy" and sweep.confirm["done"]
     ref, pick = "none/25MB/copy", sweep.confirm["candidate"]
     assert [config_name(ev["config"]) for ev in sweep.turns] == [ref, pick, pick, ref, ref, pick]  # ABBA
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_launch_whose_ranks_have_finished_may_take_longer_to_exit_than_a_step(tmp_path, finished):
+    """After the ranks' ``finished`` event no step is left to stall: a slow exit (1.5 s here, against a 0.5 s
+    no-progress limit) is waited out, not ended as hung; the same pause before that event is a hang."""
+    import subprocess
+    import sys
+
+    from mfu_lab.workers.launch import watch
+
+    progress = tmp_path / "progress.jsonl"
+    last = '{"event": "finished"}' if finished else '{"event": "done"}'
+    code = (f"import time; f = open({str(progress)!r}, 'a'); f.write('{{\"event\": \"start\"}}\\n' + {last!r} + '\\n');"
+            " f.close(); time.sleep(1.5)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        hung, _, allowed = watch(proc, progress, None, timeout_s=0.5, startup_s=60.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert hung is (not finished)
+    assert allowed == (60.0 if finished else 0.5)

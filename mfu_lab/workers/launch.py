@@ -188,23 +188,26 @@ def watch(proc, progress_file: Path, progress, timeout_s: float, startup_s: floa
     progress for ``timeout_s`` (at least ``startup_s`` before its first event: imports and rendezvous on a busy
     host), handing each new event to ``progress``; returns (hung, events handed on, the allowance in force).
     While no event comes for ``GAP_S`` seconds, ``progress`` also gets ``{"event": "quiet", "quiet_s": s}`` once per
-    ``GAP_S`` (not counted in the events handed on), so a caller can say the launch is still alive."""
-    last_size, last_change, seen, allowed = -1, time.monotonic(), 0, timeout_s
+    ``GAP_S`` (not counted in the events handed on), so a caller can say the launch is still alive. Once the ranks
+    have written their ``finished`` event, no step is left to stall: their exit (gloo's or NCCL's teardown, torchrun's
+    own) gets the start-up allowance too, as a busy host can take longer than ``timeout_s`` over it."""
+    last_size, last_change, seen, allowed, ended = -1, time.monotonic(), 0, timeout_s, False
     last_quiet = last_change
     while proc.poll() is None:
         size = progress_file.stat().st_size if progress_file.exists() else 0
         now = time.monotonic()
         if size != last_size:
             last_size, last_change = size, now
+            events = _read(progress_file)
+            ended = any(ev.get("event") == "finished" for ev in events)
             if progress:
-                events = _read(progress_file)
                 for ev in events[seen:]:
                     progress(ev)
                 seen = len(events)
         elif progress and now - max(last_change, last_quiet) >= GAP_S:
             last_quiet = now
             progress({"event": "quiet", "quiet_s": now - last_change})
-        allowed = timeout_s if size else max(timeout_s, startup_s)
+        allowed = timeout_s if size and not ended else max(timeout_s, startup_s)
         if time.monotonic() - last_change > allowed:
             return True, seen, allowed
         time.sleep(0.2)
