@@ -119,6 +119,19 @@ def test_racing_stops_at_the_broadest_policy_that_keeps_the_loss_and_says_why(ra
     assert any("scaling study" in s["what"] for s in r.skipped)
 
 
+def test_policies_the_budget_left_out_are_not_called_failures(ran, tmp_path):
+    """A budget with no time left for a policy trial skips it; the recommendation then says that no policy was
+    trained and which the budget left out, not that none kept the loss."""
+    job = dataclasses.replace(ran[0], out_dir=str(tmp_path), thorough=False, budget_min=0.5)
+    r = fp8.run(job, progress=lambda m: None, write=False)
+    cut = [t for t in r.trials if t.status == "skipped" and t.reason.startswith("budget: ")]
+    assert cut and not [t for t in r.trials if t.groups and t.loss]
+    assert r.choice["policy"] is None
+    text = r.choice["text"]
+    assert "no FP8 policy was trained" in text and "the budget ran out first" in text
+    assert all(t.name in text for t in cut) and "kept the loss" not in text
+
+
 def test_emulated_figures_are_labelled_and_no_speed_is_claimed(ran):
     _, r = ran
     assert r.path == "emulated" and r.speed["status"] == "skipped" and "CPU" in r.speed["reason"]

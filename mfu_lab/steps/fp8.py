@@ -354,9 +354,15 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
                           f"{job.fp8_steps} steps (final gap {best.final_gap:+.2%}). Job-file fragment: "
                           + fragment.replace("\n", "; ")}
     else:
+        tried = [t for t in trials if t.groups and t.status in ("ok", "off", "diverged")]
+        cut = [t.name for t in trials if t.groups and t.status == "skipped" and t.reason.startswith("budget: ")]
+        why = (f"no FP8 policy kept the loss within {job.fp8_tolerance:.0%} of the reference without diverging"
+               if tried else "no FP8 policy was trained")
+        if cut:
+            why += (f"; {', '.join(cut)} not trained: the budget ran out first (a larger --budget, or none, "
+                    "trains them)")
         choice = {"policy": None, "groups": [], "recipe": job.fp8_recipe, "flops_share": 0.0, "fragment": "",
-                  "text": "Keep every layer in high precision: no FP8 policy kept the loss within "
-                          f"{job.fp8_tolerance:.0%} of the reference without diverging"}
+                  "text": "Keep every layer in high precision: " + why}
 
     if no_hw:
         speed = {"status": "skipped", "reason": no_hw}
