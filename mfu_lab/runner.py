@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mfu_lab.analysis.cluster_files import load_cluster
 from mfu_lab.core import procs, quick_imports
-from mfu_lab.core.budget import plan_text
+from mfu_lab.core.budget import LEFT_ENV, left_env, plan_text
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
 from mfu_lab.core.files import load_results
 from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
@@ -223,7 +223,10 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
         holder(run_id)
         warn_damaged(job)
         with run_id_set(run_id), overrides_set(overrides):  # the notebooks' kernels inherit both: one run, one id
-            return _run_steps(job, source, steps, run_id, quiet, resume, keep_going, execution_timeout)
+            try:
+                return _run_steps(job, source, steps, run_id, quiet, resume, keep_going, execution_timeout)
+            finally:
+                os.environ.pop(LEFT_ENV, None)  # the budget left is this run's: no later run in this process reads it
 
 
 def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, resume: bool, keep_going: bool,
@@ -236,6 +239,7 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
     _monitor_step(job, quiet)
     failed: list[str] = []
+    keys, t_run = [s.key for s in steps], time.perf_counter()
     for n, info in enumerate(steps, 1):
         if resume:
             keep, why = resumable(job.step_dir(info.folder), job.to_dict())
@@ -244,6 +248,8 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
                 continue
         t0 = time.perf_counter()
         print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
+        if job.budget_min:  # the step's kernel inherits it: its share of what the run has left (core.budget)
+            os.environ[LEFT_ENV] = left_env(job.budget_min, keys, time.perf_counter() - t_run, info.key)
         try:
             html = execute_step(info, job, source, root, quiet, execution_timeout)
         except (StepExecutionError, OSError) as e:

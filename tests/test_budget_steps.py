@@ -160,3 +160,45 @@ def test_step4_times_fewer_steps_so_eager_and_one_mode_fit():
     longer = _job(steps=40, compile_warmup_steps=2)  # 20 s less of compile: 20 more steps of 1 s (eager + mode)
     assert fit_compile(longer, Clock(fixed + 6 * 2 * 0.5 + 0.1), STEP, earlier) == 6 + 20
     assert fit_compile(job, Clock(1.0), STEP) == 3
+
+
+def test_in_a_run_each_step_gets_its_weight_of_what_the_run_has_left(monkeypatch):
+    """The runner's LEFT_ENV rolls the shares: at the run's start they equal the plan; a step that overran leaves
+    the later ones less, by the weights of those still to run; a stale or foreign value falls back to the plan."""
+    keys = list(budget.WEIGHTS)
+    p = budget.plan(6.0)
+    monkeypatch.setenv(budget.LEFT_ENV, budget.left_env(6.0, keys, 0.0, "baseline"))
+    assert budget.share_s(6.0, "baseline") == pytest.approx(p["baseline"], abs=0.01)
+    # step 5 next, after the run used 30 s more than the plan of steps 1-4 with their notebooks
+    used = sum(p[k] + budget.STEP_OVERHEAD_S for k in keys[:4]) + 30.0
+    monkeypatch.setenv(budget.LEFT_ENV, budget.left_env(6.0, keys, used, "fp8"))
+    rest = keys[4:]
+    expect = (sum(p[k] for k in rest) - 30.0) * budget.WEIGHTS["fp8"] / sum(budget.WEIGHTS[k] for k in rest)
+    assert budget.share_s(6.0, "fp8") == pytest.approx(expect, abs=0.01)
+    assert budget.share_s(6.0, "fp8") < p["fp8"]
+    assert Clock.for_step(SimpleNamespace(budget_min=6.0), "fp8").planned_s == pytest.approx(expect, abs=0.01)
+    assert budget.share_s(6.0, "compile") == p["compile"]  # the value is step 5's: another step takes the plan
+    assert budget.share_s(0.0, "fp8") is None
+    # a run of two steps: the first keeps the share it has alone
+    monkeypatch.setenv(budget.LEFT_ENV, budget.left_env(6.0, ["kernels", "verify"], 0.0, "kernels"))
+    assert budget.share_s(6.0, "kernels") == pytest.approx(p["kernels"], abs=0.01)
+
+
+def test_a_run_leaves_no_budget_left_behind(tmp_path: Path, monkeypatch):
+    """The runner sets LEFT_ENV for each step's kernel and removes it when the run ends, failed or not."""
+    import os
+
+    from mfu_lab import runner
+    from mfu_lab.core.registry import BY_KEY
+
+    seen = []
+
+    def fake_step(info, job, *a, **k):
+        seen.append(os.environ.get(budget.LEFT_ENV))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner, "execute_step", fake_step)
+    job = load_job(TINY, {"out_dir": str(tmp_path), "budget_min": 6.0})
+    runner.run_steps(job, str(TINY), [BY_KEY["kernels"], BY_KEY["verify"]], keep_going=True)
+    assert [s.split(";")[1] for s in seen] == ["kernels,verify", "verify"]
+    assert budget.LEFT_ENV not in os.environ

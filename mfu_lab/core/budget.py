@@ -8,6 +8,13 @@ step 3 37 s, step 4 133 s, step 5 61 s, step 6 136 s; step 7 118 s, the 127 s it
 where it verified a proposed layout under torchrun, less its notebook's 9 s), so a budget cuts every step in the
 same proportion. A step run alone gets the same share it would get in a whole run.
 
+Within a run of several steps the shares roll: before each step the runner sets :data:`LEFT_ENV` to the seconds
+left (the planned seconds of the steps selected, with their notebooks, less the time the run has taken so far) and
+the steps still to run; the step's share is that time, less a notebook's :data:`STEP_OVERHEAD_S` for each of
+them, times its weight over theirs (:func:`share_s`). A step that ran past its share (a cold compile longer than
+its estimate) so shortens the ones after it, and one that finished early (nothing to verify) leaves them more,
+so the run as a whole keeps to the budget.
+
 Every step keeps to its share. A step that measures in rounds (steps 2, 4, 5 and 7) checks its clock before each
 round: when the next round would end past the step's share, it shortens the round (fewer candidates, fewer steps
 or rounds, no warm-cache compile) and records what it left out, with the planned and the used seconds. Step 1
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -43,6 +51,29 @@ def plan(budget_min: float, keys: list[str] | None = None) -> dict[str, float]:
     return {k: work * w / total for k, w in WEIGHTS.items() if keys is None or k in keys}
 
 
+LEFT_ENV = "MFU_LAB_BUDGET_LEFT"  # "<seconds left>;<key>,<key>...": set by the runner before each step of a run
+
+
+def left_env(budget_min: float, keys: list[str], used_s: float, key: str) -> str:
+    """:data:`LEFT_ENV`'s value before step ``key`` of a run of ``keys`` that has taken ``used_s`` seconds."""
+    p = plan(budget_min, keys)
+    left = sum(p.values()) + len(p) * STEP_OVERHEAD_S - used_s
+    return f"{left:.3f};{','.join(keys[keys.index(key):])}"
+
+
+def share_s(budget_min: float, key: str) -> float | None:
+    """Step ``key``'s seconds: rolled over what the run has left (:data:`LEFT_ENV`, when the runner set it for
+    this step), else its share of the plan; None without a budget."""
+    if not budget_min:
+        return None
+    left, _, keys = os.environ.get(LEFT_ENV, "").partition(";")
+    rest = [k for k in keys.split(",") if k in WEIGHTS]
+    if not rest or rest[0] != key:
+        return plan(budget_min).get(key)
+    work = max(0.0, float(left) - len(rest) * STEP_OVERHEAD_S)
+    return work * WEIGHTS[key] / sum(WEIGHTS[k] for k in rest)
+
+
 def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> str:
     """The plan as one line the runner prints before the first step."""
     p = plan(budget_min, keys)
@@ -51,7 +82,8 @@ def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> st
     parts = ", ".join(f"step {numbers.get(k, '?')} {s:.0f} s" for k, s in p.items())
     return (f"budget {budget_min:g} min, spread by each step's share of the default run (README, 'Cost'): {parts}; "
             f"{sum(p.values()) / 60:.1f} min planned for the steps' own work, and about {STEP_OVERHEAD_S:.0f} s "
-            "for each step's notebook and report")
+            "for each step's notebook and report; before each step, what the run has left is spread again over "
+            "it and the steps after it")
 
 
 STEP1_MIN_STEPS = 3  # timed steps step 1 keeps under a budget: a median and a spread (the job's own minimum is 2)
@@ -234,7 +266,7 @@ class Clock:
 
     @classmethod
     def for_step(cls, job, key: str) -> Clock:
-        return cls(plan(getattr(job, "budget_min", 0.0) or 0.0).get(key))
+        return cls(share_s(getattr(job, "budget_min", 0.0) or 0.0, key))
 
     @property
     def used_s(self) -> float:

@@ -199,7 +199,7 @@ def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tup
     the warm-up first (fewer steps, at least one, when the estimate says the share needs it), then as many of the
     job's timed steps as the rest of step 1's share holds at the last warm-up step's time (at least
     ``STEP1_MIN_STEPS``), each cut said and recorded; the two runs' series are joined, warm-up first."""
-    clock = budget.Clock(budget.plan(job.budget_min).get(INFO.key), started=t_start)
+    clock = budget.Clock(budget.share_s(job.budget_min, INFO.key), started=t_start)
     if clock.planned_s is None:
         return run_steps(train_step, loader, device, job.warmup_steps, job.steps, p.items("baseline steps")), clock
     _, first, step_s, _ = budget.step1_estimate(job, (store.earlier(job, INFO.key).data or None))
