@@ -202,3 +202,15 @@ def test_a_run_leaves_no_budget_left_behind(tmp_path: Path, monkeypatch):
     runner.run_steps(job, str(TINY), [BY_KEY["kernels"], BY_KEY["verify"]], keep_going=True)
     assert [s.split(";")[1] for s in seen] == ["kernels,verify", "verify"]
     assert budget.LEFT_ENV not in os.environ
+
+
+def test_step3_lists_a_budget_cut_once(tmp_path: Path):
+    """Step 3 under a budget too small for the per-rank traces: its skipped list names them once, as the budget's
+    cut (it listed them twice before)."""
+    from mfu_lab.steps import kernels
+
+    job = _job(out_dir=str(tmp_path), budget_min=0.5, profile_ddp=True, steps=3, warmup_steps=1)
+    r = kernels.run(job, progress=lambda m: None, write=False)
+    cut = [s for s in r.skipped if s["what"] == "per-rank profile"]
+    assert len(cut) == 1 and cut[0]["reason"].startswith("budget: ")
+    assert r.ddp["status"] == "skipped" and r.ddp["reason"] == cut[0]["reason"]

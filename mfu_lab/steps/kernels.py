@@ -373,7 +373,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     else:
         ddp = {"status": "skipped", "reason": "profile_ddp is false in the job" if not job.profile_ddp else
                "budget: " + clock.shortened[-1]["reason"].removeprefix("budget: ")}
-        skipped.append({"what": "per-rank profile", "reason": ddp["reason"]})
+        if not job.profile_ddp:  # a budget's cut is in clock.shortened already, which the skipped list takes in
+            skipped.append({"what": "per-rank profile", "reason": ddp["reason"]})
     say("measuring memory bandwidth")
     bandwidth, bw_note = dev.measure_memory_bandwidth(torch_device)
     say(f"reading the trace ({trace_path.stat().st_size / 1e6:.1f} MB gzipped)")
