@@ -124,13 +124,16 @@ def test_a_budget_too_small_for_step_1_is_refused_up_front_with_the_estimate(tmp
         dataclasses.replace(cli.load_job(TINY), budget_min=need), ["baseline"]) == ""
 
 
-@pytest.mark.parametrize("minutes, warm, timed, over", [(20.0, 3, 10, False), (3.0, 1, 3, True)])
+@pytest.mark.parametrize("minutes, warm, timed, over", [(20.0, 3, 20, False), (3.0, 3, 9, False),
+                                                        (1.5, 1, 3, True)])
 def test_step_1_under_a_budget_times_fewer_steps_and_says_what_it_cut(tiny_job, monkeypatch, minutes, warm, timed,
                                                                       over):
-    """Every training step takes 2 s of a fake clock and the estimate says so. A 20-minute budget gives step 1
-    28.9 s (16/622 of what the seven notebooks' 77 s leave): the 3 warm-up steps (6 s) and 10 timed ones (20 s, 1 s
-    kept for the re-check). A 3-minute one gives 2.6 s: one warm-up step, then the fewest timed steps step 1 takes
-    (3), said to run past the share."""
+    """Every training step takes 2 s of a fake clock and the estimate says so. The job's full step 1 needs 47 s
+    (3 warm-up and 20 timed steps, 1 s after them), more than its share of a 20-minute budget (28.9 s, 16/622 of what
+    the seven notebooks' 77 s leave), so it takes the 47 s (under a quarter of the steps' work) and times all 20. A 3-minute
+    budget gives it a quarter of 103 s, 25.8 s: the 3 warm-up steps (6 s) and 9 timed ones (18 s, 1 s kept for the
+    re-check). A 1.5-minute one gives 3.3 s: one warm-up step, then the fewest timed steps step 1 takes (3), said to
+    run past the share."""
     from mfu_lab.core import measure
     from mfu_lab.steps import baseline
 
@@ -155,9 +158,14 @@ def test_step_1_under_a_budget_times_fewer_steps_and_says_what_it_cut(tiny_job, 
     r = baseline.run(job, progress=Progress(lines.append, bar=False), write=False)
     assert r.timings.warmup_steps == warm and len(r.timings.measured("wall_s")) == timed
     cut = {s["what"]: s["reason"] for s in r.skipped}
+    work = sum(budget.plan(minutes).values())
+    assert r.budget["planned_s"] == pytest.approx(max(budget.plan(minutes)["baseline"], min(47.0, work / 4)))
+    if timed == 20:
+        assert not r.budget["shortened"] and "timed steps" not in cut
+        return
     assert cut["timed steps"].startswith(f"budget: {timed} of the job's 20")
     assert ("past the share" in cut["timed steps"]) == over and ("warm-up steps" in cut) == (warm < 3)
-    assert r.budget["planned_s"] == pytest.approx(budget.plan(minutes)["baseline"]) and r.budget["shortened"]
+    assert r.budget["shortened"]
     assert any(ln.startswith(f"budget: timing {timed} of the job's 20 steps") for ln in lines)
 
 

@@ -15,6 +15,10 @@ them, times its weight over theirs (:func:`share_s`). A step that ran past its s
 its estimate) so shortens the ones after it, and one that finished early (nothing to verify) leaves them more,
 so the run as a whole keeps to the budget.
 
+Step 1 is the baseline every later step compares with, so it may take more than its share: what the job's full
+step 1 needs (its set-up, warm-up and timed steps, estimated as :func:`step1_estimate` does), up to
+:data:`STEP1_MOST` of the steps' work (:func:`step1_share_s`); in a run, the steps after it then share what is left.
+
 Every step keeps to its share. A step that measures in rounds (steps 2, 4, 5 and 7) checks its clock before each
 round: when the next round would end past the step's share, it shortens the round (fewer candidates, fewer steps
 or rounds, no warm-cache compile) and records what it left out, with the planned and the used seconds. Step 1
@@ -80,7 +84,8 @@ def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> st
     if not p:
         return ""
     parts = ", ".join(f"step {numbers.get(k, '?')} {s:.0f} s" for k, s in p.items())
-    return (f"budget {budget_min:g} min, spread by each step's share of the default run (README, 'Cost'): {parts}; "
+    return (f"budget {budget_min:g} min, spread by each step's share of the default run (README, 'Cost'): {parts} "
+            f"(step 1 takes more, up to {STEP1_MOST:.0%} of the steps' work, when the job's full step 1 needs it); "
             f"{sum(p.values()) / 60:.1f} min planned for the steps' own work, and about {STEP_OVERHEAD_S:.0f} s "
             "for each step's notebook and report; before each step, what the run has left is spread again over "
             "it and the steps after it")
@@ -116,6 +121,24 @@ def step1_minimum_s(job, earlier: dict | None = None) -> tuple[float, str]:
     need = setup + (first if warm else 0.0) + timed * step
     return need, (f"set-up about {setup:.0f} s, then {warm} warm-up and {timed} timed steps at about {step:.2g} s "
                   f"each; from {source}")
+
+
+STEP1_MOST = 0.25  # of the steps' planned work: the most step 1 takes to time the job's full count of steps
+STEP1_RESERVE_S = 1.0  # step 1's work after its timed steps (the peak's re-check, the figures, the write)
+
+
+def step1_share_s(job, earlier: dict | None = None) -> float | None:
+    """Step 1's seconds under the job's budget (None without one): its share (:func:`share_s`), or, when more, what
+    the job's full step 1 needs by :func:`step1_estimate`, up to :data:`STEP1_MOST` of the steps' planned work."""
+    budget_min = getattr(job, "budget_min", 0.0) or 0.0
+    share = share_s(budget_min, "baseline")
+    if share is None:
+        return None
+    setup, first, step, _ = step1_estimate(job, earlier)
+    warm = getattr(job, "warmup_steps", 1)
+    full = (setup + (first + (warm - 1) * step if warm else 0.0) + getattr(job, "steps", STEP1_MIN_STEPS) * step
+            + STEP1_RESERVE_S)
+    return max(share, min(full, STEP1_MOST * sum(plan(budget_min).values())))
 
 
 def fit_count(left_s: float | None, wanted: int, each_s: float, fixed_s: float = 0.0, least: int = 1) -> int:
@@ -222,13 +245,13 @@ def step1_refusal(job, keys: list[str], earlier: dict | None = None) -> str:
     budget = getattr(job, "budget_min", 0.0) or 0.0
     if not budget or "baseline" not in keys:
         return ""
-    share = plan(budget)["baseline"]
+    share = step1_share_s(job, earlier)
     need, how = step1_minimum_s(job, earlier)
     if share >= need:
         return ""
     others = [k for k in keys if k != "baseline"] or [k for k in WEIGHTS if k != "baseline"]
-    return (f"--budget {budget:g} min gives step 1 {share:.1f} s (its share, {WEIGHTS['baseline']}/"
-            f"{sum(WEIGHTS.values())} of the budget less {len(WEIGHTS)} x {STEP_OVERHEAD_S:.0f} s of notebooks), but "
+    return (f"--budget {budget:g} min gives step 1 {share:.1f} s (its share by the rule in README 'Cost': at most "
+            f"{STEP1_MOST:.0%} of what {len(WEIGHTS)} x {STEP_OVERHEAD_S:.0f} s of notebooks leave), but "
             f"step 1 needs at least about {need:.0f} s ({how}). "
             f"Give --budget {budget_for('baseline', need):g} or more, or leave step 1 out: --steps {','.join(others)}")
 

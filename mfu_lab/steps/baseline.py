@@ -191,7 +191,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     return _finish(job, result, t_start, write)
 
 
-BUDGET_RESERVE_S = 1.0  # step 1's work after its timed steps (the peak's re-check, the figures, the write)
+BUDGET_RESERVE_S = budget.STEP1_RESERVE_S
 
 
 def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tuple[Timings, budget.Clock]:
@@ -199,10 +199,11 @@ def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tup
     the warm-up first (fewer steps, at least one, when the estimate says the share needs it), then as many of the
     job's timed steps as the rest of step 1's share holds at the last warm-up step's time (at least
     ``STEP1_MIN_STEPS``), each cut said and recorded; the two runs' series are joined, warm-up first."""
-    clock = budget.Clock(budget.share_s(job.budget_min, INFO.key), started=t_start)
+    earlier = store.earlier(job, INFO.key).data or None
+    clock = budget.Clock(budget.step1_share_s(job, earlier), started=t_start)
     if clock.planned_s is None:
         return run_steps(train_step, loader, device, job.warmup_steps, job.steps, p.items("baseline steps")), clock
-    _, first, step_s, _ = budget.step1_estimate(job, (store.earlier(job, INFO.key).data or None))
+    _, first, step_s, _ = budget.step1_estimate(job, earlier)
     fewest = min(budget.STEP1_MIN_STEPS, job.steps)
     warm = job.warmup_steps
     while warm > 1 and first + (warm - 1 + fewest) * step_s > clock.left_s() - BUDGET_RESERVE_S:
