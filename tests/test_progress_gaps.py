@@ -129,11 +129,11 @@ def test_a_budget_too_small_for_step_1_is_refused_up_front_with_the_estimate(tmp
 def test_step_1_under_a_budget_times_fewer_steps_and_says_what_it_cut(tiny_job, monkeypatch, minutes, warm, timed,
                                                                       over):
     """Every training step takes 2 s of a fake clock and the estimate says so. The job's full step 1 needs 47 s
-    (3 warm-up and 20 timed steps, 1 s after them), more than its share of a 20-minute budget (28.9 s, 16/622 of what
-    the seven notebooks' 77 s leave), so it takes the 47 s (under a quarter of the steps' work) and times all 20. A 3-minute
-    budget gives it a quarter of 103 s, 25.8 s: the 3 warm-up steps (6 s) and 9 timed ones (18 s, 1 s kept for the
-    re-check). A 1.5-minute one gives 3.3 s: one warm-up step, then the fewest timed steps step 1 takes (3), said to
-    run past the share."""
+    (3 warm-up and 20 timed steps, 1 s after them), more than its share of a 20-minute budget (28.9 s, 16/622 of
+    what the seven notebooks' 77 s leave), so it takes the 47 s (under a quarter of the steps' work) and times all
+    20. A 3-minute budget gives it a quarter of 103 s, 25.8 s: the 3 warm-up steps (6 s) and 9 timed ones (18 s,
+    1 s kept for the re-check). A 1.5-minute one gives 3.3 s: one warm-up step, then the fewest timed steps step 1
+    takes (3), said to run past the share."""
     from mfu_lab.core import measure
     from mfu_lab.steps import baseline
 
