@@ -214,3 +214,30 @@ def test_step3_lists_a_budget_cut_once(tmp_path: Path):
     cut = [s for s in r.skipped if s["what"] == "per-rank profile"]
     assert len(cut) == 1 and cut[0]["reason"].startswith("budget: ")
     assert r.ddp["status"] == "skipped" and r.ddp["reason"] == cut[0]["reason"]
+
+
+@pytest.mark.parametrize("planned", [None, 0.0])
+def test_step2_attention_final_round_takes_half_of_the_share_left(planned):
+    """Without a budget every finalist runs the job's steps; with one, the final round fits half of what is left
+    (the other half is the DDP race's): the leader and the job's own attention only, fewer steps, at least
+    FINAL_LEAST, each cut said."""
+    from mfu_lab.core import device as dev
+    from mfu_lab.core.progress import Progress
+    from mfu_lab.steps import attention_race
+
+    job = _job(steps=12, warmup_steps=1, race_steps=2)
+    device = dev.resolve_device("cpu")
+    clock = Clock(planned)
+    lines: list[str] = []
+    rows, log = attention_race.attention_section(job, device, device.torch_device, 1e9, 1e11,
+                                                 Progress(lines.append, bar=False), clock)
+    final = log.rounds[-1]
+    ran = [r for r in rows if r.status == "ok"]
+    if planned is None:
+        assert final.steps == 12 and not clock.shortened
+        return
+    assert final.steps == attention_race.FINAL_LEAST and len(ran) <= 2
+    cut = {s["what"]: s["reason"] for s in clock.shortened}
+    assert "half of step 2's" in cut["attention final steps"] and f"{attention_race.FINAL_LEAST} of the job's 12" in \
+        cut["attention final steps"]
+    assert any(f": {attention_race.FINAL_LEAST} steps" in ln for ln in lines)

@@ -13,10 +13,12 @@ from typing import Any
 from mfu_lab.analysis import attention as att
 from mfu_lab.analysis import racing
 from mfu_lab.core import flops as fl
+from mfu_lab.core.budget import fit_count
 from mfu_lab.core.measure import run_steps, stats
 from mfu_lab.core.meta_shape import shaped
 from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
 
+FINAL_LEAST = 5  # timed steps of each final-round run under a budget, at least: a median and a spread to compare
 JOB_IMPL = {"sdpa": "sdpa (torch's choice)", "unfused": "unfused"}  # the job's attention among the candidates
 IMPOSSIBLE_SHARE = ("attention share above 100%: n_layers x the standalone timing exceeds the whole step, so the "
                     "standalone timing does not represent the kernel's cost inside the step; not used for any "
@@ -92,6 +94,7 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
     log = racing.RaceLog("exhaustive" if job.thorough else "racing", refs)
     walls: dict[str, list[float]] = {}
     final = [r.name for r in ok]
+    steps = job.steps  # of each final-round run: fewer when the budget's half for attention cannot hold them
     if not job.thorough and len(ok) > 2:
         t0 = time.perf_counter()
         first = progress.eta("attention first round", len(ok))
@@ -101,13 +104,22 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
             screen[r.name] = train(r.name, job.race_steps)
         first.finish()
         final, dropped = racing.survivors(screen, refs)
-        grow = (job.warmup_steps + job.steps) / (job.warmup_steps + job.race_steps)
-        per = (time.perf_counter() - t0) / len(ok) * grow
-        if not clock.fits(per * len(final)):
+        each = (time.perf_counter() - t0) / len(ok) / (job.warmup_steps + job.race_steps)  # one step, measured
+        half = None if clock.left_s() is None else clock.left_s() / 2  # the other half: the data-parallel race
+        if half is not None and each * (job.warmup_steps + job.steps) * len(final) > half:
             cut = [k for k in final[1:] if k not in refs]
             final = [k for k in final if k not in cut]
             dropped |= {k: "budget: the final round measures the leader and the job's attention only" for k in cut}
-            clock.shorten("attention final round", f"{', '.join(cut)} not measured for the full {job.steps} steps")
+            if cut:
+                clock.shorten("attention final round", f"{', '.join(cut)} not measured for the full {job.steps} "
+                              f"steps (half of step 2's {2 * half:.0f} s left; the other half is the DDP race's)")
+        if half is not None:
+            steps = fit_count(half, job.steps, each * len(final), fixed_s=each * job.warmup_steps * len(final),
+                              least=min(job.steps, FINAL_LEAST))
+            if steps < job.steps:
+                clock.shorten("attention final steps", f"{steps} of the job's {job.steps} for each of "
+                              f"{', '.join(final)}: half of step 2's {2 * half:.0f} s left, at {each:.2f} s a step "
+                              "(measured in the first round); the other half is the DDP race's")
         log.rounds.append(racing.log_round(1, job.race_steps, screen, final, dropped, time.perf_counter() - t0))
         for r in ok:
             if r.name in dropped:
@@ -116,10 +128,10 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
     t0 = time.perf_counter()
     full = progress.eta("attention final round", len(final))
     for i, name in enumerate(final, 1):
-        progress(f"attention [{i}/{len(final)}] {name}: {job.steps} steps" + full.tag(i - 1))
-        walls[name] = train(name, job.steps, full=True)
+        progress(f"attention [{i}/{len(final)}] {name}: {steps} steps" + full.tag(i - 1))
+        walls[name] = train(name, steps, full=True)
     full.finish()
-    log.rounds.append(racing.log_round(len(log.rounds) + 1, job.steps, {k: walls[k] for k in final}, final, {},
+    log.rounds.append(racing.log_round(len(log.rounds) + 1, steps, {k: walls[k] for k in final}, final, {},
                                        time.perf_counter() - t0))
     for r in rows:
         if r.name in walls:
