@@ -129,7 +129,19 @@ def test_policies_the_budget_left_out_are_not_called_failures(ran, tmp_path):
     assert r.choice["policy"] is None
     text = r.choice["text"]
     assert "no FP8 policy was trained" in text and "the budget ran out first" in text
-    assert all(t.name in text for t in cut) and "kept the loss" not in text
+    assert all(t.name in text for t in cut if t.groups) and "kept the loss" not in text
+    # decided up front: not even the reference trains, and the ladder trains float32's curve only for a rung
+    assert [s["what"] for s in r.budget["shortened"]].count("FP8 policy trials") == 1
+    assert all(t.status == "skipped" for t in r.trials)
+    rungs = r.precision["rungs"]
+    if all(g["status"] in fp8.NOT_RUN for g in rungs[1:]):  # no lower precision timed here (no native bf16)
+        assert not rungs[0]["loss"] and "loss curve not trained" in rungs[0]["loss_skipped"]
+    assert r.metrics["reference_final_loss"].value is None and "budget" in r.metrics["reference_final_loss"].note
+    from mfu_lab import explore, plots
+    fig = plots.fp8_losses(r)  # the notebook's plot says why there is no curve
+    assert "No loss curves" in fig.axes[0].texts[0].get_text()
+    fp8.advise(r)
+    explore.draw_fp8(r, [])
 
 
 def test_emulated_figures_are_labelled_and_no_speed_is_claimed(ran):

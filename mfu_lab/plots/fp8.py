@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 
 import matplotlib.ticker
 
@@ -35,9 +36,17 @@ def fp8_sensitivity(result) -> ReportFigure:
 
 def fp8_losses(result) -> ReportFigure:
     """Loss curves of every policy over the same steps; a cross where the divergence watch stopped one."""
+    ref = next((t for t in result.trials if t.status == "reference" and t.loss), None)
+    if ref is None:  # no policy trained (a budget with no room for the reference): say why instead of a curve
+        fig = ReportFigure(figsize=(11, 1.6))
+        ax = fig.subplots()
+        ax.axis("off")
+        why = next((t.reason for t in result.trials if not t.groups and t.reason), "no policy was trained")
+        ax.text(0.01, 0.5, "No loss curves: the reference was not trained (" + textwrap.shorten(why, 220) + ")",
+                va="center", fontsize=9, wrap=True)
+        return fig
     fig = ReportFigure(figsize=(11, 4.2))
     ax, ax2 = fig.subplots(1, 2)
-    ref = next(t for t in result.trials if t.status == "reference")
     for t in result.trials:
         if not t.loss:  # not run (a race that had its answer): named in the table, not drawn
             continue

@@ -39,7 +39,7 @@ from mfu_lab.core import device as dev
 from mfu_lab.core import flops as fl
 from mfu_lab.core import store
 from mfu_lab.core.advice import Advice
-from mfu_lab.core.budget import Clock
+from mfu_lab.core.budget import Clock, job_step_s
 from mfu_lab.core.data import same_batches
 from mfu_lab.core.errors import JobError, JobProblem
 from mfu_lab.core.faults import guarded
@@ -197,10 +197,12 @@ def _ladder_reference(job: Job, precision: dict[str, Any]) -> tuple[list[float],
     return list(r["loss"]), list(r["grad_norm"]), r.get("loss_s") or 0.0
 
 
-def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: list[dict[str, str]]) -> dict[str, Any]:
-    """The precision ladder; an error outside any one rung is recorded, and the FP8 part still runs."""
+def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: list[dict[str, str]],
+               no_fp8: str = "") -> dict[str, Any]:
+    """The precision ladder; an error outside any one rung is recorded, and the FP8 part still runs. ``no_fp8``:
+    why no FP8 trial runs (the budget), so float32's curve is trained only if a rung needs it."""
     try:
-        out = ladder(job, batches, device, say)
+        out = ladder(job, batches, device, say, no_fp8)
     except Exception as err:  # noqa: BLE001 - the FP8 part does not depend on the ladder
         why = f"{type(err).__name__}: {err}"[:400]
         skipped.append({"what": "precision ladder", "reason": why})
@@ -214,6 +216,20 @@ def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: li
             skipped.append({"what": f"precision {r['name']}", "reason": f"{r['status']}: {r['reason']}"
                             if r["status"] == pr.CANNOT_BE_FASTER else r["reason"]})
     return out
+
+
+def _fp8_budget(job: Job, clock: Clock) -> str:
+    """Why no FP8 policy can be trained within step 5's share ('' when one can, or without a budget): the float32
+    reference and one policy need 2 x ``fp8_steps`` training steps at step 1's step time at least (an emulated FP8
+    step takes longer still). Said once in the budget's cuts; the policies each carry it."""
+    step_s, where = job_step_s(store.earlier(job, "baseline").data)
+    need = 2 * job.fp8_steps * step_s
+    if clock.fits(need):
+        return ""
+    why = (f"{max(clock.left_s(), 0.0):.0f} s of step 5's {clock.planned_s:.0f} s share left, less than the float32 "
+           f"reference and one policy ({2 * job.fp8_steps} steps, about {need:.0f} s: {where})")
+    clock.shorten("FP8 policy trials", why)
+    return why
 
 
 def advise(r: Fp8Result) -> list[Advice]:
@@ -244,7 +260,8 @@ def advise(r: Fp8Result) -> list[Advice]:
                           "scaler is not optional, even where a short loss curve does not show it yet",
                           f"{lost.grad_underflow:.1%} of its output gradients underflow e5m2; gradient SNR "
                           f"{min(lost.grad_input_snr_db, lost.grad_weight_snr_db):.1f} dB (emulated)"))
-    if r.trials and max(r.trials[0].loss) - min(r.trials[0].loss) < 0.01 * abs(r.trials[0].loss[0]):
+    ref = r.trials[0].loss if r.trials else []
+    if ref and max(ref) - min(ref) < 0.01 * abs(ref[0]):
         out.append(Advice("look", "The reference loss barely moves over the trial window (random synthetic tokens "
                           "cannot be learned), so the loss curves are weak evidence: judge by the sensitivity "
                           "table too, and confirm on real data over a longer window",
@@ -286,7 +303,8 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     scaling = f8.RECIPES[job.fp8_recipe][0]  # the sensitivity column that matches the job's recipe
     most = min(sens[scaling], key=lambda g: g.worst_snr_db).group
     del model
-    precision = _precision(job, batches, device, say, skipped)
+    no_fp8 = _fp8_budget(job, clock)
+    precision = _precision(job, batches, device, say, skipped, no_fp8)
 
     trials: list[PolicyTrial] = []
     reference: list[float] | None = None
@@ -301,6 +319,10 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
             trials.append(PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "skipped",
                                       f"not run: a policy with {passed:.0%} of the linear FLOPs in FP8 already kept "
                                       "the loss, and the choice is the broadest such policy (--thorough runs it)"))
+            continue
+        if no_fp8:  # not even the reference and one policy fit: none is trained, each said
+            trials.append(PolicyTrial(name, gs, recipe, sum(share[g] for g in gs), "skipped", "budget: " + no_fp8,
+                                      study=study))
             continue
         if trials and gs and not clock.fits(last_s):  # the reference always runs: the others compare with it
             why = (f"{clock.left_s():.0f} s of the step's {clock.planned_s:.0f} s left, less than one trial "
@@ -386,8 +408,9 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
         "worst_group_snr_db": Metric(min(g.worst_snr_db for g in sens[scaling]), "dB", label,
                                      f"the most sensitive group ({most}), {scaling} scaling, worst of output, "
                                      "input-gradient and weight-gradient SNR against float32"),
-        "reference_final_loss": Metric(ref_t.loss[-1], "nats", "measured", f"the reference precision "
-                                       f"({job.dtype}), step {len(ref_t.loss)}"),
+        "reference_final_loss": Metric(ref_t.loss[-1] if ref_t.loss else None, "nats", "measured",
+                                       f"the reference precision ({job.dtype}), step {len(ref_t.loss)}" if ref_t.loss
+                                       else "not trained: " + ref_t.reason),
         "chosen_final_gap": Metric(best.final_gap if best else None, "fraction", label,
                                    "chosen policy's last-window mean loss / the reference's - 1"),
         "no_scaling_grad_underflow": Metric(max(g.grad_underflow for g in sens["none"]), "fraction", label,

@@ -281,8 +281,10 @@ def _speed(job: Job, rungs: list[Rung], batches, device: torch.device, say) -> l
     return [[i, name] for i, name in run.order]
 
 
-def ladder(job: Job, batches: list, device: dev.DeviceInfo, say) -> dict[str, Any]:
-    """The precision ladder on this device: every rung's figures, the interleave order and the choice."""
+def ladder(job: Job, batches: list, device: dev.DeviceInfo, say, reference: str = "") -> dict[str, Any]:
+    """The precision ladder on this device: every rung's figures, the interleave order and the choice.
+    ``reference``: why no one needs float32's loss curve beyond the ladder (step 5's budget holds no FP8 trial);
+    then, when no other rung is timed, that curve is not trained either ("" trains it)."""
     torch_device = device.torch_device
     rungs = plan(job)
     for r in rungs:
@@ -308,12 +310,16 @@ def ladder(job: Job, batches: list, device: dev.DeviceInfo, say) -> dict[str, An
             order = _speed(job, rungs, batches, torch_device, say) if timed else []
             check = [r for r in rungs if r is rungs[0] or r.status not in NOT_RUN and (
                 r.speedup_low is None or r.speedup_low > 1.0)]
+            if reference and check == [rungs[0]]:  # nothing to compare with it, and no FP8 trial to reuse it
+                rungs[0].loss_skipped, check = f"loss curve not trained: {reference}", []
             for r in rungs:
                 if r not in check and r.status not in NOT_RUN:
                     r.loss_skipped = ("loss curve not trained: not proven faster than float32, so it cannot be "
                                       "adopted (--thorough trains it)")
-            say(f"precision ladder: loss curves over {job.fp8_steps} steps for {', '.join(r.name for r in check)}")
-            _loss_check(job, check, batches[:job.fp8_steps], torch_device, say)
+            if check:
+                say(f"precision ladder: loss curves over {job.fp8_steps} steps for "
+                    f"{', '.join(r.name for r in check)}")
+                _loss_check(job, check, batches[:job.fp8_steps], torch_device, say)
     finally:
         torch.set_float32_matmul_precision(job.matmul_precision)
     choice = choose(job, rungs, settle(job, rungs, native))
