@@ -191,7 +191,6 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     return _finish(job, result, t_start, write)
 
 
-BUDGET_RESERVE_S = budget.STEP1_RESERVE_S
 
 
 def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tuple[Timings, budget.Clock]:
@@ -206,7 +205,7 @@ def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tup
     _, first, step_s, _ = budget.step1_estimate(job, earlier)
     fewest = min(budget.STEP1_MIN_STEPS, job.steps)
     warm = job.warmup_steps
-    while warm > 1 and first + (warm - 1 + fewest) * step_s > clock.left_s() - BUDGET_RESERVE_S:
+    while warm > 1 and first + (warm - 1 + fewest) * step_s > clock.left_s() - budget.STEP1_RESERVE_S:
         warm -= 1
     if warm < job.warmup_steps:
         clock.shorten("warm-up steps", f"{warm} of the job's {job.warmup_steps}, so that {fewest} timed steps fit "
@@ -215,7 +214,7 @@ def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tup
     w = run_steps(train_step, it, device, 0, warm, p.items("baseline warm-up")) if warm else None
     if w is not None:
         step_s = w.wall_s[-1]  # the last warm-up step: the nearest to a timed one (pessimistic after one)
-    fit = int(max(0.0, clock.left_s() - BUDGET_RESERVE_S) // max(step_s, 1e-9))
+    fit = int(max(0.0, clock.left_s() - budget.STEP1_RESERVE_S) // max(step_s, 1e-9))
     n = max(fewest, min(job.steps, fit))
     if n < job.steps:
         over = "" if fit >= fewest else (f"; even {fewest}, the fewest step 1 times, run about "
