@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from mfu_lab.workers.comm_configs import is_fsdp
 from mfu_lab.workers.launch import config_key, config_name, run_sweep, sweep_configs
 
 pytestmark = pytest.mark.e2e
@@ -150,10 +151,15 @@ def _race(job, tmp_path, fault=None):
                               reference=("none", 25.0, False), clock=Clock(None), fault=fault)
 
 
+# DDP's default with 30 ms of communication exposed in each synced step (a test fault): the bound
+# (racing.exposure_bound) cannot rule the others out, so these tests see the race whatever the machine's gloo does
+EXPOSED = {"kind": "slow", "name": "none/25MB/copy", "where": "sync", "ms": 30}
+
+
 def test_a_race_screens_and_measures_its_finalists_in_one_launch(tiny_job, tmp_path):
     """Issue 20, one start-up per kind of worker: the worker picks the finalists itself, by the launcher's rule."""
     job = small(tiny_job, comm_hooks=["none", "allreduce", "fp16_compress"], comm_bucket_mb=[1, 25])
-    sweep, log, configs = _race(job, tmp_path)
+    sweep, log, configs = _race(job, tmp_path, fault=EXPOSED)
     assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
     screened, final = log.rounds
     # the factor screen: the job's own none/25MB, the two other hooks at 25 MB, none at 1 MB (not their product, 6)
@@ -173,7 +179,8 @@ def test_a_crash_in_the_final_round_is_recorded_and_the_other_finalists_still_me
     job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25], ddp_hook="allreduce",
                 ddp_bucket_mb=1.0, comm_screen="product")
     n = 4  # screened configurations: the finalists' indices count on from here
-    sweep, log, configs = _race(job, tmp_path, fault={"config": n, "rank": 1, "kind": "crash"})
+    slow = [dict(EXPOSED, name=ref) for ref in ("none/25MB/copy", "allreduce/1MB/copy")]  # the leader: not a reference
+    sweep, log, configs = _race(job, tmp_path, fault=[{"config": n, "rank": 1, "kind": "crash"}, *slow])
     assert len(configs) == n
     first, *others = log.rounds[0].kept
     assert others and {"none/25MB/copy", "allreduce/1MB/copy"} <= set(log.rounds[0].kept)
@@ -189,11 +196,42 @@ def test_a_race_confirms_its_pick_in_the_same_launch(tiny_job, tmp_path):
     """Screen, final round and confirmation: one start-up. DDP's default is made 40 ms slower per step (a test
     fault), so the race's pick clears it and is measured again beside it, alternating, in that launch."""
     job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25])
-    sweep, log, configs = _race(job, tmp_path, fault={"kind": "slow", "name": "none/25MB/copy", "ms": 40})
+    sweep, log, configs = _race(job, tmp_path, fault=dict(EXPOSED, ms=40))
     assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
     assert sweep.confirm["reference"] == "none/25MB/copy" and sweep.confirm["done"]
     ref, pick = "none/25MB/copy", sweep.confirm["candidate"]
     assert [config_name(ev["config"]) for ev in sweep.turns] == [ref, pick, pick, ref, ref, pick]  # ABBA
+
+
+def test_when_the_references_communication_is_hidden_no_ddp_configuration_is_screened(tiny_job, tmp_path):
+    """The bound (racing.exposure_bound): DDP's default steps no faster without communication (its no_sync steps
+    sleep 30 ms more, a test fault), so no bucket size, hook or view can be picked over it: none is screened, the
+    FSDP2 candidates (which also shard the optimizer's work) still are, and one launch does it all."""
+    job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25], comm_fsdp_reshard=[True],
+                comm_fsdp_prefetch=[0], comm_fsdp_reduce_dtype=["float32"])
+    sweep, log, configs = _race(job, tmp_path, fault=dict(EXPOSED, where="no_sync"))
+    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
+    ddp = [config_name(c) for c in configs if not is_fsdp(c)]
+    fsdp = [config_name(c) for c in configs if is_fsdp(c)]
+    assert len(ddp) == 3 and len(fsdp) == 1
+    first = log.rounds[0]
+    for other in ddp[1:]:  # not the reference: ruled out untimed, with the figures that rule it out
+        why = first.dropped[other]
+        assert why.startswith("cannot be faster here") and "no_sync" in why and first.medians[other] is None
+        assert sweep.outcomes[config_key(next(c for c in configs if config_name(c) == other))]["event"] == "dropped"
+    assert first.medians["none/25MB/copy"] is not None and first.medians[fsdp[0]] is not None
+    ref = sweep.outcomes[config_key(configs[0])]
+    assert ref["event"] == "done" and len(ref["no_sync_wall_s"]) == job.comm_steps  # in full, first
+    assert "2 DDP configuration(s) not screened: cannot be faster here" in log.text()
+
+
+def test_the_exposure_bound_is_the_formula_on_the_medians():
+    from mfu_lab.analysis.racing import exposure_bound
+
+    assert exposure_bound("ref", [1.00, 1.02, 1.04], [0.99, 1.00, 1.01]) != ""  # 2% exposed: inside the 3% band
+    assert exposure_bound("ref", [1.00, 1.02, 1.04], [0.97, 0.98, 0.99]) == ""  # (1.02 - 0.98) / 1.02 = 3.9%
+    assert "+2.0%" in exposure_bound("ref", [1.00, 1.02, 1.04], [0.99, 1.00, 1.01])  # (1.02 - 1.00) / 1.02
+    assert exposure_bound("ref", [1.0], []) == ""  # nothing measured without communication: no bound
 
 
 @pytest.mark.parametrize("finished", [True, False])

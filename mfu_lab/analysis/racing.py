@@ -28,6 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from mfu_lab.core.measure import stats
 from mfu_lab.core.sidebyside import bootstrap_speedup
 from mfu_lab.core.thresholds import RACE_KEEP_SHARE, RACE_MAX_FINALISTS, RACE_NOISE_FLOOR
 
@@ -114,10 +115,12 @@ class RaceLog:
         if not self.rounds:
             return "racing: nothing to race" + tail
         first = self.rounds[0]
-        out = (f"racing: {len(first.medians)} candidates screened for {first.steps} steps each, "
+        timed = [k for k, v in first.medians.items() if v is not None]
+        dropped = [k for k in first.dropped if k in timed]  # the others were ruled out untimed, said in the note
+        out = (f"racing: {len(timed)} candidates screened for {first.steps} steps each, "
                f"{len(first.kept)} went on to the final round ({', '.join(first.kept)})")
-        if first.dropped:
-            out += f"; {len(first.dropped)} dropped after round 1"
+        if dropped:
+            out += f"; {len(dropped)} dropped after round 1"
         return out + tail
 
     def to_plot(self) -> dict[str, Any]:
@@ -171,6 +174,28 @@ def beyond_noise(figures: dict, reference) -> Any:
     if reference is None or reference not in figures:
         return fastest
     return fastest if fastest != reference and figures[fastest][2] < figures[reference][1] else reference
+
+
+def exposure_bound(reference: str, sync_s: list[float], no_sync_s: list[float],
+                   floor: float = RACE_NOISE_FLOOR) -> str:
+    """Why no DDP configuration can beat ``reference`` ('' when one might): the bound of a sweep a probe rules out.
+
+    A bucket size, a communication hook or a bucket view changes how the gradients travel, not the model's
+    compute, so no DDP configuration takes a step below the same step with no communication at all (``no_sync``).
+    When the reference's exposed communication, (median step - median no_sync step) / median step, is at most
+    ``floor`` (the race's noise band), the most any of them could give back lies inside the noise, and none is
+    screened. FSDP2 candidates shard the optimizer's work as well, so this bound does not hold for them."""
+    if not sync_s or not no_sync_s:
+        return ""
+    s, n = stats(sync_s), stats(no_sync_s)
+    exposed = (s.median - n.median) / s.median
+    if exposed > floor:
+        return ""
+    return (f"cannot be faster here: {reference} steps at {s.median * 1e3:.1f} ms (p10-p90 {s.p10 * 1e3:.1f}-"
+            f"{s.p90 * 1e3:.1f}), and the same steps with no communication at all (no_sync) at {n.median * 1e3:.1f} "
+            f"ms ({n.p10 * 1e3:.1f}-{n.p90 * 1e3:.1f}): communication exposes {exposed:+.1%} of the step, within the "
+            f"race's {floor:.0%} noise band, and no bucket size, hook or bucket view takes a step below no "
+            "communication (measured; not screened; --thorough measures every configuration)")
 
 
 def finalists(samples: dict[str, list[float]], references: list[str], spent_s: float, full_factor: float,

@@ -5,6 +5,10 @@ same launch: the worker picks them by :func:`mfu_lab.analysis.racing.finalists`,
 (after a crash or hang, the relaunch screens what is left and the finalists get a launch of their own).
 ``thorough`` measures every configuration in full in one launch.
 
+The references go first, in full, and DDP's default bounds the rest: when its steps with no communication at all
+(no_sync) are within the race's noise band of its steps with it, no bucket size, hook or bucket view can be picked
+over it (:func:`mfu_lab.analysis.racing.exposure_bound`), and only the FSDP2 candidates are screened.
+
 Configurations the backend is known to refuse (:func:`mfu_lab.workers.launch.known_refusal`) are recorded as
 unsupported without a launch, in both modes. In both modes, a configuration the step would pick over DDP's default
 is then confirmed (:func:`confirm_pick`): the two alternate, in the sweep's own launch when the worker made the
@@ -129,11 +133,17 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     runnable, unscreened = screen_fit(job, runnable, refs, clock)
     t0 = time.perf_counter()
     sweep = run_sweep(job, device_type, attention, work, on_event, configs=runnable, screen=job.race_steps,
-                      race={"references": refs, "deadline": deadline}, confirm=confirm, fault=fault)
-    samples = {name(c): (sweep.screened.get(config_key(c)) or {}).get("wall_s") or [] for c in runnable}
+                      race={"references": refs, "deadline": deadline, "bound": ref_name}, confirm=confirm,
+                      fault=fault)
+    first = {k: sweep.outcomes.get(k) if name(c) in refs else sweep.screened.get(k)  # references: in full, first
+             for c in runnable for k in [config_key(c)]}
+    samples = {name(c): (first[config_key(c)] or {}).get("wall_s") or [] for c in runnable}
     decided = {r.get("number"): r for r in sweep.rounds}
     if 1 in decided:  # the worker raced inside its launch: its decision, by the same rule
         kept, dropped, cut, spent = decided[1]["kept"], decided[1]["dropped"], decided[1]["cut"], decided[1]["seconds"]
+        if decided[1].get("bound"):
+            ruled = sum(why == decided[1]["bound"] for why in dropped.values())
+            log.note = f"{ruled} DDP configuration(s) not screened: {decided[1]['bound']}"
     else:  # a relaunch screened the rest: decide here
         spent = time.perf_counter() - t0
         kept, dropped, cut = racing.finalists(samples, refs, spent, full_factor(job), clock.left_s())

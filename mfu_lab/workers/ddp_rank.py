@@ -297,7 +297,8 @@ def main() -> None:
     beat = step_beat(out, rank, where, {})  # the launcher's watchdog sees progress, at most once a second
 
     # tests only, one fault or a list: {"config": index, "rank": r, "kind": "crash" | "hang"}, or {"kind": "slow",
-    # "name": config name, "ms": m}: every step of that configuration sleeps m ms first (one the tests know is slower)
+    # "name": config name, "ms": m, "where": "both" (default) | "sync" | "no_sync"}: every such step of that
+    # configuration sleeps m ms first (one the tests know is slower, or whose communication they know is exposed)
     faults = spec.get("fault") or []
     faults = faults if isinstance(faults, list) else [faults]
 
@@ -327,9 +328,10 @@ def main() -> None:
                 return None
             ts = build_train_step(job, ddp, device.type)
         w = ddp_warmup(warm, hook_of(cfg))  # never the bucket rebuild nor PowerSGD's uncompressed steps
-        for fault in faults:
-            if fault.get("kind") == "slow" and fault["name"] == config_name(cfg):
-                ts = slowed(ts, fault["ms"] / 1e3)
+        slow = {f.get("where", "both"): f["ms"] / 1e3 for f in faults  # where: both | sync | no_sync steps
+                if f.get("kind") == "slow" and f["name"] == config_name(cfg)}
+        plain = ts = slowed(ts, slow["both"]) if "both" in slow else ts  # the step no_sync runs
+        ts = slowed(ts, slow["sync"]) if "sync" in slow else ts
         if screen:  # a race's first round or a confirmation's turn: the timed steps alone (analysis.racing)
             t = run_steps(ts, loader(w + screen), device, w, screen, beat)
             ev = {"event": "done", "config": cfg, "screen": True, "wall_s": t.measured("wall_s"),
@@ -350,9 +352,11 @@ def main() -> None:
                 prof, device.type), device)
             diff = None if is_fsdp(cfg) else in_sync(ddp.module, device)  # FSDP2 holds one copy, sharded
 
-            def local_step(x, y, ddp=ddp, ts=ts):  # bound now: the loop rebinds both names
+            def local_step(x, y, ddp=ddp, ts=plain):  # bound now: the loop rebinds both names
                 with ddp.no_sync():  # the same step with gradients kept local: no communication at all
                     return ts(x, y)
+
+            local_step = slowed(local_step, slow["no_sync"]) if "no_sync" in slow else local_step
 
             # Side by side with the timed steps above, after the sync check (local updates diverge the ranks); warmed
             # up like them: a fresh loader's first steps start its workers and pin-memory thread (issue 33, item 8)
@@ -373,19 +377,31 @@ def main() -> None:
 
     configs, screen = spec["configs"], spec.get("screen") or 0
     by_name = {config_name(cfg): cfg for cfg in configs}
+    race = spec.get("race") if screen else None
     t_screen = time.perf_counter()
-    first = {config_name(cfg): measure(index, cfg, screen) for index, cfg in enumerate(configs)}
-    full, index = ({} if screen else first), len(configs)
-    race = spec.get("race")
-    if race and screen:  # the race's final round in this launch
+    full, bound = {}, ""  # a race measures its references in full first: it keeps them whatever their times
+    refs = [i for i, cfg in enumerate(configs) if race and config_name(cfg) in race["references"]]
+    for i in refs:
+        full[config_name(configs[i])] = measure(i, configs[i], 0)
+    if race and full.get(race.get("bound")):  # DDP's default: what the step's pick must beat beyond the noise
+        ev = full[race["bound"]]
+        bound = decide(lambda: racing.exposure_bound(race["bound"], ev["wall_s"], ev["no_sync_wall_s"]))
+    ruled = {name: bound for name, cfg in by_name.items() if bound and name not in full and not is_fsdp(cfg)}
+    first = {config_name(cfg): measure(i, cfg, screen) for i, cfg in enumerate(configs)
+             if i not in refs and config_name(cfg) not in ruled}
+    full, index = (full if screen else first), len(configs)
+    if race:  # the race's final round in this launch
         spent = time.perf_counter() - t_screen
         left = None if race.get("deadline") is None else race["deadline"] - time.time()
-        kept, dropped, cut = decide(lambda: racing.finalists({k: ev["wall_s"] for k, ev in first.items() if ev},
-                                                             race["references"], spent, full_factor(job), left))
-        emit(out, {"event": "round", "number": 1, "kept": kept, "dropped": dropped, "cut": cut, "seconds": spent})
+        samples = {k: ev["wall_s"] for k, ev in (first | full).items() if ev}
+        kept, dropped, cut = decide(lambda: racing.finalists(samples, race["references"], spent, full_factor(job),
+                                                             left))
+        emit(out, {"event": "round", "number": 1, "kept": kept, "dropped": dropped | ruled, "cut": cut,
+                   "seconds": spent, "bound": bound})
         t_final = time.perf_counter()
         for name in kept:
-            full[name], index = measure(index, by_name[name], 0), index + 1
+            if name not in full:
+                full[name], index = measure(index, by_name[name], 0), index + 1
         emit(out, {"event": "round", "number": 2, "kept": kept, "dropped": {}, "cut": [],
                    "seconds": time.perf_counter() - t_final})
     confirm = spec.get("confirm")
