@@ -157,6 +157,11 @@ def test_every_step_that_measured_on_a_shared_machine_says_so_in_its_headline():
         line = shared_line(d)
         assert line.startswith("The machine was shared while this step measured") and "1.57 of 2 cores" in line
     assert shared_line({"unprofiled": {"contention": quiet}, "profiled": {"contention": None}}) == ""
+    # shared by the peak's re-check alone, no process here busy: the headline says the re-check, not just the cores
+    slow = dict(quiet, shared=True, other_cores=0.01, rechecks=["the matmul rate re-checked before the steps was "
+                                                                "90% of the cached peak"])
+    assert "0.01 of 2 cores busy" in shared_line({"timings": {"contention": slow}})
+    assert "90% of the cached peak" in shared_line({"timings": {"contention": slow}})
     assert shared_line({"metrics": {}}) == ""
 
 

@@ -365,7 +365,7 @@ def shared_how(d: dict[str, Any]) -> list[str] | None:
         how.append(f"other processes computed on the GPU ({', '.join(map(str, c['gpu_processes'][:4]))})")
     if isinstance(c.get("load_1min"), int | float):
         how.append(f"load average {c['load_1min']:.2f}")
-    return how
+    return how + [str(r) for r in c.get("rechecks") or []]  # the matmul rate fell: the host's neighbours
 
 
 def shared_line(d: dict[str, Any]) -> str:
