@@ -119,7 +119,7 @@ def main() -> int:
     except (OSError, StopIteration):
         pass
     print(f"bench_cost: {args.job} on {cpu}; racing first, then --thorough (each a fresh mfu-lab run)")
-    extra = ["--budget", str(args.budget)] if args.budget else []
+    extra = ["--budget", str(args.budget)] if args.budget is not None else []  # else the job file's budget_min
     fast = run(args.job, out / "racing", extra)
     print(f"  racing: {fast['wall_s']:.0f} s (exit {fast['returncode']})", flush=True)
     unit = step_units(out / "racing" / name)
@@ -133,7 +133,7 @@ def main() -> int:
         (out / "bench_cost.json").write_text(json.dumps({"cpu": cpu, "racing": fast, "step_unit_s": unit},
                                                         indent=2))
         return 0
-    slow = run(args.job, out / "thorough", ["--thorough"])
+    slow = run(args.job, out / "thorough", ["--thorough", "--budget", "0"])  # every candidate, in full
     print(f"  thorough: {slow['wall_s']:.0f} s (exit {slow['returncode']})", flush=True)
     agree = agreement(out / "racing" / name, out / "thorough" / name)
     folders = list(dict.fromkeys([*fast["steps"], *slow["steps"]]))

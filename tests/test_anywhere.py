@@ -2,6 +2,7 @@
 own files are found from the package (the checkout it runs from, else the copy installed with it), and a real,
 non-editable install runs a step from a folder outside the checkout."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -66,7 +67,7 @@ def test_the_checkouts_jobs_keep_their_meaning_from_another_folder(tmp_path, mon
     assert load_job(TINY).output_root() == ROOT / "outputs" / "tiny"
     assert main(["validate", str(ROOT / "parameters" / "default.yaml")]) == 0
     monkeypatch.chdir(ROOT / "notebooks")  # inside the checkout: the paths stay as written
-    assert load_job(ROOT / "parameters" / "default.yaml") == Job()
+    assert load_job(ROOT / "parameters" / "default.yaml") == dataclasses.replace(Job(), budget_min=4.5)
 
 
 def test_the_default_job_from_another_folder(tmp_path, monkeypatch):
@@ -74,7 +75,8 @@ def test_the_default_job_from_another_folder(tmp_path, monkeypatch):
     assert Job().cluster_path() == CLUSTER  # not in the current folder: the workbook's own
     job, source = resolve_job(None, {}, None, writable=False)
     assert source == str(ROOT / "parameters" / "default.yaml")
-    assert job == Job() and job.output_root() == tmp_path / "outputs" / "default"  # as the embedded default job
+    assert job == dataclasses.replace(Job(), budget_min=4.5)  # the embedded default job, with the demo's budget
+    assert job.output_root() == tmp_path / "outputs" / "default"
 
 
 def test_a_command_line_path_is_not_taken_from_the_job_files_folder(tmp_path, monkeypatch):
