@@ -173,3 +173,37 @@ def test_budget_and_thorough_on_the_command_line_set_their_job_keys():
     assert cost_overrides(argparse.Namespace(budget=5.0, thorough=True), {}) == {"budget_min": 5.0, "thorough": True}
     with pytest.raises(JobError, match="--budget"):
         cost_overrides(argparse.Namespace(budget=-1.0, thorough=False), {})
+
+
+def test_configurations_the_budget_left_out_take_the_bounds_reason_when_the_worker_found_one(tmp_path, monkeypatch):
+    """The budget screens DDP's default alone; its launch then finds communication hidden (the worker's bound): the
+    DDP configurations left out say so with the measured reason, the FSDP2 ones keep the budget's, and the note
+    counts them."""
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
+                              comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False], comm_fsdp_reshard=[True],
+                              comm_fsdp_prefetch=[0],
+                              comm_fsdp_reduce_dtype=["float32"])
+    bound = "cannot be faster here: (figures)"
+
+    def fake_sweep(job, device_type, attention, work, progress=None, configs=None, screen=0, allreduce=True, **kw):
+        out = SweepOutcome({"world_size": 2}, [])
+        for c in configs:  # the references only: the budget kept nothing else
+            out.outcomes[config_key(c)] = {"event": "done", "config": c, "wall_s": [0.1, 0.1, 0.1],
+                                           "no_sync_wall_s": [0.1, 0.1, 0.1]}
+        out.rounds = [{"event": "round", "number": 1, "kept": [comm_race.name(c) for c in configs], "dropped": {},
+                       "cut": [], "seconds": 1.0, "bound": bound}]
+        return out
+
+    monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
+    monkeypatch.setattr(comm_race, "job_step_s", lambda data: (5.0, "a 5 s step (test)"))
+    seen = []
+    sweep, log, configs = comm_race.race_ddp(job, "cpu", None, tmp_path, seen.append, grad_bytes=1 << 10,
+                                             reference=("none", 25.0, False), clock=Clock(12.0))
+    left_out = {comm_race.name(c): sweep.outcomes[config_key(c)] for c in configs[1:]}
+    assert len(left_out) == 3 and all(ev["event"] == "skipped" for ev in left_out.values())
+    for name, ev in left_out.items():
+        if "fsdp" in name:
+            assert ev["error"].startswith("budget: not screened")
+        else:
+            assert ev["error"] == f"{bound}; the budget left it out as well"
+    assert log.note == f"2 DDP configuration(s) not screened: {bound}"

@@ -27,7 +27,7 @@ from mfu_lab.core.budget import Clock, fit_count, job_step_s
 from mfu_lab.core.job import Job
 from mfu_lab.core.layout import beyond_ddp
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
-from mfu_lab.workers.comm_configs import hook_of, screened_configs
+from mfu_lab.workers.comm_configs import hook_of, is_fsdp, screened_configs
 from mfu_lab.workers.ddp_rank import ddp_warmup
 from mfu_lab.workers.launch import (
     SweepOutcome,
@@ -141,9 +141,12 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
     decided = {r.get("number"): r for r in sweep.rounds}
     if 1 in decided:  # the worker raced inside its launch: its decision, by the same rule
         kept, dropped, cut, spent = decided[1]["kept"], decided[1]["dropped"], decided[1]["cut"], decided[1]["seconds"]
-        if decided[1].get("bound"):
-            ruled = sum(why == decided[1]["bound"] for why in dropped.values())
-            log.note = f"{ruled} DDP configuration(s) not screened: {decided[1]['bound']}"
+        bound = decided[1].get("bound") or ""
+        if bound:  # the budget's cut, too, could not have been picked: said with the measured reason
+            unscreened = [(c, why if is_fsdp(c) else f"{bound}; the budget left it out as well")
+                          for c, why in unscreened]
+            ruled = sum(why == bound for why in dropped.values()) + sum(not is_fsdp(c) for c, _ in unscreened)
+            log.note = f"{ruled} DDP configuration(s) not screened: {bound}"
     else:  # a relaunch screened the rest: decide here
         spent = time.perf_counter() - t0
         kept, dropped, cut = racing.finalists(samples, refs, spent, full_factor(job), clock.left_s())
