@@ -212,7 +212,8 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     say(f"communication: {n_configs} configurations, " + ("each measured in full (thorough)" if job.thorough else
         f"{screen}, raced: {job.race_steps} steps each, then the survivors in full") if nnodes * nproc > 1 else
         f"communication: skipped, {one_rank_reason(nnodes, nproc, device.type)}")
-    done = {"n": 0, "total": n_configs, "eta": say.eta("communication configurations", n_configs), "cfg": ""}
+    done = {"n": 0, "total": n_configs, "eta": say.eta("communication configurations", n_configs), "cfg": "",
+            "full": set()}
     beat = say.heartbeat("  comm")  # inside a configuration and while the ranks start: a line at least every GAP_S
 
     def on_event(ev):
@@ -227,11 +228,13 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         elif kind == "quiet":  # workers.launch.watch: no event from the ranks for a while (start-up, a long step)
             beat.beat(what=f"{done['cfg'] or 'starting the ranks'}, no event from the ranks for {ev['quiet_s']:.0f} s")
         elif kind == "round" and ev.get("number") == 1 and ev.get("kept"):  # the race's final round counts on
-            done["total"] += len(ev["kept"])
+            done["total"] += len(set(ev["kept"]) - done["full"])  # the references were measured in full already
             done["eta"].total = done["total"]
         if kind in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]
+            if kind == "done" and not ev.get("screen"):
+                done["full"].add(config_name(c))
             took = "" if kind != "done" else (
                 f", {statistics.median(ev['wall_s']) * 1e3:.0f} ms/step" + (" (first round)" if ev.get("screen") else
                 f" ({statistics.median(ev['no_sync_wall_s']) * 1e3:.0f} without communication)"))
