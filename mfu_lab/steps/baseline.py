@@ -38,6 +38,7 @@ from mfu_lab.core.thresholds import (
     FLOP_TOLERANCE,
     HOST_LIMIT,
     HOT_C,
+    PEAK_RECHECK_FLOOR,
 )
 from mfu_lab.core.workload import build_loader, build_model, build_train_step
 from mfu_lab.steps import baseline_layout
@@ -267,7 +268,8 @@ def _recheck_after(job: Job, device: dev.DeviceInfo, peak: dev.Peak, timings: Ti
                 timings.contention.shared = True
                 ratio = statistics.median(chk["rates"]) / chk["cached"]
                 timings.contention.rechecks.append(f"the matmul rate re-checked {when} the steps was {ratio:.0%} "
-                                                   "of the cached peak, below the probes' p10-p90")
+                                                   f"of the cached peak, its probes' p90 more than "
+                                                   f"{PEAK_RECHECK_FLOOR:.0%} below it")
     if after is None:
         return peak
     return dataclasses.replace(peak, note=peak.note + f"; re-checked after the steps: {after.text()}")
