@@ -207,3 +207,17 @@ def test_configurations_the_budget_left_out_take_the_bounds_reason_when_the_work
         else:
             assert ev["error"] == f"{bound}; the budget left it out as well"
     assert log.note == f"2 DDP configuration(s) not screened: {bound}"
+
+
+def test_the_race_plot_counts_only_the_candidates_that_ran_in_a_round():
+    """A DDP configuration the exposure bound ruled out has no median in round 1: drawn as nothing, not counted."""
+    from types import SimpleNamespace
+
+    from mfu_lab.plots.attention_comm import race
+
+    log = racing.RaceLog("racing", ["ref"], [racing.RoundLog(1, 2, {"ref": 0.10, "a": 0.12, "ruled": None},
+                                                             ["ref"], {"a": "slow", "ruled": "cannot be faster"}),
+                                             racing.RoundLog(2, 3, {"ref": 0.10}, ["ref"])])
+    fig = race(SimpleNamespace(races={"ddp": log}))
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == ["round 1\n2 steps, 2 ran", "round 2\n3 steps, 1 ran"]

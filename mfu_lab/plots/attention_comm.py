@@ -97,8 +97,8 @@ def race(result) -> ReportFigure | Unavailable:
             ax.plot(*zip(*pts), marker="o", lw=2.2 if ref else 1, color="#222" if ref else None, alpha=1 if ref
                     else 0.7, label=name + (" (reference)" if ref else "") if ref or len(names) <= 8 else None)
         ax.set_xticks([r.number for r in log.rounds])
-        ax.set_xticklabels([f"round {r.number}\n{r.steps} steps, {len(r.medians)} ran" for r in log.rounds],
-                           fontsize=8)
+        ax.set_xticklabels([f"round {r.number}\n{r.steps} steps, "  # a candidate ruled out untimed did not run
+                            f"{sum(m is not None for m in r.medians.values())} ran" for r in log.rounds], fontsize=8)
         ax.set_ylabel("median step (ms)")
         ax.set_title(f"{key}: {log.mode}", fontsize=10)
         ax.legend(fontsize=7, loc="best")
