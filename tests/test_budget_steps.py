@@ -138,10 +138,14 @@ def test_step2_screens_the_references_then_as_many_as_fit_half_the_time_left(tmp
     refs = [name(configs[-1])]
     assert screen_fit(job, configs, refs, Clock(None)) == (configs, [])
     each = (1 + 2 + 1) * 2 * budget.REFERENCE_STEP_S  # no step-1 result in tmp_path: the reference step
-    clock = Clock(2 * (10.0 + 3 * each) + 0.1)
+    ref_s = (2 * (1 + job.comm_steps) + 1) * 2 * budget.REFERENCE_STEP_S  # the reference in full, first
+    clock = Clock(2 * (10.0 + ref_s + 2 * each) + 0.1)
     kept, cut = screen_fit(job, configs, refs, clock)
     assert [name(c) for c in kept][0] == refs[0] and len(kept) == 3 and len(cut) == len(configs) - 3
     assert all(why.startswith("budget: not screened") and "no step-1 result" in why for _, why in cut)
+    assert "the references in full" in cut[0][1]
+    kept, _ = screen_fit(job, configs, refs, Clock(2 * (10.0 + 3 * each) + 0.1))  # screening cost alone: too little
+    assert len(kept) < 3
     assert clock.shortened[0]["what"] == "DDP first round"
     kept, _ = screen_fit(job, configs, refs, Clock(0.0))
     assert [name(c) for c in kept] == refs  # the references always

@@ -227,6 +227,21 @@ def test_when_the_references_communication_is_hidden_no_ddp_configuration_is_scr
     assert "2 DDP configuration(s) not screened: cannot be faster here" in log.text()
 
 
+def test_an_error_inside_a_references_measurement_fails_it_and_the_race_goes_on(tiny_job, tmp_path):
+    """The references are measured first, in full: an exception inside their steps (a test fault on rank 1) is
+    that configuration's failure, and a relaunch screens and measures the others, not 'failed before it ran'."""
+    # 100 MB: fewer buckets than the failed 25 MB, so the relaunch tries it (smaller ones it would skip, by rule)
+    job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[25, 100])
+    sweep, log, configs = _race(job, tmp_path, fault=[{"kind": "raise", "name": "none/25MB/copy", "rank": 1}])
+    ref = sweep.outcomes[config_key(configs[0])]
+    assert config_name(configs[0]) == "none/25MB/copy"
+    assert ref["event"] == "failed" and "ValueError" in ref["error"] + ref.get("stderr", ""), ref
+    assert len(sweep.launches) >= 2
+    for c in configs[1:]:
+        ev = sweep.outcomes[config_key(c)]
+        assert ev["event"] in ("done", "dropped") and "before this configuration ran" not in ev.get("error", ""), ev
+
+
 def test_the_exposure_bound_is_the_formula_on_the_medians():
     from mfu_lab.analysis.racing import exposure_bound
 

@@ -221,3 +221,18 @@ def test_the_race_plot_counts_only_the_candidates_that_ran_in_a_round():
     fig = race(SimpleNamespace(races={"ddp": log}))
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert labels == ["round 1\n2 steps, 2 ran", "round 2\n3 steps, 1 ran"]
+
+
+def test_the_final_rounds_estimate_leaves_out_what_was_measured_in_full_already():
+    """The references go first, in full: their samples count in the noise band, but the final round does not
+    measure them again, so the budget's estimate is the screened candidates' seconds x full_factor per finalist
+    still to measure."""
+    samples = {"ref": [1.0, 1.0, 1.0], "a": [1.0, 1.01], "b": [1.0, 1.02], "c": [3.0, 3.1]}
+    # 3 screened in 3 s: 1 s each, x2 for a full measurement; a, b and ref kept, a and b still to measure: 4 s
+    kept, _, cut = racing.finalists(samples, ["ref"], 3.0, 2.0, 4.5, measured={"ref"})
+    assert set(kept) == {"a", "b", "ref"} and cut == []
+    kept, _, cut = racing.finalists(samples, ["ref"], 3.0, 2.0, 3.5, measured={"ref"})
+    assert cut and "ref" in kept
+    # without ``measured`` the reference counts as screened and measured again: 0.75 s x 2 x 3 = 4.5 s > 4.4
+    assert racing.finalists(samples, ["ref"], 3.0, 2.0, 4.4)[2]
+    assert not racing.finalists(samples, ["ref"], 3.0, 2.0, 4.4, measured={"ref"})[2]

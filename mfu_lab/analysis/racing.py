@@ -200,17 +200,21 @@ def exposure_bound(reference: str, sync_s: list[float], no_sync_s: list[float],
 
 
 def finalists(samples: dict[str, list[float]], references: list[str], spent_s: float, full_factor: float,
-              seconds_left: float | None) -> tuple[list[str], dict[str, str], list[str]]:
+              seconds_left: float | None, measured: set[str] | frozenset[str] = frozenset()
+              ) -> tuple[list[str], dict[str, str], list[str]]:
     """(who goes to the final round, {dropped: why}, who the budget cut) after a first round that took ``spent_s``.
 
-    The final round is estimated at the first round's seconds per candidate x ``full_factor`` (a full measurement's
-    steps over a screening's) per finalist; when that ends past ``seconds_left`` (None: no budget), the final round
-    keeps only the leader and the references. The launcher and a worker that races inside one launch both decide
-    with this function."""
+    ``measured``: candidates already measured in full (the references, first), whose samples count in the noise
+    band but which the final round does not measure again. The final round is estimated at the first round's
+    seconds per screened candidate x ``full_factor`` (a full measurement's steps over a screening's) per finalist
+    still to measure; when that ends past ``seconds_left`` (None: no budget), the final round keeps only the
+    leader and the references. The launcher and a worker that races inside one launch both decide with this
+    function."""
     kept, dropped = survivors(samples, references)
-    per_config = spent_s / max(1, len(samples))
+    per_config = spent_s / max(1, len([k for k in samples if k not in measured]))
     cut: list[str] = []
-    if seconds_left is not None and len(kept) * per_config * full_factor > seconds_left:
+    todo = [k for k in kept if k not in measured]
+    if seconds_left is not None and len(todo) * per_config * full_factor > seconds_left:
         timed = [k for k in kept if samples.get(k)]
         leader = min(timed, key=lambda k: statistics.median(samples[k])) if timed else None
         cut = [k for k in kept if k != leader and k not in references]

@@ -230,7 +230,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         elif kind == "round" and ev.get("number") == 1 and ev.get("kept"):  # the race's final round counts on
             done["total"] += len(set(ev["kept"]) - done["full"])  # the references were measured in full already
             done["eta"].total = done["total"]
-        if kind in ("done", "unsupported", "failed", "hung", "skipped"):  # one line per configuration
+        if kind in ("done", "unsupported", "failed", "hung", "skipped", "dropped"):  # one line per configuration
             done["n"] += 1
             c = ev["config"]
             if kind == "done" and not ev.get("screen"):
@@ -241,7 +241,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
             what = config_name(c) if is_fsdp(c) else (f"{c['hook']}, bucket {c['bucket_mb']} MB, "
                                                      f"gradient_as_bucket_view={c['grad_as_bucket_view']}")
             why = ""
-            if kind == "skipped" and ev.get("error") != done.get("why"):  # each reason once, where it first applies
+            if kind in ("skipped", "dropped") and ev.get("error") != done.get("why"):  # each reason once, first
                 done["why"] = why = ev.get("error", "")
             say(f"  comm [{done['n']}/{done['total']}] {what}: {kind}{took}" + (f" ({why})" if why else "")
                 + done["eta"].tag(min(done["n"], done["total"])))

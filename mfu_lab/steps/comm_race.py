@@ -67,18 +67,21 @@ def screen_fit(job: Job, runnable: list[dict], refs: list[str], clock: Clock) ->
     """(the configurations the first round screens, [(configuration, why not)]) within the budget: the
     references, then the others in their order, as many as fit :data:`SCREEN_SHARE` of the time left at about
     (``comm_warmup_steps`` + ``race_steps`` + 1 for the re-wrap) steps each on ranks of one thread (2 x the job's
-    step as step 1 measured it), after a launch of about 10 s."""
+    step as step 1 measured it), after a launch of about 10 s and the references' full measurements (2 x
+    (``comm_warmup_steps`` + ``comm_steps``) + 1 steps each: synced, profiled, no_sync)."""
     left = clock.left_s()
     if left is None:
         return runnable, []
     step_s, where = job_step_s(store.earlier(job, "baseline").data)
     each = (job.comm_warmup_steps + job.race_steps + 1) * 2 * step_s
-    keep = fit_count(left * SCREEN_SHARE, len(runnable), each, fixed_s=10.0, least=len(refs))
+    ref_s = len(refs) * (2 * (job.comm_warmup_steps + job.comm_steps) + 1) * 2 * step_s
+    keep = len(refs) + fit_count(left * SCREEN_SHARE, len(runnable) - len(refs), each, fixed_s=10.0 + ref_s,
+                                 least=0)
     ordered = [c for c in runnable if name(c) in refs] + [c for c in runnable if name(c) not in refs]
     if keep >= len(ordered):
         return runnable, []
     why = (f"budget: not screened ({left * SCREEN_SHARE:.0f} s, half of step 2's {left:.0f} s left, holds {keep} of "
-           f"{len(ordered)} at about {each:.1f} s each: {where})")
+           f"{len(ordered)}: the references in full, about {ref_s:.0f} s, then about {each:.1f} s each: {where})")
     clock.shorten("DDP first round", why.removeprefix("budget: "))
     return ordered[:keep], [(c, why) for c in ordered[keep:]]
 
@@ -139,17 +142,21 @@ def race_ddp(job: Job, device_type: str, attention: str | None, work: Path, on_e
              for c in runnable for k in [config_key(c)]}
     samples = {name(c): (first[config_key(c)] or {}).get("wall_s") or [] for c in runnable}
     decided = {r.get("number"): r for r in sweep.rounds}
+    ruled = {name(ev["config"]): ev["error"] for ev in sweep.outcomes.values() if ev.get("event") == "dropped"}
     if 1 in decided:  # the worker raced inside its launch: its decision, by the same rule
         kept, dropped, cut, spent = decided[1]["kept"], decided[1]["dropped"], decided[1]["cut"], decided[1]["seconds"]
-        bound = decided[1].get("bound") or ""
-        if bound:  # the budget's cut, too, could not have been picked: said with the measured reason
-            unscreened = [(c, why if is_fsdp(c) else f"{bound}; the budget left it out as well")
-                          for c, why in unscreened]
-            ruled = sum(why == bound for why in dropped.values()) + sum(not is_fsdp(c) for c, _ in unscreened)
-            log.note = f"{ruled} DDP configuration(s) not screened: {bound}"
     else:  # a relaunch screened the rest: decide here
         spent = time.perf_counter() - t0
-        kept, dropped, cut = racing.finalists(samples, refs, spent, full_factor(job), clock.left_s())
+        full = {name(c) for c in runnable if (sweep.outcomes.get(config_key(c)) or {}).get("event") == "done"
+                and not sweep.outcomes[config_key(c)].get("screen")}
+        kept, dropped, cut = racing.finalists(samples, refs, spent, full_factor(job), clock.left_s(), measured=full)
+        dropped = dropped | ruled
+    # the worker's exposure bound: in its round (it may have had nothing left to rule out), else in what it ruled
+    bound = (decided.get(1) or {}).get("bound") or next(iter(ruled.values()), "")
+    if bound:  # the budget's cut, too, could not have been picked: said with the measured reason
+        unscreened = [(c, why if is_fsdp(c) else f"{bound}; the budget left it out as well") for c, why in unscreened]
+        n = len(ruled) + sum(not is_fsdp(c) for c, _ in unscreened)
+        log.note = f"{n} DDP configuration(s) not screened: {bound}"
     for c, why in unscreened:
         sweep.outcomes[config_key(c)] = ev = {"event": "skipped", "config": c, "error": why}
         on_event(ev)

@@ -298,7 +298,8 @@ def main() -> None:
 
     # tests only, one fault or a list: {"config": index, "rank": r, "kind": "crash" | "hang"}, or {"kind": "slow",
     # "name": config name, "ms": m, "where": "both" (default) | "sync" | "no_sync"}: every such step of that
-    # configuration sleeps m ms first (one the tests know is slower, or whose communication they know is exposed)
+    # configuration sleeps m ms first (one the tests know is slower, or whose communication they know is exposed);
+    # {"kind": "raise", "name": config name, "rank": r}: its steps raise on rank r (an error inside a measurement)
     faults = spec.get("fault") or []
     faults = faults if isinstance(faults, list) else [faults]
 
@@ -332,6 +333,9 @@ def main() -> None:
                 if f.get("kind") == "slow" and f["name"] == config_name(cfg)}
         plain = ts = slowed(ts, slow["both"]) if "both" in slow else ts  # the step no_sync runs
         ts = slowed(ts, slow["sync"]) if "sync" in slow else ts
+        if any(f.get("kind") == "raise" and f["name"] == config_name(cfg) and f.get("rank", rank) == rank
+               for f in faults):
+            ts = slowed(ts, -1.0)  # a negative sleep raises inside the timed steps: the error path, for real
         if screen:  # a race's first round or a confirmation's turn: the timed steps alone (analysis.racing)
             t = run_steps(ts, loader(w + screen), device, w, screen, beat)
             ev = {"event": "done", "config": cfg, "screen": True, "wall_s": t.measured("wall_s"),
@@ -378,15 +382,18 @@ def main() -> None:
     configs, screen = spec["configs"], spec.get("screen") or 0
     by_name = {config_name(cfg): cfg for cfg in configs}
     race = spec.get("race") if screen else None
-    t_screen = time.perf_counter()
     full, bound = {}, ""  # a race measures its references in full first: it keeps them whatever their times
     refs = [i for i, cfg in enumerate(configs) if race and config_name(cfg) in race["references"]]
     for i in refs:
         full[config_name(configs[i])] = measure(i, configs[i], 0)
-    if race and full.get(race.get("bound")):  # DDP's default: what the step's pick must beat beyond the noise
-        ev = full[race["bound"]]
-        bound = decide(lambda: racing.exposure_bound(race["bound"], ev["wall_s"], ev["no_sync_wall_s"]))
+    if race and race.get("bound") in full:  # DDP's default: what the step's pick must beat beyond the noise
+        ev = full[race["bound"]] or {}  # the same keys on every rank, so every rank takes part in decide()
+        bound = decide(lambda: racing.exposure_bound(race["bound"], ev.get("wall_s") or [],
+                                                     ev.get("no_sync_wall_s") or []))
     ruled = {name: bound for name, cfg in by_name.items() if bound and name not in full and not is_fsdp(cfg)}
+    for name in ruled:  # an outcome of its own: a relaunch after a crash does not screen it again
+        emit(out, {"event": "dropped", "config": by_name[name], "error": bound})
+    t_screen = time.perf_counter()  # the screening alone: the final round's estimate is per screened candidate
     first = {config_name(cfg): measure(i, cfg, screen) for i, cfg in enumerate(configs)
              if i not in refs and config_name(cfg) not in ruled}
     full, index = (full if screen else first), len(configs)
@@ -395,7 +402,7 @@ def main() -> None:
         left = None if race.get("deadline") is None else race["deadline"] - time.time()
         samples = {k: ev["wall_s"] for k, ev in (first | full).items() if ev}
         kept, dropped, cut = decide(lambda: racing.finalists(samples, race["references"], spent, full_factor(job),
-                                                             left))
+                                                             left, measured=set(full)))
         emit(out, {"event": "round", "number": 1, "kept": kept, "dropped": dropped | ruled, "cut": cut,
                    "seconds": spent, "bound": bound})
         t_final = time.perf_counter()

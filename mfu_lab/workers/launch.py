@@ -284,7 +284,9 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
     measurements the worker takes the step's pick by its rule (:func:`mfu_lab.workers.ddp_rank.pick_to_confirm`) and,
     when it is not the reference, alternates the two for ``turns`` turns in the same launch (first launch only).
     ``allreduce``: run the all-reduce benchmark in this launch. ``fault`` (tests only) makes one rank crash or hang
-    at one configuration of the first launch (the finalists and turns count on from the screened configurations).
+    at one configuration of the first launch: its index in ``configs`` (a race measures its references first, in full,
+    at their own index), then the final round's finalists not measured yet and the confirmation's turns count on
+    from ``len(configs)``.
     ``force_one_rank`` (benchmarks/gpu_check only): launch a world of one rank anyway. Its figures are not DDP's,
     but it takes every path of a launch (``set_device``, ``broadcast_object_list``, ``DDP(device_ids)``, the race,
     the confirmation, barrier and teardown) on a machine with one GPU, where two NCCL ranks cannot share it.
@@ -320,11 +322,11 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
                 result.layout.setdefault("free_memory", {})[str(ev["rank"])] = ev["free_bytes"]
             elif kind == "start":
                 started = ev["config"]
-            elif kind in ("done", "unsupported", "error"):
+            elif kind in ("done", "unsupported", "error", "dropped"):  # dropped: ruled out untimed (the bound)
                 result.outcomes[config_key(ev["config"])] = ev
                 if kind == "done" and ev.get("screen"):
                     result.screened[config_key(ev["config"])] = ev
-                started = None
+                started = ev["config"] if kind == "error" else None  # an error ends its launch: that one failed
             elif kind == "round":
                 result.rounds.append(ev)
             elif kind == "confirm":
