@@ -117,8 +117,8 @@ class RaceLog:
         first = self.rounds[0]
         timed = [k for k, v in first.medians.items() if v is not None]
         dropped = [k for k in first.dropped if k in timed]  # the others were ruled out untimed, said in the note
-        out = (f"racing: {len(timed)} candidate{'' if len(timed) == 1 else 's'} screened for {first.steps} steps "
-               "each, "
+        n = len(timed)
+        out = (f"racing: {n} candidate{'' if n == 1 else 's'} screened for {first.steps} steps each, "
                f"{len(first.kept)} went on to the final round ({', '.join(first.kept)})")
         if dropped:
             out += f"; {len(dropped)} dropped after round 1"
