@@ -159,8 +159,11 @@ EXPOSED = {"kind": "slow", "name": "none/25MB/copy", "where": "sync", "ms": 30}
 def test_a_race_screens_and_measures_its_finalists_in_one_launch(tiny_job, tmp_path):
     """Issue 20, one start-up per kind of worker: the worker picks the finalists itself, by the launcher's rule."""
     job = small(tiny_job, comm_hooks=["none", "allreduce", "fp16_compress"], comm_bucket_mb=[1, 25])
-    sweep, log, configs = _race(job, tmp_path, fault=EXPOSED)
-    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
+    # and rank 0 fails after its finished event (a test fault): the launch's teardown, recorded, not a failed launch
+    sweep, log, configs = _race(job, tmp_path, fault=[EXPOSED, {"kind": "teardown", "rank": 0}])
+    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"], sweep.launches
+    assert sweep.launches[0]["teardown"].startswith("exited with code 1 after every rank finished")
+    assert "injected teardown failure" in sweep.launches[0]["teardown"]
     screened, final = log.rounds
     # the factor screen: the job's own none/25MB, the two other hooks at 25 MB, none at 1 MB (not their product, 6)
     assert len(screened.medians) == len(configs) == 4 and "none/25MB/copy" in final.medians  # the reference stays
@@ -199,7 +202,7 @@ def test_a_race_confirms_its_pick_in_the_same_launch(tiny_job, tmp_path):
     fault), so the race's pick clears it and is measured again beside it, alternating, in that launch."""
     job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25])
     sweep, log, configs = _race(job, tmp_path, fault=dict(EXPOSED, ms=40))
-    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
+    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"], sweep.launches
     assert sweep.confirm["reference"] == "none/25MB/copy" and sweep.confirm["done"]
     ref, pick = "none/25MB/copy", sweep.confirm["candidate"]
     assert [config_name(ev["config"]) for ev in sweep.turns] == [ref, pick, pick, ref, ref, pick]  # ABBA
@@ -212,7 +215,7 @@ def test_when_the_references_communication_is_hidden_no_ddp_configuration_is_scr
     job = small(tiny_job, comm_hooks=["none", "allreduce"], comm_bucket_mb=[1, 25], comm_fsdp_reshard=[True],
                 comm_fsdp_prefetch=[0], comm_fsdp_reduce_dtype=["float32"])
     sweep, log, configs = _race(job, tmp_path, fault=dict(EXPOSED, where="no_sync"))
-    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
+    assert len(sweep.launches) == 1 and sweep.launches[0]["finished"], sweep.launches
     ddp = [config_name(c) for c in configs if not is_fsdp(c)]
     fsdp = [config_name(c) for c in configs if is_fsdp(c)]
     assert len(ddp) == 3 and len(fsdp) == 1

@@ -428,9 +428,13 @@ def main() -> None:
                 emit(out, {"event": "confirm", "done": True, "seconds": time.perf_counter() - t_confirm} | d)
     if spec.get("profile"):
         profile_ranks(spec["profile"], fresh_model, loader, device, local, cuda, job, rank, beat, out)
+    # finished: rank 0 did all its work, and every other rank passed the last collective it takes part in (a
+    # decision's broadcast), so what fails after this line is the process group's teardown, not a measurement
     emit(out, {"event": "finished"})
     dist.barrier()
     dist.destroy_process_group()
+    if any(f.get("kind") == "teardown" and f.get("rank") == rank for f in faults):  # tests: a failing teardown
+        raise RuntimeError(f"injected teardown failure on rank {rank} (test fault)")
 
 
 if __name__ == "__main__":

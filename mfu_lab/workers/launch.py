@@ -334,10 +334,17 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
             elif kind == "turn":
                 result.turns.append(ev)
                 started = None
-        finished = run.returncode == 0 and any(e["event"] == "finished" for e in run.events)
+        # finished: every measurement is in (workers.ddp_rank writes it after the last collective); an exit code or
+        # a hang after it is the process group's teardown (gloo's, NCCL's), recorded beside the launch, not a failure
+        finished = any(e["event"] == "finished" for e in run.events)
         result.launches.append({"attempt": attempt, "returncode": run.returncode, "seconds": run.seconds,
                                 "finished": finished, "free_memory": run.free_memory})
         if finished:
+            if run.returncode != 0:
+                detail = error_lines(run.rank_stderr)
+                result.launches[-1]["teardown"] = ("hung" if run.returncode is None else
+                                                   f"exited with code {run.returncode}") + (
+                    f" after every rank finished ({detail})" if detail else " after every rank finished")
             break
         why = (f"no progress (no finished step) for {job.comm_timeout_s:.0f} s: the launch was ended; {run.stalled}"
                if run.returncode is None
