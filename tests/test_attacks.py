@@ -25,14 +25,35 @@ def mfu_lab(*args, cwd=ROOT, timeout=120):
                           timeout=timeout)
 
 
+def in_process(*args, cwd=ROOT):
+    """The same command through ``cli.main`` in this process, as ``mfu_lab`` gives it back (exit code, stdout,
+    stderr): for commands that refuse, read or rewrite pages and never train, so the suite does not start an
+    interpreter and import torch for each (3 s of CPU). Attacks that depend on the new process's sys.path (a module
+    in its folder) keep ``mfu_lab``."""
+    import contextlib
+    import io
+
+    from mfu_lab.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_a_job_file_cannot_run_a_shell_command_through_the_standard_library(tmp_path):
     for model in ("subprocess:getoutput", "os:system", "builtins:exec"):
         job = tmp_path / "evil.yaml"
         job.write_text(TINY.read_text() + f"model: '{model}'\nmodel_kwargs: {{cmd: 'touch {tmp_path}/pwned'}}\n")
-        p = mfu_lab("validate", str(job), cwd=tmp_path)
+        p = in_process("validate", str(job), cwd=tmp_path)
         assert p.returncode == 2, p.stdout
         assert "standard library" in p.stderr and "valid" not in p.stdout
-        p = mfu_lab("run", str(job), "--steps", "baseline", "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
+        command = mfu_lab if model == "subprocess:getoutput" else in_process  # one in a process of its own
+        p = command("run", str(job), "--steps", "baseline", "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
         assert p.returncode == 2
         assert not (tmp_path / "pwned").exists()
     with pytest.raises(Exception, match="standard library"):  # a Job built by hand is refused at import time too
@@ -65,7 +86,7 @@ def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
     body = alias_bomb(9).replace("\n", "\n  ")
     job.write_text(TINY.read_text() + "model_kwargs:\n  " + body)
     t0 = time.perf_counter()
-    p = mfu_lab("validate", str(job), cwd=tmp_path, timeout=60)
+    p = mfu_lab("validate", str(job), cwd=tmp_path, timeout=60)  # a process: a bomb that got through would hang here
     took = time.perf_counter() - t0
     assert p.returncode == 2
     assert "expands to more than 100,000 values" in p.stderr and "bomb.yaml" in p.stderr
@@ -114,7 +135,7 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
 def test_a_job_file_that_is_not_utf8_is_named(tmp_path):
     job = tmp_path / "latin1.yaml"
     job.write_bytes("job_name: caf\xe9\n".encode("latin-1"))
-    p = mfu_lab("validate", str(job), cwd=tmp_path)
+    p = in_process("validate", str(job), cwd=tmp_path)
     assert p.returncode == 2
     assert "latin1.yaml" in p.stderr and "is not UTF-8 text" in p.stderr
 
@@ -224,12 +245,12 @@ def test_a_damaged_file_is_named_and_blocks_nothing_that_does_not_depend_on_it(t
         f.write('{"run": "caf\xe9", "step": "x"}\n'.encode("latin-1"))
         f.write(b'{"run": 1, "step": ["baseline"], "metrics": "mfu"}\n')
 
-    p = mfu_lab("report", out + "/tiny")
+    p = in_process("report", out + "/tiny")
     assert p.returncode == 0, p.stderr
     index = (root / "index.html").read_text()
     assert "damaged" in index and "rerun step 1 (baseline)" in index
     assert "failure record is damaged" in index
-    p = mfu_lab("history", out + "/tiny")
+    p = in_process("history", out + "/tiny")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
 
     p = mfu_lab("step", "kernels", "--job", str(TINY), "--out", out, "-p", "profile_ddp=false")
@@ -246,7 +267,7 @@ def test_a_damaged_file_is_named_and_blocks_nothing_that_does_not_depend_on_it(t
 def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
     blocker = tmp_path / "afile"
     blocker.write_text("not a folder")
-    p = mfu_lab("validate", str(TINY), "-p", f"out_dir={blocker}")
+    p = in_process("validate", str(TINY), "-p", f"out_dir={blocker}")
     assert p.returncode == 2
     assert "key 'out_dir'" in p.stderr and "is a file, not a folder" in p.stderr
     p = mfu_lab("run", str(TINY), "--steps", "baseline", "--out", str(blocker), "-q")
@@ -464,7 +485,7 @@ def test_an_empty_job_file_is_refused_with_its_path_and_no_file_means_the_defaul
         job.write_text(text)
         with pytest.raises(JobError, match="sets no key"):
             load_job(job)
-        p = mfu_lab("validate", str(job), cwd=tmp_path)
+        p = in_process("validate", str(job), cwd=tmp_path)
         assert p.returncode == 2 and str(job) in p.stderr and "sets no key" in p.stderr, p.stderr
     p = mfu_lab("run", str(job), "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
     assert p.returncode == 2 and "sets no key" in p.stderr and not (tmp_path / "out").exists()
@@ -501,12 +522,12 @@ def test_a_result_of_the_wrong_types_or_a_cut_notebook_is_damaged_not_a_crash(tm
         (root / "03_kernels" / "x" / "result.json").write_text(json.dumps(bad))
         with pytest.raises(DamagedFile, match="wrong type"):
             read_json(root / "03_kernels" / "x" / "result.json")
-    p = mfu_lab("report", str(root))
+    p = in_process("report", str(root))
     assert p.returncode == 0, p.stderr
     assert "01_baseline.ipynb is damaged (not a complete notebook" in p.stderr and "Traceback" not in p.stderr
     index = (root / "index.html").read_text()
     assert "metrics.mfu.value is text" in index and "rerun step 1 (baseline)" in index
-    p = mfu_lab("compare", "latest", "previous", "--job-dir", str(root))
+    p = in_process("compare", "latest", "previous", "--job-dir", str(root))
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.count("01_baseline/result.json is damaged (wrong type") == 2, p.stderr
 
@@ -517,7 +538,7 @@ def test_a_list_of_numbers_reads_number_text_as_a_scalar_key_does(tmp_path):
     job.write_text(TINY.read_text() + "comm_bucket_mb: [1e-9, 25]\nlr: 1e-9\n")
     j = load_job(job)
     assert j.comm_bucket_mb == [1e-9, 25] and j.lr == 1e-9
-    assert mfu_lab("validate", str(job), cwd=tmp_path).returncode == 0
+    assert in_process("validate", str(job), cwd=tmp_path).returncode == 0
     for bad, why in (("[.inf]", "finite number > 0"), ("[1e-9, 1e-9]", "must not repeat"), ("[abc]", "item 'abc'")):
         job.write_text(TINY.read_text() + f"comm_bucket_mb: {bad}\n")
         with pytest.raises(JobError, match=why):
@@ -539,7 +560,8 @@ def test_a_model_with_no_parameters_is_named_not_torchs_empty_parameter_list(tin
 def test_an_execution_timeout_that_is_not_whole_seconds_is_refused_up_front(tmp_path):
     """Issue 32, item 10: nbclient takes whole seconds; inf or 600.5 failed every step with a TraitError."""
     for bad in ("inf", "600.5", "nan", "0", "-3"):
-        p = mfu_lab("run", str(TINY), "--steps", "baseline", "--out", str(tmp_path / "out"), "-q",
+        command = mfu_lab if bad == "inf" else in_process  # one in a process of its own
+        p = command("run", str(TINY), "--steps", "baseline", "--out", str(tmp_path / "out"), "-q",
                     "--execution-timeout", bad, cwd=tmp_path)
         assert p.returncode == 2, (bad, p.stdout, p.stderr)
         assert "--execution-timeout" in p.stderr and "whole number of seconds > 0" in p.stderr, p.stderr

@@ -21,10 +21,11 @@ def assert_offline(html: str):
     assert not EXTERNAL.search(html), EXTERNAL.search(html).group(0)
 
 
-def test_mfu_lab_run_builds_result_notebook_report_and_index(tmp_path):
-    p = run(sys.executable, "-m", "mfu_lab", "run", str(TINY), "--steps", "baseline", "--out", str(tmp_path), "-q")
+def test_mfu_lab_run_builds_result_notebook_report_and_index(full_run):
+    """Read from the session's full run (``mfu-lab run`` of every step): step 1's files and the summary page."""
+    p, root = full_run
     assert p.returncode == 0, p.stderr
-    step = tmp_path / "tiny" / "01_baseline"
+    step = root / "01_baseline"
     result = json.loads((step / "result.json").read_text())
     assert result["metrics"]["mfu"]["value"] > 0
     nb = json.loads((step / "01_baseline.ipynb").read_text())
@@ -35,10 +36,10 @@ def test_mfu_lab_run_builds_result_notebook_report_and_index(tmp_path):
     report = (step / "report.html").read_text()
     assert "MFU ledger" in report and "data:image/png;base64" in report
     assert_offline(report)
-    index = (tmp_path / "tiny" / "index.html").read_text()
+    index = (root / "index.html").read_text()
     assert 'href="01_baseline/report.html"' in index
     assert_offline(index)
-    assert not (tmp_path / "tiny" / ".kernels").exists()  # the kernel's connection file went with it
+    assert not (root / ".kernels").exists()  # the kernels' connection files went with them
 
 
 def test_papermill_with_the_same_yaml_and_a_single_value_override(tmp_path):
