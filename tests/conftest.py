@@ -19,6 +19,27 @@ pytest_plugins = ["tests.leftovers"]  # no process the suite started outlives it
 TINY = ROOT / "tests" / "data" / "tiny.yaml"
 
 
+def in_process(*args, cwd=ROOT):
+    """``mfu-lab ARGS`` through ``cli.main`` in this process, given back as ``subprocess.run`` would (exit code,
+    stdout, stderr), without starting an interpreter that imports torch again (3-5 s of CPU each): for commands
+    that refuse, read or rewrite pages, plain-Python steps (the step tests run them in process too) and ``run``
+    (its notebooks still run in kernels of their own). A test keeps a process of its own where that is what it
+    tests: the new process's sys.path (a module in its folder), a lock this process holds, a kill, a timeout."""
+    import contextlib
+    import io
+
+    from mfu_lab.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture
 def tiny_job(tmp_path) -> Job:
     """The tiny test job, writing into a temporary folder."""

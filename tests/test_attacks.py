@@ -17,32 +17,12 @@ from mfu_lab.core.errors import JobError, JobProblem, StepError
 from mfu_lab.core.job import Job, load_job, validate
 from mfu_lab.core.workload import build_model
 
-from .conftest import ROOT, TINY
+from .conftest import ROOT, TINY, in_process
 
 
 def mfu_lab(*args, cwd=ROOT, timeout=120):
     return subprocess.run([sys.executable, "-m", "mfu_lab", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def in_process(*args, cwd=ROOT):
-    """The same command through ``cli.main`` in this process, as ``mfu_lab`` gives it back (exit code, stdout,
-    stderr): for commands that refuse, read or rewrite pages and never train, so the suite does not start an
-    interpreter and import torch for each (3 s of CPU). Attacks that depend on the new process's sys.path (a module
-    in its folder) keep ``mfu_lab``."""
-    import contextlib
-    import io
-
-    from mfu_lab.cli import main
-
-    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
-    try:
-        os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in args])
-    finally:
-        os.chdir(here)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_a_job_file_cannot_run_a_shell_command_through_the_standard_library(tmp_path):
@@ -236,7 +216,7 @@ def test_report_rewrites_no_index_in_a_folder_no_run_made(tmp_path):
 
 def test_a_damaged_file_is_named_and_blocks_nothing_that_does_not_depend_on_it(tmp_path):
     out, root = str(tmp_path), tmp_path / "tiny"
-    assert mfu_lab("step", "baseline", "--job", str(TINY), "--out", out).returncode == 0
+    assert in_process("step", "baseline", "--job", str(TINY), "--out", out).returncode == 0
     result = root / "01_baseline" / "result.json"
     result.write_text(result.read_text()[:200])  # truncated, as by a full disk
     (root / "02_attention_and_comm").mkdir()
@@ -253,7 +233,7 @@ def test_a_damaged_file_is_named_and_blocks_nothing_that_does_not_depend_on_it(t
     p = in_process("history", out + "/tiny")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
 
-    p = mfu_lab("step", "kernels", "--job", str(TINY), "--out", out, "-p", "profile_ddp=false")
+    p = in_process("step", "kernels", "--job", str(TINY), "--out", out, "-p", "profile_ddp=false")
     assert p.returncode == 0, p.stderr
     assert f"warning: {result} is damaged (not complete JSON" in p.stderr and "going on without it" in p.stderr
     assert (root / "03_kernels" / "result.json").is_file()

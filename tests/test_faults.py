@@ -14,7 +14,7 @@ from mfu_lab.core.files import write_json_atomic
 from mfu_lab.core.job import Job
 from mfu_lab.core.runstate import RUNNING_FILE, mark_failed, resumable, step_state, workbook_version
 
-from .conftest import ROOT, TINY
+from .conftest import ROOT, TINY, in_process
 
 
 def cli(*args, env=None, timeout=600):
@@ -112,15 +112,16 @@ def test_device_faults_in_a_step_are_recorded_with_advice(tmp_path, kind, expect
 
 
 @pytest.mark.e2e
-def test_keep_going_runs_the_other_steps_and_resume_keeps_what_finished(tmp_path):
+def test_keep_going_runs_the_other_steps_and_resume_keeps_what_finished(tmp_path, monkeypatch):
     out = str(tmp_path)
+    monkeypatch.setenv(faults.FAULT_ENV, "baseline:error")  # the steps' kernels inherit it
     # step 1 fails; without --keep-going the run stops and says what did not run
-    p = cli("run", str(TINY), "--steps", "baseline,fp8", "--out", out, "-q", env={faults.FAULT_ENV: "baseline:error"})
+    p = in_process("run", str(TINY), "--steps", "baseline,fp8", "--out", out, "-q")
     assert p.returncode == 1 and "not run: 05_fp8" in p.stderr, p.stderr
     # with --keep-going step 5 runs, and the exit code still says a step failed
-    p = cli("run", str(TINY), "--steps", "baseline,fp8", "--out", out, "-q", "--keep-going",
-            env={faults.FAULT_ENV: "baseline:error"})
+    p = in_process("run", str(TINY), "--steps", "baseline,fp8", "--out", out, "-q", "--keep-going")
     assert p.returncode == 1 and "1 step(s) failed: 01_baseline" in p.stderr, p.stderr
+    monkeypatch.delenv(faults.FAULT_ENV)
     fp8 = tmp_path / "tiny" / "05_fp8" / "result.json"
     assert fp8.is_file()
     index = (tmp_path / "tiny" / "index.html").read_text()
@@ -129,7 +130,7 @@ def test_keep_going_runs_the_other_steps_and_resume_keeps_what_finished(tmp_path
     assert "An Exception was encountered" in (tmp_path / "tiny" / "01_baseline" / "report.html").read_text()
     # --resume: step 5 is kept (same parameters and workbook), step 1 runs again, now without the fault
     stamp = fp8.stat().st_mtime_ns
-    p = cli("run", str(TINY), "--steps", "baseline,fp8", "--out", out, "-q", "--resume")
+    p = in_process("run", str(TINY), "--steps", "baseline,fp8", "--out", out, "-q", "--resume")
     assert p.returncode == 0, p.stderr
     assert "05_fp8: kept: finished" in p.stdout
     assert "01_baseline: runs again (last attempt failed" in p.stdout
@@ -168,7 +169,7 @@ def test_a_cell_timeout_is_reported_as_a_timeout(tmp_path):
 
 @pytest.mark.e2e
 def test_a_killed_run_keeps_the_previous_result_whole_and_is_marked_interrupted(tmp_path):
-    p = cli("step", "baseline", "--job", str(TINY), "--out", str(tmp_path))
+    p = in_process("step", "baseline", "--job", str(TINY), "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     step = tmp_path / "tiny" / "01_baseline"
     before = (step / "result.json").read_bytes()
@@ -184,7 +185,7 @@ def test_a_killed_run_keeps_the_previous_result_whole_and_is_marked_interrupted(
     assert (step / "result.json").read_bytes() == before  # never half a new one
     st = step_state(step)
     assert st.status == "interrupted" and "previous result is kept" in st.detail
-    p = cli("report", str(tmp_path / "tiny"))
+    p = in_process("report", str(tmp_path / "tiny"))
     assert p.returncode == 0
     assert "interrupted" in (tmp_path / "tiny" / "index.html").read_text()
 

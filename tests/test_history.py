@@ -1,8 +1,6 @@
 """Run history, run comparison, and the summary page's parts, on hand-made results."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,7 @@ from mfu_lab.report import summary as su
 from mfu_lab.report import write_index
 from mfu_lab.report.format import compare_text
 
-from .conftest import ROOT
+from .conftest import ROOT, in_process
 
 
 def metric(value, unit="fraction", source="measured"):
@@ -237,8 +235,7 @@ def test_a_full_run_is_one_run_in_the_history(full_run):
     (steps,) = table.values()
     assert list(steps) == ["baseline", "attention_comm", "kernels", "compile", "fp8", "placement", "verify"]
     assert len({d["job_digest"] for d in steps.values()}) == 1
-    c = subprocess.run([sys.executable, "-m", "mfu_lab", "compare", "latest", str(job_root), "--job-dir",
-                        str(job_root), "--all"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    c = in_process("compare", "latest", str(job_root), "--job-dir", str(job_root), "--all")
     assert c.returncode == 0, c.stderr
     assert " 0 better, 0 worse, 0 moved" in c.stdout  # a run against its own files: all the same
     index = (job_root / "index.html").read_text()

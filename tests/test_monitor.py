@@ -24,7 +24,7 @@ from .conftest import MONITOR_JOB as JOB
 from .conftest import MONITOR_LOADER_MS as LOADER_MS
 from .conftest import MONITOR_SLOW_MS as SLOW_MS
 from .conftest import MONITOR_STEPS as STEPS
-from .conftest import ROOT
+from .conftest import ROOT, in_process
 
 
 def records(path: Path) -> list[dict]:
@@ -71,8 +71,7 @@ def test_two_rank_job_records_per_rank_names_the_straggler_and_starts_with_the_l
 
 def test_monitor_report_cli_writes_report_and_summary(two_ranks, tmp_path):
     out = tmp_path / "rep"
-    r = subprocess.run([sys.executable, "-m", "mfu_lab.cli", "monitor", "report", str(two_ranks), "--out", str(out),
-                        "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = in_process("monitor", "report", str(two_ranks), "--out", str(out), "-q", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "verdict: waiting for data" in r.stdout
     summary = json.loads((out / "summary.json").read_text())

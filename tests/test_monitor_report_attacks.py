@@ -6,7 +6,6 @@ names what it skipped, left out or corrected."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,8 @@ from mfu_lab.analysis.monitor_summary import summarise
 from mfu_lab.cli import main
 from mfu_lab.core.errors import JobError
 from mfu_lab.steps import monitor
+
+from .conftest import in_process
 
 T0 = 1_790_000_000.0  # a unix time in 2026
 LAUNCH = "torchrun:job:m:1#0"
@@ -275,8 +276,7 @@ def test_the_notebook_report_reads_every_attack_at_once(tmp_path):
     _write(folder / "sub" / "h-rank0.jsonl", [_start(0, launch=other, world=1, t=T0 - 9000)] +
            [_interval(0, g, launch=other, t0=T0 - 9000) | {"data_timed": False, "data_s": None} for g in range(3)])
     out = tmp_path / "rep"
-    r = subprocess.run([sys.executable, "-m", "mfu_lab.cli", "monitor", "report", str(folder), "--out", str(out),
-                        "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    r = in_process("monitor", "report", str(folder), "--out", str(out), "-q", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     assert "5 record(s) with a wrong type" in r.stdout and "1 other run(s)" in r.stdout

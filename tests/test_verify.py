@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -12,7 +10,7 @@ from mfu_lab.core.errors import JobError
 from mfu_lab.core.job import load_job
 from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
 
-from .conftest import ROOT
+from .conftest import in_process
 
 
 # ------------------------------------------------------------------ results as the steps store them
@@ -96,8 +94,7 @@ def test_tuned_yaml_round_trips_and_comments_each_change(tiny_job, tmp_path):
     line = next(x for x in text.splitlines() if x.startswith("compile_mode:"))
     assert "# compile, step 4: 1.30x eager" in line and "(measured)" in line and "was 'off'" in line
     assert "# not adopted: ddp_hook: none -> powersgd (communication): lossy-unchecked" in text
-    r = subprocess.run([sys.executable, "-m", "mfu_lab", "validate", str(p)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = in_process("validate", str(p))
     assert r.returncode == 0, r.stderr
 
 
@@ -241,20 +238,16 @@ def test_keep_on_the_command_line_pins_the_key_in_the_tuned_file(tmp_path):
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
     _store(job, "compile", step4(mode="default"))
-    r = subprocess.run([sys.executable, "-m", "mfu_lab", "step", "verify", "--job", str(TINY), "--out", str(tmp_path),
-                        "--keep", "compile_mode"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = in_process("step", "verify", "--job", str(TINY), "--out", str(tmp_path), "--keep", "compile_mode")
     assert r.returncode == 0, r.stderr[-2000:]
     text = (tmp_path / "tiny" / "tuned.yaml").read_text()
     assert "compile_mode: 'off'" in text.splitlines()
     assert "# not adopted: compile_mode: 'off' -> default (compile): pinned" in text
     assert load_job(tmp_path / "tiny" / "tuned.yaml").keep == ["compile_mode"]
-    ran = subprocess.run([sys.executable, "-m", "mfu_lab", "step", "baseline", "--job",
-                          str(tmp_path / "tiny" / "tuned.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ran = in_process("step", "baseline", "--job", str(tmp_path / "tiny" / "tuned.yaml"))
     assert ran.returncode == 0, ran.stderr[-2000:]  # the tuned file is a job file that runs, under its own name
     assert (tmp_path / "tiny-tuned" / "01_baseline" / "result.json").is_file()
-    bad = subprocess.run([sys.executable, "-m", "mfu_lab", "step", "verify", "--job", str(TINY), "--out",
-                          str(tmp_path), "--keep", "complie_mode"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    bad = in_process("step", "verify", "--job", str(TINY), "--out", str(tmp_path), "--keep", "complie_mode")
     assert bad.returncode == 2 and "complie_mode" in bad.stderr and "did you mean 'compile_mode'" in bad.stderr
 
 
