@@ -203,7 +203,7 @@ def test_resume_does_not_keep_a_result_made_by_edited_code(tmp_path):
 def test_report_rewrites_no_index_in_a_folder_no_run_made(tmp_path):
     page = tmp_path / "index.html"
     page.write_text("<p>someone else's page</p>")
-    p = mfu_lab("report", str(tmp_path))
+    p = in_process("report", str(tmp_path))
     assert p.returncode == 2
     assert "holds no mfu-lab results" in p.stderr and ".mfu-lab marker" in p.stderr
     assert page.read_text() == "<p>someone else's page</p>"
@@ -238,7 +238,7 @@ def test_a_damaged_file_is_named_and_blocks_nothing_that_does_not_depend_on_it(t
     assert f"warning: {result} is damaged (not complete JSON" in p.stderr and "going on without it" in p.stderr
     assert (root / "03_kernels" / "result.json").is_file()
 
-    p = mfu_lab("run", str(TINY), "--steps", "baseline", "--out", out, "-q", "--resume")
+    p = in_process("run", str(TINY), "--steps", "baseline", "--out", out, "-q", "--resume")
     assert p.returncode == 0, p.stderr
     assert "01_baseline: runs again" in p.stdout and "is damaged" in p.stdout
     assert json.loads(result.read_text())["metrics"]["mfu"]["value"] > 0
@@ -250,7 +250,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_
     p = in_process("validate", str(TINY), "-p", f"out_dir={blocker}")
     assert p.returncode == 2
     assert "key 'out_dir'" in p.stderr and "is a file, not a folder" in p.stderr
-    p = mfu_lab("run", str(TINY), "--steps", "baseline", "--out", str(blocker), "-q")
+    p = in_process("run", str(TINY), "--steps", "baseline", "--out", str(blocker), "-q")
     assert p.returncode == 2 and "is a file, not a folder" in p.stderr and "Traceback" not in p.stderr
 
     from mfu_lab import runner
@@ -268,8 +268,8 @@ def test_keep_going_goes_past_a_step_whose_folder_cannot_be_written(tmp_path):
     root = tmp_path / "tiny"
     root.mkdir()
     (root / "01_baseline").write_text("a file where the step's folder should be")
-    p = mfu_lab("run", str(TINY), "--steps", "baseline,kernels", "--out", str(tmp_path), "-q", "--keep-going",
-                "-p", "profile_ddp=false")
+    p = in_process("run", str(TINY), "--steps", "baseline,kernels", "--out", str(tmp_path), "-q", "--keep-going",
+                   "-p", "profile_ddp=false")
     assert p.returncode == 1, p.stderr
     assert "01_baseline FAILED:" in p.stderr and "choose another out_dir" in p.stderr and "Traceback" not in p.stderr
     assert (root / "03_kernels" / "result.json").is_file()
@@ -331,7 +331,7 @@ def test_merge_keys_stay_allowed_and_a_local_module_may_not_share_a_stdlib_name(
 
 
 def test_a_plain_python_step_saves_under_the_id_it_reserved_and_locked(tmp_path):
-    p = mfu_lab("step", "baseline", "--job", str(TINY), "--out", str(tmp_path))
+    p = in_process("step", "baseline", "--job", str(TINY), "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     (line,) = [json.loads(x) for x in (tmp_path / "tiny" / "history.jsonl").read_text().splitlines()]
     assert (tmp_path / "tiny" / "runs" / line["run"] / "01_baseline" / "result.json").is_file()
@@ -436,7 +436,7 @@ def test_mfu_lab_step_refuses_a_planted_step_folder_before_any_work(tmp_path):
     root = tmp_path / "out" / "tiny"
     root.mkdir(parents=True)
     (root / "01_baseline").symlink_to(outside, target_is_directory=True)
-    p = mfu_lab("step", "baseline", "--job", str(TINY), "--out", str(tmp_path / "out"))
+    p = in_process("step", "baseline", "--job", str(TINY), "--out", str(tmp_path / "out"))
     assert p.returncode == 2, p.stderr
     assert f"{root / '01_baseline'}: is a symbolic link inside the job's output folder" in p.stderr
     assert sorted(x.name for x in outside.iterdir()) == ["precious.txt"]
@@ -467,7 +467,7 @@ def test_an_empty_job_file_is_refused_with_its_path_and_no_file_means_the_defaul
             load_job(job)
         p = in_process("validate", str(job), cwd=tmp_path)
         assert p.returncode == 2 and str(job) in p.stderr and "sets no key" in p.stderr, p.stderr
-    p = mfu_lab("run", str(job), "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
+    p = in_process("run", str(job), "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
     assert p.returncode == 2 and "sets no key" in p.stderr and not (tmp_path / "out").exists()
     from mfu_lab.runner import resolve_job
 
