@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT, in_process
+
 SMALL = ["steps=3", "warmup_steps=1", "micro_batch=2", "seq_len=64", "profile_steps=1", "profile_warmup_steps=1",
          "verify_rounds=2", "verify_steps=2", "verify_warmup_steps=1"]
 
@@ -20,9 +21,7 @@ pytestmark = pytest.mark.e2e
 
 def run(job: str, out: Path, steps: str, *extra: str) -> subprocess.CompletedProcess:
     params = [a for kv in SMALL + list(extra) for a in ("-p", kv)]
-    return subprocess.run([sys.executable, "-m", "mfu_lab.cli", "run", str(ROOT / "parameters" / job), "--steps",
-                           steps, "--out", str(out), "-q", *params],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    return in_process("run", str(ROOT / "parameters" / job), "--steps", steps, "--out", str(out), "-q", *params)
 
 
 def result(out: Path, job: str, step: str) -> dict:

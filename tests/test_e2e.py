@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT, TINY
+from .conftest import ROOT, TINY, in_process
 
 pytestmark = pytest.mark.e2e
 EXTERNAL = re.compile(r"""<(script|link|img|iframe)[^>]+(src|href)=["']?(https?:)?//""", re.IGNORECASE)
@@ -65,7 +65,7 @@ def test_a_failing_step_exits_1_keeps_the_notebook_and_marks_the_index(tmp_path)
     job = tmp_path / "broken.yaml"
     job.write_text(TINY.read_text() + "model: tests.fixtures.tiny_models:broken\nmodel_kwargs: {}\n"
                    f"factory_paths: [{ROOT}]\n")  # the factory lies in the checkout, not beside this job file
-    p = run(sys.executable, "-m", "mfu_lab", "run", str(job), "--out", str(tmp_path), "-q")
+    p = in_process("run", str(job), "--out", str(tmp_path), "-q")
     assert p.returncode == 1
     assert "deliberate failure inside the user's model" in p.stderr
     step = tmp_path / "tiny" / "01_baseline"

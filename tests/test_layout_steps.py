@@ -3,8 +3,6 @@ run. Each launch is a torchrun of 2 gloo ranks on a tiny GPT: about 20-40 s each
 takes about 2-3 minutes."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -12,16 +10,12 @@ from mfu_lab.core.errors import StepError
 from mfu_lab.core.job import load_job
 from mfu_lab.steps import baseline, fit
 
-from .conftest import ROOT, TINY
-
-
-def run(*args):
-    return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=900)
+from .conftest import ROOT, TINY, in_process
 
 
 def test_steps_1_and_7_run_a_tp_sp_job_in_its_layout_through_papermill(tmp_path):
-    p = run(sys.executable, "-m", "mfu_lab", "run", str(TINY), "--steps", "baseline,verify", "--out", str(tmp_path),
-            "-p", "tp=2", "-p", "sp=true", "-q")
+    p = in_process("run", str(TINY), "--steps", "baseline,verify", "--out", str(tmp_path), "-p", "tp=2", "-p",
+                   "sp=true", "-q")
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads((tmp_path / "tiny" / "01_baseline" / "result.json").read_text())
     lay = r["layout"]
