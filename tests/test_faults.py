@@ -150,8 +150,10 @@ def test_keep_going_runs_the_other_steps_and_resume_keeps_what_finished(tmp_path
 
 @pytest.mark.e2e
 def test_a_cell_timeout_is_reported_as_a_timeout(tmp_path):
+    # the measuring cell hangs (a test fault that sleeps: a step that trains past the timeout would keep a core
+    # busy for all of it)
     p = cli("run", str(TINY), "--steps", "baseline", "--out", str(tmp_path), "-q", "--execution-timeout", "12",
-            "-p", "steps=20000")
+            env={faults.FAULT_ENV: "baseline:hang"})
     assert p.returncode == 1
     # the measuring cell is named, not the ones around it
     assert "Timeout: a cell ran longer than --execution-timeout 12 s: cell " in p.stderr, p.stderr

@@ -4,8 +4,9 @@
   and concrete advice computed from the job (a smaller micro-batch, activation checkpointing...).
 - A non-finite loss: the step (or trial) that produced it is named; the measurement stops there.
 
-``guarded(step)`` wraps each step's ``run``. For tests only, ``MFU_LAB_FAULT=<step>:<oom|nan|error>``
-injects a fault when that step starts, so the handling can be checked on a machine without a GPU.
+``guarded(step)`` wraps each step's ``run``. For tests only, ``MFU_LAB_FAULT=<step>:<oom|nan|error|hang>``
+injects a fault when that step starts, so the handling can be checked on a machine without a GPU (``hang``
+sleeps: a cell timeout without a core kept busy).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -117,6 +119,8 @@ def _inject(step: str) -> None:
         check_losses([2.0, float("nan")], f" (injected, {FAULT_ENV}={spec}, tests only)")
     if kind == "error":
         raise RuntimeError(f"injected failure ({FAULT_ENV}={spec}, tests only)")
+    if kind == "hang":  # a step that never returns, without a core kept busy (a cell timeout's test)
+        time.sleep(24 * 3600)
 
 
 def guarded(step: str):
