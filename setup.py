@@ -4,7 +4,7 @@
 and the tools name). A wheel (``pip install .``) gets a copy of them as ``mfu_lab/_workbook/notebooks`` and
 ``mfu_lab/_workbook/parameters``, so an installed ``mfu-lab`` runs from any folder; an sdist carries them at its
 root, so a wheel built from it gets them too. An editable install (``pip install -e .``) copies nothing: the
-package runs from the checkout and uses the checkout's own folders (``mfu_lab.core.paths.workbook_file``).
+package runs from the checkout and uses the checkout's own folders (``mfu_lab.core.job.paths.workbook_file``).
 Everything else about the package is in ``pyproject.toml``.
 """
 
@@ -16,7 +16,7 @@ from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
-PACKAGED = Path("mfu_lab") / "_workbook"  # mfu_lab.core.paths.PACKAGED
+PACKAGED = Path("mfu_lab") / "_workbook"  # mfu_lab.core.job.paths.PACKAGED
 SHIPPED = ("notebooks/*.ipynb", "parameters/*.yaml", "parameters/clusters/*")
 
 

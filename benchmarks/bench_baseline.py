@@ -5,7 +5,7 @@
 Prints, measured side by side in this one run:
   1. analytic vs counted FLOPs of the reference model, for each attention kind and with checkpointing
      (target: within 2%);
-  2. the harness's overhead: the timed loop (mfu_lab.core.measure.run_steps) against a bare loop of the same
+  2. the harness's overhead: the timed loop (mfu_lab.core.measure.timed.run_steps) against a bare loop of the same
      steps, alternated so drift hits both alike (target: under 1%);
   3. achieved FLOP/s of the training step against this device's measured matmul peak;
   4. ``mfu-lab run --steps baseline`` on the job, start-up included (target: under 90 s).
@@ -28,11 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mfu_lab.core import device as dev  # noqa: E402
-from mfu_lab.core.flops import count_flops, hardware_flops_per_token, transformer_flops_per_token  # noqa: E402
-from mfu_lab.core.job import load_job  # noqa: E402
-from mfu_lab.core.measure import run_steps  # noqa: E402
-from mfu_lab.core.workload import build_loader, build_model, build_train_step  # noqa: E402
+from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step  # noqa: E402
+from mfu_lab.core.job.schema import load_job  # noqa: E402
+from mfu_lab.core.measure import device as dev  # noqa: E402
+from mfu_lab.core.measure.flops import count_flops, hardware_flops_per_token, transformer_flops_per_token  # noqa: E402
+from mfu_lab.core.measure.timed import run_steps  # noqa: E402
 
 
 def flops_table(job) -> list[dict]:
@@ -111,7 +111,7 @@ def instrumentation_cost(n: int = 3000) -> float:
 
 
 def achieved_vs_peak(job) -> dict:
-    from mfu_lab.steps import baseline
+    from mfu_lab.steps.baseline import step as baseline
 
     r = baseline.run(job, progress=lambda *a: None, write=False)
     return {"achieved_flops_per_s": r.metric("achieved_flops_per_s"), "peak_flops_per_s": r.metric("peak_flops_per_s"),

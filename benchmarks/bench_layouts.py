@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mfu_lab.core.job import load_job  # noqa: E402
+from mfu_lab.core.job.schema import load_job  # noqa: E402
 from mfu_lab.workers.layout_launch import LayoutRun, run_layouts  # noqa: E402
 
 PP = {"pp": 2, "pp_microbatches": 4}

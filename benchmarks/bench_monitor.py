@@ -3,10 +3,10 @@
     python benchmarks/bench_monitor.py [--rounds 8] [--steps 100] [--every 50] [--profile-every-s 1800]
                                        [--with-profile S] [--device auto|cpu|cuda] [--json PATH]
 
-The cost is measured, never assumed. One training loop (the reference GPT of mfu_lab.core.workload, cut down
+The cost is measured, never assumed. One training loop (the reference GPT of mfu_lab.core.engine.workload, cut down
 so a step takes ~25 ms on a 2-core CPU: 2 layers, 4 heads, d_model 128, seq_len 128, micro_batch 4, vocab
 2048, float32, eager, AdamW) runs with and without the monitor, the two alternating in interleaved rounds
-(mfu_lab.core.sidebyside.interleave: A B, A B, ...): the same model and optimiser, the same pre-built
+(mfu_lab.core.measure.sidebyside.interleave: A B, A B, ...): the same model and optimiser, the same pre-built
 batches every round, the same seed. Without the monitor the loop is ``for x, y in batches: step(x, y)``;
 with it, ``for x, y in mon.loader(batches): step(x, y); mon.step(tokens=...)``, as a user writes it. Each
 step is timed from the end of the previous one (the loader's ``next()`` and ``mon.step()`` included).
@@ -23,7 +23,7 @@ steady state: three clock readings per step and one interval record every ``ever
 
 Printed: the device and threads, torch's version, the median step with and without the monitor, and the
 overhead (median with / median without - 1) with a 95% percentile-bootstrap interval over the steps
-(mfu_lab.core.sidebyside.bootstrap_speedup); a median cannot see a cost paid once in ``every`` steps, so the
+(mfu_lab.core.measure.sidebyside.bootstrap_speedup); a median cannot see a cost paid once in ``every`` steps, so the
 amortised overhead (total time of the rounds with / without - 1, rounds resampled in their pairs) is given
 too. Each is held to the target (under 1% of the step): PASS when the interval lies below 1%, FAIL when it
 lies above, otherwise "not separable from 1% at this noise". Also printed: the monitor's own cost per step
@@ -31,7 +31,7 @@ isolated around a no-op step (best of 5 x 5000 steps, so machine noise cannot hi
 step. ``--with-profile S`` adds a third arm, a monitor with a profiler window every S seconds, and prints
 its amortised overhead, its windows in the timed rounds and the measured cost of one window.
 
-The peak FLOP/s is measured once here (CPU: mfu_lab.core.device's 1.5 s matmul rate) and passed to every
+The peak FLOP/s is measured once here (CPU: mfu_lab.core.measure.device's 1.5 s matmul rate) and passed to every
 monitor as ``peak_flops``, so no monitor measures it again; on a GPU the monitor's datasheet row is used
 (nothing measured). The monitors write into a temporary folder, deleted at the end. On CUDA the model and the
 batches live on the GPU and ``torch.cuda.synchronize()`` runs only at the round boundaries, so the per-step
@@ -57,12 +57,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mfu_lab.core.device import DeviceInfo, cpu_name, resolve_peak  # noqa: E402
-from mfu_lab.core.job import load_job  # noqa: E402
-from mfu_lab.core.measure import percentile  # noqa: E402
-from mfu_lab.core.monitor_files import record_path  # noqa: E402
-from mfu_lab.core.sidebyside import bootstrap_speedup, interleave  # noqa: E402
-from mfu_lab.core.workload import build_loader, build_model, build_train_step  # noqa: E402
+from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step  # noqa: E402
+from mfu_lab.core.job.schema import load_job  # noqa: E402
+from mfu_lab.core.measure.device import DeviceInfo, cpu_name, resolve_peak  # noqa: E402
+from mfu_lab.core.measure.sidebyside import bootstrap_speedup, interleave  # noqa: E402
+from mfu_lab.core.measure.timed import percentile  # noqa: E402
+from mfu_lab.core.store.monitor_files import record_path  # noqa: E402
 from mfu_lab.monitor import Monitor  # noqa: E402
 
 TARGET = 0.01  # the monitor's cost: under 1% of the step

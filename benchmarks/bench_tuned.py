@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mfu_lab.analysis.precision import native_bf16  # noqa: E402
-from mfu_lab.core.job import load_job, validate  # noqa: E402
-from mfu_lab.core.sidebyside import interleave  # noqa: E402
+from mfu_lab.core.job.schema import load_job, validate  # noqa: E402
+from mfu_lab.core.measure.sidebyside import interleave  # noqa: E402
 from mfu_lab.workers.verify_rung import RungProcess  # noqa: E402
 
 

@@ -120,7 +120,7 @@ def step_monitor(ctx: Ctx, rows: list[Row]) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mfu_lab.analysis.monitor_summary import summarise
+    from mfu_lab.analysis.monitor.summary import summarise
     from mfu_lab.monitor import Monitor
 
     out = ctx.out / "gpu-check-monitor"
@@ -178,7 +178,7 @@ def step_monitor(ctx: Ctx, rows: list[Row]) -> None:
 
 
 def step_baseline(ctx: Ctx, rows: list[Row]) -> None:
-    from mfu_lab.steps import baseline
+    from mfu_lab.steps.baseline import step as baseline
 
     b = baseline.run(ctx.job)
     m, h, p = b.metrics, b.health, "step 1"
@@ -220,7 +220,7 @@ def _attention_row(r, name: str, figure: str) -> Row:
 
 
 def step_attention_comm(ctx: Ctx, rows: list[Row]) -> None:
-    from mfu_lab.steps import attention_comm
+    from mfu_lab.steps.attention_comm import step as attention_comm
 
     r = attention_comm.run(ctx.job)
     p = "step 2"
@@ -257,7 +257,7 @@ def step_attention_comm(ctx: Ctx, rows: list[Row]) -> None:
 
 
 def step_kernels(ctx: Ctx, rows: list[Row]) -> None:
-    from mfu_lab.steps import kernels
+    from mfu_lab.steps.kernels import step as kernels
 
     k = kernels.run(ctx.job)
     a, km, p = k.analysis, k.metrics, "step 3"
@@ -293,7 +293,7 @@ def step_kernels(ctx: Ctx, rows: list[Row]) -> None:
 
 
 def step_compile(ctx: Ctx, rows: list[Row]) -> None:
-    from mfu_lab.steps import compile as compiled
+    from mfu_lab.steps.compile import step as compiled
 
     c = compiled.run(ctx.job)
     p = "step 4"
@@ -319,7 +319,7 @@ def step_compile(ctx: Ctx, rows: list[Row]) -> None:
 
 
 def step_fp8(ctx: Ctx, rows: list[Row]) -> None:
-    from mfu_lab.steps import fp8
+    from mfu_lab.steps.fp8 import step as fp8
 
     f = fp8.run(ctx.job)
     p = "step 5"
@@ -353,7 +353,7 @@ def step_fp8(ctx: Ctx, rows: list[Row]) -> None:
 
 
 def step_placement(ctx: Ctx, rows: list[Row]) -> None:
-    from mfu_lab.steps import placement
+    from mfu_lab.steps.placement import step as placement
 
     pr = placement.run(ctx.job)
     p, co, ck = "step 6", pr.coloc, pr.check
@@ -378,7 +378,7 @@ def step_placement(ctx: Ctx, rows: list[Row]) -> None:
 
 
 def step_verify(ctx: Ctx, rows: list[Row]) -> None:
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     v = verify.run(ctx.job)  # one warm process per rung
     p = "step 7"
@@ -407,7 +407,7 @@ def step_layouts(ctx: Ctx, rows: list[Row]) -> None:
     """The job in its own layout over NCCL (README, "Your job's layout"): FSDP2 at world 1 with a bf16
     MixedPrecisionPolicy (one GPU can check NCCL, the policy, the memory readings and CUDA-event timing); with 2+
     GPUs also TP2+SP and an interleaved PP2. FSDP x TP and PP x FSDP wait for a node of 4+ GPUs."""
-    from mfu_lab.steps import baseline
+    from mfu_lab.steps.baseline import step as baseline
 
     p = "layouts"
     runs = [("FSDP2 world 1, bf16 policy", dict(dp_mode="fsdp", nproc_per_node=1, fsdp_param_dtype="bfloat16"))]
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         print("gpu_check: no CUDA device visible; nothing to check here")
         return 2
     visible = torch.cuda.device_count()
-    from mfu_lab.core.job import load_job
+    from mfu_lab.core.job.schema import load_job
 
     base = load_job(JOB_FILE)
     nproc, world_note = world_guard(visible, base.nproc_per_node)  # never more ranks than GPUs

@@ -22,7 +22,7 @@ evaluation at iteration 0 left in place), and an injected slow ``get_batch`` see
    --eval_iters=2 --eval_interval=5 --log_interval=1 --block_size=64 --batch_size=4 --n_layer=2 --n_head=2
    --n_embd=64 --max_iters=12 --gradient_accumulation_steps=1 ...``), the evaluation at iteration 0 in place,
    under a timeout, in a process group of its own that is killed with everything in it when the time is up.
-5. The monitor's records are read with mfu_lab's reader (``mfu_lab.core.monitor_files``) and a table printed:
+5. The monitor's records are read with mfu_lab's reader (``mfu_lab.core.store.monitor_files``) and a table printed:
    the monitor's FLOPs per token (its ``flops`` record) against nanoGPT's formula ``6N + 12 L H Q T`` (N =
    ``model.get_num_params()`` of nanoGPT's own ``model.py`` from the copy, built with the same config), their
    ratio, the step that was counted, and the data wait per timed step against the injected sleep.
@@ -57,7 +57,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mfu_lab.core.monitor_files import ReadCount, iter_records, rank_files  # noqa: E402
+from mfu_lab.core.store.monitor_files import ReadCount, iter_records, rank_files  # noqa: E402
 
 MIRROR = os.environ.get("NANOGPT_MIRROR", "/work/.mirror/karpathy+nanoGPT/repo")
 DATASET = "mfu_lab_tiny"

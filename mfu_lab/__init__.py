@@ -3,7 +3,7 @@
 Plain-Python entry points (no Jupyter needed)::
 
     from mfu_lab import load_job
-    from mfu_lab.steps import baseline
+    from mfu_lab.steps.baseline import step as baseline
     result = baseline.run(load_job("parameters/default.yaml"))
 
 The package is in layers, each a folder, imports only going down (``lint-imports`` checks it):
@@ -12,10 +12,11 @@ core < analysis < workers < steps < report / plots / explore < runner < cli.
 
 from pathlib import Path
 
-from mfu_lab.core import __version__, store
+from mfu_lab.core import __version__
 from mfu_lab.core.errors import DeviceError, JobError, MfuLabError, StepError
-from mfu_lab.core.flops import hardware_flops_per_token, mfu, transformer_flops_per_token
-from mfu_lab.core.job import Job, from_namespace, load_job
+from mfu_lab.core.job.schema import Job, from_namespace, load_job
+from mfu_lab.core.measure.flops import hardware_flops_per_token, mfu, transformer_flops_per_token
+from mfu_lab.core.store import step_results as store
 
 
 def refresh_index(job_root: Path) -> None:

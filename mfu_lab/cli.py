@@ -32,16 +32,17 @@ from pathlib import Path
 
 import yaml
 
-from mfu_lab.core import budget, factories, files, yamlfile
+from mfu_lab.core.engine.layout import beyond_ddp
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from mfu_lab.core.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, write_json_atomic
-from mfu_lab.core.health import gate
-from mfu_lab.core.history import compare, mfu_trend, resolve_run, runs
-from mfu_lab.core.job import FIELDS, KEY_GROUPS, Job, load_job, validate
-from mfu_lab.core.layout import beyond_ddp
-from mfu_lab.core.nodes import merge_into
+from mfu_lab.core.job import factories, yamlfile
+from mfu_lab.core.job.schema import FIELDS, KEY_GROUPS, Job, load_job, validate
+from mfu_lab.core.measure.health import gate
 from mfu_lab.core.registry import BY_KEY, STEPS
-from mfu_lab.core.runstate import JobBusy
+from mfu_lab.core.store import files
+from mfu_lab.core.store.files import JOB_MARKER, RESULT_FILE, is_job_root, read_json, write_json_atomic
+from mfu_lab.core.store.history import compare, mfu_trend, resolve_run, runs
+from mfu_lab.core.store.nodes import merge_into
+from mfu_lab.core.store.runstate import JobBusy
 from mfu_lab.core.thresholds import HOT_C
 from mfu_lab.report import export_html, fmt, text_summary, write_index
 from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
@@ -55,6 +56,7 @@ from mfu_lab.runner import (
     run_one_step,
     run_steps,
     select_steps,
+    start_checks,
 )
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -109,7 +111,7 @@ def cmd_run(args) -> int:
     args.execution_timeout = None if t is None else int(t)
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
-    budget.start_checks(job, args.job or "", [s.key for s in steps])  # step 1's minimum; a busy machine said
+    start_checks(job, args.job or "", [s.key for s in steps])  # step 1's minimum; a busy machine said
     failed = run_steps(job, source, steps, quiet=args.quiet, resume=args.resume, keep_going=args.keep_going,
                        execution_timeout=args.execution_timeout, wait=args.wait, overrides=overrides)
     return EXIT_STEP_FAILED if failed else EXIT_OK
@@ -121,7 +123,7 @@ def cmd_step(args) -> int:
     info = select_steps(args.step)[0]
     if info.key == "placement":
         check_cluster(job)
-    budget.start_checks(job, args.job or "", [info.key])
+    start_checks(job, args.job or "", [info.key])
     print(f"mfu-lab: {info.folder} for job '{job.job_name}' from {source} (plain Python, no notebook)")
     try:
         result = run_one_step(info, job, source, wait=args.wait, overrides=overrides)
@@ -140,7 +142,7 @@ def cmd_validate(args) -> int:
     check_output_folder(job, args.job)
     mon = ""
     if job.monitor_path() is not None:
-        from mfu_lab.core.monitor_files import rank_files
+        from mfu_lab.core.store.monitor_files import rank_files
         from mfu_lab.steps.monitor import check_folder
 
         check_folder(job.monitor_path())
@@ -162,7 +164,7 @@ def layout_here(job: Job, source: str) -> str:
         return ""
     import torch
 
-    from mfu_lab.core.layout_check import check_layout, dp_degree
+    from mfu_lab.core.engine.layout_check import check_layout, dp_degree
     from mfu_lab.workers.launch import world_layout
 
     device_type = "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -434,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mfu-lab: {filesystem_problem(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        # the notebook's kernel died with the interrupt (core.procs ends it): nbclient's orphaned cell task would
-        # log "Task exception was never retrieved ... DeadKernelError" when it is collected; that is this stop
+        # the notebook's kernel died with the interrupt (core.process.procs ends it): nbclient's orphaned cell task
+        # would log "Task exception was never retrieved ... DeadKernelError" when it is collected; that is this stop
         logging.getLogger("asyncio").disabled = True
         print("mfu-lab: interrupted; finished steps are kept, the interrupted one is marked interrupted "
               "(mfu-lab run --resume goes on from there)",

@@ -20,14 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from mfu_lab import plots
-from mfu_lab.analysis.cluster_files import load_cluster
-from mfu_lab.analysis.placement_calibration import calibrate
-from mfu_lab.analysis.placement_model import Shape, occupied_groups
-from mfu_lab.analysis.placement_strategies import best_layout, strategy_rows
-from mfu_lab.core.flops import mfu as model_flops_utilisation
-from mfu_lab.core.measure import stats
+from mfu_lab.analysis.placement.calibration import calibrate
+from mfu_lab.analysis.placement.cluster_files import load_cluster
+from mfu_lab.analysis.placement.model import Shape, occupied_groups
+from mfu_lab.analysis.placement.strategies import best_layout, strategy_rows
+from mfu_lab.core.measure.flops import mfu as model_flops_utilisation
+from mfu_lab.core.measure.timed import stats
 from mfu_lab.plots import ReportFigure
-from mfu_lab.steps.placement import earlier_results
+from mfu_lab.steps.placement.step import earlier_results
 
 FALLBACK_NOTE = ("Static image of the initial selection: this page has no Python kernel behind it, so the "
                  "controls cannot redraw it here. Open the notebook in JupyterLab and run the cell to explore.")

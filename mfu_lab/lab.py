@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-from mfu_lab.core import procs, quick_imports
 from mfu_lab.core.errors import MfuLabError
-from mfu_lab.core.job import Job
-from mfu_lab.core.overrides import OVERRIDES_ENV
-from mfu_lab.core.paths import find_workbook_root, workbook_file
+from mfu_lab.core.job.overrides import OVERRIDES_ENV
+from mfu_lab.core.job.paths import find_workbook_root, workbook_file
+from mfu_lab.core.job.schema import Job
+from mfu_lab.core.process import procs, quick_imports
 from mfu_lab.core.registry import STEPS
 
 LAB = "lab"  # the lab's folder inside the job's output folder

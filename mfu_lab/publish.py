@@ -2,7 +2,7 @@
 
 Every step, whether its notebook runs under papermill (``mfu-lab run``) or its code runs in plain Python
 (``mfu-lab step``), goes through :func:`step_bracket`. The step folder says ``running`` while it runs, and the
-step's save is staged (:mod:`mfu_lab.core.staging`: ``result.json.staged``, written by the notebook's kernel, a
+step's save is staged (:mod:`mfu_lab.core.store.staging`: ``result.json.staged``, written by the notebook's kernel, a
 process of its own). Then either the whole new set is published -- ``result.json``, ``report.html``, the run's
 copy under ``runs/<id>/``, the history line, the index -- or none of it is, and ``failure.json`` (failed /
 interrupted / timeout) says why, the previous set kept whole.
@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core import procs, quick_imports
 from mfu_lab.core.errors import StepExecutionError
-from mfu_lab.core.faults import format_memory, memory_figures, oom_advice
-from mfu_lab.core.files import RESULT_FILE, PlantedLink, read_json, refuse_links, refuse_links_below, write_atomic
-from mfu_lab.core.history import RUNS_DIR, append_history, history_line, truncate_history
-from mfu_lab.core.job import Job
-from mfu_lab.core.nodes import this_node
-from mfu_lab.core.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
-from mfu_lab.core.staging import KEPT, STAGE_ENV, remove_leftovers, staged
+from mfu_lab.core.job.schema import Job
+from mfu_lab.core.process import procs, quick_imports
+from mfu_lab.core.process.faults import format_memory, memory_figures, oom_advice
+from mfu_lab.core.store.files import RESULT_FILE, PlantedLink, read_json, refuse_links, refuse_links_below, write_atomic
+from mfu_lab.core.store.history import RUNS_DIR, append_history, history_line, truncate_history
+from mfu_lab.core.store.nodes import this_node
+from mfu_lab.core.store.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
+from mfu_lab.core.store.staging import KEPT, STAGE_ENV, remove_leftovers, staged
 from mfu_lab.report import export_html, write_index
 
 REPORT_FILE = "report.html"

@@ -9,6 +9,7 @@ runs, then either its new files are published as one set (result, report, histor
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import shutil
 import sys
@@ -17,19 +18,22 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from mfu_lab.analysis.cluster_files import load_cluster
-from mfu_lab.core import procs, quick_imports
-from mfu_lab.core.budget import LEFT_ENV, left_env, plan_text
+from mfu_lab.analysis.placement.cluster_files import load_cluster
 from mfu_lab.core.errors import JobError, JobProblem, MfuLabError, StepExecutionError
-from mfu_lab.core.files import load_results
-from mfu_lab.core.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
-from mfu_lab.core.job import Job, find_workbook_root, load_job, validate
-from mfu_lab.core.overrides import overrides_set
-from mfu_lab.core.paths import workbook_file
+from mfu_lab.core.job.overrides import OVERRIDES_ENV
+from mfu_lab.core.job.paths import workbook_file
+from mfu_lab.core.job.schema import Job, find_workbook_root, load_job, validate
+from mfu_lab.core.measure import contention
+from mfu_lab.core.process import budget, procs, quick_imports
+from mfu_lab.core.process.budget import LEFT_ENV, left_env, plan_text
 from mfu_lab.core.registry import BY_KEY, STEPS
-from mfu_lab.core.results import source_digest
-from mfu_lab.core.runstate import job_lock, resumable
+from mfu_lab.core.store import step_results as store
+from mfu_lab.core.store.files import load_results
+from mfu_lab.core.store.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
+from mfu_lab.core.store.results import source_digest
+from mfu_lab.core.store.runstate import job_lock, resumable
 from mfu_lab.publish import NotPublished, filesystem_problem, fresh_step_folder, step_bracket
 from mfu_lab.report import export_html
 
@@ -63,6 +67,27 @@ def kernel_files_in(folder: Path) -> Iterator[Path]:
         tempfile.tempdir = before
         shutil.rmtree(folder, ignore_errors=True)
 
+
+
+@contextmanager
+def overrides_set(overrides: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+    """``MFU_LAB_OVERRIDES`` set to ``overrides`` (``out_dir`` left out) for the length of a run, then restored."""
+    kept = {k: v for k, v in (overrides or {}).items() if k != "out_dir"}
+    with procs.env_set(OVERRIDES_ENV, json.dumps(kept, default=str)):
+        yield kept
+
+
+def start_checks(job, job_arg: str, keys: list[str], say=print) -> None:
+    """What ``mfu-lab run`` (and ``mfu-lab step``) checks before its first step: a budget too small for step 1 is
+    refused (:class:`JobError`, exit 2) with the estimate; a busy machine is said, with the command that bounds the
+    run. The step-1 estimate comes from the job's own last step-1 result when it has one."""
+    earlier = store.earlier(job, "baseline").data if "baseline" in keys else None
+    why = budget.step1_refusal(job, keys, earlier)
+    if why:
+        raise JobError("command line", [JobProblem("--budget", job.budget_min, why)])
+    line = budget.busy_text(contention.busy_now(), job_arg, keys, job, earlier)
+    if line:
+        say("mfu-lab: " + line)
 
 def check_output_folder(job: Job, source: str) -> None:
     """Refuse, before any work, an output folder that cannot be made or written: a file where a folder of the
@@ -148,7 +173,7 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
     then either a new result, or failed / interrupted / timeout with the error, the previous result kept.
     """
     folder = fresh_step_folder(job, info)
-    # the package's own notebook: its checkout's, else the copy installed with it (mfu_lab.core.paths)
+    # the package's own notebook: its checkout's, else the copy installed with it (mfu_lab.core.job.paths)
     src, out_nb = workbook_file(Path("notebooks") / info.notebook), folder / info.notebook
     if not src.is_file():
         raise MfuLabError(f"notebook {src} not found: this mfu_lab was installed without its notebooks; reinstall "
@@ -198,7 +223,7 @@ def warn_damaged(job: Job) -> list[str]:
 def run_one_step(info, job: Job, source: str, wait: bool = False, overrides: dict | None = None):
     """One step in plain Python (no notebook) inside the bracket, holding the job's folder; its result. A failure
     raises :class:`StepExecutionError` (recorded in the step folder, the index refreshed). ``overrides``: the
-    command line's (``-p``), recorded in the result (:mod:`mfu_lab.core.overrides`)."""
+    command line's (``-p``), recorded in the result (:mod:`mfu_lab.core.job.overrides`)."""
     with procs.interrupt_on_sigterm(), job_lock(job.output_root(), "(starting)", wait) as holder:
         # one reserved id for the lock, the running marker and the history line (record reads it from RUN_ENV)
         run_id = run_id_from_env() or new_run_id(job_root=job.output_root())
@@ -214,7 +239,7 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
     """Execute the steps' notebooks in order as one run, holding the job's output folder, printing progress;
     the folders of the steps that failed (after the first failure the rest are skipped unless ``keep_going``).
     A resumed run keeps the id of the run it goes on with. ``overrides``: the command line's (``-p``), handed to
-    the kernels and recorded in every result and in tuned.yaml (:mod:`mfu_lab.core.overrides`)."""
+    the kernels and recorded in every result and in tuned.yaml (:mod:`mfu_lab.core.job.overrides`)."""
     job_root = job.output_root()
     with procs.interrupt_on_sigterm(), job_lock(job_root, "(starting)", wait) as holder:
         same_code = {"source_digest": source_digest()}
@@ -248,7 +273,7 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
                 continue
         t0 = time.perf_counter()
         print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
-        if job.budget_min:  # the step's kernel inherits it: its share of what the run has left (core.budget)
+        if job.budget_min:  # the step's kernel inherits it: its share of what the run has left (core.process.budget)
             os.environ[LEFT_ENV] = left_env(job.budget_min, keys, time.perf_counter() - t_run, info.key)
         try:
             html = execute_step(info, job, source, root, quiet, execution_timeout)
@@ -296,7 +321,7 @@ def _monitor_step(job: Job, quiet: bool) -> None:
 
 def _tuned(job: Job, source: str, run_id: str) -> None:
     """Write ``tuned.yaml`` from the results as they now stand, and say how many changes it adopts."""
-    from mfu_lab.steps.verify import write_tuned
+    from mfu_lab.steps.verify.step import write_tuned
 
     try:
         path, chosen = write_tuned(job, (), source, run_id)

@@ -12,7 +12,7 @@ import pytest
 # (343 -> 312 user CPU-s, AMD EPYC 2 cores). A value the caller set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from mfu_lab.core.job import Job, load_job
+from mfu_lab.core.job.schema import Job, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.leftovers"]  # no process the suite started outlives it
@@ -82,7 +82,7 @@ def two_ranks(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def _temp_peak_cache(tmp_path_factory):
-    """The whole suite keeps measured peaks (core.peak_cache) in a temporary folder, never the user's
+    """The whole suite keeps measured peaks (core.measure.peak_cache) in a temporary folder, never the user's
     ~/.cache/mfu-lab: CI never reads a stale cache, and subprocesses inherit the variable."""
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from mfu_lab.cli import main
-from mfu_lab.core import paths
-from mfu_lab.core.job import Job, load_job
-from mfu_lab.core.paths import find_workbook_root, workbook_file
+from mfu_lab.core.job import paths
+from mfu_lab.core.job.paths import find_workbook_root, workbook_file
+from mfu_lab.core.job.schema import Job, load_job
 from mfu_lab.runner import resolve_job
 
 from .conftest import ROOT, TINY
@@ -143,7 +143,7 @@ def test_an_installed_mfu_lab_runs_a_job_from_any_folder(installed, tmp_path):
     cwd.mkdir()
     here = in_folder(installed, cwd, str(installed / "bin" / "python"), "-c",
                      "import mfu_lab; from mfu_lab.core import paths; from mfu_lab.runner import resolve_job; "
-                     "from mfu_lab.core.results import source_digest; "
+                     "from mfu_lab.core.store.results import source_digest; "
                      "job, source = resolve_job(None, {}, None, writable=False); "
                      "print(mfu_lab.__file__, paths.workbook_file('notebooks/01_baseline.ipynb'), source, "
                      "job.cluster_path(), job.output_root(), source_digest(), sep='\\n')")

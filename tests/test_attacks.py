@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mfu_lab.analysis.cluster_files import ClusterError, load_cluster
-from mfu_lab.core import yamlfile
+from mfu_lab.analysis.placement.cluster_files import ClusterError, load_cluster
+from mfu_lab.core.engine.workload import build_model
 from mfu_lab.core.errors import JobError, JobProblem, StepError
-from mfu_lab.core.job import Job, load_job, validate
-from mfu_lab.core.workload import build_model
+from mfu_lab.core.job import yamlfile
+from mfu_lab.core.job.schema import Job, load_job, validate
 
 from .conftest import ROOT, TINY, in_process
 
@@ -124,7 +124,7 @@ def test_a_second_run_of_the_same_job_is_refused_naming_the_holder_or_waits(tmp_
     import os
     import threading
 
-    from mfu_lab.core.runstate import job_lock
+    from mfu_lab.core.store.runstate import job_lock
 
     root = tmp_path / "tiny"
     with job_lock(root, "20261130-120000"):
@@ -162,7 +162,7 @@ def test_a_second_run_of_the_same_job_is_refused_naming_the_holder_or_waits(tmp_
 def test_two_runs_in_one_second_get_different_ids(tmp_path):
     import datetime as dt
 
-    from mfu_lab.core.history import new_run_id
+    from mfu_lab.core.store.history import new_run_id
 
     now = dt.datetime(2026, 11, 30, 12, 0, 0, tzinfo=dt.UTC)
     ids = [new_run_id(now, job_root=tmp_path) for _ in range(3)]
@@ -172,7 +172,7 @@ def test_two_runs_in_one_second_get_different_ids(tmp_path):
 def test_a_resumed_run_goes_on_with_the_run_that_made_the_same_job(tmp_path):
     import json
 
-    from mfu_lab.core.history import HISTORY_FILE, job_digest, resumed_run_id
+    from mfu_lab.core.store.history import HISTORY_FILE, job_digest, resumed_run_id
 
     job = {"job_name": "tiny", "seed": 0}
     a = {"run": "20261130-100000", "step": "baseline", "job_digest": job_digest(job), "source_digest": "aaa"}
@@ -187,8 +187,8 @@ def test_a_resumed_run_goes_on_with_the_run_that_made_the_same_job(tmp_path):
 
 
 def test_resume_does_not_keep_a_result_made_by_edited_code(tmp_path):
-    from mfu_lab.core.files import write_json_atomic
-    from mfu_lab.core.runstate import resumable, workbook_version
+    from mfu_lab.core.store.files import write_json_atomic
+    from mfu_lab.core.store.runstate import resumable, workbook_version
 
     job = Job().to_dict()
     env = {**workbook_version(), "created_at": "t0"}
@@ -207,7 +207,7 @@ def test_report_rewrites_no_index_in_a_folder_no_run_made(tmp_path):
     assert p.returncode == 2
     assert "holds no mfu-lab results" in p.stderr and ".mfu-lab marker" in p.stderr
     assert page.read_text() == "<p>someone else's page</p>"
-    from mfu_lab.core.files import JOB_MARKER, is_job_root, mark_job_root
+    from mfu_lab.core.store.files import JOB_MARKER, is_job_root, mark_job_root
 
     assert not is_job_root(tmp_path)
     mark_job_root(tmp_path / "job")
@@ -276,7 +276,7 @@ def test_keep_going_goes_past_a_step_whose_folder_cannot_be_written(tmp_path):
 
 
 def test_smaller_ones_nan_wording_infinite_buckets_and_a_dead_kernel(tmp_path):
-    from mfu_lab.core.faults import NonFiniteLoss
+    from mfu_lab.core.process.faults import NonFiniteLoss
     from mfu_lab.publish import _failure
 
     text = str(NonFiniteLoss(3, float("nan")))
@@ -348,8 +348,8 @@ def _victim(tmp_path):
 
 
 def test_a_lock_file_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path):
-    from mfu_lab.core.files import PlantedLink, mark_job_root
-    from mfu_lab.core.runstate import job_lock
+    from mfu_lab.core.store.files import PlantedLink, mark_job_root
+    from mfu_lab.core.store.runstate import job_lock
 
     outside, root = _victim(tmp_path), mark_job_root(tmp_path / "out" / "tiny")
     (root / ".lock").symlink_to(outside / "precious.txt")
@@ -361,8 +361,8 @@ def test_a_lock_file_planted_as_a_link_is_refused_and_its_target_untouched(tmp_p
 
 
 def test_the_history_is_never_appended_through_a_link(tmp_path):
-    from mfu_lab.core.files import PlantedLink, mark_job_root, write_json_atomic
-    from mfu_lab.core.history import record
+    from mfu_lab.core.store.files import PlantedLink, mark_job_root, write_json_atomic
+    from mfu_lab.core.store.history import record
 
     outside, root = _victim(tmp_path), mark_job_root(tmp_path / "tiny")
     write_json_atomic(root / "01_baseline" / "result.json", {"metrics": {}})
@@ -379,11 +379,11 @@ def test_a_folder_of_the_job_made_a_link_gets_nothing_written_through_it(tmp_pat
     and the runner's look at the step's folder each refuse it, naming it; nothing lands where it points."""
     import dataclasses
 
-    from mfu_lab.core import store
-    from mfu_lab.core.files import PlantedLink, mark_job_root
-    from mfu_lab.core.history import new_run_id
     from mfu_lab.core.registry import BY_KEY
-    from mfu_lab.core.runstate import job_lock
+    from mfu_lab.core.store import step_results as store
+    from mfu_lab.core.store.files import PlantedLink, mark_job_root
+    from mfu_lab.core.store.history import new_run_id
+    from mfu_lab.core.store.runstate import job_lock
     from mfu_lab.runner import fresh_step_folder
 
     outside = _victim(tmp_path)
@@ -415,9 +415,9 @@ def test_a_folder_of_the_job_made_a_link_gets_nothing_written_through_it(tmp_pat
 def test_out_dir_and_the_job_folder_may_be_the_users_own_links(tmp_path, tiny_job):
     import dataclasses
 
-    from mfu_lab.core import store
-    from mfu_lab.core.history import load_history
-    from mfu_lab.core.runstate import job_lock
+    from mfu_lab.core.store import step_results as store
+    from mfu_lab.core.store.history import load_history
+    from mfu_lab.core.store.runstate import job_lock
 
     real = tmp_path / "scratch"
     (real / "tiny").mkdir(parents=True)
@@ -484,7 +484,7 @@ def test_a_result_of_the_wrong_types_or_a_cut_notebook_is_damaged_not_a_crash(tm
     """Issue 32, items 6 and 7: a result.json whose fields have the wrong types (a metric's value "0.5") is damaged
     like a truncated one, named by report and compare; a notebook cut by a kill (NotJSONError) is named by report,
     which goes on with the others."""
-    from mfu_lab.core.files import DamagedFile, read_json
+    from mfu_lab.core.store.files import DamagedFile, read_json
 
     root = tmp_path / "tiny"
     for where in (root, root / "runs" / "20260101-000000", root / "runs" / "20260102-000000"):
@@ -560,12 +560,13 @@ def _factory(folder: Path, name: str = "my_models", marker: Path | None = None) 
 
 
 def test_an_installed_package_function_is_refused_by_validate_and_at_load_time(tmp_path, monkeypatch):
-    """Issue 32 item 9: IPython.utils.process:system with a cmd ran a shell command; mfu_lab.core.files:write_atomic
-    wrote a file. Both are refused by validate (the CLI's too) and again when a step builds the model."""
+    """Issue 32 item 9: IPython.utils.process:system with a cmd ran a shell command;
+    mfu_lab.core.store.files:write_atomic wrote a file. Both are refused by validate (the CLI's too) and again when a
+    step builds the model."""
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "pwned"
     attacks = {"IPython.utils.process:system": {"cmd": f"touch {marker}"},
-               "mfu_lab.core.files:write_atomic": {"path": str(marker), "text": "x"},
+               "mfu_lab.core.store.files:write_atomic": {"path": str(marker), "text": "x"},
                "os:system": {"command": f"touch {marker}"}, "json.decoder:JSONDecoder": {}}
     for spec, kwargs in attacks.items():
         job = tmp_path / "evil.yaml"
@@ -643,7 +644,7 @@ def test_trust_allows_an_installed_package_but_never_mfu_lab_or_the_standard_lib
     finally:
         for name in ("somepkg.models", "somepkg"):
             sys.modules.pop(name, None)
-    for trusted, spec in (("mfu_lab", "mfu_lab.core.files:write_atomic"), ("os", "os:system"),
+    for trusted, spec in (("mfu_lab", "mfu_lab.core.store.files:write_atomic"), ("os", "os:system"),
                           ("subprocess", "subprocess:getoutput"), ("builtins", "builtins:exec")):
         job.write_text(TINY.read_text() + f"model: '{spec}'\ntrust: [{trusted}]\n")
         with pytest.raises(JobError) as e:

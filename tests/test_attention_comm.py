@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mfu_lab.steps.attention_comm import AttentionCommResult, _pick
+from mfu_lab.steps.attention_comm.step import AttentionCommResult, _pick
 
 from .test_e2e import assert_offline
 
@@ -73,8 +73,8 @@ def test_a_change_is_recommended_only_beyond_the_noise():
 
 
 def test_lossy_hooks_are_recommended_with_a_warning():
-    from mfu_lab.core.job import Job
-    from mfu_lab.steps.attention_comm import CommRow, _recommend
+    from mfu_lab.core.job.schema import Job
+    from mfu_lab.steps.attention_comm.step import CommRow, _recommend
 
     row = CommRow("powersgd", 100, False, "ok", step_median_s=1.0, step_p10_s=0.9, step_p90_s=1.1,
                   exposed_share=0.0, mfu=0.5)
@@ -87,7 +87,7 @@ def test_lossy_hooks_are_recommended_with_a_warning():
 
 
 def test_one_training_step_is_timed_per_kernel_and_the_jobs_own_row_speaks_for_its_kernel():
-    from mfu_lab.steps.attention_race import AttentionRow, _one_per_kernel
+    from mfu_lab.steps.attention_comm.attention_race import AttentionRow, _one_per_kernel
 
     flash, own, math_, unfused = (AttentionRow("sdpa flash", "ok", kernel="flash"),
                                   AttentionRow("sdpa (torch's choice)", "ok", kernel="flash"),

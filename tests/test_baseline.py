@@ -4,8 +4,8 @@ import statistics
 
 import pytest
 
-from mfu_lab.core.files import read_json
-from mfu_lab.steps import baseline
+from mfu_lab.core.store.files import read_json
+from mfu_lab.steps.baseline import step as baseline
 
 REQUIRED = {"mfu", "hfu", "step_time_median_s", "tokens_per_s", "model_flops_per_step", "counted_flops_per_step",
             "peak_flops_per_s", "data_wait_fraction"}
@@ -78,7 +78,7 @@ def test_a_busy_neighbour_is_named_and_speed_advice_withheld(tiny_job):
     import subprocess
     import sys
 
-    from mfu_lab.steps import baseline
+    from mfu_lab.steps.baseline import step as baseline
 
     out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
                          capture_output=True, text=True, check=True)
@@ -97,7 +97,7 @@ def test_a_busy_neighbour_is_named_and_speed_advice_withheld(tiny_job):
 
 def test_variable_length_batches_count_only_their_useful_tokens(tiny_job):
     """Padding is not model work: tokens/s and MFU count the non-padding targets, and padding has its own share."""
-    from mfu_lab.core.workload import IGNORE, build_loader
+    from mfu_lab.core.engine.workload import IGNORE, build_loader
 
     job = dataclasses.replace(tiny_job, data="synthetic_varlen", seq_policy="longest")
     r = baseline.run(job, progress=lambda *a: None, write=False)
@@ -119,8 +119,8 @@ def test_mfu_is_over_the_total_wall_and_a_recheck_below_the_cached_peak_is_conte
                                                                                        monkeypatch):
     """One MFU statistic (model FLOPs x steps / (peak x their total wall time)), and one peak per machine: a
     re-check below the cached peak is recorded as the machine being shared, the cached peak kept."""
-    from mfu_lab.core import device as dev
-    from mfu_lab.core import peak_cache
+    from mfu_lab.core.measure import device as dev
+    from mfu_lab.core.measure import peak_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     probes = [5e9] * 5
@@ -168,8 +168,8 @@ def test_every_step_that_measured_on_a_shared_machine_says_so_in_its_headline():
 def test_a_recheck_above_the_cached_peak_after_the_steps_measures_it_again(tiny_job, tmp_path, monkeypatch):
     """The cache was a busy machine's: the re-check after the steps reads above it, so step 1 measures again,
     caches the better reading and takes MFU against it."""
-    from mfu_lab.core import device as dev
-    from mfu_lab.core import peak_cache
+    from mfu_lab.core.measure import device as dev
+    from mfu_lab.core.measure import peak_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     calls, peaks = [], [1e13, 2e13]

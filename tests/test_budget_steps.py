@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from mfu_lab.core import budget
-from mfu_lab.core.budget import Clock, fit_count, fit_kernels, fit_verify, job_step_s
-from mfu_lab.core.job import load_job
-from mfu_lab.steps import placement_layouts
-from mfu_lab.steps.placement import coloc_job
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.process import budget
+from mfu_lab.core.process.budget import Clock, fit_count, fit_kernels, fit_verify, job_step_s
+from mfu_lab.steps.placement import layouts as placement_layouts
+from mfu_lab.steps.placement.step import coloc_job
 
 from .conftest import TINY
 
@@ -130,7 +130,7 @@ def test_step7_rounds_fit_the_share_never_below_two():
 
 
 def test_step2_screens_the_references_then_as_many_as_fit_half_the_time_left(tmp_path: Path):
-    from mfu_lab.steps.comm_race import name, screen_fit
+    from mfu_lab.steps.attention_comm.comm_race import name, screen_fit
     from mfu_lab.workers.comm_configs import screened_configs
 
     job = _job(out_dir=str(tmp_path), comm_warmup_steps=1, race_steps=2)
@@ -152,7 +152,7 @@ def test_step2_screens_the_references_then_as_many_as_fit_half_the_time_left(tmp
 
 
 def test_step4_times_fewer_steps_so_eager_and_one_mode_fit():
-    from mfu_lab.core.budget import COLD_COMPILE_S, TRIAL_START_S, fit_compile
+    from mfu_lab.core.process.budget import COLD_COMPILE_S, TRIAL_START_S, fit_compile
 
     job = _job(steps=20, compile_warmup_steps=2)
     assert fit_compile(job, Clock(None), STEP) == 20
@@ -211,7 +211,7 @@ def test_a_run_leaves_no_budget_left_behind(tmp_path: Path, monkeypatch):
 def test_step3_lists_a_budget_cut_once(tmp_path: Path):
     """Step 3 under a budget too small for the per-rank traces: its skipped list names them once, as the budget's
     cut (it listed them twice before)."""
-    from mfu_lab.steps import kernels
+    from mfu_lab.steps.kernels import step as kernels
 
     job = _job(out_dir=str(tmp_path), budget_min=0.5, profile_ddp=True, steps=3, warmup_steps=1)
     r = kernels.run(job, progress=lambda m: None, write=False)
@@ -225,9 +225,9 @@ def test_step2_attention_final_round_takes_half_of_the_share_left(planned):
     """Without a budget every finalist runs the job's steps; with one, the final round fits half of what is left
     (the other half is the DDP race's): the leader and the job's own attention only, fewer steps, at least
     FINAL_LEAST, each cut said."""
-    from mfu_lab.core import device as dev
-    from mfu_lab.core.progress import Progress
-    from mfu_lab.steps import attention_race
+    from mfu_lab.core.measure import device as dev
+    from mfu_lab.core.process.progress import Progress
+    from mfu_lab.steps.attention_comm import attention_race
 
     job = _job(steps=12, warmup_steps=1, race_steps=2)
     device = dev.resolve_device("cpu")

@@ -49,7 +49,7 @@ def test_keys_lists_every_key(capsys):
 
 
 def test_keys_are_listed_under_their_groups_in_declaration_order(capsys):
-    from mfu_lab.core.job import FIELDS, KEY_GROUPS
+    from mfu_lab.core.job.schema import FIELDS, KEY_GROUPS
 
     assert main(["keys"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -87,7 +87,7 @@ def test_two_nodes_rendezvous_through_an_endpoint(tiny_job, tmp_path):
 
 
 def test_one_rank_skips_the_sweep_and_the_benchmark_without_a_launch(tiny_job, tmp_path):
-    from mfu_lab.steps.attention_comm import _comm_rows
+    from mfu_lab.steps.attention_comm.step import _comm_rows
 
     job = small(tiny_job, nproc_per_node=1)
     seen = []
@@ -144,8 +144,8 @@ def test_the_worker_never_rebinds_the_local_rank_it_gives_ddp():
 
 
 def _race(job, tmp_path, fault=None):
-    from mfu_lab.core.budget import Clock
-    from mfu_lab.steps import comm_race
+    from mfu_lab.core.process.budget import Clock
+    from mfu_lab.steps.attention_comm import comm_race
 
     return comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 16,
                               reference=("none", 25.0, False), clock=Clock(None), fault=fault)

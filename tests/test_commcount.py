@@ -2,7 +2,7 @@
 
 One torchrun launch (gloo, world 2, tests/fixtures/count_ranks.py) trains a tiny GPT three steps in each of 14
 layouts built directly with PyTorch's APIs (fully_shard, parallelize_module, pipelining); each rank's third step
-(the steady state) is held against mfu_lab.analysis.layout_terms EXACTLY. The launch takes about 30 s on this
+(the steady state) is held against mfu_lab.analysis.layouts.terms EXACTLY. The launch takes about 30 s on this
 2-core machine (35 s for the whole file); the in-process test with the fake process group under a second.
 The launch runs in its own session and is killed with its ranks when the test ends, however it ends.
 """
@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfu_lab.analysis import layout_terms as lt
-from mfu_lab.core.commcount import CollectiveCounter
+from mfu_lab.analysis.layouts import terms as lt
+from mfu_lab.core.measure.commcount import CollectiveCounter
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "fixtures" / "count_ranks.py"

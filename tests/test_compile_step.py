@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mfu_lab.core.job import load_job
-from mfu_lab.steps import compile as compiled
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.steps.compile import step as compiled
 
 from .conftest import TINY
 from .test_e2e import assert_offline
@@ -39,7 +39,7 @@ def test_every_mode_is_run_or_skipped_with_a_reason(ran):
 
 
 def test_the_warm_cache_compile_is_timed_on_gpus_with_thorough_and_for_long_cold_compiles():
-    from mfu_lab.core.budget import Clock
+    from mfu_lab.core.process.budget import Clock
 
     job = load_job(TINY)
     short, long = compiled.Trial("default", "ok", compile_cold_s=5.0), compiled.Trial("default", "ok",

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mfu_lab.analysis import recompiles as cp
+from mfu_lab.core.engine.workload import IGNORE, bucket_lengths, build_loader, build_model
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job import load_job
-from mfu_lab.core.workload import IGNORE, bucket_lengths, build_loader, build_model
+from mfu_lab.core.job.schema import load_job
 
 from .conftest import TINY
 

@@ -8,13 +8,14 @@ import json
 import pytest
 
 from mfu_lab.analysis import racing
-from mfu_lab.core.budget import Clock
-from mfu_lab.core.job import Job, load_job
-from mfu_lab.core.results import jsonable
+from mfu_lab.core.job.schema import Job, load_job
+from mfu_lab.core.process.budget import Clock
+from mfu_lab.core.store.results import jsonable
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
-from mfu_lab.steps import comm_race, compile_confirm
-from mfu_lab.steps.attention_comm import CommRow, _recommend
-from mfu_lab.steps.compile import _confirmed
+from mfu_lab.steps.attention_comm import comm_race
+from mfu_lab.steps.attention_comm.step import CommRow, _recommend
+from mfu_lab.steps.compile import confirm as compile_confirm
+from mfu_lab.steps.compile.step import _confirmed
 from mfu_lab.workers import launch
 from mfu_lab.workers.launch import Alternation, SweepOutcome, config_key, run_sweep
 
@@ -137,8 +138,8 @@ def test_the_worker_confirms_the_steps_pick_among_ranks_in_sync_and_within_the_b
 def test_a_thorough_sweep_confirms_in_its_own_launch_what_the_steps_rule_picks(tmp_path):
     """A real two-rank launch: the worker's decision is the step's rule on the same figures, and the pick it
     confirms alternates with the reference in that launch."""
-    from mfu_lab.steps.attention_comm import _cfg, _comm_rows
-    from mfu_lab.steps.attention_race import _pick
+    from mfu_lab.steps.attention_comm.attention_race import _pick
+    from mfu_lab.steps.attention_comm.step import _cfg, _comm_rows
     from mfu_lab.workers.launch import config_name, sweep_configs
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
@@ -185,7 +186,7 @@ def test_a_crash_in_a_confirmation_turn_keeps_every_measurement_and_confirms_in_
 def test_a_mode_that_leads_is_confirmed_inside_step_4_before_it_is_recommended(tmp_path, monkeypatch):
     """compile.run end to end (dynamo's eager backend, so it runs in seconds), with the rule made to pick 'default'
     as if it had led: the confirmation runs for real, and the recommendation follows what it measured."""
-    from mfu_lab.steps import compile as compiled
+    from mfu_lab.steps.compile import step as compiled
 
     real = compiled._recommend
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mfu_lab.core.batches import Batch, as_batch
-from mfu_lab.core.data import Feed, build_loader, same_batches
+from mfu_lab.core.engine.batches import Batch, as_batch
+from mfu_lab.core.engine.data import Feed, build_loader, same_batches
+from mfu_lab.core.engine.workload import build_model, build_train_step
 from mfu_lab.core.errors import JobError, StepError
-from mfu_lab.core.job import load_job, validate
-from mfu_lab.core.measure import run_steps
-from mfu_lab.core.workload import build_model, build_train_step
+from mfu_lab.core.job.schema import load_job, validate
+from mfu_lab.core.measure.timed import run_steps
 
 TINY = dict(n_layers=1, n_heads=2, d_model=16, seq_len=16, micro_batch=4, vocab_size=64)
 

@@ -11,10 +11,10 @@ import psutil
 import torch
 
 from mfu_lab.analysis.tuning import changes
-from mfu_lab.core.job import Job
-from mfu_lab.core.workload import build_model, build_train_step
-from mfu_lab.steps import data_race
-from mfu_lab.steps.data_race import ROUNDS, STEPS_PER_ROUND, candidates, race_loader
+from mfu_lab.core.engine.workload import build_model, build_train_step
+from mfu_lab.core.job.schema import Job
+from mfu_lab.steps.baseline import data_race
+from mfu_lab.steps.baseline.data_race import ROUNDS, STEPS_PER_ROUND, candidates, race_loader
 
 TINY = Job(n_layers=1, n_heads=2, d_model=16, seq_len=16, vocab_size=64, micro_batch=2, synthetic_load_ms=20.0)
 

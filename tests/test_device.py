@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from mfu_lab.core import device as dev
 from mfu_lab.core.errors import DeviceError
+from mfu_lab.core.measure import device as dev
 
 T = 1e12
 

@@ -7,20 +7,21 @@ import nbformat
 import pytest
 
 from mfu_lab import explore as ex
-from mfu_lab.analysis import placement_model as pl
-from mfu_lab.analysis.cluster_files import load_cluster
-from mfu_lab.core import progress as pg
-from mfu_lab.core.files import read_json
-from mfu_lab.core.job import load_job
+from mfu_lab.analysis.placement import model as pl
+from mfu_lab.analysis.placement.cluster_files import load_cluster
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.process import progress as pg
 from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.store.files import read_json
 
 from .conftest import ROOT, TINY
 
-CLASSES = {"baseline": ("mfu_lab.steps.baseline", "BaselineResult"),
-           "attention_comm": ("mfu_lab.steps.attention_comm", "AttentionCommResult"),
-           "kernels": ("mfu_lab.steps.kernels", "KernelsResult"),
-           "compile": ("mfu_lab.steps.compile", "CompileResult"),
-           "fp8": ("mfu_lab.steps.fp8", "Fp8Result"), "placement": ("mfu_lab.steps.placement", "PlacementResult")}
+CLASSES = {"baseline": ("mfu_lab.steps.baseline.step", "BaselineResult"),
+           "attention_comm": ("mfu_lab.steps.attention_comm.step", "AttentionCommResult"),
+           "kernels": ("mfu_lab.steps.kernels.step", "KernelsResult"),
+           "compile": ("mfu_lab.steps.compile.step", "CompileResult"),
+           "fp8": ("mfu_lab.steps.fp8.step", "Fp8Result"),
+           "placement": ("mfu_lab.steps.placement.step", "PlacementResult")}
 
 
 def test_time_left_is_the_mean_time_per_item_times_the_items_left():

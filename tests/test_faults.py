@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from mfu_lab.core import faults
-from mfu_lab.core.files import write_json_atomic
-from mfu_lab.core.job import Job
-from mfu_lab.core.runstate import RUNNING_FILE, mark_failed, resumable, step_state, workbook_version
+from mfu_lab.core.job.schema import Job
+from mfu_lab.core.process import faults
+from mfu_lab.core.store.files import write_json_atomic
+from mfu_lab.core.store.runstate import RUNNING_FILE, mark_failed, resumable, step_state, workbook_version
 
 from .conftest import ROOT, TINY, in_process
 
@@ -141,7 +141,7 @@ def test_keep_going_runs_the_other_steps_and_resume_keeps_what_finished(tmp_path
     assert [x["step"] for x in lines] == ["fp8", "baseline"]
     assert lines[0]["run"] == lines[1]["run"]
     # a changed parameter would rerun it, saying why (checked without running it: resumable's unit test)
-    from mfu_lab.core.job import load_job
+    from mfu_lab.core.job.schema import load_job
 
     job = load_job(TINY, {"out_dir": out, "fp8_steps": 12})
     keep, why = resumable(tmp_path / "tiny" / "05_fp8", job.to_dict())
@@ -196,7 +196,7 @@ def test_a_killed_run_keeps_the_previous_result_whole_and_is_marked_interrupted(
 def test_rerunning_a_step_with_the_same_inputs_reproduces_it(tmp_path):
     """Seeds, parameters, versions and the commit are recorded; the same inputs give the same counted and
     analytic figures exactly, the same losses (seeded), and measured figures that compare records as noise."""
-    from mfu_lab.core.history import compare, resolve_run, runs
+    from mfu_lab.core.store.history import compare, resolve_run, runs
 
     for _ in range(2):
         p = cli("step", "baseline", "--job", str(TINY), "--out", str(tmp_path))

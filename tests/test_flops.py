@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mfu_lab.core.flops import count_flops, hardware_flops_per_token, mfu, transformer_flops_per_token
-from mfu_lab.core.workload import GPT
+from mfu_lab.core.engine.workload import GPT
+from mfu_lab.core.measure.flops import count_flops, hardware_flops_per_token, mfu, transformer_flops_per_token
 
 
 def test_palm_540b_mfu_reproduces_the_paper():
@@ -69,14 +69,14 @@ def test_cpu_fused_attention_is_counted_where_torch_alone_counts_nothing():
 def test_module_docstring_example_runs():
     import doctest
 
-    import mfu_lab.core.flops
+    import mfu_lab.core.measure.flops
 
-    assert doctest.testmod(mfu_lab.core.flops).failed == 0
+    assert doctest.testmod(mfu_lab.core.measure.flops).failed == 0
 
 
 def test_hfu_counts_the_score_recompute_of_flash_style_attention():
     """FlashAttention's backward recomputes S = QK^T: one of the six attention matmuls, 2*L*d*T per token."""
-    from mfu_lab.core.flops import hardware_flops_per_token, transformer_flops_per_token
+    from mfu_lab.core.measure.flops import hardware_flops_per_token, transformer_flops_per_token
 
     n, L, d, T = 1e9, 24, 2048, 4096
     assert hardware_flops_per_token(n, L, d, T, flash_layers=L) - transformer_flops_per_token(n, L, d, T) == \
@@ -87,8 +87,8 @@ def test_hfu_counts_the_score_recompute_of_flash_style_attention():
 def test_the_counted_step_adds_the_recompute_only_for_a_flash_style_kernel(tiny_job, attention, flash):
     import dataclasses
 
-    from mfu_lab.core.flops import count_step_flops
-    from mfu_lab.core.workload import build_loader, build_model, build_train_step
+    from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
+    from mfu_lab.core.measure.flops import count_step_flops
 
     job = dataclasses.replace(tiny_job, attention=attention)
     model = build_model(job)
@@ -105,9 +105,9 @@ def test_one_count_per_job_is_shared_and_anything_that_changes_it_changes_the_ke
     attention implementation is a different count, and a damaged entry is counted again."""
     import dataclasses as dc
 
-    from mfu_lab.core import flops as fl
-    from mfu_lab.core.job import load_job
-    from mfu_lab.core.workload import build_loader, build_model, build_train_step
+    from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
+    from mfu_lab.core.job.schema import load_job
+    from mfu_lab.core.measure import flops as fl
 
     from .conftest import TINY
 
@@ -134,9 +134,9 @@ def test_the_count_cache_is_keyed_on_model_kwargs_the_repr_does_not_show(tmp_pat
     a step's own call (steps pass the job's model spec and kwargs as key material)."""
     import dataclasses as dc
 
-    from mfu_lab.core import flops as fl
-    from mfu_lab.core.job import load_job
-    from mfu_lab.steps.baseline_layout import meta_flops
+    from mfu_lab.core.job.schema import load_job
+    from mfu_lab.core.measure import flops as fl
+    from mfu_lab.steps.baseline.layout import meta_flops
 
     from .conftest import TINY
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from mfu_lab.analysis import fp8_numerics as f8
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job import load_job
-from mfu_lab.steps import fp8
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.steps.fp8 import step as fp8
 
 from .conftest import TINY
 
@@ -231,7 +231,7 @@ def test_recipes_follow_torchao():
 def test_a_torchao_failure_is_recorded_and_the_rest_kept(monkeypatch, tiny_job):
     import torch
 
-    from mfu_lab.steps import fp8 as step
+    from mfu_lab.steps.fp8 import step
 
     def broken(*args, **kwargs):
         raise RuntimeError("torchao: float8 needs in_features divisible by 16")
@@ -246,8 +246,8 @@ def test_a_torchao_failure_is_recorded_and_the_rest_kept(monkeypatch, tiny_job):
 def test_the_fp8_reference_is_the_ladders_float32_curve_and_equals_a_fresh_run_of_it(ran):
     """No repeated work (issue 20): a float32 job's FP8 reference is the ladder's float32 curve, not a second
     training; an independent run of the reference's own training reproduces it step for step."""
-    from mfu_lab.core.workload import build_loader
-    from mfu_lab.steps.precision_ladder import train_trial
+    from mfu_lab.core.engine.workload import build_loader
+    from mfu_lab.steps.fp8.precision_ladder import train_trial
 
     job, r = ran
     ref = r.trials[0]

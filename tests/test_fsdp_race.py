@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from mfu_lab.analysis.dp_family import loss_gap, loss_verdict
-from mfu_lab.core.job import JobError, load_job, validate
+from mfu_lab.core.job.schema import JobError, load_job, validate
 from mfu_lab.workers.comm_configs import config_key, config_name, fsdp_configs, is_fsdp, sweep_configs
 
 TINY = "tests/data/tiny.yaml"
@@ -49,8 +49,8 @@ def test_a_lossy_reduce_dtype_is_adopted_only_within_loss_tolerance():
 
 
 def test_the_step_does_not_pick_a_faster_bfloat16_candidate_outside_loss_tolerance():
-    from mfu_lab.steps.attention_comm import CommRow, _loss_check
-    from mfu_lab.steps.attention_race import _pick
+    from mfu_lab.steps.attention_comm.attention_race import _pick
+    from mfu_lab.steps.attention_comm.step import CommRow, _loss_check
 
     default = CommRow("none", 25.0, False, "ok", step_median_s=1.0, step_p10_s=0.98, step_p90_s=1.02, loss=5.0)
     fast = CommRow("fsdp reshard=true prefetch=0 reduce=bfloat16", 0.0, False, "ok", step_median_s=0.5,
@@ -69,10 +69,10 @@ def test_the_step_does_not_pick_a_faster_bfloat16_candidate_outside_loss_toleran
 def test_step_2_races_fsdp2_candidates_at_world_2_with_confirmation_and_loss_check(tmp_path):
     """A real two-rank race: DDP's default (made 150 ms slower per step, a test fault) against FSDP2 candidates;
     the pick is one whose loss is within tolerance, confirmed beside the default in the same launch."""
-    from mfu_lab.core.budget import Clock
-    from mfu_lab.steps import comm_race
-    from mfu_lab.steps.attention_comm import _cfg, _comm_rows, _loss_check
-    from mfu_lab.steps.attention_race import _pick
+    from mfu_lab.core.process.budget import Clock
+    from mfu_lab.steps.attention_comm import comm_race
+    from mfu_lab.steps.attention_comm.attention_race import _pick
+    from mfu_lab.steps.attention_comm.step import _cfg, _comm_rows, _loss_check
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none"], comm_bucket_mb=[25],
                               comm_grad_as_bucket_view=[False], comm_steps=2, comm_warmup_steps=1,
@@ -99,8 +99,8 @@ def test_step_2_races_fsdp2_candidates_at_world_2_with_confirmation_and_loss_che
 def test_an_fsdp_pick_is_not_taken_for_a_ddp_configuration_by_steps_3_and_6(tmp_path):
     import json
 
-    from mfu_lab.analysis.placement_calibration import recommended_comm
-    from mfu_lab.steps import kernels
+    from mfu_lab.analysis.placement.calibration import recommended_comm
+    from mfu_lab.steps.kernels import step as kernels
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
     name = "fsdp reshard=true prefetch=1 reduce=float32"

@@ -15,10 +15,10 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not install
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mfu_lab.analysis.cluster_files import _SPEC, load_cluster  # noqa: E402
+from mfu_lab.analysis.placement.cluster_files import _SPEC, load_cluster  # noqa: E402
 from mfu_lab.cli import main  # noqa: E402
 from mfu_lab.core.errors import JobError  # noqa: E402
-from mfu_lab.core.job import FIELDS, JOB_NAME_RE, load_job  # noqa: E402
+from mfu_lab.core.job.schema import FIELDS, JOB_NAME_RE, load_job  # noqa: E402
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

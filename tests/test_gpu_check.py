@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check as gc  # noqa: E402
 import gpu_check_table as t  # noqa: E402
 
-from mfu_lab.core.job import load_job, validate  # noqa: E402
+from mfu_lab.core.job.schema import load_job, validate  # noqa: E402
 
 
 # ---------------------------------------------------------------------- --steps

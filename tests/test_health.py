@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from mfu_lab.core.health import HealthSampler, HealthSummary, decode_reasons
+from mfu_lab.core.measure.health import HealthSampler, HealthSummary, decode_reasons
 
 
 def test_cpu_run_is_skipped_with_a_reason():
@@ -97,7 +97,7 @@ def test_a_chip_without_a_datasheet_clock_falls_back_to_nvmls_maximum_and_says_s
 
 
 def test_reference_clocks_follow_the_stated_formula():
-    from mfu_lab.core.device import lookup_chip
+    from mfu_lab.core.measure.device import lookup_chip
 
     assert lookup_chip("NVIDIA A100-SXM4-80GB").reference_clock_mhz == pytest.approx(1410, abs=1)  # 312e12/108/2048
     assert round(lookup_chip("NVIDIA H100 80GB HBM3").reference_clock_mhz) == 1830
@@ -108,7 +108,7 @@ def test_reference_clocks_follow_the_stated_formula():
 def test_the_monitor_charges_throttling_against_the_rated_clock_not_nvmls_maximum():
     """The monitor's interval record: busy samples throttled at 1647 MHz on an H100 SXM (rated 1830, NVML max
     1980) lose 1 - 1647/1830 = 10% of their time, not 1 - 1647/1980 = 16.8%."""
-    from mfu_lab.analysis.monitor_read import GpuBin, throttle_seconds
+    from mfu_lab.analysis.monitor.read import GpuBin, throttle_seconds
     from mfu_lab.monitor.context import NvmlProbe
 
     probe = NvmlProbe(0)

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from mfu_lab.cli import main
-from mfu_lab.core import history as hi
-from mfu_lab.core.files import write_json_atomic
+from mfu_lab.core.store import history as hi
+from mfu_lab.core.store.files import write_json_atomic
 from mfu_lab.report import summary as su
 from mfu_lab.report import write_index
 from mfu_lab.report.format import compare_text
@@ -148,7 +148,7 @@ def test_cli_compare_and_history(tmp_path, capsys):
 
 
 def test_history_lists_each_runs_overrides_beside_its_figures(tmp_path, capsys, monkeypatch):
-    from mfu_lab.core import overrides
+    from mfu_lab.core.job import overrides
 
     save(tmp_path, baseline(0.40), "20261129-100000")
     monkeypatch.setenv(overrides.OVERRIDES_ENV, json.dumps({"micro_batch": 4, "attention": "sdpa"}))

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 from markupsafe import Markup
 
-from mfu_lab.core.files import write_json_atomic
 from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.store.files import write_json_atomic
 from mfu_lab.report import index as ix
 from mfu_lab.report import summary as su
 from mfu_lab.report.browser import CHROMIUM_ARGS, ensure_chromium
 from mfu_lab.report.first_screen import first_screen, ledger_bar
 from mfu_lab.report.found import by_gain
 from mfu_lab.report.gains import estimate, first_change
-from mfu_lab.steps import kernels
+from mfu_lab.steps.kernels import step as kernels
 
 DATA = Path(__file__).parent / "data" / "default_run_results.json"
 VIEW = {"width": 1280, "height": 800}
@@ -100,7 +100,7 @@ def test_a_measured_loader_pick_ranks_above_a_bound_on_the_same_data_wait():
     """Step 1's loader race measured its pick 1.50x side by side (so about 33% of the step); step 3's profile says
     up to 45% of its step waits for data, on the job's own loader. Both are about the data wait: the bound ranks
     no higher than what the measured change gave, and the first thing to change is the measured pick."""
-    from mfu_lab.steps.baseline import _data_advice
+    from mfu_lab.steps.baseline.step import _data_advice
 
     results = stored()
     b = results["baseline"]

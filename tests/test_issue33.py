@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mfu_lab.core import device as dev
 from mfu_lab.core.errors import DeviceError
+from mfu_lab.core.measure import device as dev
 
 T = 1e12
 H200 = dev.DeviceInfo("cuda", "NVIDIA H200", 0, "9.0", None)
@@ -50,7 +50,7 @@ def test_a_cpu_dtype_without_an_override_is_measured(monkeypatch, tmp_path):
 def test_peak_flops_per_dtype_from_a_job_file_and_from_the_command_line(tmp_path):
     from mfu_lab.cli import parse_overrides
     from mfu_lab.core.errors import JobError
-    from mfu_lab.core.job import load_job
+    from mfu_lab.core.job.schema import load_job
 
     p = tmp_path / "job.yaml"
     p.write_text("peak_flops: {float32: 6.7e13, bfloat16: 9.9e14}\n")
@@ -67,7 +67,7 @@ def test_peak_flops_per_dtype_from_a_job_file_and_from_the_command_line(tmp_path
 
 
 def _rung(name, dtype, peak, row, speedup=2.0):
-    from mfu_lab.steps.verify import Rung
+    from mfu_lab.steps.verify.step import Rung
 
     return Rung(name, {}, "ok", dtype=dtype, peak_flops_per_s=peak, peak_source="datasheet", peak_precision=row,
                 mfu=0.3, speedup=speedup, speedup_low=speedup * 0.9, speedup_high=speedup * 1.1)
@@ -76,7 +76,7 @@ def _rung(name, dtype, peak, row, speedup=2.0):
 def test_step7_keys_peaks_by_dtype_and_matmul_precision_on_a_gpu(tiny_job):
     import dataclasses
 
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     job = dataclasses.replace(tiny_job, dtype="float32", matmul_precision="highest", peak_flops=6.0e13)
     wanted = {("float32", "highest"), ("float32", "high"), ("bfloat16", "high")}
@@ -93,7 +93,7 @@ def test_step7_keys_peaks_by_dtype_and_matmul_precision_on_a_gpu(tiny_job):
 def test_step7_on_a_gpu_without_a_row_takes_the_mapping_and_says_what_it_needs(tiny_job):
     import dataclasses
 
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     job = dataclasses.replace(tiny_job, dtype="float32", matmul_precision="highest",
                               peak_flops={"float32": 6.7e13, "bfloat16": 9.9e14})
@@ -123,8 +123,8 @@ def test_a_launch_warms_up_each_configuration_by_the_rule_and_records_it(tiny_jo
     the rule gives (the job asks for none), recorded in the worker's events."""
     import dataclasses
 
-    from mfu_lab.core.budget import Clock
-    from mfu_lab.steps import comm_race
+    from mfu_lab.core.process.budget import Clock
+    from mfu_lab.steps.attention_comm import comm_race
     from mfu_lab.workers.launch import config_key
 
     job = dataclasses.replace(tiny_job, comm_hooks=["none", "powersgd"], comm_bucket_mb=[25],
@@ -146,7 +146,7 @@ def test_step7s_ddp_check_records_the_warmup_of_each_configuration(tiny_job, mon
     import dataclasses
 
     from mfu_lab.analysis.tuning import Change
-    from mfu_lab.steps import verify_ddp
+    from mfu_lab.steps.verify import ddp as verify_ddp
     from mfu_lab.workers.launch import Alternation, config_key
 
     job = dataclasses.replace(tiny_job, comm_warmup_steps=1, verify_rounds=2)
@@ -162,7 +162,7 @@ def test_step7s_ddp_check_records_the_warmup_of_each_configuration(tiny_job, mon
 
 # ------------------------------------------------------------------ item 8: exposed communication from medians
 def test_the_ddp_ledger_takes_medians_so_a_slow_first_no_sync_step_does_not_hide_communication():
-    from mfu_lab.steps.attention_comm import CommRow, _ddp_ledger
+    from mfu_lab.steps.attention_comm.step import CommRow, _ddp_ledger
 
     # with communication: 100 ms steps; under no_sync 80 ms, but the first no_sync step started the loader (400 ms)
     ev = {"wall_s": [0.100, 0.101, 0.099, 0.100, 0.300], "data_s": [0.010, 0.010, 0.011, 0.010, 0.200],
@@ -195,7 +195,7 @@ def test_writing_to_a_dead_rungs_process_is_a_runtime_error_naming_its_exit(tmp_
 def test_a_rung_whose_pipe_breaks_is_recorded_failed_and_the_step_goes_on(tiny_job, monkeypatch):
     import dataclasses
 
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     from .test_verify import _store, step2
 
@@ -258,7 +258,7 @@ def test_step7_refuses_the_job_before_starting_anything(tiny_job, monkeypatch):
     import torch
 
     from mfu_lab.core.errors import JobError
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     from .test_verify import _store, step2
 
@@ -305,7 +305,7 @@ def test_emulated_fp8_matmuls_stay_float32_under_the_callers_autocast():
 def test_interleaved_rounds_alternate_candidates_and_spread_the_steps():
     """Issue 33 item 12: FP8 and bf16 are timed in interleaved rounds (order reversed every other round), not each
     once in turn; every step asked for is timed."""
-    from mfu_lab.core.measure import interleaved
+    from mfu_lab.core.measure.timed import interleaved
 
     calls = []
 
@@ -331,8 +331,8 @@ def test_real_fp8_speed_pads_the_inner_dimension(monkeypatch):
 
     import torch
 
-    from mfu_lab.core.job import load_job
-    from mfu_lab.steps import fp8
+    from mfu_lab.core.job.schema import load_job
+    from mfu_lab.steps.fp8 import step as fp8
 
     @dataclasses.dataclass
     class Config:
@@ -372,7 +372,7 @@ def test_nvml_pids_from_another_pid_namespace_cannot_mark_the_gpu_shared(tmp_pat
     """Issue 33 item 13: in a container on an older driver NVML returns host pids, so the workbook's own process
     looked like 'another process on the GPU'. A pid this machine's /proc does not hold is reported as not known,
     never as a neighbour; a pid /proc holds (not ours) is still another process."""
-    from mfu_lab.core.contention import Contention, sort_gpu_pids
+    from mfu_lab.core.measure.contention import Contention, sort_gpu_pids
 
     proc = tmp_path / "proc"
     for pid in (1, 4242):
@@ -417,11 +417,11 @@ def test_every_launcher_has_a_work_folder_of_its_own(tmp_path, monkeypatch, tiny
     import subprocess
     import sys
 
-    from mfu_lab.core.nodes import launcher_folder
-    from mfu_lab.steps import kernels
+    from mfu_lab.core.store.nodes import launcher_folder
+    from mfu_lab.steps.kernels import step as kernels
 
     base = tmp_path / "03_kernels" / "ddp"
-    code = f"from mfu_lab.core.nodes import launcher_folder; print(launcher_folder({str(base)!r}))"
+    code = f"from mfu_lab.core.store.nodes import launcher_folder; print(launcher_folder({str(base)!r}))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     here = launcher_folder(base)
     assert here.parent == base and str(here) != other and Path(other).parent == base

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job import FIELDS, Job, from_namespace, load_job, validate
+from mfu_lab.core.job.schema import FIELDS, Job, from_namespace, load_job, validate
 
 from .conftest import ROOT
 
@@ -160,7 +160,7 @@ def test_cross_key_checks_are_reported_with_the_other_problems(tmp_path):
 def test_papermill_sees_every_key_in_every_notebook():
     import papermill
 
-    from mfu_lab.core.job import FIELDS
+    from mfu_lab.core.job.schema import FIELDS
     from mfu_lab.core.registry import STEPS
 
     for nb in [ROOT / "notebooks" / info.notebook for info in STEPS]:

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from mfu_lab.analysis import trace as tr
+from mfu_lab.analysis.trace import breakdown as tr
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job import load_job
-from mfu_lab.core.measure import profile_steps
-from mfu_lab.steps import baseline, kernels
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.measure.timed import profile_steps
+from mfu_lab.steps.baseline import step as baseline
+from mfu_lab.steps.kernels import step as kernels
 
 from .conftest import TINY
 from .test_e2e import assert_offline
@@ -221,7 +222,7 @@ def test_a_layout_job_traces_every_rank_with_collectives_as_categories(in_layout
 @pytest.mark.e2e
 def test_a_layout_jobs_report_and_index_say_which_layout_ran(in_layout):
     from mfu_lab import report
-    from mfu_lab.report.tables_kernels import compare_line
+    from mfu_lab.report.tables.kernels import compare_line
 
     job, r = in_layout["TP2"]
     view = report.layout_view(r) + report.ranks_view(r)

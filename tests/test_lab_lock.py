@@ -16,17 +16,17 @@ import pytest
 
 from mfu_lab import lab
 from mfu_lab.cli import main
-from mfu_lab.core import faults
-from mfu_lab.core.history import RUN_ENV
-from mfu_lab.core.job import Job
+from mfu_lab.core.job.schema import Job
+from mfu_lab.core.process import faults
 from mfu_lab.core.registry import STEPS
-from mfu_lab.core.runstate import JobBusy, job_lock
-from mfu_lab.core.steplock import lock_holder
+from mfu_lab.core.store.history import RUN_ENV
+from mfu_lab.core.store.runstate import JobBusy, job_lock
+from mfu_lab.core.store.steplock import lock_holder
 
 from .conftest import ROOT, TINY
 
 OTHER_RUN = "20261202-000000"
-HOLD = ("import sys, time\nfrom pathlib import Path\nfrom mfu_lab.core.runstate import job_lock\n"
+HOLD = ("import sys, time\nfrom pathlib import Path\nfrom mfu_lab.core.store.runstate import job_lock\n"
         "with job_lock(Path(sys.argv[1]), sys.argv[2]):\n    print('held', flush=True)\n    time.sleep(120)\n")
 
 

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from mfu_lab.analysis import placement_model as pl
-from mfu_lab.analysis import placement_strategies as ps
-from mfu_lab.analysis.cluster_files import load_cluster
-from mfu_lab.analysis.layout_calibration import GLOO_WHY, fit_link, layout_calibration, tp_points
+from mfu_lab.analysis.layouts.calibration import GLOO_WHY, fit_link, layout_calibration, tp_points
+from mfu_lab.analysis.placement import model as pl
+from mfu_lab.analysis.placement import strategies as ps
+from mfu_lab.analysis.placement.cluster_files import load_cluster
 
 from .conftest import ROOT
 

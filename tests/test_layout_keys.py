@@ -4,9 +4,9 @@ is most of it)."""
 
 import pytest
 
+from mfu_lab.core.engine.layout_check import check_layout, dp_degree, model_shape, read_shape
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job import Job, load_job, validate
-from mfu_lab.core.layout_check import check_layout, dp_degree, model_shape, read_shape
+from mfu_lab.core.job.schema import Job, load_job, validate
 
 TINY = "tests.fixtures.tiny_models"
 

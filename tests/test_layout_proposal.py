@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from mfu_lab.analysis import tuning
-from mfu_lab.analysis.layout_proposal import faster_layout, is_own_layout, layout_keys
-from mfu_lab.core.job import load_job
+from mfu_lab.analysis.layouts.proposal import faster_layout, is_own_layout, layout_keys
+from mfu_lab.core.job.schema import load_job
 
 TINY = "tests/data/tiny.yaml"
 
@@ -106,8 +106,8 @@ def test_step_2s_fsdp_pick_is_a_layout_change_and_step_6s_pick_replaces_it():
 
 
 def test_step7_verifies_a_layout_change_side_by_side_under_torchrun(monkeypatch, tmp_path):
-    from mfu_lab.steps import verify_layout
-    from mfu_lab.steps.verify_ddp import UNDER_TORCHRUN, torchrun_reason
+    from mfu_lab.steps.verify import layout as verify_layout
+    from mfu_lab.steps.verify.ddp import UNDER_TORCHRUN, torchrun_reason
 
     job = dataclasses.replace(_job(), verify_rounds=3)
     chosen = tuning.changes(job, {"placement": _placement(_entry("ddp2", 0.100, 0.098, 0.102),
@@ -134,7 +134,7 @@ def test_step7_verifies_a_layout_change_side_by_side_under_torchrun(monkeypatch,
 
 
 def test_step7_withdraws_a_layout_it_does_not_find_faster(monkeypatch, tmp_path):
-    from mfu_lab.steps import verify_layout
+    from mfu_lab.steps.verify import layout as verify_layout
 
     job = dataclasses.replace(_job(), verify_rounds=2)
     chosen = tuning.changes(job, {"placement": _placement(_entry("ddp2", 0.100, 0.098, 0.102),

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.job import load_job
-from mfu_lab.steps import baseline, fit
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.steps import fit
+from mfu_lab.steps.baseline import step as baseline
 
 from .conftest import ROOT, TINY, in_process
 
@@ -23,7 +24,7 @@ def test_steps_1_and_7_run_a_tp_sp_job_in_its_layout_through_papermill(tmp_path)
     assert lay["loss_check"]["passed"] and lay["loss_check"]["reference"].startswith("single process")
     assert lay["loss_check"]["max_rel_gap"] <= lay["loss_check"]["tolerance"]
     kinds = {c["kind"]: c for c in lay["collective_rows"]}
-    # TP with SP: every all-reduce of the block becomes an all-gather + a reduce-scatter (analysis.layout_terms)
+    # TP with SP: every all-reduce of the block becomes an all-gather + a reduce-scatter (analysis.layouts.terms)
     assert kinds["allgather"]["count"] > 0 and kinds["reduce_scatter"]["count"] > 0
     # counted bytes equal the closed form exactly: 4 all-gathers + 4 reduce-scatters of b*s*h*4 per layer, 2 more
     # all-gathers at the region's ends, each LayerNorm gradient all-reduced once
@@ -73,7 +74,7 @@ def test_a_job_that_does_not_fit_is_told_which_layouts_would_before_anything_is_
 
 
 def test_step_2_times_attention_and_leaves_ddp_settings_alone_for_a_job_in_a_layout(tmp_path):
-    from mfu_lab.steps import attention_comm
+    from mfu_lab.steps.attention_comm import step as attention_comm
 
     job = load_job(TINY, {"out_dir": str(tmp_path), "dp_mode": "fsdp"})
     r = attention_comm.run(job, progress=lambda s: None, write=False)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from mfu_lab.analysis import layout_terms as lt
-from mfu_lab.analysis import placement_model as pl
-from mfu_lab.core.job import Job
-from mfu_lab.core.meta_shape import job_shape
+from mfu_lab.analysis.layouts import terms as lt
+from mfu_lab.analysis.placement import model as pl
+from mfu_lab.core.engine.meta_shape import job_shape
+from mfu_lab.core.job.schema import Job
 
 
 def llama_7b():

@@ -11,8 +11,8 @@ import json
 import psutil
 import pytest
 
-from mfu_lab.core.job import validate
-from mfu_lab.core.layout import Layout
+from mfu_lab.core.engine.layout import Layout
+from mfu_lab.core.job.schema import validate
 from mfu_lab.workers.layout_launch import LayoutRun, run_layout, run_layouts
 from mfu_lab.workers.layout_rank import TOLERANCE
 
@@ -167,7 +167,7 @@ def test_a_hang_is_ended_by_the_watchdog_and_no_process_is_left(tmp_path):
 def test_split_qkv_keeps_the_results_and_the_flops():
     import torch
 
-    from mfu_lab.core.workload import build_model
+    from mfu_lab.core.engine.workload import build_model
 
     j = job()
     fused, split = build_model(j), build_model(j)

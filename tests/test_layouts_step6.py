@@ -2,7 +2,7 @@
 (issue 29, items 1, 2 and 5).
 
 One torchrun launch (gloo, 2 ranks) runs the default job's small variant (benchmarks/bench_layouts.py's QUICK) in
-all 8 layouts through the step's own machinery (steps.placement_layouts.measure_layouts), 2 timed steps each: about
+all 8 layouts through the step's own machinery (steps.placement.layouts.measure_layouts), 2 timed steps each: about
 60 s on an idle 2-core machine. Counted terms are held exactly; measured ones (times, bubble, memory) only for being
 there with a ratio, never for their size.
 """
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mfu_lab.analysis import layout_terms as lt
-from mfu_lab.analysis import placement_model as pl
-from mfu_lab.analysis.node_layouts import calibration_rows, layout_entry, node_layouts, ratio_table
+from mfu_lab.analysis.layouts import terms as lt
+from mfu_lab.analysis.layouts.node_layouts import calibration_rows, layout_entry, node_layouts, ratio_table
+from mfu_lab.analysis.placement import model as pl
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = dict(n_layers=4, n_heads=4, d_model=64, seq_len=32, vocab_size=256, micro_batch=8)
@@ -87,10 +87,10 @@ def test_a_failed_layout_keeps_its_reason_and_no_terms():
 # ------------------------------------------------------------------ measured on this node (one launch)
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from mfu_lab.core import device as dev
-    from mfu_lab.core.job import load_job
-    from mfu_lab.steps.placement import job_shape
-    from mfu_lab.steps.placement_layouts import measure_layouts
+    from mfu_lab.core.job.schema import load_job
+    from mfu_lab.core.measure import device as dev
+    from mfu_lab.steps.placement.layouts import measure_layouts
+    from mfu_lab.steps.placement.step import job_shape
 
     out = tmp_path_factory.mktemp("layouts")
     job = load_job(ROOT / "parameters" / "default.yaml",
@@ -167,7 +167,7 @@ def test_rows_say_what_was_calibrated_here(measured):
 
 def test_the_report_shows_the_layouts_table(measured):
     from mfu_lab import plots
-    from mfu_lab.report.tables_placement import layouts_table
+    from mfu_lab.report.tables.placement import layouts_table
 
     entries, about, _, _ = measured
     r = SimpleNamespace(layouts=list(entries.values()), layouts_run=about)
@@ -179,8 +179,8 @@ def test_the_report_shows_the_layouts_table(measured):
 
 
 def test_gloo_times_are_shown_beside_the_model_and_never_calibrate(measured):
-    from mfu_lab.analysis import placement_model as pl
-    from mfu_lab.analysis.layout_calibration import GLOO_WHY, layout_calibration
+    from mfu_lab.analysis.layouts.calibration import GLOO_WHY, layout_calibration
+    from mfu_lab.analysis.placement import model as pl
 
     entries, about, _, _ = measured
     # the TP term carries its counted collectives a layer: tp2's and tp2-sp's messages are the same b*s*h*bytes

@@ -2,8 +2,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mfu_lab.core.health import HealthSummary
-from mfu_lab.core.ledger import (
+from mfu_lab.core.measure.health import HealthSummary
+from mfu_lab.core.measure.ledger import (
     ORDER,
     HardwareFlops,
     Ledger,
@@ -13,8 +13,8 @@ from mfu_lab.core.ledger import (
     trace_ledger,
     upgrade,
 )
-from mfu_lab.core.measure import Timings
-from mfu_lab.core.results import jsonable, rebuild
+from mfu_lab.core.measure.timed import Timings
+from mfu_lab.core.store.results import jsonable, rebuild
 
 CPU = HealthSummary(False, "CPU run")
 HW = HardwareFlops(1.1, "analytic", "activation checkpointing 10.0% of model FLOPs")
@@ -127,7 +127,7 @@ def test_an_earlier_runs_hardware_item_reads_back_as_compute_efficiency():
 
 
 def test_layout_ledger_names_collectives_by_kind_and_counts_the_bubble_once():
-    from mfu_lab.core.ledger import layout_ledger
+    from mfu_lab.core.measure.ledger import layout_ledger
 
     led = layout_ledger(0.30, {"allgather": 0.05, "reduce_scatter": 0.03, "recv": 0.08, "send": 0.01}, 0.12, 0.02,
                         "PP2 1f1b m4", 2)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mfu_lab.core.measure import percentile, run_steps, stats
+from mfu_lab.core.measure.timed import percentile, run_steps, stats
 
 
 def test_stats_match_numpy():
@@ -52,7 +52,7 @@ def test_no_profiled_step_pays_for_the_trace_export(tmp_path, monkeypatch):
     """The export runs after the loop: an export made 2 s slower on purpose shows in no step's time."""
     from torch.profiler import profile
 
-    from mfu_lab.core.measure import profile_steps
+    from mfu_lab.core.measure.timed import profile_steps
 
     real = profile.export_chrome_trace
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mfu_lab.analysis.monitor_read import throttle_seconds
-from mfu_lab.analysis.monitor_summary import summarise
+from mfu_lab.analysis.monitor.read import throttle_seconds
+from mfu_lab.analysis.monitor.summary import summarise
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.monitor_files import RecordWriter, rank_files, record_path
+from mfu_lab.core.store.monitor_files import RecordWriter, rank_files, record_path
 from mfu_lab.monitor import Monitor
 from mfu_lab.monitor.comm import CommTimer, union_seconds
 from mfu_lab.monitor.context import launch_id, parse_scontrol
@@ -276,7 +276,7 @@ def test_tensorboard_gets_the_same_figures_when_asked(tmp_path):
 
 
 def test_the_index_shows_the_monitor_and_its_operations_loss_enters_the_ledger(tmp_path, two_ranks):
-    from mfu_lab.core.files import write_json_atomic
+    from mfu_lab.core.store.files import write_json_atomic
     from mfu_lab.report import write_index
     from mfu_lab.report.index import _ledgers
     from mfu_lab.steps import monitor

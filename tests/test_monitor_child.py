@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HANG = """
 import os, sys, time
 from pathlib import Path
-import mfu_lab.analysis.trace_window as w
+import mfu_lab.analysis.trace.window as w
 pid_file = Path(os.environ["MFU_LAB_TEST_PID_FILE"])
 def analyse_window(path, keep, name):  # says who it is, then never answers
     pid_file.write_text(str(os.getpid()))

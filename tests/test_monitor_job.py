@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mfu_lab.core.monitor_files import RecordWriter, rank_files, record_path
+from mfu_lab.core.store.monitor_files import RecordWriter, rank_files, record_path
 from mfu_lab.monitor import Monitor
 
 L, H, D, T, V, B = 2, 4, 64, 32, 256, 4  # a nanoGPT-shaped GPT small enough for a slow CPU

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mfu_lab.analysis.monitor_summary import summarise
+from mfu_lab.analysis.monitor.summary import summarise
 from mfu_lab.cli import main
 from mfu_lab.core.errors import JobError
 from mfu_lab.steps import monitor
@@ -125,7 +125,7 @@ def test_a_folder_of_nothing_but_bad_records_still_reports(tmp_path, monkeypatch
     _write(folder / "h-rank0.jsonl", [_start(0) | {"world": "two"}, _interval(0, 0) | {"wall_s": "abc"},
                                       _interval(0, 1) | {"t": "soon"}], raw=['{"kind": "interval", "t": 1'])
     out, s = _report(folder, tmp_path, monkeypatch, capsys)
-    # a t that is not a number is a line the file reader itself skips (core.monitor_files): named by its line
+    # a t that is not a number is a line the file reader itself skips (core.store.monitor_files): named by its line
     assert s["read"]["skipped_records"] == 2 and s["read"]["skipped_lines"] == 2
     assert "nothing to judge" in s["verdict"]
     assert "start: world" in out and "interval: wall_s" in out and "h-rank0.jsonl:3" in out

@@ -9,12 +9,13 @@ import json
 import pytest
 
 from mfu_lab.cli import cmd_report
-from mfu_lab.core import nodes, store
-from mfu_lab.core.files import RESULT_FILE
-from mfu_lab.core.history import HISTORY_FILE
-from mfu_lab.core.job import load_job
-from mfu_lab.core.results import Metric
-from mfu_lab.steps import baseline
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.store import nodes
+from mfu_lab.core.store import step_results as store
+from mfu_lab.core.store.files import RESULT_FILE
+from mfu_lab.core.store.history import HISTORY_FILE
+from mfu_lab.core.store.results import Metric
+from mfu_lab.steps.baseline import step as baseline
 
 from .conftest import TINY
 

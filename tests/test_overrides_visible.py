@@ -15,11 +15,11 @@ from pathlib import Path
 import yaml
 
 from mfu_lab.analysis import tuning
-from mfu_lab.core import overrides as ov
-from mfu_lab.core.files import read_json, write_json_atomic
-from mfu_lab.core.job import load_job
+from mfu_lab.core.job import overrides as ov
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.measure.environment import environment
 from mfu_lab.core.registry import BY_KEY, STEPS
-from mfu_lab.core.results import environment
+from mfu_lab.core.store.files import read_json, write_json_atomic
 from mfu_lab.report import index as ix
 from mfu_lab.report import summary as su
 from mfu_lab.report.first_screen import first_screen
@@ -45,7 +45,7 @@ def job_folder(root: Path, results: dict) -> Path:
 def test_the_runner_hands_the_overrides_down_and_every_result_records_them(monkeypatch):
     monkeypatch.delenv(ov.OVERRIDES_ENV, raising=False)
     assert environment("cpu", "cpu")["overrides"] == {}  # none: recorded as none
-    with ov.overrides_set({"micro_batch": 16, "budget_min": 5, "out_dir": "/tmp/x"}) as kept:
+    with overrides_set({"micro_batch": 16, "budget_min": 5, "out_dir": "/tmp/x"}) as kept:
         assert kept == {"micro_batch": 16, "budget_min": 5}  # out_dir is where, not what
         assert json.loads(os.environ[ov.OVERRIDES_ENV]) == kept  # what a notebook's kernel inherits
         assert environment("cpu", "cpu")["overrides"] == {"micro_batch": 16, "budget_min": 5}
@@ -137,7 +137,7 @@ def test_tuned_yaml_comments_every_value_that_came_from_the_command_line(tmp_pat
 
 
 def test_tuned_yaml_reads_the_runs_overrides_by_default(tmp_path):
-    with ov.overrides_set({"micro_batch": 2}):
+    with overrides_set({"micro_batch": 2}):
         _, text = _tuned(tmp_path, None)
     assert "micro_batch: 2  # from the command line (-p micro_batch=2)" in text
 

@@ -30,7 +30,7 @@ def test_a_plot_that_cannot_be_drawn_says_why_in_one_sentence():
     from types import SimpleNamespace
 
     from mfu_lab import plots
-    from mfu_lab.analysis.placement_check import Check
+    from mfu_lab.analysis.placement.check import Check
 
     check = plots.model_check(SimpleNamespace(check=Check(False, "step 2 has not run for this job")))
     assert not check and "step 2 has not run" in check._repr_markdown_()
@@ -44,9 +44,9 @@ def test_the_index_never_links_an_earlier_runs_report_to_a_newer_result(tmp_path
     import dataclasses
     import os
 
-    from mfu_lab.core.job import load_job
+    from mfu_lab.core.job.schema import load_job
     from mfu_lab.report import write_index
-    from mfu_lab.steps import baseline
+    from mfu_lab.steps.baseline import step as baseline
 
     from .conftest import TINY
 
@@ -101,7 +101,7 @@ def test_a_mistake_in_a_p_override_is_the_command_lines_not_the_files(tmp_path):
     import pytest
 
     from mfu_lab.core.errors import JobError
-    from mfu_lab.core.job import load_job
+    from mfu_lab.core.job.schema import load_job
 
     from .conftest import TINY
 

@@ -1,13 +1,13 @@
-"""One peak per machine (core.peak_cache): measured once per machine and dtype, kept with its conditions, re-checked
-with five short probes; a lower re-check is contention, a higher one a stale cache."""
+"""One peak per machine (core.measure.peak_cache): measured once per machine and dtype, kept with its conditions,
+re-checked with five short probes; a lower re-check is contention, a higher one a stale cache."""
 
 import json
 
 import pytest
 import torch
 
-from mfu_lab.core import device as dev
-from mfu_lab.core import peak_cache
+from mfu_lab.core.measure import device as dev
+from mfu_lab.core.measure import peak_cache
 
 CPU = dev.DeviceInfo("cpu", "test cpu", None, None, 1)
 

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from mfu_lab.analysis import placement_model as pl
-from mfu_lab.analysis import placement_strategies as ps
-from mfu_lab.analysis import scheduler_sim as sim
-from mfu_lab.analysis.cluster_files import (
+from mfu_lab.analysis.placement import model as pl
+from mfu_lab.analysis.placement import scheduler_sim as sim
+from mfu_lab.analysis.placement import strategies as ps
+from mfu_lab.analysis.placement.cluster_files import (
     ClusterError,
     QueueEntry,
     expand_hostlist,
@@ -18,7 +18,7 @@ from mfu_lab.analysis.cluster_files import (
     parse_topology_conf,
 )
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job import load_job
+from mfu_lab.core.job.schema import load_job
 
 from .conftest import ROOT, TINY
 
@@ -277,8 +277,8 @@ def test_job_keys_for_placement_are_checked():
 
 # ------------------------------------------------------------------ the step
 def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
-    from mfu_lab.analysis.placement_check import Coloc, model_check
-    from mfu_lab.core import device as dev
+    from mfu_lab.analysis.placement.check import Coloc, model_check
+    from mfu_lab.core.measure import device as dev
 
     device = dev.DeviceInfo("cpu", "SomeCPU", None, None, 2)
     table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, 2, 2.0, 1e-4)} for b in (2 ** 12, 2 ** 18, 2 ** 24)]
@@ -316,8 +316,8 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
 
 
 def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job, monkeypatch):
-    from mfu_lab.core.files import read_json
-    from mfu_lab.steps import placement
+    from mfu_lab.core.store.files import read_json
+    from mfu_lab.steps.placement import step as placement
 
     # the node's layouts are launched in tests/test_layouts_step6.py; here their entries as the step files them
     seen = {}
@@ -358,7 +358,7 @@ def test_step_runs_in_plain_python_and_labels_cluster_figures_modelled(tiny_job,
 
 
 def test_a_missing_cluster_file_stops_the_step_before_any_work(tiny_job):
-    from mfu_lab.steps import placement
+    from mfu_lab.steps.placement import step as placement
 
     job = dataclasses.replace(tiny_job, cluster="parameters/clusters/nope.yaml")
     with pytest.raises(ClusterError, match="no such cluster file"):
@@ -389,7 +389,7 @@ def test_notebook_runs_under_papermill_after_the_other_steps(full_run):
 
 
 def test_calibration_uses_measurements_only_from_the_clusters_gpu(tiny_job):
-    from mfu_lab.analysis.placement_calibration import calibrate
+    from mfu_lab.analysis.placement.calibration import calibrate
 
     c = load_cluster(CLUSTERS / "example_h100.yaml")
     table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, 8, 300.0, 5e-6)} for b in (2 ** 20, 2 ** 24, 2 ** 28)]

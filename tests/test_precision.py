@@ -7,11 +7,11 @@ import json
 import pytest
 
 from mfu_lab.analysis import precision as pr
-from mfu_lab.core import device as dev
-from mfu_lab.core.job import load_job
-from mfu_lab.core.results import jsonable
-from mfu_lab.steps import fp8
-from mfu_lab.steps import precision_ladder as pl
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.measure import device as dev
+from mfu_lab.core.store.results import jsonable
+from mfu_lab.steps.fp8 import precision_ladder as pl
+from mfu_lab.steps.fp8 import step as fp8
 
 from .conftest import TINY
 
@@ -193,7 +193,7 @@ def test_the_precision_ladder_round_trips_and_draws(broken):
     back = fp8.Fp8Result.from_dict(d)
     assert back.precision["choice"] == json.loads(json.dumps(jsonable(r.precision["choice"])))
     from mfu_lab import plots
-    from mfu_lab.report.tables_fp8 import fp8_section, precision_table
+    from mfu_lab.report.tables.fp8 import fp8_section, precision_table
 
     plots.precision(back)
     html = str(precision_table(back))
@@ -207,7 +207,7 @@ def test_an_older_result_without_the_precision_ladder_still_loads(broken):
     old = fp8.Fp8Result.from_dict(d)
     assert old.precision == {} and old.choice == r.choice
     assert fp8.advise(old)[0].message == r.choice["text"]  # the FP8 advice leads when there is no ladder
-    from mfu_lab.report.tables_fp8 import fp8_section, precision_table
+    from mfu_lab.report.tables.fp8 import fp8_section, precision_table
 
     assert "Precision ladder" not in str(fp8_section(d)) and "No precision ladder" in str(precision_table(old))
 
@@ -240,7 +240,7 @@ def spy_ladder(monkeypatch, tmp_path, rates, **changes):
     (training and timing both build a model), and which rungs were timed."""
     from types import SimpleNamespace
 
-    from mfu_lab.core.workload import build_loader
+    from mfu_lab.core.engine.workload import build_loader
 
     fake_probe(monkeypatch, rates)
     built, timed = [], []
@@ -286,7 +286,7 @@ def test_a_rung_whose_probe_cannot_reach_float32s_is_neither_trained_nor_timed(m
     assert "bfloat16 cannot be faster here (its matmul probe reached 1 GFLOP/s" in text
     assert "ruled out before any training by 5 matmul probes" in text
     from mfu_lab import plots
-    from mfu_lab.report.tables_fp8 import precision_table
+    from mfu_lab.report.tables.fp8 import precision_table
 
     html = str(precision_table(result))
     assert "cannot be faster here" in html and "1 GFLOP/s" in html and "float32 100" in html

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from mfu_lab.core import procs
+from mfu_lab.core.process import procs
 
 pytestmark = pytest.mark.skipif(not procs.HAS_PDEATHSIG, reason="PDEATHSIG (prctl) is Linux's")
 
 ROOT = Path(__file__).resolve().parents[1]
 # procs.py imports nothing of mfu_lab: loading it by path spares a process the package's (torch's) import time
 LOAD_PROCS = ("import importlib.util as _u; _s = _u.spec_from_file_location('procs', {!r}); procs = "
-              "_u.module_from_spec(_s); _s.loader.exec_module(procs)").format(str(ROOT / "mfu_lab/core/procs.py"))
+              "_u.module_from_spec(_s); _s.loader.exec_module(procs)").format(
+                  str(ROOT / "mfu_lab/core/process/procs.py"))
 PRELUDE = ("import signal, sys, time; from pathlib import Path; "
            "signal.signal(signal.SIGINT, signal.default_int_handler)\n")  # a background pytest ignores SIGINT
 UP_S = 120.0  # bound on a start-up (imports of torch, a kernel, torchrun's rendezvous on 2 busy cores)
@@ -191,7 +192,7 @@ def test_die_with_parent_in_a_process_we_did_not_start(tree):
 # ------------------------------------------------------------------ every place that starts processes
 # Each place: (the parent's program, how many processes write their pid, the signal its parent gets). They run at
 # once (their start-ups overlap), each in a tree of its own; every signal meets a real place.
-JOB = "from mfu_lab.core.job import load_job; job = load_job('tests/data/tiny.yaml')\n"
+JOB = "from mfu_lab.core.job.schema import load_job; job = load_job('tests/data/tiny.yaml')\n"
 
 
 def _launch(t: Tree) -> str:
@@ -209,7 +210,7 @@ L.launch(job, {{}}, Path({str(t.tmp / 'work')!r}), 0, 1, 2)
 
 def _compile(t: Tree) -> str:
     return f"""
-from mfu_lab.steps import compile as c
+from mfu_lab.steps.compile import step as c
 sys.executable = {str(t.stand_in)!r}
 c.run_worker({{"label": "eager", "mode": "eager"}}, Path({str(t.tmp / 'work')!r}), Path("cache"), 600, print)
 """
@@ -218,7 +219,7 @@ c.run_worker({{"label": "eager", "mode": "eager"}}, Path({str(t.tmp / 'work')!r}
 def _rungs(t: Tree) -> str:
     """Two verify rungs; SIGTERM taken as Ctrl-C: close() ends them at once, without its 10 s wait for "quit"."""
     return f"""
-from mfu_lab.core import procs
+from mfu_lab.core.process import procs
 from mfu_lab.workers.verify_rung import RungProcess
 sys.executable = {str(t.stand_in)!r}
 with procs.interrupt_on_sigterm():
@@ -234,7 +235,7 @@ with procs.interrupt_on_sigterm():
 
 def _coloc(t: Tree) -> str:
     return JOB + f"""
-from mfu_lab.steps import placement_coloc as pc
+from mfu_lab.steps.placement import coloc as pc
 sys.executable = {str(t.stand_in)!r}
 pc.colocate(job, Path({str(t.tmp / 'work')!r}), "cpu", print)
 """
@@ -264,9 +265,9 @@ def _lab(t: Tree) -> str:
 
 PLACES = {  # name: (program, processes that say they are up, signal to the parent, processes below it)
     "torchrun and its ranks (workers.launch)": (_launch, 2, signal.SIGKILL, 3),
-    "compile trial (steps.compile)": (_compile, 1, signal.SIGTERM, 1),  # a kernel's default: it just ends
+    "compile trial (steps.compile.step)": (_compile, 1, signal.SIGTERM, 1),  # a kernel's default: it just ends
     "verify rungs (workers.verify_rung)": (_rungs, 2, signal.SIGTERM, 2),
-    "co-located copies (steps.placement_coloc)": (_coloc, 1, signal.SIGINT, 1),
+    "co-located copies (steps.placement.coloc)": (_coloc, 1, signal.SIGINT, 1),
     "kernel and its child (runner), SIGKILL": (_kernel, 2, signal.SIGKILL, 2),
     "kernel and its child (runner), SIGTERM": (_kernel, 2, signal.SIGTERM, 2),
     "JupyterLab (lab)": (_lab, 1, signal.SIGKILL, 1),

@@ -11,9 +11,10 @@ import re
 import pytest
 
 from mfu_lab import cli
-from mfu_lab.core import budget, contention
-from mfu_lab.core.contention import Contention
-from mfu_lab.core.progress import GAP_S, Heartbeat, Progress, printer
+from mfu_lab.core.measure import contention
+from mfu_lab.core.measure.contention import Contention
+from mfu_lab.core.process import budget
+from mfu_lab.core.process.progress import GAP_S, Heartbeat, Progress, printer
 from tests.conftest import TINY
 
 
@@ -65,8 +66,9 @@ def test_counted_work_prints_between_its_quarters_when_a_gap_passes():
 def test_a_step_with_a_slow_training_step_prints_a_heartbeat(tiny_job, monkeypatch):
     """Step 1 on the tiny job: each of its steps made to take 20 s of a fake clock (the training step itself stays
     as fast as ever), so a line must come from inside the timed run, not only at its quarters."""
-    from mfu_lab.core import measure, progress
-    from mfu_lab.steps import baseline
+    from mfu_lab.core.measure import timed as measure
+    from mfu_lab.core.process import progress
+    from mfu_lab.steps.baseline import step as baseline
 
     clock = FakeClock()
     monkeypatch.setattr(progress.time, "monotonic", clock)
@@ -134,8 +136,8 @@ def test_step_1_under_a_budget_times_fewer_steps_and_says_what_it_cut(tiny_job, 
     20. A 3-minute budget gives it a quarter of 103 s, 25.8 s: the 3 warm-up steps (6 s) and 9 timed ones (18 s,
     1 s kept for the re-check). A 1.5-minute one gives 3.3 s: one warm-up step, then the fewest timed steps step 1
     takes (3), said to run past the share."""
-    from mfu_lab.core import measure
-    from mfu_lab.steps import baseline
+    from mfu_lab.core.measure import timed as measure
+    from mfu_lab.steps.baseline import step as baseline
 
     fake = {"t": 0.0}
     real = measure.run_steps

@@ -13,13 +13,13 @@ import subprocess
 import pytest
 
 from mfu_lab import publish, runner
-from mfu_lab.core import store
 from mfu_lab.core.errors import StepExecutionError
-from mfu_lab.core.files import RESULT_FILE, load_results, read_json, write_atomic, write_json_atomic
-from mfu_lab.core.history import HISTORY_FILE, append_history, load_history
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.core.runstate import FAILURE_FILE, RUNNING_FILE, resumable, step_state
-from mfu_lab.core.staging import STAGE_ENV, staged
+from mfu_lab.core.store import step_results as store
+from mfu_lab.core.store.files import RESULT_FILE, load_results, read_json, write_atomic, write_json_atomic
+from mfu_lab.core.store.history import HISTORY_FILE, append_history, load_history
+from mfu_lab.core.store.runstate import FAILURE_FILE, RUNNING_FILE, resumable, step_state
+from mfu_lab.core.store.staging import STAGE_ENV, staged
 
 from .conftest import ROOT, TINY
 
@@ -206,7 +206,7 @@ def test_readers_never_take_a_staged_file_for_a_result_and_the_next_run_removes_
 
 
 def test_a_history_line_whose_write_fails_is_taken_back(tiny_job, monkeypatch):
-    from mfu_lab.core import history
+    from mfu_lab.core.store import history
 
     root = tiny_job.output_root()
     root.mkdir(parents=True)

@@ -4,9 +4,9 @@ import stat
 
 import pytest
 
-from mfu_lab.core import files, results
-from mfu_lab.core.files import write_json_atomic
-from mfu_lab.core.results import Metric
+from mfu_lab.core.store import files, results
+from mfu_lab.core.store.files import write_json_atomic
+from mfu_lab.core.store.results import Metric
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp(tmp_path):
@@ -62,7 +62,7 @@ def test_environment_names_versions_and_commit():
 def test_results_are_rebuilt_by_field_name_and_a_foreign_format_is_named(tmp_path):
     from dataclasses import dataclass
 
-    from mfu_lab.core.results import ResultFormatError, StepResult, rebuild
+    from mfu_lab.core.store.results import ResultFormatError, StepResult, rebuild
 
     @dataclass
     class Inner:

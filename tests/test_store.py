@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from mfu_lab.core import store
-from mfu_lab.core.files import RESULT_FILE
 from mfu_lab.core.registry import BY_KEY
-from mfu_lab.steps import baseline
+from mfu_lab.core.store import step_results as store
+from mfu_lab.core.store.files import RESULT_FILE
+from mfu_lab.steps.baseline import step as baseline
 
 
 def test_an_earlier_step_that_has_not_run_says_so(tiny_job):

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from mfu_lab.analysis import trace as tr
+from mfu_lab.analysis.trace import breakdown as tr
 
 from .conftest import ROOT
 

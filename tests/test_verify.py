@@ -7,8 +7,8 @@ import pytest
 
 from mfu_lab.analysis import tuning
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job import load_job
-from mfu_lab.core.sidebyside import bootstrap_speedup, interleave
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.measure.sidebyside import bootstrap_speedup, interleave
 
 from .conftest import in_process
 
@@ -143,7 +143,7 @@ def _store(job, key, data):
 
 def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny_job):
     from mfu_lab.report import write_index
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     job = dataclasses.replace(tiny_job, verify_rounds=2, verify_steps=2, verify_warmup_steps=1)
     _store(job, "attention_comm", step2(attention="unfused"))
@@ -189,7 +189,7 @@ def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny
 
 
 def test_verify_with_nothing_adopted_says_so_and_times_nothing(tiny_job):
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     r = verify.run(tiny_job, write=False)
     assert [x.name for x in r.rungs] == ["original"] and r.order == [] and r.rungs[0].wall_s == []
@@ -198,7 +198,7 @@ def test_verify_with_nothing_adopted_says_so_and_times_nothing(tiny_job):
 
 
 def test_a_rung_that_fails_is_recorded_and_the_others_run(tiny_job, monkeypatch):
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     job = dataclasses.replace(tiny_job, verify_rounds=2, verify_steps=1, verify_warmup_steps=0)
     _store(job, "attention_comm", step2(attention="unfused"))
@@ -252,7 +252,7 @@ def test_keep_on_the_command_line_pins_the_key_in_the_tuned_file(tmp_path):
 
 
 def test_attention_is_rechecked_only_when_the_precision_changed(tiny_job):
-    from mfu_lab.steps.verify import attention_recheck
+    from mfu_lab.steps.verify.step import attention_recheck
 
     s2 = step2(attention="sdpa") | {"job": {"dtype": "float32"}}
     assert attention_recheck(tiny_job, {"attention_comm": s2}, tiny_job) is None
@@ -291,7 +291,7 @@ def test_a_candidate_that_drops_out_mid_rounds_leaves_the_others_running():
 
 
 def test_a_rung_whose_process_dies_during_the_rounds_is_recorded(tiny_job, monkeypatch):
-    from mfu_lab.steps import verify
+    from mfu_lab.steps.verify import step as verify
 
     job = dataclasses.replace(tiny_job, verify_rounds=3, verify_steps=1, verify_warmup_steps=0)
     _store(job, "attention_comm", step2(attention="unfused"))
@@ -341,8 +341,8 @@ def test_varying_shapes_under_a_compile_recommendation_propose_buckets(tiny_job)
 def test_a_rungs_mfu_is_taken_over_the_total_wall_time_of_its_measured_steps():
     """One MFU statistic (issue 34): model FLOPs x steps / (peak x their total wall time), in one process and in the
     job's layout; the median step stays its own figure."""
-    from mfu_lab.steps import verify
-    from mfu_lab.steps.verify_layout import rung_figures
+    from mfu_lab.steps.verify import step as verify
+    from mfu_lab.steps.verify.layout import rung_figures
 
     wall = [0.1, 0.2, 0.6, 0.1]  # a slow step: the median (0.15 s) would hide it, the total wall does not
     rung = verify.Rung("original", {}, "ok", peak_flops_per_s=1e10)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
+from mfu_lab.core.engine.workload import GPT, SyntheticTokens, build_loader, build_model, build_train_step
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.workload import GPT, SyntheticTokens, build_loader, build_model, build_train_step
 
 SPEC = "tests.fixtures.tiny_models:"
 
@@ -77,7 +77,7 @@ def test_wrong_vocabulary_or_output_is_explained(tiny_job):
 def test_adamw_impl_builds_that_optimizer_and_trains(tiny_job, impl, flag):
     import dataclasses
 
-    from mfu_lab.core.workload import build_loader, build_model, build_train_step
+    from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
 
     job = dataclasses.replace(tiny_job, adamw_impl=impl)
     model = build_model(job)

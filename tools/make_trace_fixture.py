@@ -1,5 +1,5 @@
 """Write tests/data/cpu_trace.json.gz: a real torch.profiler trace of one training step of a
-one-layer GPT on CPU, trimmed to what mfu_lab.analysis.trace reads (a few KB).
+one-layer GPT on CPU, trimmed to what mfu_lab.analysis.trace.breakdown reads (a few KB).
 
     python tools/make_trace_fixture.py
 
@@ -19,10 +19,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mfu_lab.analysis.trace import load_trace  # noqa: E402
-from mfu_lab.core.job import Job  # noqa: E402
-from mfu_lab.core.measure import profile_steps  # noqa: E402
-from mfu_lab.core.workload import build_loader, build_model, build_train_step  # noqa: E402
+from mfu_lab.analysis.trace.breakdown import load_trace  # noqa: E402
+from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step  # noqa: E402
+from mfu_lab.core.job.schema import Job  # noqa: E402
+from mfu_lab.core.measure.timed import profile_steps  # noqa: E402
 
 KEEP_ARGS = ("Input Dims", "Input type")  # External id only matters for GPU kernels
 

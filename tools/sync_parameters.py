@@ -1,4 +1,4 @@
-"""Rewrite the tagged parameters cell of every notebook from mfu_lab.core.job.Job.
+"""Rewrite the tagged parameters cell of every notebook from mfu_lab.core.job.schema.Job.
 
     python tools/sync_parameters.py
 
@@ -15,7 +15,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mfu_lab.core.job import FIELDS, KEY_GROUPS, Job  # noqa: E402
+from mfu_lab.core.job.schema import FIELDS, KEY_GROUPS, Job  # noqa: E402
 from mfu_lab.core.registry import STEPS  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mfu_lab.core.measure import Stats, stats
+from mfu_lab.core.measure.timed import Stats, stats
 
 # Relative error allowed against the float32 unfused reference, by the dtype the kernel runs in.
 TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 3e-2}

@@ -7,7 +7,7 @@ without the divergence watch stopping it. Among the rungs that pass both, the fa
 speedup) is adopted; when none passes, the job keeps its own precision.
 
 Before any of that, a rung must be able to win at all: a few short matmul probes of each precision
-(:func:`mfu_lab.core.device.measure_matmul_peak`, well under a second in all) measure its matmul rate beside
+(:func:`mfu_lab.core.measure.device.measure_matmul_peak`, well under a second in all) measure its matmul rate beside
 float32's. A rung whose probes cannot reach float32's within the probes' own noise (its p90 below float32's
 p10, :func:`cannot_be_faster`) is recorded as "cannot be faster here" with both rates and is neither trained
 nor timed (``--thorough`` still times it): bf16 and fp16 on a CPU without native units run in software, 15x
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mfu_lab.core.measure import percentile
+from mfu_lab.core.measure.timed import percentile
 
 CPUINFO = Path("/proc/cpuinfo")
 # CPU flags of native bf16 arithmetic: x86 AVX-512 BF16 and AMX BF16 (Linux /proc/cpuinfo "flags"), and the

@@ -18,7 +18,7 @@ steps (one slot of a launch, one fresh process), and on a shared or small machin
 a 2-core CPU) is larger than the spread inside one, so a p10-p90 that clears the reference's can be luck. The pick
 and the reference are measured again in alternating turns (reference, pick, reference, pick...), and the pick
 stands only when the bootstrap interval of its speedup over the reference lies above 1.0
-(:func:`mfu_lab.core.sidebyside.bootstrap_speedup`). Otherwise the reference stays, and the log says why.
+(:func:`mfu_lab.core.measure.sidebyside.bootstrap_speedup`). Otherwise the reference stays, and the log says why.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from mfu_lab.core.measure import stats
-from mfu_lab.core.sidebyside import bootstrap_speedup
+from mfu_lab.core.measure.sidebyside import bootstrap_speedup
+from mfu_lab.core.measure.timed import stats
 from mfu_lab.core.thresholds import RACE_KEEP_SHARE, RACE_MAX_FINALISTS, RACE_NOISE_FLOOR
 
 

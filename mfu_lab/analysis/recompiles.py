@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mfu_lab.core.workload import DYNAMIC, compile_kwargs
+from mfu_lab.core.engine.workload import DYNAMIC, compile_kwargs
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 DRIFT_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}  # relative, per step
@@ -38,7 +38,7 @@ class ShapeAudit:
 
 def audit_shapes(loader, label: str) -> ShapeAudit:
     """Read every batch of ``loader`` (one epoch) and tally the (batch, length) shapes it yields."""
-    from mfu_lab.core.workload import IGNORE
+    from mfu_lab.core.engine.workload import IGNORE
 
     shapes: Counter = Counter()
     pad = total = n = samples = 0
@@ -179,4 +179,4 @@ def loss_drift(eager: list[float], compiled: list[float]) -> float:
     return worst
 
 
-mode_kwargs = compile_kwargs  # one home: mfu_lab.core.workload.compile_kwargs
+mode_kwargs = compile_kwargs  # one home: mfu_lab.core.engine.workload.compile_kwargs

@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
-from mfu_lab.analysis.layout_proposal import faster_layout
-from mfu_lab.core import overrides as ov
-from mfu_lab.core.job import FIELDS, Job, validate
+from mfu_lab.analysis.layouts.proposal import faster_layout
+from mfu_lab.core.job import overrides as ov
+from mfu_lab.core.job.schema import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
 RUNGS = ("attention", "communication", "layout", "data", "compile", "precision", "fp8")
@@ -122,7 +122,8 @@ def _fsdp_pick(job: Job, r: dict, comm: dict) -> list[Change]:
 
 
 def _layout(job: Job, r: dict) -> list[Change]:
-    """Step 6: a layout measured on this node, faster beyond the noise than the job's own (analysis.layout_proposal)."""
+    """Step 6: a layout measured on this node, faster beyond the noise than the job's own
+    (analysis.layouts.proposal)."""
     found = faster_layout(job, r.get("layouts") or [], (r.get("layouts_run") or {}).get("world"))
     if not found:
         return []
@@ -303,8 +304,9 @@ def _flow(value: Any) -> str:
 
 def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "", overrides: dict | None = None) -> str:
     """The tuned job as a YAML file: every key, each changed line commented with its step, gain and label, each
-    value that came from the command line (``overrides``; default: the run's, :func:`mfu_lab.core.overrides.from_env`)
-    commented as such; changes not adopted listed in the header with why."""
+    value that came from the command line (``overrides``; default: the run's,
+    :func:`mfu_lab.core.job.overrides.from_env`) commented as such; changes not adopted listed in the header with
+    why."""
     tuned = tuned_job(job, chosen)
     by_key = {c.key: c for c in chosen if c.adopted}
     given = {k: v for k, v in (ov.from_env() if overrides is None else overrides).items() if k in FIELDS}

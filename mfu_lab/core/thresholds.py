@@ -6,7 +6,7 @@ on their line; the rest are the workbook's own choices for when a figure is wort
 
 # --- the device
 HOT_C = 80.0  # practitioners' rule: sustained GPU temperatures above 80 °C mean throttling; the gate's default
-CLOCK_LOW = 0.90  # busy SM clock below 90% of the rated clock (core.health), with a power or thermal reason
+CLOCK_LOW = 0.90  # busy SM clock below 90% of the rated clock (core.measure.health), with a power or thermal reason
 
 # --- where the step time goes (steps 1 and 3)
 DATA_WAIT_LIMIT = 0.03  # above 3% of the step, the loader is worth fixing first
@@ -19,7 +19,7 @@ MEMORY_BOUND_LIMIT = 0.30  # memory-bound kernels above 30% of the step: fusing 
 OPTIMIZER_LIMIT = 0.10  # the optimizer above 10% of the step: a fused or foreach optimizer pays
 PROFILER_OVERHEAD_LIMIT = 0.10  # profiling slowed the step by more than this: shares are of a slower step
 
-# --- a shared machine (core.contention)
+# --- a shared machine (core.measure.contention)
 CONTENTION_CORES = 0.25  # other processes kept at least a quarter of a core busy while we measured...
 CONTENTION_SHARE = 0.10  # ...and at least 10% of the cores we may use: the timings are of a shared machine
 PEAK_RECHECK_FLOOR = 0.05  # a peak re-check is contention when its probes' p90 lies more than 5% under the cache:

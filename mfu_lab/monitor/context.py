@@ -15,9 +15,9 @@ import subprocess
 import threading
 from typing import Any
 
-from mfu_lab.core.device import lookup_chip
-from mfu_lab.core.health import THROTTLE_BITS, decode_reasons, nvml_handle
-from mfu_lab.core.monitor_files import safe_run
+from mfu_lab.core.measure.device import lookup_chip
+from mfu_lab.core.measure.health import THROTTLE_BITS, decode_reasons, nvml_handle
+from mfu_lab.core.store.monitor_files import safe_run
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID",
                  "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
@@ -75,7 +75,7 @@ def _agent_start(pid: int) -> float | None:
 
 
 def run_id(given: str | None, host: str, now: float, env: dict[str, str] | None = None, ppid: int | None = None) -> str:
-    """The run id (see :mod:`mfu_lab.core.monitor_files`): ``given``; else Slurm's job, step and the job's start
+    """The run id (see :mod:`mfu_lab.core.store.monitor_files`): ``given``; else Slurm's job, step and the job's start
     time; else torchrun's rendezvous id, with the torchrun agent's start time when all ranks are on this node (the
     agent is every local rank's parent); else ``<host>.<pid>.<now>``. Safe for a file name (:func:`safe_run`)."""
     env = os.environ if env is None else env

@@ -13,7 +13,7 @@ of the model while gradients are off (``torch.is_grad_enabled()`` false in a for
 one that a framework's own evaluation hooks report (:meth:`StepFlops.taint`). After ``MAX_WINDOWS`` such windows
 the count is given up, and said so.
 
-The counter is the workbook's (:func:`mfu_lab.core.flops.count_flops`' FlopCounterMode with its attention
+The counter is the workbook's (:func:`mfu_lab.core.measure.flops.count_flops`' FlopCounterMode with its attention
 mapping), so a fused scaled-dot-product attention kernel counts its model FLOPs on every backend (torch's own
 counter counts the CPU kernel as 0 and adds a recompute matmul for flash backward on GPU).
 """
@@ -26,7 +26,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 # the one attention mapping of the workbook: count_flops (step 1's count) uses the same table
-from mfu_lab.core.flops import _attention_mapping as attention_mapping
+from mfu_lab.core.measure.flops import _attention_mapping as attention_mapping
 
 MAX_WINDOWS = 8  # windows tried before the count is given up (each had an evaluation in it)
 
@@ -138,8 +138,9 @@ class CountsOneStep:
             self.flops_per_token = f.total / tokens
         self.flops_per_step = float(f.total)
         self._emit("flops", source="counted", per_step=float(f.total), per_token=self.flops_per_token, **common,
-                   attention_ops=attention, counter="mfu_lab.core.flops (FlopCounterMode, the workbook's attention "
-                   "mapping)", note=f"one training step as it ran (forward, backward, optimizer; recomputation, if "
+                   attention_ops=attention, counter="mfu_lab.core.measure.flops (FlopCounterMode, the "
+                   "workbook's attention mapping)",
+                   note=f"one training step as it ran (forward, backward, optimizer; recomputation, if "
                    f"any, included), counted {window}; that step is left out of the timing")
 
     def _give_up_count(self, error: BaseException | None) -> None:

@@ -2,7 +2,7 @@
 
 The training loop pays for opening the window, for its steps' profiling, for stopping the profiler, for writing
 the trace (torch's own export, to plain JSON) and for starting one process. The trace's analysis and compression
-(:mod:`mfu_lab.analysis.trace_window`, torch-free; about a second on a small CPU, the new interpreter's start
+(:mod:`mfu_lab.analysis.trace.window`, torch-free; about a second on a small CPU, the new interpreter's start
 0.08 s) run in that process, at the lowest priority,
 which writes its figures on its stdout and exits; a daemon thread of the monitor waits on that pipe (blocked in
 the kernel, never holding the interpreter lock) and writes the ``profile`` record. Not a thread of Python work: a
@@ -33,15 +33,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mfu_lab.core.measure import without_usdt_lines
+from mfu_lab.core.measure.timed import without_usdt_lines
 
 JOIN_S = 30.0  # seconds close() waits for a window still being analysed
 CHILD_S = 600.0  # seconds a window's analysis may take before its child is killed
-# The analysis process's command, before its arguments: mfu_lab.analysis.trace_window's main(), loaded without the
+# The analysis process's command, before its arguments: mfu_lab.analysis.trace.window's main(), loaded without the
 # package's __init__ (which imports torch: 1.7 s of CPU on a 2-core AMD EPYC, against 0.08 s for what it needs).
 _BOOT = ("import sys, types\n"
          "pkg = types.ModuleType('mfu_lab'); pkg.__path__ = [{root!r}]; sys.modules['mfu_lab'] = pkg\n"
-         "from mfu_lab.analysis.trace_window import main\n"
+         "from mfu_lab.analysis.trace.window import main\n"
          "sys.exit(main(sys.argv[1:]))\n")
 CHILD = [sys.executable, "-c", _BOOT.format(root=str(Path(__file__).resolve().parents[1]))]
 

@@ -26,7 +26,7 @@ Per step the monitor takes a few clock readings on the host (no device synchroni
 
 and, for a DDP model, the communication time from the communication hook (:mod:`mfu_lab.monitor.comm`).
 Every ``every`` steps one ``interval`` record is appended (the fields and their contract:
-:mod:`mfu_lab.core.monitor_files`). MFU and tokens/s are over the training steps and the data wait, with the
+:mod:`mfu_lab.core.store.monitor_files`). MFU and tokens/s are over the training steps and the data wait, with the
 other time left out, as Lightning's ``ThroughputMonitor`` leaves evaluation out::
 
     mfu = flops_per_step * steps / ((wall_s - other_s) * peak_flops_per_s)
@@ -63,8 +63,8 @@ from typing import Any
 import torch
 
 from mfu_lab.core import __version__
-from mfu_lab.core.measure import percentile
-from mfu_lab.core.monitor_files import VERSION, RecordWriter, record_path, safe_host
+from mfu_lab.core.measure.timed import percentile
+from mfu_lab.core.store.monitor_files import VERSION, RecordWriter, record_path, safe_host
 from mfu_lab.monitor import setup
 from mfu_lab.monitor.comm import CommTimer, attach
 from mfu_lab.monitor.context import NvmlProbe, launch_id, ranks, run_id, scheduler_env, slurm_queue

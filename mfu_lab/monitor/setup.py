@@ -1,9 +1,9 @@
 """What the monitor looks up once, at start: the device, the training dtype, the peak MFU is taken against, and
 TensorBoard. Each says what it did; a failure is the caller's to count (the monitor never stops the job).
 
-The peak of a CPU is the per-machine cached peak (:mod:`mfu_lab.core.peak_cache`, through
-:func:`mfu_lab.core.device.resolve_peak`): measured once per machine and dtype (about 1.5 s the first time), then
-re-checked at each start with five short probes (about 0.25 s on a 2-core CPU). The workbook's steps read the same
+The peak of a CPU is the per-machine cached peak (:mod:`mfu_lab.core.measure.peak_cache`, through
+:func:`mfu_lab.core.measure.device.resolve_peak`): measured once per machine and dtype (about 1.5 s the first time),
+then re-checked at each start with five short probes (about 0.25 s on a 2-core CPU). The workbook's steps read the same
 cache, so the monitor and the steps share one peak. It is looked up in ``Monitor.start()``, before the monitor's
 first clock reading, so no monitor figure holds it; a job that starts its own timer before ``start()`` (or a
 framework whose train() calls the adapter's start) sees those 0.25 s once.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mfu_lab.core.device import DeviceInfo, cpu_name, resolve_peak
+from mfu_lab.core.measure.device import DeviceInfo, cpu_name, resolve_peak
 
 DTYPES = ("float32", "bfloat16", "float16")
 

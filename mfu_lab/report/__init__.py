@@ -18,7 +18,7 @@ Modules, one concern each:
 
 from __future__ import annotations
 
-from mfu_lab.core.files import load_results
+from mfu_lab.core.store.files import load_results
 from mfu_lab.report.export import export_html
 from mfu_lab.report.format import badge, fmt
 from mfu_lab.report.index import (
@@ -29,11 +29,11 @@ from mfu_lab.report.index import (
     recommendations_list,
     write_index,
 )
-from mfu_lab.report.tables_attention_comm import attention_table, comm_table
-from mfu_lab.report.tables_compile import audit_table, recompile_table, step3_table, trials_table
-from mfu_lab.report.tables_fp8 import policies_table, precision_table, sensitivity_table
-from mfu_lab.report.tables_kernels import breakdown_table, compare_line, fusion_table, ranks_table, top_table
-from mfu_lab.report.tables_placement import (
+from mfu_lab.report.tables.attention_comm import attention_table, comm_table
+from mfu_lab.report.tables.compile import audit_table, recompile_table, step3_table, trials_table
+from mfu_lab.report.tables.fp8 import policies_table, precision_table, sensitivity_table
+from mfu_lab.report.tables.kernels import breakdown_table, compare_line, fusion_table, ranks_table, top_table
+from mfu_lab.report.tables.placement import (
     calibration_table,
     check_table,
     gang_table,
@@ -43,7 +43,7 @@ from mfu_lab.report.tables_placement import (
     strategies_table,
     sweep_table,
 )
-from mfu_lab.report.tables_verify import adopted_table, staircase_table
+from mfu_lab.report.tables.verify import adopted_table, staircase_table
 from mfu_lab.report.templating import TEMPLATES
 from mfu_lab.report.views import (
     Html,

@@ -19,8 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core import quick_imports
-from mfu_lab.core.files import DamagedFile, write_atomic
+from mfu_lab.core.process import quick_imports
+from mfu_lab.core.store.files import DamagedFile, write_atomic
 from mfu_lab.report.templating import TEMPLATES
 
 PARAMETER_TAGS = {"parameters", "injected-parameters"}

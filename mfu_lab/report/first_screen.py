@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mfu_lab.core import overrides as ov
-from mfu_lab.core.ledger import LABELS, ORDER, upgrade
+from mfu_lab.core.job import overrides as ov
+from mfu_lab.core.measure.ledger import LABELS, ORDER, upgrade
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.report.format import fmt
 from mfu_lab.report.gains import first_change

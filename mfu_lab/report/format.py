@@ -8,7 +8,7 @@ from typing import Any
 
 from markupsafe import Markup
 
-from mfu_lab.core.history import Change, Run
+from mfu_lab.core.store.history import Change, Run
 
 e = html.escape
 

@@ -5,7 +5,7 @@ notebook's outputs: the headline figures, each with its unit and label; the reco
 recommendation texts, then its ``act`` advice); and MFU now against step 1's (``../01_baseline/result.json``),
 naming the job parameters the two were measured with that differ.
 
-Which parameters count: :data:`mfu_lab.core.overrides.WORKLOAD_KEYS`, the keys that define the workload measured
+Which parameters count: :data:`mfu_lab.core.job.overrides.WORKLOAD_KEYS`, the keys that define the workload measured
 (model and shapes, data, batch, precision, compile, DDP settings; the same rule the index page uses). Bookkeeping
 (``job_name``, ``out_dir``, ``keep``), run lengths (``steps``, ``warmup_steps``) and the other steps' sweep settings
 are not compared; the device the results were measured on is (``environment.device_name``).
@@ -20,11 +20,11 @@ from typing import Any
 
 from markupsafe import Markup
 
-from mfu_lab.core import overrides as ov
-from mfu_lab.core.files import RESULT_FILE, DamagedFile, read_json
-from mfu_lab.core.overrides import WORKLOAD_KEYS
+from mfu_lab.core.job import overrides as ov
+from mfu_lab.core.job.overrides import WORKLOAD_KEYS
 from mfu_lab.core.registry import STEPS, StepInfo
-from mfu_lab.core.runstate import step_state
+from mfu_lab.core.store.files import RESULT_FILE, DamagedFile, read_json
+from mfu_lab.core.store.runstate import step_state
 from mfu_lab.report.format import fmt
 from mfu_lab.report.gains import estimate, rank
 from mfu_lab.report.summary import bar_meaning, peak_dtype, shared_line

@@ -17,7 +17,7 @@ the largest measured estimate on that loss (:func:`rank`), and still shows its o
 
 A recommendation no stored figure measures (placement on a cluster, a scheduler setting, the monitor's) has no
 gain and is listed after those that have one; one that says to keep the job as it is has a gain of 0 and is listed
-last. Pure functions of the steps' result dicts (``mfu_lab.core.files.load_results``).
+last. Pure functions of the steps' result dicts (``mfu_lab.core.store.files.load_results``).
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from mfu_lab import plots
-from mfu_lab.core import overrides as ov
-from mfu_lab.core.files import RESULT_FILE, load_results, write_atomic
-from mfu_lab.core.history import mfu_trend, runs
-from mfu_lab.core.job import find_workbook_root
-from mfu_lab.core.ledger import Ledger, LedgerItem
-from mfu_lab.core.overrides import WORKLOAD_KEYS
+from mfu_lab.core.job import overrides as ov
+from mfu_lab.core.job.overrides import WORKLOAD_KEYS
+from mfu_lab.core.job.schema import find_workbook_root
+from mfu_lab.core.measure.ledger import Ledger, LedgerItem
 from mfu_lab.core.registry import BY_KEY, STEPS, StepInfo
-from mfu_lab.core.runstate import step_state
+from mfu_lab.core.store.files import RESULT_FILE, load_results, write_atomic
+from mfu_lab.core.store.history import mfu_trend, runs
+from mfu_lab.core.store.runstate import step_state
 from mfu_lab.report.first_screen import first_screen
 from mfu_lab.report.summary import (
     bar_meanings,
@@ -39,17 +39,17 @@ from mfu_lab.report.summary import (
     shared_line,
     with_operations,
 )
-from mfu_lab.report.tables_attention_comm import attention_comm_section
-from mfu_lab.report.tables_baseline import baseline_section
-from mfu_lab.report.tables_compile import compile_section
-from mfu_lab.report.tables_fp8 import fp8_section
-from mfu_lab.report.tables_kernels import kernels_section
-from mfu_lab.report.tables_monitor import monitor_section
-from mfu_lab.report.tables_placement import placement_section
-from mfu_lab.report.tables_verify import verify_section
+from mfu_lab.report.tables.attention_comm import attention_comm_section
+from mfu_lab.report.tables.baseline import baseline_section
+from mfu_lab.report.tables.compile import compile_section
+from mfu_lab.report.tables.fp8 import fp8_section
+from mfu_lab.report.tables.kernels import kernels_section
+from mfu_lab.report.tables.monitor import monitor_section
+from mfu_lab.report.tables.placement import placement_section
+from mfu_lab.report.tables.verify import verify_section
 from mfu_lab.report.templating import macros, render
 from mfu_lab.steps import monitor
-from mfu_lab.steps.verify import VerifyResult
+from mfu_lab.steps.verify.step import VerifyResult
 
 PARTS = "index_parts.html.j2"
 MONITOR_FOLDER = "00_monitor"  # mfu-lab run writes the monitor's report here when the job names monitor_dir

@@ -1,7 +1,8 @@
 """The job's story across steps, for the summary page: where MFU started, what each step found worth
 changing and what that change measured, every recommendation in one list, the ledger before and after.
 
-Pure functions of the steps' result dicts (``mfu_lab.core.files.load_results``), so they are tested on stored results.
+Pure functions of the steps' result dicts (``mfu_lab.core.store.files.load_results``), so they are tested on stored
+results.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mfu_lab.analysis import tuning
-from mfu_lab.core import overrides as ov
-from mfu_lab.core.ledger import upgrade
+from mfu_lab.core.job import overrides as ov
+from mfu_lab.core.measure.ledger import upgrade
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.report.gains import comm_gain, ordered
 
@@ -115,7 +116,7 @@ BAR_MEANING = {"baseline": "the job as it came, one process, eager",
 
 def the_job(result: dict[str, Any] | None) -> str:
     """"the job as it came", or "the job with -p micro_batch=16" when the result was measured with command-line
-    overrides that change the job (:func:`mfu_lab.core.overrides.workload`)."""
+    overrides that change the job (:func:`mfu_lab.core.job.overrides.workload`)."""
     changed = ov.workload(ov.recorded(result))
     return f"the job with {ov.flags(changed)}" if changed else "the job as it came"
 
@@ -240,7 +241,7 @@ def peaks_note(results: dict[str, dict[str, Any]]) -> str:
 
 def headline(results: dict[str, dict[str, Any]], states: dict[str, str] | None = None) -> list[str]:
     """A few plain sentences: what was done and where MFU stands (each figure as stored, with its label).
-    ``states``: each step's status as the steps table shows it (:func:`mfu_lab.core.runstate.step_state`), so a
+    ``states``: each step's status as the steps table shows it (:func:`mfu_lab.core.store.runstate.step_state`), so a
     step that is running or did not finish is not called "not run yet"."""
     states = states or {}
     if not results and not any(v != "not run" for v in states.values()):
@@ -310,7 +311,7 @@ def ledger_before_after(results: dict[str, dict[str, Any]]) -> tuple[tuple[str, 
     """(title, ledger dict) before and after. Both come from step 7 (verify) when it measured the tuned job: the
     original and the tuned job in the same interleaved rounds, by the same method, so the bars compare like
     with like. Without step 7: step 1's ledger before, and no "after" (no step measured the tuned job). An earlier
-    run's item names are mapped to today's (:func:`mfu_lab.core.ledger.upgrade`)."""
+    run's item names are mapped to today's (:func:`mfu_lab.core.measure.ledger.upgrade`)."""
     ledgers = (results.get("verify") or {}).get("ledgers") or {}
     if ledgers.get("before") and ledgers.get("after"):
         return (("Before: the original job (step 7, interleaved rounds)", upgrade(ledgers["before"])),

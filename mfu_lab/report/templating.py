@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from mfu_lab.core.ledger import LABELS, RENAMED
+from mfu_lab.core.measure.ledger import LABELS, RENAMED
 from mfu_lab.report.format import badge, compile_s, duration, flagged, fmt, ms, ms0, num, share
 
 TEMPLATES = Path(__file__).parent / "templates"

@@ -11,15 +11,15 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from mfu_lab.core import overrides as ov
-from mfu_lab.core.results import jsonable
+from mfu_lab.core.job import overrides as ov
+from mfu_lab.core.store.results import jsonable
 from mfu_lab.report.format import badge, fmt
-from mfu_lab.report.tables_attention_comm import attention_table, comm_table
-from mfu_lab.report.tables_compile import audit_table, recompile_table, step3_table, trials_table
-from mfu_lab.report.tables_fp8 import policies_table, precision_table, sensitivity_table
-from mfu_lab.report.tables_kernels import breakdown_table, fusion_table, ranks_table, top_table
-from mfu_lab.report.tables_layout import layout_table
-from mfu_lab.report.tables_placement import (
+from mfu_lab.report.tables.attention_comm import attention_table, comm_table
+from mfu_lab.report.tables.compile import audit_table, recompile_table, step3_table, trials_table
+from mfu_lab.report.tables.fp8 import policies_table, precision_table, sensitivity_table
+from mfu_lab.report.tables.kernels import breakdown_table, fusion_table, ranks_table, top_table
+from mfu_lab.report.tables.layout import layout_table
+from mfu_lab.report.tables.placement import (
     calibration_table,
     check_table,
     gang_table,
@@ -29,7 +29,7 @@ from mfu_lab.report.tables_placement import (
     strategies_table,
     sweep_table,
 )
-from mfu_lab.report.tables_verify import adopted_table, staircase_table
+from mfu_lab.report.tables.verify import adopted_table, staircase_table
 from mfu_lab.report.templating import macros
 
 VIEWS = "views.html.j2"
@@ -73,7 +73,7 @@ def layout_view(result) -> Html:
 
 
 def loader_race_view(result) -> Html:
-    """Step 1: the loader race, when the device waited on data (steps.data_race), or a line saying none ran."""
+    """Step 1: the loader race, when the device waited on data (steps.baseline.data_race), or a line saying none ran."""
     d = _as_dict(result)
     return _part(macros("tables_baseline.html.j2").loader_race(d.get("loader_race") or {}))
 

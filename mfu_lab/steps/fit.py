@@ -1,8 +1,8 @@
 """Does the job fit its layout? Checked before anything is allocated (step 1).
 
-The model is built on the meta device (:func:`mfu_lab.core.meta_shape.job_shape`: shapes only, so a 7B float32
+The model is built on the meta device (:func:`mfu_lab.core.engine.meta_shape.job_shape`: shapes only, so a 7B float32
 model of 28 GB is sized on a laptop), and its memory per rank comes from the same formulas step 6 uses
-(:func:`mfu_lab.analysis.layout_terms.memory_per_rank`: 16 B/param over t x p, over the FSDP ranks too;
+(:func:`mfu_lab.analysis.layouts.terms.memory_per_rank`: 16 B/param over t x p, over the FSDP ranks too;
 activations s*b*h*(8 + 24/t)*bytes/2 per layer). What is available is measured: on a GPU each device's free
 memory (``torch.cuda.mem_get_info``); on a CPU the machine's available memory, which the ranks share, so there
 "fits" means the ranks together fit. A job that does not fit is refused with the layouts of this node that
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from mfu_lab.analysis import layout_terms
+from mfu_lab.analysis.layouts import terms as layout_terms
+from mfu_lab.core.engine.layout import Layout, beyond_ddp
+from mfu_lab.core.engine.meta_shape import job_shape
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.job import Job
-from mfu_lab.core.layout import Layout, beyond_ddp
-from mfu_lab.core.meta_shape import job_shape
+from mfu_lab.core.job.schema import Job
 
 GIB = 2 ** 30
 
@@ -66,7 +66,7 @@ def check_fit(job: Job, device_type: str, world: int, node_world: int | None = N
     record = {"checked": True, "params": shape.params, "layout": layout.name, "bytes_per_rank": need,
               "available_per_rank": per_rank, "available_how": where,
               "by_kind": {k: m.value for k, m in mem.items()}, "source": "analytic",
-              "formula": "analysis.layout_terms.memory_per_rank (step 6's memory formulas, with FSDP sharding)"}
+              "formula": "analysis.layouts.terms.memory_per_rank (step 6's memory formulas, with FSDP sharding)"}
     if need <= per_rank:
         return record
     fit = layout_terms.layouts_that_fit(ms, node_world or world, per_rank, max(job.pp_microbatches, 1), job.sp)

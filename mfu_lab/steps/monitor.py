@@ -1,7 +1,7 @@
 """Step 0, the production monitor: what does this job do in production, over days?
 
 The user's own training loop records itself with :class:`mfu_lab.monitor.Monitor` (one JSON-lines file per
-rank). :func:`run` reads a monitor folder of any size (:mod:`mfu_lab.analysis.monitor_summary`) and writes
+rank). :func:`run` reads a monitor folder of any size (:mod:`mfu_lab.analysis.monitor.summary`) and writes
 ``summary.json`` beside the records (or into ``out``): the shares of the step (compute, communication, data,
 host), the stragglers, the operations loss measured where it happens, and which tuning step to start with.
 ``mfu-lab monitor report DIR`` runs the ``00_monitor`` notebook over it and exports ``report.html`` too.
@@ -12,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.analysis.monitor_summary import MonitorSummary, summarise
+from mfu_lab.analysis.monitor.summary import MonitorSummary, summarise
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.errors import JobError, JobProblem
-from mfu_lab.core.files import read_json, write_json_atomic
-from mfu_lab.core.monitor_files import rank_files
 from mfu_lab.core.registry import BY_KEY
+from mfu_lab.core.store.files import read_json, write_json_atomic
+from mfu_lab.core.store.monitor_files import rank_files
 
 SUMMARY_FILE = "summary.json"
 

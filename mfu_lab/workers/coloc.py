@@ -22,11 +22,11 @@ def main() -> None:
     ap.add_argument("--spec", required=True)
     spec = json.loads(Path(ap.parse_args().spec).read_text())
 
-    from mfu_lab.core import device as dev
-    from mfu_lab.core.files import write_json_atomic
-    from mfu_lab.core.job import validate
-    from mfu_lab.core.measure import run_steps
-    from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
+    from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step, eager
+    from mfu_lab.core.job.schema import validate
+    from mfu_lab.core.measure import device as dev
+    from mfu_lab.core.measure.timed import run_steps
+    from mfu_lab.core.store.files import write_json_atomic
 
     job = eager(validate(spec["job"], "co-location spec"))
     torch.manual_seed(job.seed)

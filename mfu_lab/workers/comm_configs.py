@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mfu_lab.core.job import Job
+from mfu_lab.core.job.schema import Job
 
 FSDP = "fsdp"
 

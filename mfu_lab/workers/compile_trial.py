@@ -2,7 +2,7 @@
 
     python -m mfu_lab.workers.compile_trial --spec SPEC.json
 
-Started by mfu_lab.steps.compile with TORCHINDUCTOR_CACHE_DIR (and TRITON_CACHE_DIR) pointing at
+Started by mfu_lab.steps.compile.step with TORCHINDUCTOR_CACHE_DIR (and TRITON_CACHE_DIR) pointing at
 the trial's own cache folder: empty for a cold compile, filled by the cold run for a warm one. A
 fresh process per trial keeps one mode's in-memory caches out of the next mode's compile time, and
 a crash in one mode out of the others. Prints one progress line per step; writes its result JSON
@@ -29,12 +29,12 @@ def main() -> int:
         import torch
 
         from mfu_lab.analysis.recompiles import RecompileLog, guard_lines, mode_kwargs
-        from mfu_lab.core.data import same_batches
-        from mfu_lab.core.device import resolve_device
-        from mfu_lab.core.job import validate
-        from mfu_lab.core.measure import run_steps
-        from mfu_lab.core.progress import GAP_S
-        from mfu_lab.core.workload import build_model, build_train_step, eager
+        from mfu_lab.core.engine.data import same_batches
+        from mfu_lab.core.engine.workload import build_model, build_train_step, eager
+        from mfu_lab.core.job.schema import validate
+        from mfu_lab.core.measure.device import resolve_device
+        from mfu_lab.core.measure.timed import run_steps
+        from mfu_lab.core.process.progress import GAP_S
 
         job = eager(validate(spec["job"], "step 4 worker spec"))  # the trial compiles, not the job
         device = resolve_device(job.device)
@@ -70,7 +70,7 @@ def main() -> int:
                       recompiles=log.count, recompile_messages=[guard_lines(m) for m in log.messages[:20]],
                       graphs=int(counters["stats"]["unique_graphs"]), seconds=time.perf_counter() - t0)
         if spec.get("trace"):
-            from mfu_lab.core.measure import profile_steps
+            from mfu_lab.core.measure.timed import profile_steps
 
             print(f"{spec['label']}: profiling 3 steps", flush=True)
             profile_steps(step, same_batches(job, 5, device.type), tdev, 2, 3, Path(spec["trace"]))

@@ -30,13 +30,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mfu_lab.analysis import racing
 from mfu_lab.analysis.dp_family import loss_ok
-from mfu_lab.core.data import same_batches
-from mfu_lab.core.files import write_atomic
-from mfu_lab.core.job import validate
-from mfu_lab.core.measure import run_steps, stats
-from mfu_lab.core.procs import die_with_parent
+from mfu_lab.core.engine.data import same_batches
+from mfu_lab.core.engine.workload import GPT, build_loader, build_model, build_train_step, eager
+from mfu_lab.core.job.schema import validate
+from mfu_lab.core.measure.timed import run_steps, stats
+from mfu_lab.core.process.procs import die_with_parent
+from mfu_lab.core.store.files import write_atomic
 from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
-from mfu_lab.core.workload import GPT, build_loader, build_model, build_train_step, eager
 from mfu_lab.workers import fsdp_candidate
 from mfu_lab.workers.comm_configs import hook_of, is_fsdp
 from mfu_lab.workers.launch import config_name, full_factor
@@ -195,7 +195,7 @@ def allreduce_benchmark(device: torch.device, max_bytes: int) -> list[dict]:
 
 def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, beat, out: Path) -> None:
     """Step 3: a few DDP steps under torch.profiler with one configuration; every rank writes its own trace."""
-    from mfu_lab.core.measure import profile_steps
+    from mfu_lab.core.measure.timed import profile_steps
 
     cfg = p["config"]
     ddp = DDP(fresh_model(), device_ids=[local] if cuda else None, bucket_cap_mb=cfg["bucket_mb"],
@@ -281,7 +281,8 @@ def main() -> None:
             model.set_attention(impl.fn)
         return model
 
-    def loader(n):  # each rank its own shard: synthetic data by a seed of its own, the job's data split (core.data)
+    # each rank its own shard: synthetic data by a seed of its own, the job's data split (core.engine.data)
+    def loader(n):
         if job.data in ("synthetic", "synthetic_varlen"):
             return build_loader(dataclasses.replace(job, seed=job.seed + 7919 * (rank + 1)), n, device.type)
         return same_batches(job, n, device.type, rank=rank, world=world)
@@ -316,7 +317,7 @@ def main() -> None:
                     raise RuntimeError(f"injected crash on rank {rank} (test fault)")
                 time.sleep(10_000)  # injected hang
         heartbeat(out, rank, index, 0)  # 0: building DDP (its constructor waits for every rank), then the steps
-        if is_fsdp(cfg):  # FSDP2, laid out by the job's own machinery (core.parallelize), measured as DDP is
+        if is_fsdp(cfg):  # FSDP2, laid out by the job's own machinery (core.engine.parallelize), measured as DDP is
             ddp = fsdp_candidate.build(job, cfg, fresh_model(), device, world)
             ts = ddp.step
         else:

@@ -1,7 +1,7 @@
 """An FSDP2 candidate of step 2's race, inside the step-2 worker (:mod:`mfu_lab.workers.ddp_rank`).
 
-The model is laid out by the job's own machinery (:func:`mfu_lab.core.parallelize.parallelize`: ``fully_shard`` per
-block, then the root, with the candidate's ``reshard_after_forward``, explicit prefetch depth and
+The model is laid out by the job's own machinery (:func:`mfu_lab.core.engine.parallelize.parallelize`: ``fully_shard``
+per block, then the root, with the candidate's ``reshard_after_forward``, explicit prefetch depth and
 MixedPrecisionPolicy ``reduce_dtype``) over a one-dimensional data-parallel mesh of every rank. The worker then
 measures it with DDP's protocol: the same batches per rank, the same warm-up, timed steps, one profiled step (its
 collectives: all-gathers and reduce-scatters), and the same steps with gradient synchronisation off
@@ -15,9 +15,9 @@ import contextlib
 import torch
 from torch import nn
 
-from mfu_lab.core.job import Job
-from mfu_lab.core.layout import Layout, build_mesh
-from mfu_lab.core.parallelize import Parallelized, parallelize
+from mfu_lab.core.engine.layout import Layout, build_mesh
+from mfu_lab.core.engine.parallelize import Parallelized, parallelize
+from mfu_lab.core.job.schema import Job
 from mfu_lab.workers.comm_configs import fsdp_job
 
 _MESHES: dict[tuple, object] = {}  # one mesh per launch: a new DeviceMesh would create new process groups

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mfu_lab.core import procs
-from mfu_lab.core.device import release_device_memory
-from mfu_lab.core.job import Job
-from mfu_lab.core.progress import GAP_S, as_progress
+from mfu_lab.core.job.schema import Job
+from mfu_lab.core.measure.device import release_device_memory
+from mfu_lab.core.process import procs
+from mfu_lab.core.process.progress import GAP_S, as_progress
 from mfu_lab.workers.comm_configs import config_key, config_name, is_fsdp, sweep_configs
 
 
@@ -47,8 +47,8 @@ def check_nproc(job: Job, device_type: str) -> None:
         return
     import torch
 
+    from mfu_lab.core.engine.layout_check import LAYOUT_SOURCE
     from mfu_lab.core.errors import JobError, JobProblem
-    from mfu_lab.core.layout_check import LAYOUT_SOURCE
 
     count = torch.cuda.device_count()
     if job.nproc_per_node > count:
@@ -216,7 +216,8 @@ def watch(proc, progress_file: Path, progress, timeout_s: float, startup_s: floa
 
 def turn_lines(progress, label: str, total: int):
     """A launch's ``progress`` for alternated turns (:func:`alternate`): a line per finished turn with the time
-    left over ``total`` turns, and a heartbeat (core.progress) on the ranks' step and quiet events in between."""
+    left over ``total`` turns, and a heartbeat (core.process.progress) on the ranks' step and quiet events in
+    between."""
     p = as_progress(progress)
     eta, beat, state = p.eta(label, total), p.heartbeat("  " + label), {"n": 0}
 

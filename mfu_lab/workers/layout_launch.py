@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mfu_lab.core import procs
-from mfu_lab.core.device import release_device_memory
-from mfu_lab.core.job import Job, validate
-from mfu_lab.core.layout import Layout
+from mfu_lab.core.engine.layout import Layout
+from mfu_lab.core.job.schema import Job, validate
+from mfu_lab.core.measure.device import release_device_memory
+from mfu_lab.core.process import procs
 from mfu_lab.workers.launch import (
     _rank_stderr,
     _read,

@@ -10,7 +10,7 @@ For each layout, every rank:
    seed, batches and dtype: the single-process job on the global batch (every rank computes it alone), or,
    where one process cannot hold the model, another layout that fits; a gap above TOLERANCE refuses the layout;
 2. runs warm-up steps, then timed steps (CUDA events on a GPU; a barrier, then perf_counter, on a CPU);
-3. runs one step under :class:`mfu_lab.core.commcount.CollectiveCounter` (collective kinds and bytes);
+3. runs one step under :class:`mfu_lab.core.measure.commcount.CollectiveCounter` (collective kinds and bytes);
 4. reads its memory: the peak (torch.cuda.max_memory_allocated; on a CPU one step under torch's MemTracker) and
    the bytes of its local shards (parameters, gradients, optimizer state);
 5. under PP, times each stage's fill and drain in every timed step (:class:`StageClock`);
@@ -37,17 +37,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfu_lab.analysis.layout_terms import memory_per_rank, memory_shape
-from mfu_lab.core.commcount import CollectiveCounter
+from mfu_lab.analysis.layouts.terms import memory_per_rank, memory_shape
+from mfu_lab.core.engine.batches import IGNORE
+from mfu_lab.core.engine.layout import Layout, build_mesh
+from mfu_lab.core.engine.layout_check import check_layout
+from mfu_lab.core.engine.meta_shape import job_shape
+from mfu_lab.core.engine.parallelize import Parallelized, parallelize, untie_head
+from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step, eager
 from mfu_lab.core.errors import JobError, StepError
-from mfu_lab.core.job import Job, validate
-from mfu_lab.core.layout import Layout, build_mesh
-from mfu_lab.core.layout_check import check_layout
-from mfu_lab.core.measure import IGNORE, profile_steps
-from mfu_lab.core.meta_shape import job_shape
-from mfu_lab.core.parallelize import Parallelized, parallelize, untie_head
-from mfu_lab.core.procs import die_with_parent
-from mfu_lab.core.workload import build_loader, build_model, build_train_step, eager
+from mfu_lab.core.job.schema import Job, validate
+from mfu_lab.core.measure.commcount import CollectiveCounter
+from mfu_lab.core.measure.timed import profile_steps
+from mfu_lab.core.process.procs import die_with_parent
 from mfu_lab.workers.ddp_rank import emit, heartbeat, step_beat
 from mfu_lab.workers.stage_clock import StageClock, slow_last_backward
 
@@ -79,7 +80,7 @@ def rows(batch, dp_rank: int, mb: int, device: torch.device):
 
 def fits_one_process(job: Job, dp: int, device: torch.device, local_world: int) -> tuple[bool, str]:
     """Whether one process can train the job on the global batch (dp x micro_batch samples): parameters,
-    gradients, AdamW's state and activations by analysis.layout_terms.memory_per_rank (the model sized on the
+    gradients, AdamW's state and activations by analysis.layouts.terms.memory_per_rank (the model sized on the
     meta device), against free GPU memory or this rank's share of the host's available memory."""
     try:
         shape = job_shape(job)
@@ -171,7 +172,7 @@ def peak_memory(par: Parallelized, x, y, device: torch.device) -> tuple[int, str
 
 
 def counted_step(par: Parallelized, x, y) -> dict:
-    """One step under core.commcount's counter: {kind: {"count", "bytes"}} of this rank's collectives."""
+    """One step under core.measure.commcount's counter: {kind: {"count", "bytes"}} of this rank's collectives."""
     with CollectiveCounter() as counter:
         par.step(x, y)
     return counter.summary()

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mfu_lab.core.parallelize import Parallelized, blocks_of
+from mfu_lab.core.engine.parallelize import Parallelized, blocks_of
 
 
 class StageClock:

@@ -31,8 +31,8 @@ import time
 import traceback
 from pathlib import Path
 
-from mfu_lab.core import procs
-from mfu_lab.core.progress import GAP_S
+from mfu_lab.core.process import procs
+from mfu_lab.core.process.progress import GAP_S
 
 PREFIX = "@mfu-lab@"
 
@@ -144,12 +144,12 @@ def main() -> int:
 
         import torch
 
-        from mfu_lab.core import flops as fl
-        from mfu_lab.core.data import same_batches
-        from mfu_lab.core.device import resolve_device
-        from mfu_lab.core.job import validate
-        from mfu_lab.core.measure import run_steps
-        from mfu_lab.core.workload import build_loader, build_model, build_train_step
+        from mfu_lab.core.engine.data import same_batches
+        from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
+        from mfu_lab.core.job.schema import validate
+        from mfu_lab.core.measure import flops as fl
+        from mfu_lab.core.measure.device import resolve_device
+        from mfu_lab.core.measure.timed import run_steps
 
         job = validate(spec["job"], f"verify rung {spec['rung']}")
         device = resolve_device(job.device)

@@ -1,0 +1,145 @@
+"""Batches as users have them, made into the one form every step trains on.
+
+A step unpacks a batch as ``x, y = batch``: ``x`` the input token ids (batch, seq), ``y`` the targets aligned
+with them, ``-100`` (:data:`IGNORE`) where a position has none. Users' data comes in three forms:
+
+- a tensor of token ids (B, T): the targets are the ids shifted left by one, the last position has none;
+- a pair ``(inputs, targets)``, targets already aligned (nanoGPT's ``get_batch``);
+- a mapping with ``input_ids`` and optionally ``labels`` and ``attention_mask`` (Hugging Face). ``labels`` go
+  into the model's ``forward`` unshifted (the model shifts them); the targets are ``labels`` shifted left, so the
+  useful tokens are ``labels[:, 1:] != -100``. Without labels, the ids are the labels, masked by
+  ``attention_mask`` where it is 0.
+
+:class:`Batch` is that pair with the forward's keyword tensors (``labels``, ``attention_mask``) riding along in
+``kwargs``; :func:`mfu_lab.core.measure.timed.run_steps` passes them on, a loop that does not trains on the pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mfu_lab.core.errors import StepError
+
+IGNORE = -100  # a target position cross_entropy skips: padding (core.engine.workload pads targets with it)
+
+FORWARD_KEYS = ("labels", "attention_mask")
+
+
+class Batch(tuple):
+    """``(x, y)`` with ``kwargs``: the model's extra keyword tensors (``labels``, ``attention_mask``)."""
+
+    kwargs: dict[str, torch.Tensor]
+
+    def __new__(cls, x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, torch.Tensor] | None = None):
+        b = super().__new__(cls, (x, y))
+        b.kwargs = dict(kwargs or {})
+        return b
+
+    def __reduce__(self):  # DataLoader workers send batches through pickle; keep the keyword tensors
+        return (Batch, (self[0], self[1], self.kwargs))
+
+
+def shift_left(labels: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with the inputs from labels the model shifts itself: ``y[:, t] = labels[:, t + 1]``, the
+    last position none."""
+    y = torch.full_like(labels, IGNORE)
+    y[:, :-1] = labels[:, 1:]
+    return y
+
+
+def _ids(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise StepError(f"a batch's {what} is a {type(t).__name__}; expected a tensor of token ids (batch, seq)")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise StepError(f"a batch's {what} has dtype {t.dtype}; token ids are integers (torch.long)")
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2:
+        raise StepError(f"a batch's {what} has shape {tuple(t.shape)}; expected (batch, seq)")
+    return t.long()
+
+
+def as_batch(raw: Any) -> Batch:
+    """One batch as the user's data gives it, as a :class:`Batch` (module docstring: the three forms)."""
+    if isinstance(raw, Batch):
+        return raw
+    if isinstance(raw, torch.Tensor):
+        x = _ids(raw, "token ids")
+        return Batch(x, shift_left(x))
+    if isinstance(raw, Mapping):
+        if "input_ids" not in raw:
+            raise StepError(f"a batch is a mapping with keys {sorted(map(str, raw))}; it needs 'input_ids' (and "
+                            "optionally 'labels' and 'attention_mask', the Hugging Face convention)")
+        x = _ids(raw["input_ids"], "'input_ids'")
+        mask = raw.get("attention_mask")
+        labels = raw.get("labels")
+        if labels is None:
+            labels = x.masked_fill(mask.to(x.device) == 0, IGNORE) if mask is not None else x.clone()
+        else:
+            labels = _ids(labels, "'labels'")
+        if labels.shape != x.shape:
+            raise StepError(f"a batch's 'labels' have shape {tuple(labels.shape)}, its 'input_ids' "
+                            f"{tuple(x.shape)}; they must match (the model shifts the labels itself)")
+        kw = {"labels": labels}
+        if mask is not None:
+            kw["attention_mask"] = mask
+        return Batch(x, shift_left(labels), kw)
+    if isinstance(raw, (tuple, list)) and len(raw) == 2:
+        x, y = _ids(raw[0], "inputs (first of the pair)"), _ids(raw[1], "targets (second of the pair)")
+        if x.shape != y.shape:
+            raise StepError(f"a batch pair's inputs have shape {tuple(x.shape)} and its targets "
+                            f"{tuple(y.shape)}; they must match (targets aligned with inputs, -100 for none)")
+        return Batch(x, y)
+    raise StepError(f"a batch is a {type(raw).__name__}; expected a tensor of token ids (batch, seq), a pair "
+                    "(inputs, targets) or a mapping with 'input_ids' (and optionally 'labels', 'attention_mask')")
+
+
+def loss_view(x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> Any:
+    """The batch as a user's loss function of ``(output, batch)`` receives it: the mapping for Hugging Face style
+    batches (``input_ids``, ``labels``, ``attention_mask``), else the pair ``(inputs, targets)``."""
+    return {"input_ids": x, **kwargs} if kwargs else (x, y)
+
+
+# ------------------------------------------------------------------ the vocabulary
+def input_embedding(model: nn.Module) -> tuple[nn.Embedding | None, str]:
+    """The model's token embedding and where it was found: ``get_input_embeddings()`` (Hugging Face), else the
+    largest ``nn.Embedding`` (the token table, not positions)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+            if isinstance(emb, nn.Embedding):
+                return emb, "get_input_embeddings()"
+        except (NotImplementedError, AttributeError):
+            pass
+    embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if not embs:
+        return None, ""
+    name, emb = max(embs, key=lambda nm: nm[1].num_embeddings)
+    return emb, name
+
+
+def vocab_problem(model: nn.Module, x: torch.Tensor, job_vocab: int, data: str, reference: bool) -> str | None:
+    """Why the token ids of ``x`` cannot go into the model's input embedding, naming both sizes and the key to
+    change; None when they fit (or the model has no embedding to check against)."""
+    emb, where = input_embedding(model)
+    if emb is None or x.numel() == 0 or x.device.type == "meta":
+        return None
+    try:
+        top, rows = int(x.max()), emb.num_embeddings
+    except (RuntimeError, TypeError, NotImplementedError):  # a fake or traced tensor has no value to read
+        return None
+    if top < rows:
+        return None
+    if data.startswith(("synthetic",)):
+        fix = (f"the synthetic tokens go up to vocab_size ({job_vocab}): set vocab_size to {rows} (or 0, which "
+               "takes the model's size)" if not reference else f"set vocab_size to at most {rows}")
+    else:
+        fix = (f"the data ({data}) and the model disagree: give the model a vocabulary of at least {top + 1} "
+               "(model_kwargs" + (", vocab_size" if reference else "") + "), or check data_dtype and the tokenizer")
+    return (f"the batch holds token id {top}, but the model's input embedding ({where}) has {rows} rows "
+            f"(ids 0..{rows - 1}): {fix}")

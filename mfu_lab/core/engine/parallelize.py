@@ -1,0 +1,382 @@
+"""Apply a job's layout to its model, in one fixed order over one named mesh (torchtitan's ``parallelize``):
+
+    pipeline split (apart, first: each rank keeps its stages) -> tensor parallel (+ sequence parallel)
+    -> activation checkpointing -> torch.compile (per block) -> FSDP2 (per block, then the root) or DDP
+
+Tensor-parallel plans: the reference GPT (its fused ``qkv`` split into q, k, v Linears, each sharded per head:
+same FLOPs, same results), Hugging Face Llama-style models found by their module names, or the job's own
+``tp_plan`` (fnmatch patterns on module names -> colwise | rowwise | sequence). Every choice that changes how
+the job runs is said in ``notes``. The training step over the result is :meth:`Parallelized.step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mfu_lab.core.engine.layout import Layout
+from mfu_lab.core.engine.workload import GPT, compile_kwargs, logits_of
+from mfu_lab.core.errors import StepError
+from mfu_lab.core.job.schema import Job
+
+LLAMA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NOTE_MP = "MixedPrecisionPolicy replaces autocast"
+NOTE_UNTIED = "lm_head untied under PP"
+
+
+# ------------------------------------------------------------------ pipeline split
+def tied_head(model: nn.Module) -> nn.Module | None:
+    """The model's head when its weight is the input embedding's (the reference GPT ties them), else None."""
+    head, wte = getattr(model, "lm_head", None), getattr(model, "wte", None)
+    return head if head is not None and wte is not None and head.weight is wte.weight else None
+
+
+def untie_head(model: nn.Module) -> bool:
+    """Give a head tied to the input embedding its own copy of the weight (a tie cannot span pipeline stages).
+    The single-process reference of a PP layout is untied the same way: a tied head trains differently."""
+    head, wte = tied_head(model), getattr(model, "wte", None)
+    if head is None:
+        return False
+    head.weight = nn.Parameter(wte.weight.detach().clone())
+    return True
+
+
+class GPTStage(nn.Module):
+    """Blocks [lo, hi) of a GPT; the first stage also embeds, the last also normalises and projects to logits."""
+
+    def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.activation_checkpointing = gpt.activation_checkpointing
+        if first:
+            self.wte, self.wpe = gpt.wte, gpt.wpe
+        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        if last:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "wte"):  # token ids in
+            x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training \
+                else block(x)
+        return self.lm_head(self.ln_f(x)) if hasattr(self, "lm_head") else x
+
+
+def split_stages(model: nn.Module, layout: Layout, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """This pipeline rank's (stage index, module) pairs: stages pp_rank, pp_rank + pp, ... (the loop order
+    ScheduleInterleaved1F1B expects), each an equal run of blocks."""
+    if not isinstance(model, GPT):
+        raise StepError(f"job key 'pp' = {layout.pp}: the pipeline split is built for the reference GPT only; "
+                        f"{type(model).__name__} cannot be split into stages yet (run it with tp or dp_mode fsdp)")
+    n, per = layout.stages, len(model.blocks) // layout.stages
+    return [(s, GPTStage(model, s * per, (s + 1) * per, s == 0, s == n - 1))
+            for s in range(pp_rank, n, layout.pp)]
+
+
+# ------------------------------------------------------------------ tensor-parallel plans
+def blocks_of(model: nn.Module) -> nn.ModuleList | None:
+    """The repeated transformer blocks: the ModuleList holding the most parameters (GPT.blocks, model.layers)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
+def _styles(sp: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+            "sequence": SequenceParallel(),
+            # a sub-block's input becomes one DTensor before its colwise Linears, so their input gradients add up
+            # as one partial sum and are all-reduced once in backward (q, k, v each from_local'd: three times)
+            "replicate": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "replicate_hidden": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                                   desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            # SP: the residual stream stays local (b, s/tp, h) tensors, as RowwiseParallel(Shard(1)) returns them
+            "gather": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "gather_local": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True),
+            "split_local": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)}
+
+
+def gpt_patterns(sp: bool) -> dict[str, str]:
+    """The reference GPT: q, k, v and the MLP's up-projection colwise, the two down-projections rowwise; with SP
+    the norms are sequence parallel and each sub-block all-gathers its input and reduce-scatters its output."""
+    plan = {"*blocks.*.attn.q": "colwise", "*blocks.*.attn.k": "colwise", "*blocks.*.attn.v": "colwise",
+            "*blocks.*.attn.proj": "rowwise", "*blocks.*.mlp.0": "colwise", "*blocks.*.mlp.2": "rowwise"}
+    if sp:
+        return plan | {"*blocks.*.ln1": "sequence", "*blocks.*.ln2": "sequence", "*blocks.*.attn": "gather",
+                       "*blocks.*.mlp": "gather"}
+    return plan | {"*blocks.*.attn": "replicate", "*blocks.*.mlp": "replicate"}
+
+
+def llama_patterns(sp: bool) -> dict[str, str]:
+    if sp:
+        raise StepError("job key 'sp' = true: sequence parallel is built for the reference GPT only; a Llama-style "
+                        "model runs tp without sp here (its decoder layers take keyword inputs the plan does not "
+                        "prepare yet)")
+    plan = {f"*.{n}": ("rowwise" if n in ("o_proj", "down_proj") else "colwise") for n in LLAMA_NAMES}
+    return plan | {"*.self_attn": "replicate_hidden", "*.mlp": "replicate"}  # decoder layers pass hidden_states=
+
+
+def resolve_plan(module: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
+    """Module name -> style, each module taking the first pattern (in the plan's order) its name matches."""
+    out = {}
+    for name, _ in module.named_modules():
+        hit = next((style for pat, style in patterns.items() if name and fnmatch.fnmatchcase(name, pat)), None)
+        if hit:
+            out[name] = hit
+    return out
+
+
+def apply_tp(module: nn.Module, model_kind: str, job: Job, layout: Layout, tp_mesh, first: bool, last: bool,
+             notes: list[str]) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if job.tp_plan:
+        if layout.sp:
+            raise StepError("job keys 'sp' = true and 'tp_plan': a user's plan cannot say yet where the residual "
+                            "stream is split and gathered; run tp without sp")
+        patterns = dict(job.tp_plan)
+    elif model_kind == "gpt":
+        for m in module.modules():
+            if hasattr(m, "qkv") and hasattr(m, "split_qkv"):
+                m.split_qkv()
+        patterns = gpt_patterns(layout.sp)
+    elif model_kind == "llama":
+        patterns = llama_patterns(layout.sp)
+    else:
+        raise StepError(f"job key 'tp' = {layout.tp}: the model has no built-in tensor-parallel plan (neither the "
+                        f"reference GPT nor Llama-style {', '.join(LLAMA_NAMES)}); give the job a tp_plan")
+    plan = resolve_plan(module, patterns)
+    if not plan:
+        raise StepError(f"job key 'tp_plan': no module name matches any of {sorted(patterns)}")
+    styles = _styles(layout.sp)
+    bad = sorted({s for s in plan.values() if s not in styles})
+    if bad:
+        raise StepError(f"job key 'tp_plan': unknown style(s) {bad}; expected colwise | rowwise | sequence")
+    _check_heads(module, plan, layout.tp)
+    full = {name: styles[s] for name, s in plan.items()}
+    if layout.sp and model_kind == "gpt" and not job.tp_plan:
+        if first:
+            full["blocks.0"] = styles["split_local"]  # the embeddings' sum enters the residual stream split
+        if last:
+            full["ln_f"] = styles["gather_local"]  # gathered once before the final norm and the head
+    parallelize_module(module, tp_mesh, full, src_data_rank=None)  # every rank built the same weights: no copy
+
+
+def _check_heads(module: nn.Module, plan: dict[str, str], tp: int) -> None:
+    for name, style in plan.items():
+        m = module.get_submodule(name)
+        if style == "colwise" and isinstance(m, nn.Linear) and m.out_features % tp:
+            raise StepError(f"tp = {tp}: module '{name}' has {m.out_features} output features, not divisible by tp")
+
+
+def model_kind(model: nn.Module) -> str:
+    if isinstance(model, GPT):
+        return "gpt"
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return "llama" if set(LLAMA_NAMES) <= leaves else "other"
+
+
+# ------------------------------------------------------------------ the result
+@dataclass
+class Parallelized:
+    layout: Layout
+    mesh: Any  # DeviceMesh ("pp", "dp", "tp")
+    modules: list[nn.Module]  # this rank's model (one), or its pipeline stages' modules
+    optimizer: torch.optim.Optimizer
+    autocast_dtype: str  # the step's autocast dtype: the job's, or float32 under FSDP (the policy casts)
+    vocab_size: int
+    notes: list[str] = field(default_factory=list)
+    stage_indices: list[int] = field(default_factory=list)  # PP: this rank's stages
+    schedule: Any = None  # PP: the pipeline schedule
+    ddp: nn.Module | None = None  # the DDP wrapper, when the layout is plain DDP
+    dp_grad_sync: bool = False  # DDP mode beside TP/PP: gradients all-reduced over "dp" after backward
+
+    @property
+    def first_stage(self) -> bool:
+        return not self.schedule or 0 in self.stage_indices
+
+    @property
+    def last_stage(self) -> bool:
+        """This rank computes the loss (every rank without PP; the last stage's ranks with it)."""
+        return not self.schedule or self.layout.stages - 1 in self.stage_indices
+
+    def autocast(self):
+        if self.autocast_dtype == "float32":
+            return contextlib.nullcontext()
+        device_type = next(self.modules[0].parameters()).device.type
+        return torch.autocast(device_type, dtype=getattr(torch, self.autocast_dtype))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step on this rank's batch; the loss where this rank computes it, else None."""
+        self.optimizer.zero_grad(set_to_none=True)  # at the start: a step's gradients stay for shard_bytes()
+        loss = None
+        with self.autocast():
+            if self.schedule is not None:
+                losses: list[torch.Tensor] = []
+                args = (x,) if self.first_stage else ()
+                kw = {"target": y, "losses": losses} if self.last_stage else {}
+                self.schedule.step(*args, **kw)
+                loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last_stage else None
+            else:
+                model = self.ddp or self.modules[0]
+                loss = cross_entropy(logits_of(model(x)), y, self.vocab_size)
+        if self.schedule is None:
+            loss.backward()
+        if self.layout.sp and not self.layout.fsdp:
+            self._reduce_partial_grads()
+        if self.dp_grad_sync:
+            self._sync_grads()
+        self.optimizer.step()
+        return None if loss is None else loss.detach()
+
+    def _reduce_partial_grads(self) -> None:
+        """SP leaves the norms' gradients partial (each rank summed its sequence shard): all-reduce each once, here,
+        rather than at every use inside optimizer.step() (three per parameter with AdamW)."""
+        from torch.distributed.tensor import Replicate
+
+        for p in self.parameters():
+            g = p.grad
+            if g is not None and any(pl.is_partial() for pl in getattr(g, "placements", ())):
+                p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+    def _sync_grads(self) -> None:
+        group, n = self.mesh["dp"].get_group(), self.layout.dp
+        for p in self.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(g, group=group)  # gloo has no AVG: sum, then divide
+                g.div_(n)
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for m in self.modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def shard_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, from its local shards: parameters, gradients, optimizer state."""
+        def local(t) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = self.parameters()
+        opt = sum(local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        return {"params": sum(local(p) for p in params),
+                "grads": sum(local(p.grad) for p in params if p.grad is not None), "optimizer": opt}
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if logits.size(-1) != vocab_size:
+        raise StepError(f"the model's logits have {logits.size(-1)} classes; expected vocab_size={vocab_size}")
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+# ------------------------------------------------------------------ the one place the order is fixed
+def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.device) -> Parallelized:
+    """``model`` (built on ``device`` with the job's seed, the same on every rank) laid out over ``mesh``."""
+    notes: list[str] = []
+    kind = model_kind(model)
+    pp_rank = mesh["pp"].get_local_rank()
+    if layout.pp > 1:  # 1. the pipeline split, apart: this rank keeps its stages only
+        if untie_head(model):
+            notes.append(f"{NOTE_UNTIED}: a head tied to the input embedding cannot span stages; it gets its own "
+                         "copy of the weight (the single-process reference is untied the same way)")
+        parts = split_stages(model, layout, pp_rank)
+    else:
+        parts = [(0, model)]
+    last_index = layout.stages - 1
+    for index, module in parts:
+        if layout.tp > 1:  # 2. tensor (+ sequence) parallel
+            apply_tp(module, kind, job, layout, mesh["tp"], index == 0, index == last_index, notes)
+        if job.activation_checkpointing and kind == "llama":  # 3. checkpointing (the GPT checkpoints its blocks)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if job.compile_mode != "off":  # 4. compile, per block (FSDP then wraps compiled blocks)
+            kw = compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic, job.compile_options)
+            for block in blocks_of(module) or [module]:
+                block.compile(**kw)
+    if layout.tp > 1 and layout.sp:
+        notes.append("SP: the LayerNorm gradients stay partial after backward; each is all-reduced once before "
+                     "optimizer.step() (left to AdamW, each would be reduced at every use)")
+    modules = [m for _, m in parts]
+    ddp, sync, autocast_dtype = None, False, job.dtype
+    if layout.fsdp:  # 5. FSDP2: per block, then the root
+        _apply_fsdp(modules, layout, mesh["dp"], notes)
+        autocast_dtype = "float32"
+        if layout.param_dtype != job.dtype or job.dtype != "float32":
+            notes.append(f"{NOTE_MP}: parameters computed in {layout.param_dtype}, gradients reduced in "
+                         f"{layout.reduce_dtype}; the step runs without autocast")
+    elif layout.dp > 1 and layout.is_plain_ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  process_group=mesh["dp"].get_group())
+    elif layout.dp > 1:
+        sync = True
+        notes.append(f"DDP beside TP/PP: each gradient is all-reduced over the {layout.dp} data-parallel ranks after "
+                     "backward, one call per parameter (no DDP buckets)")
+    params = [p for m in modules for p in m.parameters()]
+    is_dt = {type(p).__name__ == "DTensor" for p in params}
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(job.adamw_impl, {})
+    if len(is_dt) > 1:
+        impl = {"foreach": False}
+        notes.append("AdamW foreach=False: some parameters are DTensors and others plain tensors (TP leaves the "
+                     "embeddings, norms and head whole), and foreach fails on such a mix")
+    optimizer = torch.optim.AdamW(list(dict.fromkeys(params)), lr=job.lr, **impl)
+    if job.dtype == "float16":
+        notes.append("float16 runs without loss scaling in a layout (the single-process reference uses GradScaler)")
+    par = Parallelized(layout, mesh, modules, optimizer, autocast_dtype, job.vocab_size, notes,
+                       [i for i, _ in parts], None, ddp, sync)
+    if layout.pp > 1:
+        par.schedule = _schedule(parts, layout, mesh["pp"].get_group(), device, job.vocab_size)
+    return par
+
+
+def _apply_fsdp(modules: list[nn.Module], layout: Layout, dp_mesh, notes: list[str]) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, layout.param_dtype),
+                              reduce_dtype=getattr(torch, layout.reduce_dtype))
+    kw = {"mesh": dp_mesh, "reshard_after_forward": layout.reshard_after_forward, "mp_policy": mp}
+    for module in modules:
+        blocks = list(blocks_of(module) or [])
+        for block in blocks:
+            fully_shard(block, **kw)
+        fully_shard(module, **kw)
+        if layout.prefetch and blocks:
+            k = layout.prefetch
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + k])
+                block.set_modules_to_backward_prefetch(blocks[max(0, i - k):i][::-1])
+    if layout.prefetch:
+        notes.append(f"FSDP2 explicit prefetch: {layout.prefetch} block(s) ahead in forward and behind in backward")
+
+
+def _schedule(parts: list[tuple[int, nn.Module]], layout: Layout, pp_group, device: torch.device, vocab: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    stages = [PipelineStage(m, i, layout.stages, device, group=pp_group) for i, m in parts]
+
+    def loss_fn(logits, target):
+        return cross_entropy(logits, target, vocab)
+
+    m = layout.pp_microbatches
+    if layout.pp_schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    if len(stages) != 1:
+        raise StepError(f"job key 'pp_virtual_stages' = {layout.pp_virtual_stages}: only interleaved_1f1b runs "
+                        f"several stages per rank, not {layout.pp_schedule}")
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[layout.pp_schedule](stages[0], m, loss_fn=loss_fn)

@@ -1,0 +1,302 @@
+"""The workload: a model and a training step (the data is :mod:`mfu_lab.core.engine.data`'s, re-exported here).
+
+The reference model is a small decoder-only GPT (nanoGPT's layout: pre-norm
+blocks, GELU MLP of width 4d, tied input/output embedding) whose attention can
+switch between an explicit unfused softmax(QK^T)V and fused SDPA. A user's own
+model comes from ``package.module:function`` in the job file: the function
+returns an ``nn.Module`` mapping token ids (batch, seq) to logits, or a Hugging
+Face causal LM whose output has ``.logits``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mfu_lab.core.engine.batches import FORWARD_KEYS, input_embedding, loss_view, vocab_problem
+from mfu_lab.core.engine.data import (  # noqa: F401  (re-exported: the steps import the data from here too)
+    IGNORE,
+    PAD_ID,
+    Collate,
+    PackedTokens,
+    SyntheticTokens,
+    VarLenTokens,
+    bucket_lengths,
+    build_dataset,
+    build_loader,
+)
+from mfu_lab.core.errors import StepError
+from mfu_lab.core.job.factories import load_factory
+from mfu_lab.core.job.schema import Job
+
+
+# ------------------------------------------------------------------ reference GPT
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, attention: str):
+        super().__init__()
+        self.n_heads, self.attention = n_heads, attention
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def split_qkv(self) -> None:
+        """Replace the fused ``qkv`` by ``q``, ``k`` and ``v`` Linears holding the same weights, so tensor parallel
+        shards each one per head (core.engine.parallelize). Same FLOPs, same results; forward then works on the heads
+        its Linears hold (all of them, or this rank's share)."""
+        d = self.proj.in_features
+        w, b = self.qkv.weight.detach(), self.qkv.bias.detach()
+        for i, name in enumerate("qkv"):
+            lin = nn.Linear(d, d, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(w[i * d:(i + 1) * d])
+                lin.bias.copy_(b[i * d:(i + 1) * d])
+            setattr(self, name, lin)
+        del self.qkv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        hs = self.proj.in_features // self.n_heads  # head size
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(d, dim=2)
+        else:  # split for tensor parallel: each Linear may hold this rank's heads only
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, hs).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        if callable(self.attention):  # an implementation from mfu_lab.analysis.attention (step 2 swaps them)
+            y = self.attention(q, k, v)
+        elif self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # unfused: the T x T score matrix is written to memory and read back
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, attention: str):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, attention)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(idx) -> logits`` of shape (batch, seq, vocab)."""
+
+    def __init__(self, n_layers: int, n_heads: int, d_model: int, vocab_size: int, seq_len: int,
+                 attention: str = "sdpa", activation_checkpointing: bool = False):
+        super().__init__()
+        self.n_layers, self.d_model, self.seq_len = n_layers, d_model, seq_len
+        self.activation_checkpointing = activation_checkpointing
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, attention) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases (keeps first losses near ln(vocab))."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def set_attention(self, attention) -> None:
+        """'sdpa', 'unfused', or a callable (q, k, v) -> causal attention output."""
+        for block in self.blocks:
+            block.attn.attention = attention
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def matmul_params(self) -> int:
+        """Parameters that multiply activations: every Linear weight (the tied head once)."""
+        seen, n = set(), 0
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and id(m.weight) not in seen:
+                seen.add(id(m.weight))
+                n += m.weight.numel()
+        return n
+
+    def recomputed_matmul_params(self) -> int:
+        """Matmul parameters whose forward activation checkpointing runs again in backward.
+
+        torch's non-reentrant checkpoint stops recomputing once every tensor the
+        backward needs is back ("early stop"), so each block's last matmul, the MLP
+        down-projection, whose output no backward needs, is not recomputed.
+        """
+        return sum(m.weight.numel() for b in self.blocks for m in b.modules()
+                   if isinstance(m, nn.Linear) and m is not b.mlp[-1])
+
+
+# ------------------------------------------------------------------ user models
+def load_user_model(spec: str, kwargs: dict, factory_paths: list = (), trust: list = ()) -> nn.Module:
+    """Import ``package.module:function`` and call it with ``kwargs``; it must return an nn.Module.
+
+    The module must lie beside the job file (the current folder for a job without one), in a folder of
+    ``factory_paths`` or in an installed package named in ``trust``, and never in mfu_lab or the standard library
+    (:mod:`mfu_lab.core.job.factories`); it is imported from there only. A job loaded from a file holds that file's
+    folder in ``factory_paths`` when its factory lies there.
+    """
+    func = load_factory(spec, None, list(factory_paths), list(trust))
+    model = func(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise StepError(f"job key 'model' = {spec!r}: {spec.split(':')[1]}() returned {type(model).__name__}, "
+                        "expected a torch.nn.Module mapping token ids (batch, seq) to logits")
+    return model
+
+
+def logits_of(output) -> torch.Tensor:
+    """Logits from a model's output: a tensor, or an object with ``.logits`` (Hugging Face)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise StepError(f"the model returned {type(output).__name__}; expected logits (batch, seq, vocab) "
+                    "or an object with a .logits tensor")
+
+
+def build_model(job: Job) -> nn.Module:
+    torch.manual_seed(job.seed)
+    if job.uses_reference_model:
+        return GPT(job.n_layers, job.n_heads, job.d_model, job.vocab_size, job.seq_len,
+                   job.attention, job.activation_checkpointing)
+    model = load_user_model(job.model, job.model_kwargs, job.factory_paths, job.trust)
+    if not any(p.requires_grad for p in model.parameters()):  # else torch's bare "empty parameter list"
+        frozen = " (all of them frozen: requires_grad=False)" if any(True for _ in model.parameters()) else ""
+        raise StepError(f"model: {job.model} returned a {type(model).__name__} with no parameters to train{frozen}; "
+                        "a training step needs at least one, so the factory must return the model to train")
+    return model
+
+
+# ------------------------------------------------------------------ training step
+@dataclass
+class TrainStep:
+    """One optimiser step: forward, loss, backward, AdamW update (autocast for bf16/fp16).
+
+    The loss: the job's ``loss`` function of ``(output, batch)`` when it names one; else the output's ``.loss`` when
+    the batch brings ``labels`` and the model's forward takes them (Hugging Face: the model shifts them); else
+    cross-entropy of the logits against the targets. Before the first step, the largest token id of the batch is
+    held against the model's input embedding (:func:`mfu_lab.core.engine.batches.vocab_problem`).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device_type: str
+    dtype: str
+    vocab_size: int  # 0: the model's input embedding rows
+    compiled: nn.Module | None = None  # torch.compile(model) when the job compiles; shares model's parameters
+    loss_fn: Any = None  # the job's own loss of (output, batch), or None
+    data: str = "synthetic"  # the job's data key, named in the vocabulary check's message
+    reference: bool = True  # the reference GPT (its vocabulary is a job key)
+
+    def __post_init__(self):
+        self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
+        try:
+            params = inspect.signature(self.model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.takes = {k for k in FORWARD_KEYS if k in params or (anything and k == "attention_mask")}
+        if not self.vocab_size:
+            emb, _ = input_embedding(self.model)
+            self.vocab_size = emb.num_embeddings if emb is not None else 0
+        self.vocab_checked = False
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, eager: bool = False, **kw: torch.Tensor) -> torch.Tensor:
+        """The step's loss; ``eager`` runs the uncompiled model (FLOP counting traces eager operators). ``kw``: the
+        batch's keyword tensors (``labels``, ``attention_mask``); those the forward takes go into it."""
+        if not self.vocab_checked and x.device.type != "meta":
+            why = vocab_problem(self.model, x, self.vocab_size, self.data, self.reference)
+            if why:
+                raise StepError(why)
+            self.vocab_checked = True
+        forward = self.model if eager or self.compiled is None else self.compiled
+        fkw = {k: v for k, v in kw.items() if k in self.takes}
+        with self.autocast():
+            out = forward(x, **fkw)
+        if self.loss_fn is not None:
+            return self.loss_fn(out, loss_view(x, y, kw))
+        own = getattr(out, "loss", None) if "labels" in fkw else None
+        if isinstance(own, torch.Tensor):
+            return own.float()
+        logits = logits_of(out)
+        if logits.shape[:2] != x.shape or (self.vocab_size and logits.size(-1) != self.vocab_size):
+            raise StepError(f"the model's logits have shape {tuple(logits.shape)}; expected "
+                            f"({x.size(0)}, {x.size(1)}, vocab_size={self.vocab_size}). "
+                            "Set vocab_size in the job to the model's vocabulary (0: its input embedding's)")
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, **kw: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(x, y, **kw)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+DYNAMIC = {"auto": None, "static": False, "dynamic": True}
+
+
+def compile_kwargs(mode: str, backend: str, dynamic: str, options: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile keyword arguments for a mode ('options' compiles with the job's compile_options)."""
+    kw: dict[str, Any] = {"backend": backend, "dynamic": DYNAMIC[dynamic]}
+    if mode == "options":
+        kw["options"] = dict(options)
+    elif mode != "default":
+        kw["mode"] = mode
+    return kw
+
+
+def eager(job: Job) -> Job:
+    """The job without torch.compile: for experiments that compare or instrument the eager model."""
+    return dataclasses.replace(job, compile_mode="off")
+
+
+def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
+    """The job's training step: its dtype (autocast), float32 matmul precision and compile mode.
+
+    ``matmul_precision`` is process-wide in torch (``torch.set_float32_matmul_precision``): the process
+    that builds the step trains with it. A job with ``compile_mode`` other than ``off`` runs its forward
+    through ``torch.compile(model, ...)``; the first steps compile (the warm-up steps absorb that).
+    """
+    torch.set_float32_matmul_precision(job.matmul_precision)
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(job.adamw_impl, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, **impl)
+    compiled = None
+    if job.compile_mode != "off":
+        compiled = torch.compile(model, **compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic,
+                                                         job.compile_options))
+    loss_fn = load_factory(job.loss, None, job.factory_paths, job.trust, key="loss") if job.loss else None
+    return TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled, loss_fn, job.data,
+                     job.uses_reference_model)

@@ -1,0 +1,2 @@
+"""Measurement: timed steps, the peak and its cache, contention, device health, FLOPs, collectives counted, the
+ledger and side-by-side rounds. Builds no model and applies no layout (core.engine does); writes no result file."""
