@@ -27,7 +27,9 @@ def race_job(job):
 
 def step_race_one_rank(ctx: Ctx, rows: list[Row], device_type: str = "cuda") -> dict:
     """Run the forced launch and its alternation; add one row per path. Returns what was seen (for the test)."""
-    from mfu_lab.workers.launch import alternate, config_key, config_name, run_sweep, sweep_configs
+    from mfu_lab.workers.alternate import alternate
+    from mfu_lab.workers.comm_configs import config_key, config_name, sweep_configs
+    from mfu_lab.workers.launch import run_sweep
 
     job = race_job(ctx.job)
     configs = sweep_configs(job)[:3]  # hooks every backend runs (gloo refuses bf16_compress)

@@ -3,11 +3,12 @@
 Plain-Python entry points (no Jupyter needed)::
 
     from mfu_lab import load_job
-    from mfu_lab.steps.baseline import step as baseline
+    from mfu_lab.steps import baseline
     result = baseline.run(load_job("parameters/default.yaml"))
 
 The package is in layers, each a folder, imports only going down (``lint-imports`` checks it):
-core < analysis < workers < steps < report / plots / explore < runner < cli.
+core < analysis < workers / monitor < steps < plots < report / explore < publish < runner / lab < commands < cli.
+Inside core and analysis, rooms by concern (docs/code-layout.md).
 """
 
 from pathlib import Path

@@ -321,7 +321,7 @@ def _monitor_step(job: Job, quiet: bool) -> None:
 
 def _tuned(job: Job, source: str, run_id: str) -> None:
     """Write ``tuned.yaml`` from the results as they now stand, and say how many changes it adopts."""
-    from mfu_lab.steps.verify.step import write_tuned
+    from mfu_lab.steps.verify.tuned import write_tuned
 
     try:
         path, chosen = write_tuned(job, (), source, run_id)

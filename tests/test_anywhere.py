@@ -142,7 +142,7 @@ def test_an_installed_mfu_lab_runs_a_job_from_any_folder(installed, tmp_path):
     cwd, jobs = tmp_path / "work", tmp_path / "jobs"
     cwd.mkdir()
     here = in_folder(installed, cwd, str(installed / "bin" / "python"), "-c",
-                     "import mfu_lab; from mfu_lab.core import paths; from mfu_lab.runner import resolve_job; "
+                     "import mfu_lab; from mfu_lab.core.job import paths; from mfu_lab.runner import resolve_job; "
                      "from mfu_lab.core.store.results import source_digest; "
                      "job, source = resolve_job(None, {}, None, writable=False); "
                      "print(mfu_lab.__file__, paths.workbook_file('notebooks/01_baseline.ipynb'), source, "

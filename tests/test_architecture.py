@@ -1,6 +1,8 @@
 """The house's shape, enforced: layers only import downward (import-linter), no import cycles, no module of more
-than 450 lines, every step module keeps the same contract, and no step folder name outside the registry."""
+than 450 lines, every step module keeps the same contract, and no step folder name outside the registry; the floor
+plan of issue 45 (rooms of at most 16 modules, each saying what lives there, a planted import caught)."""
 
+import ast
 import importlib
 import inspect
 import re
@@ -101,3 +103,72 @@ def test_step_folders_are_named_only_by_the_registry():
     found = [f"{p.relative_to(ROOT)}:{i}" for p in PACKAGE.rglob("*.py") if p.name != "registry.py"
              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if folder.search(line)]
     assert found == []
+
+
+# ---------------------------------------------------------------- the floor plan (issue 45)
+NEAR_FLAG = 10  # a module within this many lines of MAX_LINES says in its opening docstring why it stays whole
+MAX_SIDE_BY_SIDE = 16  # modules in one folder, its __init__ left out
+
+
+def _modules_by_folder() -> dict[str, list[str]]:
+    folders: dict[str, list[str]] = {}
+    for p in PACKAGE.rglob("*.py"):
+        if p.name != "__init__.py" and "_workbook" not in p.parts:
+            folders.setdefault(str(p.parent.relative_to(ROOT)), []).append(p.name)
+    return folders
+
+
+def test_no_folder_holds_more_than_16_modules_side_by_side():
+    assert {k: len(v) for k, v in _modules_by_folder().items() if len(v) > MAX_SIDE_BY_SIDE} == {}
+
+
+def test_every_sub_package_says_what_lives_there():
+    """Each room's __init__ opens with a docstring (what lives there, and what may not)."""
+    silent = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py")
+              if "_workbook" not in p.parts and not (ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "")]
+    assert silent == []
+
+
+def test_a_module_near_the_line_flag_says_why_it_stays_whole():
+    near = []
+    for p in PACKAGE.rglob("*.py"):
+        n = len(p.read_text(encoding="utf-8").splitlines())
+        doc = ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or ""
+        if n > MAX_LINES - NEAR_FLAG and "Kept whole:" not in doc:
+            near.append(f"{p.relative_to(ROOT)} ({n} lines)")
+    assert near == []
+
+
+@pytest.mark.parametrize("info", STEPS, ids=[s.key for s in STEPS])
+def test_each_step_package_offers_the_notebook_its_step(info):
+    """The notebooks import ``mfu_lab.steps.<key>`` and call ``run``; the registry names the step module itself."""
+    package = importlib.import_module(f"mfu_lab.steps.{info.key}")
+    step = importlib.import_module(info.module)
+    for name in ("run", "advise", "save", "Result"):
+        assert getattr(package, name) is getattr(step, name)
+
+
+def test_the_package_folder_is_found_from_its_rooms():
+    """Paths computed from a module's own file: the workbook's files and the source digest see the whole package."""
+    import mfu_lab
+    from mfu_lab.core.job import paths
+
+    assert paths.PACKAGE == Path(mfu_lab.__file__).resolve().parent
+
+
+def test_a_store_module_importing_torch_breaks_a_contract(tmp_path):
+    """The contracts bite: a copy of the package with one planted import (core.store -> torch) fails lint-imports,
+    naming the contract, while the copy without it passes."""
+    import shutil
+
+    shutil.copytree(PACKAGE, tmp_path / "mfu_lab", ignore=shutil.ignore_patterns("__pycache__", "_workbook"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    exe = Path(sys.executable).with_name("lint-imports")
+    cmd = [str(exe) if exe.exists() else "lint-imports", "--no-cache"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    clean = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert clean.returncode == 0, clean.stdout[-2000:]
+    (tmp_path / "mfu_lab" / "core" / "store" / "planted.py").write_text("import torch\n")
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode != 0
+    assert "import no torch" in p.stdout and "BROKEN" in p.stdout and "mfu_lab.core.store.planted" in p.stdout

@@ -16,8 +16,10 @@ from mfu_lab.steps.attention_comm import comm_race
 from mfu_lab.steps.attention_comm.step import CommRow, _recommend
 from mfu_lab.steps.compile import confirm as compile_confirm
 from mfu_lab.steps.compile.step import _confirmed
-from mfu_lab.workers import launch
-from mfu_lab.workers.launch import Alternation, SweepOutcome, config_key, run_sweep
+from mfu_lab.workers import alternate
+from mfu_lab.workers.alternate import Alternation
+from mfu_lab.workers.comm_configs import config_key
+from mfu_lab.workers.launch import SweepOutcome, run_sweep
 
 from .conftest import TINY
 
@@ -69,7 +71,7 @@ def test_alternate_runs_the_configurations_turn_by_turn_in_one_launch(tmp_path):
     """A real torchrun launch of two gloo ranks: A B A B, each turn a fresh DDP model timed for comm_steps."""
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path))
     other = {"hook": "allreduce", "bucket_mb": 1, "grad_as_bucket_view": True}
-    run = launch.alternate(job, "cpu", None, [DEFAULT, other], 2, tmp_path / "alt")
+    run = alternate.alternate(job, "cpu", None, [DEFAULT, other], 2, tmp_path / "alt")
     assert run.error == "", run.error
     assert run.order == [config_key(DEFAULT), config_key(other), config_key(other), config_key(DEFAULT)]  # ABBA
     assert all(len(w) == 2 * job.comm_steps and min(w) > 0 for w in run.walls.values())
@@ -140,7 +142,7 @@ def test_a_thorough_sweep_confirms_in_its_own_launch_what_the_steps_rule_picks(t
     confirms alternates with the reference in that launch."""
     from mfu_lab.steps.attention_comm.attention_race import _pick
     from mfu_lab.steps.attention_comm.step import _cfg, _comm_rows
-    from mfu_lab.workers.launch import config_name, sweep_configs
+    from mfu_lab.workers.comm_configs import config_name, sweep_configs
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
                               comm_bucket_mb=[1, 25], comm_grad_as_bucket_view=[False], comm_steps=3,

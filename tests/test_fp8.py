@@ -13,6 +13,7 @@ from torch import nn
 from mfu_lab.analysis import fp8_numerics as f8
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.job.schema import load_job
+from mfu_lab.steps.fp8 import policies
 from mfu_lab.steps.fp8 import step as fp8
 
 from .conftest import TINY
@@ -231,14 +232,14 @@ def test_recipes_follow_torchao():
 def test_a_torchao_failure_is_recorded_and_the_rest_kept(monkeypatch, tiny_job):
     import torch
 
-    from mfu_lab.steps.fp8 import step
+    from mfu_lab.steps.fp8 import torchao_speed
 
     def broken(*args, **kwargs):
         raise RuntimeError("torchao: float8 needs in_features divisible by 16")
 
-    monkeypatch.setattr(step, "_real_speed", broken)
+    monkeypatch.setattr(torchao_speed, "_real_speed", broken)
     skipped = []
-    speed = step.real_speed_or_failure(tiny_job, ["mlp"], torch.device("cpu"), print, skipped)
+    speed = torchao_speed.real_speed_or_failure(tiny_job, ["mlp"], torch.device("cpu"), print, skipped)
     assert speed == {"status": "failed", "reason": "RuntimeError: torchao: float8 needs in_features divisible by 16"}
     assert skipped == [{"what": "FP8 speed (torchao)", "reason": speed["reason"]}]
 
@@ -251,7 +252,7 @@ def test_the_fp8_reference_is_the_ladders_float32_curve_and_equals_a_fresh_run_o
 
     job, r = ran
     ref = r.trials[0]
-    assert ref.status == "reference" and ref.reason == fp8.LADDER_REUSED and len(ref.grad_norm) == job.fp8_steps
+    assert ref.status == "reference" and ref.reason == policies.LADDER_REUSED and len(ref.grad_norm) == job.fp8_steps
     quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
     batches = list(build_loader(quiet, max(job.fp8_sensitivity_batches, job.fp8_steps), "cpu"))[:job.fp8_steps]
     watch = f8.Watch(None, job.fp8_tolerance, job.fp8_window, job.fp8_spike)
@@ -259,5 +260,5 @@ def test_the_fp8_reference_is_the_ladders_float32_curve_and_equals_a_fresh_run_o
     assert why is None and losses == pytest.approx(ref.loss, rel=1e-6) and norms == pytest.approx(ref.grad_norm,
                                                                                                  rel=1e-5)
     # another precision than the ladder's float32 rung: the reference is trained as the job trains
-    assert fp8._ladder_reference(dataclasses.replace(job, dtype="bfloat16"), r.precision) is None
-    assert fp8._ladder_reference(job, {"rungs": []}) is None
+    assert policies._ladder_reference(dataclasses.replace(job, dtype="bfloat16"), r.precision) is None
+    assert policies._ladder_reference(job, {"rungs": []}) is None

@@ -48,7 +48,7 @@ def test_a_cpu_dtype_without_an_override_is_measured(monkeypatch, tmp_path):
 
 
 def test_peak_flops_per_dtype_from_a_job_file_and_from_the_command_line(tmp_path):
-    from mfu_lab.cli import parse_overrides
+    from mfu_lab.commands.common import parse_overrides
     from mfu_lab.core.errors import JobError
     from mfu_lab.core.job.schema import load_job
 
@@ -67,7 +67,7 @@ def test_peak_flops_per_dtype_from_a_job_file_and_from_the_command_line(tmp_path
 
 
 def _rung(name, dtype, peak, row, speedup=2.0):
-    from mfu_lab.steps.verify.step import Rung
+    from mfu_lab.steps.verify.rungs import Rung
 
     return Rung(name, {}, "ok", dtype=dtype, peak_flops_per_s=peak, peak_source="datasheet", peak_precision=row,
                 mfu=0.3, speedup=speedup, speedup_low=speedup * 0.9, speedup_high=speedup * 1.1)
@@ -76,35 +76,35 @@ def _rung(name, dtype, peak, row, speedup=2.0):
 def test_step7_keys_peaks_by_dtype_and_matmul_precision_on_a_gpu(tiny_job):
     import dataclasses
 
-    from mfu_lab.steps.verify import step as verify
+    from mfu_lab.steps.verify import rungs, staircase
 
     job = dataclasses.replace(tiny_job, dtype="float32", matmul_precision="highest", peak_flops=6.0e13)
     wanted = {("float32", "highest"), ("float32", "high"), ("bfloat16", "high")}
-    peaks = verify._peaks(job, H200, wanted, lambda *a: None)
+    peaks = rungs._peaks(job, H200, wanted, lambda *a: None)
     assert peaks[("float32", "highest")][:2] == (6.0e13, "datasheet")  # the job's own override, for its own peak
     assert peaks[("float32", "high")] == (494.7 * T, "datasheet", "tf32")  # TF32 rung: TF32's row, not the override
     assert peaks[("bfloat16", "high")] == (989.4 * T, "datasheet", "bf16")  # never the fp32 override
     # the same-peak warning shows for the TF32 rung, naming the rows
     before, after = _rung("original", "float32", 6.0e13, "fp32", 1.0), _rung("precision", "float32", 494.7 * T, "tf32")
-    text = verify._headline(before, after, [before, after], {"status": "ok"})["text"]
+    text = staircase.headline(before, after, [before, after], {"status": "ok"})["text"]
     assert "own precision's peak (fp32, then tf32)" in text and "8.2x" in text and "compare the speedup" in text
 
 
 def test_step7_on_a_gpu_without_a_row_takes_the_mapping_and_says_what_it_needs(tiny_job):
     import dataclasses
 
-    from mfu_lab.steps.verify import step as verify
+    from mfu_lab.steps.verify import rungs, staircase
 
     job = dataclasses.replace(tiny_job, dtype="float32", matmul_precision="highest",
                               peak_flops={"float32": 6.7e13, "bfloat16": 9.9e14})
-    peaks = verify._peaks(job, UNKNOWN_GPU, {("float32", "highest"), ("bfloat16", "highest"),
-                                             ("float16", "highest")}, lambda *a: None)
+    peaks = rungs._peaks(job, UNKNOWN_GPU, {("float32", "highest"), ("bfloat16", "highest"),
+                                            ("float16", "highest")}, lambda *a: None)
     assert peaks[("float32", "highest")][0] == 6.7e13 and peaks[("bfloat16", "highest")][0] == 9.9e14
     value, source, row = peaks[("float16", "highest")]
     assert value is None and "no peak_flops for float16" in source and "GTX 1080" in source and row == "fp16"
     before, after = _rung("original", "float32", 6.7e13, "fp32", 1.0), _rung("precision", "float16", None, "fp16")
     after.peak_source, after.mfu = source, None
-    text = verify._headline(before, after, [before, after], {"status": "ok"})["text"]
+    text = staircase.headline(before, after, [before, after], {"status": "ok"})["text"]
     assert "no MFU without a peak" in text and "float16" in text
 
 
@@ -125,7 +125,7 @@ def test_a_launch_warms_up_each_configuration_by_the_rule_and_records_it(tiny_jo
 
     from mfu_lab.core.process.budget import Clock
     from mfu_lab.steps.attention_comm import comm_race
-    from mfu_lab.workers.launch import config_key
+    from mfu_lab.workers.comm_configs import config_key
 
     job = dataclasses.replace(tiny_job, comm_hooks=["none", "powersgd"], comm_bucket_mb=[25],
                               comm_grad_as_bucket_view=[False], comm_steps=2, comm_warmup_steps=0,
@@ -147,7 +147,8 @@ def test_step7s_ddp_check_records_the_warmup_of_each_configuration(tiny_job, mon
 
     from mfu_lab.analysis.tuning import Change
     from mfu_lab.steps.verify import ddp as verify_ddp
-    from mfu_lab.workers.launch import Alternation, config_key
+    from mfu_lab.workers.alternate import Alternation
+    from mfu_lab.workers.comm_configs import config_key
 
     job = dataclasses.replace(tiny_job, comm_warmup_steps=1, verify_rounds=2)
     chosen = [Change("communication", "attention_comm", "ddp_hook", "none", "powersgd", "test", "measured")]
@@ -195,13 +196,14 @@ def test_writing_to_a_dead_rungs_process_is_a_runtime_error_naming_its_exit(tmp_
 def test_a_rung_whose_pipe_breaks_is_recorded_failed_and_the_step_goes_on(tiny_job, monkeypatch):
     import dataclasses
 
+    from mfu_lab.steps.verify import rungs
     from mfu_lab.steps.verify import step as verify
 
     from .test_verify import _store, step2
 
     job = dataclasses.replace(tiny_job, verify_rounds=3, verify_steps=1, verify_warmup_steps=0)
     _store(job, "attention_comm", step2(attention="unfused"))
-    specs, real_init, real_run = [], verify.RungProcess.__init__, verify.RungProcess.run
+    specs, real_init, real_run = [], rungs.RungProcess.__init__, rungs.RungProcess.run
 
     def init(self, spec, work, timeout_s, env=None):
         specs.append(spec)
@@ -213,8 +215,8 @@ def test_a_rung_whose_pipe_breaks_is_recorded_failed_and_the_step_goes_on(tiny_j
         self._seen = True
         return real_run(self, steps)
 
-    monkeypatch.setattr(verify.RungProcess, "__init__", init)
-    monkeypatch.setattr(verify.RungProcess, "run", run)
+    monkeypatch.setattr(rungs.RungProcess, "__init__", init)
+    monkeypatch.setattr(rungs.RungProcess, "run", run)
     r = verify.run(job, write=False)
     orig, att = r.rungs
     assert att.status == "failed" and "during the rounds" in att.reason and "Broken pipe" in att.reason
@@ -229,19 +231,20 @@ def test_nproc_per_node_above_the_visible_gpus_is_a_job_error_before_any_launch(
     import torch
 
     from mfu_lab.core.errors import JobError
-    from mfu_lab.workers import launch
+    from mfu_lab.workers import alternate, launch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     launched = []
     monkeypatch.setattr(launch, "launch", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(alternate, "launch", lambda *a, **k: launched.append(a))
     job = dataclasses.replace(tiny_job, nproc_per_node=4)
     with pytest.raises(JobError) as e:
         launch.world_layout(job, "cuda")
     msg = str(e.value)
     assert "nproc_per_node" in msg and "4" in msg and "2 GPU(s)" in msg
     with pytest.raises(JobError, match="nproc_per_node"):  # step 7's DDP alternation: refused before torchrun
-        launch.alternate(job, "cuda", None, [{"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}], 1,
+        alternate.alternate(job, "cuda", None, [{"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}], 1,
                          Path("/nonexistent"))
     assert launched == []
     assert launch.world_layout(dataclasses.replace(tiny_job, nproc_per_node=2), "cuda") == (1, 2)  # up to the count
@@ -258,17 +261,18 @@ def test_step7_refuses_the_job_before_starting_anything(tiny_job, monkeypatch):
     import torch
 
     from mfu_lab.core.errors import JobError
+    from mfu_lab.steps.verify import rungs
     from mfu_lab.steps.verify import step as verify
 
     from .test_verify import _store, step2
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(verify.dev, "resolve_device", lambda requested: H200)
-    monkeypatch.setattr(verify, "_fp8_reason", lambda device: "a stand-in GPU")
-    monkeypatch.setattr(verify, "_peaks", lambda job, device, wanted, say: {k: (1e15, "datasheet", "fp32")
-                                                                            for k in wanted})
+    monkeypatch.setattr(rungs, "_fp8_reason", lambda device: "a stand-in GPU")
+    monkeypatch.setattr(rungs, "_peaks", lambda job, device, wanted, say: {k: (1e15, "datasheet", "fp32")
+                                                                           for k in wanted})
     started = []
-    monkeypatch.setattr(verify, "RungProcess", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(rungs, "RungProcess", lambda *a, **k: started.append(a))
     job = dataclasses.replace(tiny_job, nproc_per_node=2)
     _store(job, "attention_comm", step2(attention="unfused"))
     with pytest.raises(JobError, match=r"nproc_per_node.*at most the 1 GPU"):
@@ -332,7 +336,7 @@ def test_real_fp8_speed_pads_the_inner_dimension(monkeypatch):
     import torch
 
     from mfu_lab.core.job.schema import load_job
-    from mfu_lab.steps.fp8 import step as fp8
+    from mfu_lab.steps.fp8 import torchao_speed
 
     @dataclasses.dataclass
     class Config:
@@ -356,13 +360,13 @@ def test_real_fp8_speed_pads_the_inner_dimension(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
     monkeypatch.setattr(torch, "compile", lambda m, **kw: m)
-    monkeypatch.setattr(fp8, "same_batches", lambda job, n, dt: [])
+    monkeypatch.setattr(torchao_speed, "same_batches", lambda job, n, dt: [])
     timed = types.SimpleNamespace(measured=lambda name: [0.1])
-    monkeypatch.setattr(fp8, "run_steps", lambda *a, **k: timed)
-    monkeypatch.setattr(fp8, "interleaved", lambda timers, rounds, steps: {k: [0.2 if k == "bf16" else 0.1] * steps
-                                                                             for k in timers})
+    monkeypatch.setattr(torchao_speed, "run_steps", lambda *a, **k: timed)
+    monkeypatch.setattr(torchao_speed, "interleaved", lambda timers, rounds, steps: {
+        k: [0.2 if k == "bf16" else 0.1] * steps for k in timers})
     job = load_job(Path(__file__).parent / "data" / "tiny.yaml")
-    out = fp8._real_speed(job, ["mlp_up"], torch.device("cpu"), lambda m: None)
+    out = torchao_speed._real_speed(job, ["mlp_up"], torch.device("cpu"), lambda m: None)
     assert seen["config"].pad_inner_dim is True and seen["config"].recipe == job.fp8_recipe
     assert seen["kept"] and all("mlp" in n for n in seen["kept"])  # only the chosen group converts
     assert out["pad_inner_dim"] is True and out["speedup"] == pytest.approx(2.0)
@@ -390,7 +394,7 @@ def test_timed_ddp_steps_write_no_fsync_and_beat_at_most_once_a_second(tmp_path,
     import json
     import os
 
-    from mfu_lab.workers import ddp_rank as dr
+    from mfu_lab.workers import rank_events as dr
 
     synced = []
     monkeypatch.setattr(dr.os, "fsync", lambda fd: synced.append(fd))
@@ -458,7 +462,8 @@ def test_two_node_launch_on_one_machine_runs_rank_0s_attention_and_waits_out_a_l
     import threading
     import time
 
-    from mfu_lab.workers.launch import config_key, launch, sweep_configs
+    from mfu_lab.workers.comm_configs import config_key, sweep_configs
+    from mfu_lab.workers.launch import launch
 
     job = dataclasses.replace(tiny_job, nnodes=2, nproc_per_node=1, rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                               comm_timeout_s=8.0, comm_steps=2, comm_warmup_steps=1, comm_hooks=["none"],

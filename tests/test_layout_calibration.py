@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from mfu_lab.analysis.layouts.calibration import GLOO_WHY, fit_link, layout_calibration, tp_points
+from mfu_lab.analysis.placement import collectives
 from mfu_lab.analysis.placement import model as pl
 from mfu_lab.analysis.placement import strategies as ps
 from mfu_lab.analysis.placement.cluster_files import load_cluster
@@ -100,8 +101,9 @@ def test_used_on_cuda_the_bubble_term_changes_by_exactly_the_factor_and_tp_takes
     b = _predict(dataclasses.replace(base, tp_link_gbps=cal.tp_link_gbps), lay)
     c = load_cluster(CLUSTER)
     act = 1024 * 4 * 1024 * 2
-    assert b.tp_s == pytest.approx(4 * 8 * pl.allreduce_s(act, 2, 0.32, c.intra_node_latency_us * 1e-6))
-    assert a.tp_s == pytest.approx(4 * 8 * pl.allreduce_s(act, 2, c.intra_node_gbps, c.intra_node_latency_us * 1e-6))
+    assert b.tp_s == pytest.approx(4 * 8 * collectives.allreduce_s(act, 2, 0.32, c.intra_node_latency_us * 1e-6))
+    assert a.tp_s == pytest.approx(4 * 8 * collectives.allreduce_s(act, 2, c.intra_node_gbps,
+                                                                  c.intra_node_latency_us * 1e-6))
     assert "intra-node TP link" in cal.sources and "pipeline bubble overhead" in cal.sources
     assert lcal.statement() == "calibrated here: pipeline bubble overhead, intra-node TP link"
 

@@ -17,6 +17,7 @@ import pytest
 
 from mfu_lab.analysis.layouts import terms as lt
 from mfu_lab.analysis.layouts.node_layouts import calibration_rows, layout_entry, node_layouts, ratio_table
+from mfu_lab.analysis.placement import collectives
 from mfu_lab.analysis.placement import model as pl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,11 +57,11 @@ def test_eight_gpus_form_fsdp_tp_and_pp_with_fsdp():
 # ------------------------------------------------------------------ the model (pure)
 def test_the_model_sends_what_the_engine_sends():
     """2*m*(p*v - 1)/p sends per rank (the engine's count, tests/test_commcount.py), not 2*v*m."""
-    assert pl.p2p_sends_per_rank(2, 4, 2) == 12 != 2 * 2 * 4
+    assert collectives.p2p_sends_per_rank(2, 4, 2) == 12 != 2 * 2 * 4
     for p, m, v in ((2, 4, 1), (2, 4, 2), (4, 8, 1), (4, 8, 2), (8, 8, 2)):
-        assert pl.p2p_sends_per_rank(p, m, v) == sum(lt.p2p_sends_of_rank(r, p, m, v) for r in range(p)) / p
-    assert lt.p2p_sends_per_rank is pl.p2p_sends_per_rank and lt.tp_collectives_per_layer is \
-        pl.tp_collectives_per_layer  # one home
+        assert collectives.p2p_sends_per_rank(p, m, v) == sum(lt.p2p_sends_of_rank(r, p, m, v) for r in range(p)) / p
+    assert lt.p2p_sends_per_rank is collectives.p2p_sends_per_rank and lt.tp_collectives_per_layer is \
+        collectives.tp_collectives_per_layer  # one home
 
 
 def test_fsdp_term_gathers_and_scatters_and_hides_behind_compute():
@@ -68,8 +69,8 @@ def test_fsdp_term_gathers_and_scatters_and_hides_behind_compute():
     link = pl.Link(100.0, 5e-6, "node")
     lay = pl.Layout(1, 1, 8, 1, fsdp=True)
     full, hidden = pl.fsdp_s(s, lay, link, compute=10.0)
-    gather = pl.ring_gather_s(4e9, 8, 100.0, 5e-6)
-    assert full == pytest.approx(2 * gather + pl.ring_gather_s(4e9, 8, 100.0, 5e-6))
+    gather = collectives.ring_gather_s(4e9, 8, 100.0, 5e-6)
+    assert full == pytest.approx(2 * gather + collectives.ring_gather_s(4e9, 8, 100.0, 5e-6))
     assert 0 < hidden < full  # the first gather and the last reduce-scatter stay exposed
     once, _ = pl.fsdp_s(pl.Shape(8, 8, 1024, 1024, 4, 1e9, 6e12, 2, fsdp_reshard=False), lay, link, 10.0)
     assert once == pytest.approx(full - gather)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mfu_lab.cli import cmd_report
+from mfu_lab.commands.results import cmd_report
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.store import nodes
 from mfu_lab.core.store import step_results as store

@@ -24,6 +24,7 @@ from mfu_lab.report import index as ix
 from mfu_lab.report import summary as su
 from mfu_lab.report.first_screen import first_screen
 from mfu_lab.report.found import found_html
+from mfu_lab.runner import overrides_set
 
 DATA = Path(__file__).parent / "data" / "default_run_results.json"
 TINY = Path(__file__).parent / "data" / "tiny.yaml"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from mfu_lab.analysis.placement import collectives
 from mfu_lab.analysis.placement import model as pl
 from mfu_lab.analysis.placement import scheduler_sim as sim
 from mfu_lab.analysis.placement import strategies as ps
@@ -28,30 +29,30 @@ CLUSTERS = ROOT / "parameters" / "clusters"
 # ------------------------------------------------------------------ formulas against hand-worked values
 def test_ring_and_tree_allreduce_against_hand_worked_values():
     # 1 GB over 8 GPUs at 100 GB/s: ring moves 2*7/8 GB per link = 17.5 ms, plus 2*7 latencies of 10 µs
-    assert pl.ring_allreduce_s(1e9, 8, 100, 10e-6) == pytest.approx(0.0175 + 14 * 10e-6)
+    assert collectives.ring_allreduce_s(1e9, 8, 100, 10e-6) == pytest.approx(0.0175 + 14 * 10e-6)
     # tree: 2 * 1 GB / 100 GB/s = 20 ms, plus 2 * log2(8) = 6 latencies
-    assert pl.tree_allreduce_s(1e9, 8, 100, 10e-6) == pytest.approx(0.020 + 6 * 10e-6)
-    assert pl.allreduce_s(1e9, 8, 100, 10e-6) == pytest.approx(0.0175 + 14e-5)  # large: ring wins
+    assert collectives.tree_allreduce_s(1e9, 8, 100, 10e-6) == pytest.approx(0.020 + 6 * 10e-6)
+    assert collectives.allreduce_s(1e9, 8, 100, 10e-6) == pytest.approx(0.0175 + 14e-5)  # large: ring wins
     # 1 kB over 64 GPUs: ring pays 126 latencies (1.26 ms), tree 12 (0.12 ms) -> tree wins
-    assert pl.allreduce_s(1e3, 64, 100, 10e-6) == pytest.approx(2e3 / 100e9 + 12 * 10e-6)
-    assert pl.ring_allreduce_s(1e9, 1, 100, 1e-5) == 0.0
-    assert pl.p2p_s(50e9, 50, 1e-5) == pytest.approx(1.0 + 1e-5)
+    assert collectives.allreduce_s(1e3, 64, 100, 10e-6) == pytest.approx(2e3 / 100e9 + 12 * 10e-6)
+    assert collectives.ring_allreduce_s(1e9, 1, 100, 1e-5) == 0.0
+    assert collectives.p2p_s(50e9, 50, 1e-5) == pytest.approx(1.0 + 1e-5)
 
 
 def test_bubble_fraction_plain_and_interleaved():
-    assert pl.bubble_fraction(4, 8) == pytest.approx(3 / 8)
-    assert pl.bubble_fraction(4, 8, v=2) == pytest.approx(3 / 16)
-    assert pl.bubble_fraction(1, 8) == 0.0
+    assert collectives.bubble_fraction(4, 8) == pytest.approx(3 / 8)
+    assert collectives.bubble_fraction(4, 8, v=2) == pytest.approx(3 / 16)
+    assert collectives.bubble_fraction(1, 8) == 0.0
 
 
 def test_alpha_beta_fit_recovers_the_latency_and_bandwidth_it_was_built_from():
     world, alpha, bw = 4, 20e-6, 12.5
     sizes = [2 ** k for k in range(12, 27, 2)]
-    table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, world, bw, alpha)} for b in sizes]
-    a, b = pl.fit_alpha_beta(table, world)
+    table = [{"bytes": b, "time_s": collectives.ring_allreduce_s(b, world, bw, alpha)} for b in sizes]
+    a, b = collectives.fit_alpha_beta(table, world)
     assert a == pytest.approx(alpha, rel=1e-6)
     assert b == pytest.approx(bw, rel=1e-6)
-    assert pl.fit_alpha_beta(table[:1], world) is None
+    assert collectives.fit_alpha_beta(table[:1], world) is None
 
 
 def test_efficient_size_is_the_last_size_before_marginal_efficiency_drops():
@@ -281,7 +282,7 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
     from mfu_lab.core.measure import device as dev
 
     device = dev.DeviceInfo("cpu", "SomeCPU", None, None, 2)
-    table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, 2, 2.0, 1e-4)} for b in (2 ** 12, 2 ** 18, 2 ** 24)]
+    table = [{"bytes": b, "time_s": collectives.ring_allreduce_s(b, 2, 2.0, 1e-4)} for b in (2 ** 12, 2 ** 18, 2 ** 24)]
     comm = {"hook": "none", "bucket_mb": 25, "grad_as_bucket_view": False, "status": "ok", "step_median_s": 1.0,
             "step_p10_s": 0.9, "step_p90_s": 1.1, "no_sync_step_s": 0.95, "comm_s": 0.1, "exposed_s": 0.05}
     step2 = {"environment": {"device_name": "SomeCPU"}, "comm_layout": {"world_size": 2, "backend": "gloo"},
@@ -290,7 +291,7 @@ def test_model_check_adds_the_fitted_allreduce_to_each_measured_compute_time():
     shape = _shape(params=1e6)  # 4 MB of gradients: one bucket
     coloc = Coloc("ok", alone_median_s=0.8, pair_median_s=0.9, threads=1)
     chk = model_check(shape, {"attention_comm": step2}, coloc, device)
-    ar = pl.ring_allreduce_s(4e6, 2, 2.0, 1e-4)
+    ar = collectives.ring_allreduce_s(4e6, 2, 2.0, 1e-4)
     assert chk.available and chk.buckets == 1 and chk.allreduce_s == pytest.approx(ar, rel=1e-6)
     pair = next(r for r in chk.rows if r["name"].startswith("two at once"))
     assert pair["predicted_s"] == pytest.approx(0.9 + ar, rel=1e-6)  # one bucket: nothing hides
@@ -392,7 +393,8 @@ def test_calibration_uses_measurements_only_from_the_clusters_gpu(tiny_job):
     from mfu_lab.analysis.placement.calibration import calibrate
 
     c = load_cluster(CLUSTERS / "example_h100.yaml")
-    table = [{"bytes": b, "time_s": pl.ring_allreduce_s(b, 8, 300.0, 5e-6)} for b in (2 ** 20, 2 ** 24, 2 ** 28)]
+    table = [{"bytes": b, "time_s": collectives.ring_allreduce_s(b, 8, 300.0, 5e-6)}
+             for b in (2 ** 20, 2 ** 24, 2 ** 28)]
     comm = {"hook": "none", "bucket_mb": 25, "grad_as_bucket_view": False, "status": "ok", "comm_s": 0.010,
             "exposed_s": 0.004}
     rec = {"comm": {"hook": "none", "bucket_cap_mb": 25, "gradient_as_bucket_view": False}}

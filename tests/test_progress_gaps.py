@@ -11,6 +11,8 @@ import re
 import pytest
 
 from mfu_lab import cli
+from mfu_lab.commands import run as run_command
+from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.measure import contention
 from mfu_lab.core.measure.contention import Contention
 from mfu_lab.core.process import budget
@@ -96,34 +98,34 @@ def _busy(cores: float = 1.57) -> Contention:
 def test_a_busy_machine_is_said_first_with_the_command_that_bounds_the_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(contention, "busy_now", lambda *a, **k: _busy())
     ran = {}
-    monkeypatch.setattr(cli, "run_steps", lambda *a, **k: ran.setdefault("yes", []) or [])
+    monkeypatch.setattr(run_command, "run_steps", lambda *a, **k: ran.setdefault("yes", []) or [])
     code = cli.main(["run", str(TINY), "--out", str(tmp_path), "--steps", "baseline,kernels"])
     out = capsys.readouterr().out
     assert code == 0 and ran
     line = next(ln for ln in out.splitlines() if "busy" in ln)
     assert "1.57 of 2 cores" in line and f"mfu-lab run {TINY} --budget " in line and "--steps baseline,kernels" in line
     m = re.search(r"--budget (\S+) ", line)
-    assert budget.step1_refusal(dataclasses.replace(cli.load_job(TINY), budget_min=float(m.group(1))),
+    assert budget.step1_refusal(dataclasses.replace(load_job(TINY), budget_min=float(m.group(1))),
                                 ["baseline", "kernels"]) == ""  # the suggested budget is one step 1 accepts
 
 
 def test_a_quiet_machine_prints_no_warning(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(contention, "busy_now", lambda *a, **k: dataclasses.replace(_busy(0.0), shared=False))
-    monkeypatch.setattr(cli, "run_steps", lambda *a, **k: [])
+    monkeypatch.setattr(run_command, "run_steps", lambda *a, **k: [])
     assert cli.main(["run", str(TINY), "--out", str(tmp_path), "--steps", "baseline"]) == 0
     assert "busy" not in capsys.readouterr().out
 
 
 def test_a_budget_too_small_for_step_1_is_refused_up_front_with_the_estimate(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(contention, "busy_now", lambda *a, **k: pytest.fail("refused before anything else"))
-    monkeypatch.setattr(cli, "run_steps", lambda *a, **k: pytest.fail("no step may start"))
+    monkeypatch.setattr(run_command, "run_steps", lambda *a, **k: pytest.fail("no step may start"))
     code = cli.main(["run", str(TINY), "--out", str(tmp_path), "--budget", "0.5"])
     err = capsys.readouterr().err
     assert code == cli.EXIT_BAD_INPUT
     assert "--budget 0.5 min gives step 1" in err and "needs at least about" in err and "Give --budget" in err
     need = float(re.search(r"Give --budget (\S+) or more", err).group(1))
     assert need > 0.5 and budget.step1_refusal(
-        dataclasses.replace(cli.load_job(TINY), budget_min=need), ["baseline"]) == ""
+        dataclasses.replace(load_job(TINY), budget_min=need), ["baseline"]) == ""
 
 
 @pytest.mark.parametrize("minutes, warm, timed, over", [(20.0, 3, 20, False), (3.0, 3, 9, False),

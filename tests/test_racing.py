@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 
 from mfu_lab.analysis import racing
-from mfu_lab.cli import cost_overrides
+from mfu_lab.commands.common import cost_overrides
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.process import budget
 from mfu_lab.core.process.budget import Clock
 from mfu_lab.steps.attention_comm import comm_race
-from mfu_lab.workers.comm_configs import factor_configs, is_fsdp, screened_configs
-from mfu_lab.workers.launch import SweepOutcome, config_key, known_refusal
+from mfu_lab.workers.comm_configs import config_key, factor_configs, is_fsdp, screened_configs
+from mfu_lab.workers.launch import SweepOutcome, known_refusal
 
 from .conftest import TINY
 

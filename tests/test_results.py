@@ -4,6 +4,7 @@ import stat
 
 import pytest
 
+from mfu_lab.core.measure.environment import environment
 from mfu_lab.core.store import files, results
 from mfu_lab.core.store.files import write_json_atomic
 from mfu_lab.core.store.results import Metric
@@ -54,7 +55,7 @@ def test_metric_labels_are_checked():
 
 
 def test_environment_names_versions_and_commit():
-    env = results.environment("cpu name", "cpu")
+    env = environment("cpu name", "cpu")
     assert env["device_name"] == "cpu name" and env["torch"] and env["python"]
     assert env["git_commit"] == "unknown" or len(env["git_commit"].split("+")[0]) == 40
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 
@@ -164,7 +165,7 @@ def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny
     for x in (orig, att, prec):
         assert x.status == "ok" and len(x.wall_s) == 4 and x.step_p10_s <= x.step_median_s <= x.step_p90_s
     assert orig.speedup == 1.0 and prec.speedup == pytest.approx(
-        verify.statistics.median(orig.wall_s) / prec.step_median_s)
+        statistics.median(orig.wall_s) / prec.step_median_s)
     assert prec.dtype == "bfloat16" and prec.peak_flops_per_s and prec.mfu is not None
     assert r.loss["tuned_rung"] == ("attention at bfloat16" if won else "precision")
     assert len(r.loss["original"]) == len(r.loss["tuned"]) == 1 + 4
@@ -198,19 +199,20 @@ def test_verify_with_nothing_adopted_says_so_and_times_nothing(tiny_job):
 
 
 def test_a_rung_that_fails_is_recorded_and_the_others_run(tiny_job, monkeypatch):
+    from mfu_lab.steps.verify import rungs
     from mfu_lab.steps.verify import step as verify
 
     job = dataclasses.replace(tiny_job, verify_rounds=2, verify_steps=1, verify_warmup_steps=0)
     _store(job, "attention_comm", step2(attention="unfused"))
     _store(job, "compile", step4(mode="default"))
-    real = verify.RungProcess
+    real = rungs.RungProcess
 
     def broken(spec, work, timeout_s):
         if spec["rung"] == "compile":
             spec = spec | {"job": spec["job"] | {"model": "no_such_module:factory"}}
         return real(spec, work, timeout_s)
 
-    monkeypatch.setattr(verify, "RungProcess", broken)
+    monkeypatch.setattr(rungs, "RungProcess", broken)
     r = verify.run(job, write=False)
     comp = r.rungs[-1]
     assert comp.name == "compile" and comp.status == "failed" and "no_such_module" in comp.reason
@@ -252,7 +254,7 @@ def test_keep_on_the_command_line_pins_the_key_in_the_tuned_file(tmp_path):
 
 
 def test_attention_is_rechecked_only_when_the_precision_changed(tiny_job):
-    from mfu_lab.steps.verify.step import attention_recheck
+    from mfu_lab.steps.verify.tuned import attention_recheck
 
     s2 = step2(attention="sdpa") | {"job": {"dtype": "float32"}}
     assert attention_recheck(tiny_job, {"attention_comm": s2}, tiny_job) is None
@@ -291,11 +293,12 @@ def test_a_candidate_that_drops_out_mid_rounds_leaves_the_others_running():
 
 
 def test_a_rung_whose_process_dies_during_the_rounds_is_recorded(tiny_job, monkeypatch):
+    from mfu_lab.steps.verify import rungs
     from mfu_lab.steps.verify import step as verify
 
     job = dataclasses.replace(tiny_job, verify_rounds=3, verify_steps=1, verify_warmup_steps=0)
     _store(job, "attention_comm", step2(attention="unfused"))
-    real_run = verify.RungProcess.run
+    real_run = rungs.RungProcess.run
 
     def run(self, steps):
         if self.name == "attention" and getattr(self, "_seen", False):
@@ -303,7 +306,7 @@ def test_a_rung_whose_process_dies_during_the_rounds_is_recorded(tiny_job, monke
         self._seen = True
         return real_run(self, steps)
 
-    monkeypatch.setattr(verify.RungProcess, "run", run)
+    monkeypatch.setattr(rungs.RungProcess, "run", run)
     r = verify.run(job, write=False)
     orig, att = r.rungs
     assert att.status == "failed" and "during the rounds" in att.reason and att.wall_s == []
@@ -341,11 +344,11 @@ def test_varying_shapes_under_a_compile_recommendation_propose_buckets(tiny_job)
 def test_a_rungs_mfu_is_taken_over_the_total_wall_time_of_its_measured_steps():
     """One MFU statistic (issue 34): model FLOPs x steps / (peak x their total wall time), in one process and in the
     job's layout; the median step stays its own figure."""
-    from mfu_lab.steps.verify import step as verify
     from mfu_lab.steps.verify.layout import rung_figures
+    from mfu_lab.steps.verify.rungs import Rung
 
     wall = [0.1, 0.2, 0.6, 0.1]  # a slow step: the median (0.15 s) would hide it, the total wall does not
-    rung = verify.Rung("original", {}, "ok", peak_flops_per_s=1e10)
+    rung = Rung("original", {}, "ok", peak_flops_per_s=1e10)
     rung.wall_s = list(wall)
     rung_figures(rung, 1e9, 256)
     assert rung.mfu == pytest.approx(1e9 * len(wall) / (1e10 * sum(wall)))

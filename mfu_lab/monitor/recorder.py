@@ -25,9 +25,9 @@ Per step the monitor takes a few clock readings on the host (no device synchroni
   for the next batch;
 
 and, for a DDP model, the communication time from the communication hook (:mod:`mfu_lab.monitor.comm`).
-Every ``every`` steps one ``interval`` record is appended (the fields and their contract:
-:mod:`mfu_lab.core.store.monitor_files`). MFU and tokens/s are over the training steps and the data wait, with the
-other time left out, as Lightning's ``ThroughputMonitor`` leaves evaluation out::
+Every ``every`` steps one ``interval`` record is appended (:mod:`mfu_lab.monitor.intervals`; the fields and their
+contract: :mod:`mfu_lab.core.store.monitor_files`). MFU and tokens/s are over the training steps and the data wait,
+with the other time left out, as Lightning's ``ThroughputMonitor`` leaves evaluation out::
 
     mfu = flops_per_step * steps / ((wall_s - other_s) * peak_flops_per_s)
 
@@ -43,18 +43,16 @@ next) and left out of the timing. Peak: ``peak_flops`` when given; else :mod:`mf
 
 Never a harm to the job: bad arguments raise here, at construction, before training starts. After that every
 failure inside the monitor (a folder it cannot write, the open-file limit, a failed rotation, a non-finite token
-count, a failed analysis) is counted in ``Monitor.errors``, warned about once per kind, and training goes on.
+count, a failed analysis) is counted in ``Monitor.errors``, warned about once per kind, and training goes on
+(:mod:`mfu_lab.monitor.records`).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,19 +61,17 @@ from typing import Any
 import torch
 
 from mfu_lab.core import __version__
-from mfu_lab.core.measure.timed import percentile
-from mfu_lab.core.store.monitor_files import VERSION, RecordWriter, record_path, safe_host
+from mfu_lab.core.store.monitor_files import RecordWriter, record_path, safe_host
 from mfu_lab.monitor import setup
 from mfu_lab.monitor.comm import CommTimer, attach
 from mfu_lab.monitor.context import NvmlProbe, launch_id, ranks, run_id, scheduler_env, slurm_queue
 from mfu_lab.monitor.flops_window import CountsOneStep, StepFlops
+from mfu_lab.monitor.intervals import SplitsSteps
 from mfu_lab.monitor.profiling import ProfileWindows
-
-WHAT = {"start": "setting up at start", "write": "writing a record", "step": "recording a step", "close": "closing",
-        "tokens": "reading the token count", "arguments": "reading step()'s seconds", "flops": "counting FLOPs"}
+from mfu_lab.monitor.records import WritesRecords
 
 
-class Monitor(CountsOneStep):
+class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
     def __init__(self, out_dir: str | os.PathLike, *, model: torch.nn.Module | None = None,
                  flops_per_token: float | None = None, peak_flops: float | None = None, every: int = 50,
                  dtype: str | None = None, profile_every_s: float | None = 1800.0, profile_steps: int = 3,
@@ -300,70 +296,24 @@ class Monitor(CountsOneStep):
                                         self.profile_steps, self.keep_traces, self._emit, self._fail)
             self._next_profile = time.monotonic()
 
-    def _reset_pending(self) -> None:
-        self._data_pending = self._host_pending = self._other_pending = 0.0
-        self._data_timed = self._host_timed = False
-
-    def _seconds(self, value) -> float | None:
-        if value is None:
-            return None
-        v = float(value)
-        if not math.isfinite(v) or v < 0:
-            self._fail("arguments", ValueError(f"{value!r} seconds: not a finite number >= 0, left out"))
-            return None
-        return v
-
-    def _tokens(self, tokens) -> int | None:
-        if tokens is None:
-            return None
-        try:
-            n = float(tokens)
-            if not math.isfinite(n) or n < 0:
-                raise ValueError(f"step(tokens={tokens!r}): not a finite count >= 0")
-            return int(n)
-        except (TypeError, ValueError, OverflowError) as e:
-            self._fail("tokens", e)
-            return None
-
     def _step(self, now: float, tokens, data_wait_s, host_s, other_s) -> None:
         tokens = self._tokens(tokens)
         given = [self._seconds(v) for v in (data_wait_s, host_s, other_s)]
-        data, host, other = self._data_pending, self._host_pending, self._other_pending
-        data_timed, host_timed = self._data_timed, self._host_timed
-        if given[0] is not None:
-            data, data_timed = data + given[0], True
-        if given[1] is not None:
-            host, host_timed = host + given[1], True
-        if given[2] is not None:
-            other += given[2]
-        self._reset_pending()
+        data, data_timed, host, host_timed, other = self._take_pending(given)
         dur, self._mark = now - self._mark, now
         self.steps_done += 1
         counted = self._count(tokens)
         if self.steps_done == 1 or counted:  # the warm-up, and a step counted under the FLOP counter: not timed
             self.comm.discard()
             return
-        iv = self._iv
         if self._prof is not None and self._prof.open:
-            iv["profiled"] += 1
-            iv["profiled_s"] += dur
+            self._add_profiled(dur)
             if self._prof.step():  # the window closed: its stop is not the next step's time
                 self._next_profile = time.monotonic() + self.profile_every_s
                 self.comm.discard()  # the window's collectives belong to steps left out of the timing
                 self._mark = time.perf_counter()
             return
-        iv["durs"].append(max(dur - other, 0.0))
-        iv["wall"] += dur
-        iv["other"] += other
-        if data_timed:
-            iv["data"] += data
-            iv["data_steps"] += 1
-        if host_timed:
-            iv["host"] += host
-            iv["host_steps"] += 1
-        if tokens is not None:
-            iv["tokens"] = (iv["tokens"] or 0) + tokens
-        if len(iv["durs"]) >= self.every:
+        if self._add_timed(dur, other, data, data_timed, host, host_timed, tokens):
             self._interval()
             if (self._next_profile is not None and self._flops is None and time.monotonic() >= self._next_profile
                     and not self._prof.analysing):  # one window's child at a time: none piles up on the cores
@@ -372,79 +322,6 @@ class Monitor(CountsOneStep):
                 except Exception as e:
                     self._fail("profiler", e)
                     self._next_profile = time.monotonic() + self.profile_every_s
-
-    # ------------------------------------------------------------------ records
-    def _fail(self, kind: str, e: BaseException, where: str = "") -> None:
-        """Count a failure inside the monitor and warn about its kind once; the job goes on."""
-        self.errors[kind] = self.errors.get(kind, 0) + 1
-        if kind == "write":
-            self.write_errors += 1
-        if self.errors[kind] == 1:
-            at = f" ({where})" if where else ""
-            warnings.warn(f"mfu-lab monitor: {WHAT.get(kind, kind)} failed{at}: {type(e).__name__}: {e}; training "
-                          "goes on, later failures of this kind are counted in Monitor.errors", stacklevel=3)
-
-    def _emit(self, kind: str, **fields: Any) -> None:
-        """Append one record. A record that cannot be written (a full disk, a folder that is a file, the open-file
-        limit) is counted and warned about once; the file is opened again at the next record."""
-        rec = {"kind": kind, "v": VERSION, "t": time.time(), "launch": self.launch, "run": self.run,
-               "rank": self.ids["rank"], "node": self.host, **fields}
-        try:
-            writer = self._writer
-            if writer is None:
-                if self._writer_closed or self._writer_path is None:
-                    return
-                writer = self._writer = RecordWriter(self._writer_path, self.fsync_s, self.max_bytes)
-            if self._unwritten_start is not None and kind != "start":
-                writer.write(self._unwritten_start)
-                self._unwritten_start = None
-            writer.write(rec)
-        except Exception as e:
-            if kind == "start":
-                self._unwritten_start = rec  # written before the next record that gets through
-            self._fail("write", e, where=str(self._writer_path or self.out_dir))
-
-    def _reset_interval(self) -> None:
-        self._iv: dict[str, Any] = {"t0": time.time(), "durs": [], "wall": 0.0, "other": 0.0, "data": 0.0,
-                                    "data_steps": 0, "host": 0.0, "host_steps": 0, "tokens": None, "profiled": 0,
-                                    "profiled_s": 0.0}
-
-    def _interval(self, partial: bool = False) -> None:
-        iv, durs = self._iv, self._iv["durs"]
-        wall, other = iv["wall"], iv["other"]
-        train = wall - other  # training steps and data wait: evaluation, checkpoints and logging left out
-        comm = self.comm.take() if self._comm_timed else None
-        tokens = iv["tokens"]
-        mfu = None
-        if self._peak_flops and train > 0:
-            if self.flops_per_token and tokens:
-                mfu = self.flops_per_token * tokens / (train * self._peak_flops)
-            elif self.flops_per_step:
-                mfu = self.flops_per_step * len(durs) / (train * self._peak_flops)
-        gpu = self.nvml.take() if self.nvml is not None else None
-        data = iv["data"] if iv["data_steps"] else None
-        rec = {
-            "t0": iv["t0"], "step": self.steps_done, "steps": len(durs), "partial": partial,
-            "step_s": {"median": statistics.median(durs), "p90": percentile(durs, 90), "max": max(durs),
-                       "mean": sum(durs) / len(durs)},
-            "wall_s": wall, "other_s": other, "data_s": data, "data_timed": bool(iv["data_steps"]),
-            "data_timed_steps": iv["data_steps"], "host_s": iv["host"] if iv["host_steps"] else None,
-            "comm_s": comm, "tokens": tokens, "tokens_per_s": tokens / train if tokens and train > 0 else None,
-            "mfu": mfu, "profiled_steps": iv["profiled"], "profiled_s": iv["profiled_s"], "gpu": gpu,
-        }
-        self._reset_interval()
-        self.comm.new_interval()
-        self._emit("interval", **rec)
-        if self._tb is not None:
-            try:
-                for name, value in (("mfu", mfu), ("tokens_per_s", rec["tokens_per_s"]),
-                                    ("step_s_median", rec["step_s"]["median"]),
-                                    ("data_share", data / wall if data is not None and wall > 0 else None),
-                                    ("comm_share", comm / wall if comm is not None and wall > 0 else None)):
-                    if value is not None:
-                        self._tb.add_scalar(f"mfu_lab/{name}", value, self.steps_done)
-            except Exception as e:
-                self._fail("write", e)
 
     def _cluster_record(self, job_id: str) -> None:
         self._emit("cluster", slurm=slurm_queue(job_id))  # a no-op once closed

@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,11 +34,11 @@ from mfu_lab.core.engine.workload import GPT, build_loader, build_model, build_t
 from mfu_lab.core.job.schema import validate
 from mfu_lab.core.measure.timed import run_steps, stats
 from mfu_lab.core.process.procs import die_with_parent
-from mfu_lab.core.store.files import write_atomic
 from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
 from mfu_lab.workers import fsdp_candidate
-from mfu_lab.workers.comm_configs import hook_of, is_fsdp
-from mfu_lab.workers.launch import config_name, full_factor
+from mfu_lab.workers.comm_configs import config_name, hook_of, is_fsdp
+from mfu_lab.workers.launch import full_factor
+from mfu_lab.workers.rank_events import emit, heartbeat, step_beat
 
 BUS_FACTOR = "2 (n - 1) / n"  # nccl-tests' all-reduce bus bandwidth factor (PERFORMANCE.md)
 POWERSGD_START_ITER = 2  # torch's powerSGD_hook all-reduces uncompressed below this iteration; at it, it allocates P, Q
@@ -51,47 +50,6 @@ def ddp_warmup(job_warmup: int, hook: str) -> int:
     step 7's alternation): the job's warm-up, but at least DDP's bucket rebuild and, for PowerSGD, its
     uncompressed steps and its first compression (``start_powerSGD_iter + 1``), so that neither is timed."""
     return max(job_warmup, DDP_REBUILD_STEPS, POWERSGD_START_ITER + 1 if hook == "powersgd" else 0)
-
-
-BEAT_S = 1.0  # a timed step's progress line and heartbeat at most once a second (the watchdog waits a minute)
-
-
-def emit(out: Path, event: dict, durable: bool = True) -> None:
-    """Append an event to this node's progress file (local rank 0 writes; each node has its own launcher).
-    ``durable=False`` (the per-step lines written between timed steps) skips the fsync: on NFS or Lustre its
-    latency would land in the next step's wall time."""
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        with open(out / "progress.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-
-
-def step_beat(out: Path, rank: int, where: dict, fields: dict, every_s: float = BEAT_S, clock=time.monotonic):
-    """``beat(done, total, *_)`` for a timed loop's progress callback: a ``step`` event (not fsynced) and this rank's
-    heartbeat, at most once per ``every_s`` and at the last step. It runs between timed steps, where its time
-    falls into the next step's wall, so it stays rare and cheap; a hang is then placed to within ``every_s`` of
-    steps."""
-    last = [float("-inf")]
-
-    def beat(done: int, total: int, *_: object) -> None:
-        now = clock()
-        if done < total and now - last[0] < every_s:
-            return
-        last[0] = now
-        emit(out, {"event": "step", **fields, "done": done, "total": total}, durable=False)
-        heartbeat(out, rank, where["config"], done)
-
-    return beat
-
-
-def heartbeat(out: Path, rank: int, config: int, step: int) -> None:
-    """Every rank's last reached point, one small file per rank: a hung launch can then name the rank that
-    stopped (the launcher reads them when it ends the launch)."""
-    write_atomic(out / "beats" / f"rank{rank}.json", json.dumps(
-        {"rank": rank, "host": socket.gethostname(), "config": config, "step": step, "t": time.time()}),
-        durable=False)
 
 
 def register_hook(ddp: DDP, hook: str) -> None:

@@ -16,7 +16,7 @@ For each layout, every rank:
 5. under PP, times each stage's fill and drain in every timed step (:class:`StageClock`);
 6. with ``profile``, traces one more step with torch.profiler (one file per rank).
 
-Local rank 0 of each node appends the events to ``<out>/progress.jsonl`` (ddp_rank.emit), every rank its
+Local rank 0 of each node appends the events to ``<out>/progress.jsonl`` (rank_events.emit), every rank its
 heartbeat; the per-rank figures are gathered to every rank first, so each node's file holds them all.
 """
 
@@ -49,7 +49,7 @@ from mfu_lab.core.job.schema import Job, validate
 from mfu_lab.core.measure.commcount import CollectiveCounter
 from mfu_lab.core.measure.timed import profile_steps
 from mfu_lab.core.process.procs import die_with_parent
-from mfu_lab.workers.ddp_rank import emit, heartbeat, step_beat
+from mfu_lab.workers.rank_events import emit, heartbeat, step_beat
 from mfu_lab.workers.stage_clock import StageClock, slow_last_backward
 
 CHECK_STEPS = 3

@@ -11,6 +11,7 @@ import dataclasses
 import re
 import statistics
 
+from mfu_lab.analysis.placement import collectives
 from mfu_lab.analysis.placement import model as pl
 
 GLOO_WHY = "gloo's times on a CPU do not transfer to GPUs"
@@ -99,7 +100,7 @@ def fit_link(points: list[dict]) -> dict:
             alpha = (sar * sbb - sab * sbr) / det
             inv_b = (saa * sbr - sab * sar) / det
             if alpha >= 0 and inv_b > 0:
-                return {"busbw_gbps": 1 / inv_b / pl.GB, "latency_s": alpha, "kind": "alpha-beta",
+                return {"busbw_gbps": 1 / inv_b / collectives.GB, "latency_s": alpha, "kind": "alpha-beta",
                         "reason": f"least-squares alpha-beta fit over {len(xs)} points"}
             why = "the alpha-beta fit gave a negative latency or bandwidth"
         else:
@@ -107,7 +108,8 @@ def fit_link(points: list[dict]) -> dict:
     else:
         why = "one TP degree and message size (or no collective counts): alpha and beta are not separable"
     total = sum(p["comm_s"] for p in points)
-    return {"busbw_gbps": sum(p["bus_bytes"] for p in points) / total / pl.GB, "latency_s": None, "kind": "beta",
+    busbw = sum(p["bus_bytes"] for p in points) / total / collectives.GB
+    return {"busbw_gbps": busbw, "latency_s": None, "kind": "beta",
             "reason": f"beta only ({why}): bus bytes over the TP time, latency included in it"}
 
 

@@ -15,6 +15,7 @@ import statistics
 
 from mfu_lab.analysis.layouts import terms as lt
 from mfu_lab.analysis.placement import model as pl
+from mfu_lab.analysis.placement.collectives import bubble_fraction, p2p_sends_per_rank, tp_collectives_per_layer
 
 # Every layout starts from the job's data-parallel default, so a job trained in a layout of its own still races
 # the node's layouts on equal terms (its dtype, precision policy and prefetch are kept).
@@ -129,7 +130,7 @@ def layout_entry(run: dict, facts: Facts, compute_s: float | None = None, timed_
     terms = entry["terms"]
     times = [max(per) for per in zip(*run["step_times_s"])] if run.get("step_times_s") else []
     step = statistics.median(times) if times else None
-    bub = pl.bubble_fraction(pp, m, v) if pp > 1 else 0.0
+    bub = bubble_fraction(pp, m, v) if pp > 1 else 0.0
     model_step = compute_s / (tp * pp) * (1 + bub) if compute_s else None
     terms.append(term("step_time_s", model_step, step, "measured", "compute a rank gets / (t*p) x (1 + (p-1)/(v*m))"
                       ", no communication" + gloo if model_step else "no compute input to model it" + gloo))
@@ -164,7 +165,7 @@ def layout_entry(run: dict, facts: Facts, compute_s: float | None = None, timed_
         calls = ((_kind(run, "allgather", "count") - 2 + _kind(run, "reduce_scatter", "count")) if sp else
                  _kind(run, "allreduce", "count")) / layers
         terms.append(term("tp_bytes_per_layer", sum(per.values()), obs, "counted",
-                          f"{sum(pl.tp_collectives_per_layer(sp, s.checkpointing, facts.early_stop).values())} "
+                          f"{sum(tp_collectives_per_layer(sp, s.checkpointing, facts.early_stop).values())} "
                           "collectives of b*s*h*bytes a layer" + (", SP's two boundary all-gathers aside" if sp
                                                                    else "")) | {"layers": layers, "calls": calls})
         if sp:
@@ -175,10 +176,10 @@ def layout_entry(run: dict, facts: Facts, compute_s: float | None = None, timed_
                               "the partial LayerNorm gradients, all-reduced once before optimizer.step()"))
     # pipeline
     if pp > 1:
-        terms.append(term("p2p_sends", pl.p2p_sends_per_rank(pp, m, v), _kind(run, "send", "count"), "counted",
+        terms.append(term("p2p_sends", p2p_sends_per_rank(pp, m, v), _kind(run, "send", "count"), "counted",
                           "2*m*(p*v - 1)/p per rank"))
         one = lt.p2p_send_bytes(s.micro_batch // m, s.seq_len, s.d_model, s.act_bytes, tp, sp)
-        terms.append(term("p2p_send_bytes", pl.p2p_sends_per_rank(pp, m, v) * one, _kind(run, "send"), "counted",
+        terms.append(term("p2p_send_bytes", p2p_sends_per_rank(pp, m, v) * one, _kind(run, "send"), "counted",
                           "sends x b/m*s*h*bytes"))
         b = run.get("bubble") or {}
         last = (b.get("per_pp_rank") or [{}])[-1].get("fraction")

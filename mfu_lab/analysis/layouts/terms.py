@@ -18,7 +18,7 @@ import dataclasses
 from types import SimpleNamespace
 
 from mfu_lab.analysis.placement import model as pl
-from mfu_lab.analysis.placement.model import (  # noqa: F401  (one home each; re-exported with the terms)
+from mfu_lab.analysis.placement.collectives import (  # noqa: F401  (one home each; re-exported with the terms)
     bubble_fraction,
     p2p_sends_per_rank,
     tp_collectives_per_layer,

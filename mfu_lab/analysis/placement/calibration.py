@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from mfu_lab.analysis.placement.cluster_files import Cluster
-from mfu_lab.analysis.placement.model import Calibration, fit_alpha_beta
+from mfu_lab.analysis.placement.collectives import fit_alpha_beta
+from mfu_lab.analysis.placement.model import Calibration
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.registry import BY_KEY

@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 
 from mfu_lab.analysis.placement.calibration import recommended_comm
-from mfu_lab.analysis.placement.model import Shape, fit_alpha_beta, ring_allreduce_s
+from mfu_lab.analysis.placement.collectives import fit_alpha_beta, ring_allreduce_s
+from mfu_lab.analysis.placement.model import Shape
 from mfu_lab.core.measure import device as dev
 
 

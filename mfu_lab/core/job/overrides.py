@@ -30,7 +30,8 @@ WORKLOAD_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "voc
 # the job's layout: steps 1, 3 and 7 run the job in it, so an override of one changes what they measure
 LAYOUT_KEYS = ("nproc_per_node", "nnodes", "dp_mode", "fsdp_reshard_after_forward", "fsdp_prefetch", "fsdp_param_dtype",
                "fsdp_reduce_dtype", "tp", "sp", "pp", "pp_schedule", "pp_microbatches", "pp_virtual_stages", "tp_plan")
-FLAGS = {"budget_min": "--budget", "thorough": "--thorough"}  # the options that set these keys (cli.cost_overrides)
+# the options that set these keys (mfu_lab.commands.common.cost_overrides)
+FLAGS = {"budget_min": "--budget", "thorough": "--thorough"}
 
 
 def from_env() -> dict[str, Any]:

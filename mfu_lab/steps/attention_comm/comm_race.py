@@ -27,19 +27,10 @@ from mfu_lab.core.job.schema import Job
 from mfu_lab.core.process.budget import Clock, fit_count, job_step_s
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
-from mfu_lab.workers.comm_configs import hook_of, is_fsdp, screened_configs
+from mfu_lab.workers.alternate import alternate, turn_lines
+from mfu_lab.workers.comm_configs import config_key, config_name, hook_of, is_fsdp, screened_configs
 from mfu_lab.workers.ddp_rank import ddp_warmup
-from mfu_lab.workers.launch import (
-    SweepOutcome,
-    alternate,
-    config_key,
-    config_name,
-    full_factor,
-    known_refusal,
-    run_sweep,
-    turn_lines,
-    world_layout,
-)
+from mfu_lab.workers.launch import SweepOutcome, full_factor, known_refusal, run_sweep, world_layout
 
 name = config_name  # hook/bucketMB/view or copy, as the race and the report name a configuration
 

@@ -47,8 +47,8 @@ from mfu_lab.steps.attention_comm.attention_race import (
 )
 from mfu_lab.steps.attention_comm.comm_race import confirm_pick, job_config, race_ddp
 from mfu_lab.steps.baseline.step import step1_reference
-from mfu_lab.workers.comm_configs import fsdp_job_keys, is_fsdp, screened_configs
-from mfu_lab.workers.launch import config_key, config_name, one_rank_reason, world_layout
+from mfu_lab.workers.comm_configs import config_key, config_name, fsdp_job_keys, is_fsdp, screened_configs
+from mfu_lab.workers.launch import one_rank_reason, world_layout
 
 INFO = BY_KEY["attention_comm"]
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets

@@ -1,4 +1,5 @@
-"""Step 5, precision: the step (step.py) and the precision ladder (precision_ladder.py).
+"""Step 5, precision: the step (step.py), the precision ladder (precision_ladder.py), and FP8 in three ideas: the
+sensitivity study (sensitivity.py), the policy trials (policies.py) and torchao's real speed (torchao_speed.py).
 
 The step contract, for the notebook and the registry: ``run``, ``advise``, ``save`` and ``Result``."""
 

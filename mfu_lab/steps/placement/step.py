@@ -23,6 +23,7 @@ from typing import Any
 
 from mfu_lab.analysis.layouts.calibration import layout_calibration
 from mfu_lab.analysis.layouts.node_layouts import calibration_rows
+from mfu_lab.analysis.placement import collectives
 from mfu_lab.analysis.placement import model as pl
 from mfu_lab.analysis.placement.calibration import CALIBRATED_FROM, calibrate
 from mfu_lab.analysis.placement.check import Check, Coloc, model_check
@@ -120,7 +121,7 @@ def model_choices(shape: pl.Shape, job: Job) -> list[dict]:
          "plain tensor parallelism: each stage sends the whole b*s*h from every rank to the next"},
         {"input": "checkpointed layer input", "value": shape.residual_bytes, "unit": "bytes/element",
          "source": "analytic", "from": "the residual stream stays in the parameters' dtype (float32)"},
-        {"input": "TP all-reduces per layer", "value": pl.tp_collectives_per_layer(
+        {"input": "TP all-reduces per layer", "value": collectives.tp_collectives_per_layer(
             False, shape.checkpointing, shape.checkpoint_early_stop)["allreduce"], "unit": "", "source": "counted",
          "from": "2 forward + 2 backward (Megatron-LM); with activation checkpointing the job's checkpoint "
                  "(torch.utils.checkpoint's default, non-reentrant) re-runs 1 (5 a layer; early_stop=False: 6)"},

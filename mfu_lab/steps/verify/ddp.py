@@ -18,8 +18,10 @@ from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure.sidebyside import bootstrap_speedup
 from mfu_lab.core.measure.timed import stats
 from mfu_lab.steps.verify.layout import verify_layout_change
+from mfu_lab.workers.alternate import alternate, turn_lines
+from mfu_lab.workers.comm_configs import config_key
 from mfu_lab.workers.ddp_rank import ddp_warmup
-from mfu_lab.workers.launch import alternate, config_key, turn_lines, world_layout
+from mfu_lab.workers.launch import world_layout
 
 DDP_ROUNDS = 5  # each DDP turn builds a fresh DDP model and warms it up: far dearer than a round
 # staircase rungs one process cannot time: each is verified under torchrun below (verify_ddp), and says so

@@ -1,0 +1,69 @@
+"""The job file and its keys: ``mfu-lab validate`` (check a job file, its cluster file, output folder and layout;
+print the job) and ``mfu-lab keys`` (every key with its default and help). Runs no code a job file names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from mfu_lab.commands.common import EXIT_OK, parse_overrides
+from mfu_lab.core.engine.layout import beyond_ddp
+from mfu_lab.core.job import factories
+from mfu_lab.core.job.schema import FIELDS, KEY_GROUPS, Job, load_job
+from mfu_lab.runner import check_cluster, check_output_folder
+
+
+def cmd_validate(args) -> int:
+    job = load_job(args.job, parse_overrides(args.param))
+    check_cluster(job)
+    check_output_folder(job, args.job)
+    mon = ""
+    if job.monitor_path() is not None:
+        from mfu_lab.core.store.monitor_files import rank_files
+        from mfu_lab.steps.monitor import check_folder
+
+        check_folder(job.monitor_path())
+        mon = f"; monitor folder {job.monitor_path()}: {len(rank_files(job.monitor_path()))} rank file(s)"
+    layout = layout_here(job, f"{args.job} and the command line (-p KEY=VALUE)" if args.param else str(args.job))
+    print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable{mon}"
+          f"{layout})")
+    for line in factories.code_notes(job, Path(args.job).resolve().parent):
+        print(line)
+    print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
+    return EXIT_OK
+
+
+def layout_here(job: Job, source: str) -> str:
+    """The job's layout against the world it gets on this machine (workers.launch.world_layout), as "; layout ..."
+    for validate's line, or JobError naming ``source``; '' for plain DDP. The reference GPT's heads and blocks are
+    checked too; a factory model is not imported (validate runs no code a job file names)."""
+    if not beyond_ddp(job):
+        return ""
+    import torch
+
+    from mfu_lab.core.engine.layout_check import check_layout, dp_degree
+    from mfu_lab.workers.launch import world_layout
+
+    device_type = "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
+    nnodes, nproc = world_layout(job, device_type)
+    if job.uses_reference_model:
+        check_layout(job, nnodes * nproc, device_type, source)
+    dp = dp_degree(job, nnodes * nproc, device_type, source)
+    return (f"; layout over {nnodes * nproc} {device_type.upper()} ranks: {job.dp_mode} {dp} x tp {job.tp}"
+            f"{' + sp' if job.sp else ''} x pp {job.pp}")
+
+
+def cmd_keys(args) -> int:
+    """Every key, its default and what it does, in columns, under its group's title (KEY_GROUPS); a default too
+    long for its column gets a line of its own and the text goes on under the column, so the columns never drift."""
+    job, width = Job(), 16
+    for name, f in FIELDS.items():
+        if name in KEY_GROUPS:
+            print(f"{'' if name == next(iter(FIELDS)) else chr(10)}--- {KEY_GROUPS[name]} ---")
+        default = repr(getattr(job, name))
+        if len(default) > width:
+            print(f"{name:<26} default {default}\n{'':<{26 + 9 + width}} {f.metadata['help']}")
+        else:
+            print(f"{name:<26} default {default:<{width}} {f.metadata['help']}")
+    return EXIT_OK
