@@ -191,10 +191,10 @@ def test_a_launch_that_says_nothing_is_said_to_be_alive_once_per_gap(tmp_path, m
 
 
 def test_alternated_turns_are_counted_with_the_time_left():
-    from mfu_lab.workers import launch
+    from mfu_lab.workers import alternate
 
     lines: list[str] = []
-    on = launch.turn_lines(lines.append, "DDP turns", 4)
+    on = alternate.turn_lines(lines.append, "DDP turns", 4)
     cfg = {"hook": "none", "bucket_mb": 25.0, "grad_as_bucket_view": False}
     on({"event": "start", "config": cfg})
     on({"event": "step", "done": 1, "total": 3})  # within the gap: no line
