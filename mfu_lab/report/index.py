@@ -28,6 +28,7 @@ from mfu_lab.core.store.files import RESULT_FILE, load_results, write_atomic
 from mfu_lab.core.store.history import mfu_trend, runs
 from mfu_lab.core.store.runstate import step_state
 from mfu_lab.report.first_screen import first_screen
+from mfu_lab.report.monitor_views import monitor_section
 from mfu_lab.report.summary import (
     bar_meanings,
     changes,
@@ -44,7 +45,6 @@ from mfu_lab.report.tables.baseline import baseline_section
 from mfu_lab.report.tables.compile import compile_section
 from mfu_lab.report.tables.fp8 import fp8_section
 from mfu_lab.report.tables.kernels import kernels_section
-from mfu_lab.report.tables.monitor import monitor_section
 from mfu_lab.report.tables.placement import placement_section
 from mfu_lab.report.tables.verify import verify_section
 from mfu_lab.report.templating import macros, render

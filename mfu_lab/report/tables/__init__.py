@@ -1,2 +1,2 @@
-"""The tables of the step reports and the index, one module per step (and the monitor's and the layout's): results in,
+"""The tables of the step reports and the index, one module per step (and the layout's): results in,
 rows out for the Jinja2 templates. No drawing, no file writes."""

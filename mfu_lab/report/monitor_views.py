@@ -1,4 +1,5 @@
-"""Step 0 (the production monitor): its tables and its section of a job's index page."""
+"""Step 0 (the production monitor): the notebook's views (tables and plots, built on report.views) and its section of a
+job's index page. Beside report/tables/, not in it: those are plain tables, and these views use report.views."""
 
 from __future__ import annotations
 
