@@ -9,7 +9,8 @@ Modules, one concern each:
 
 * :mod:`.format`: units, source badges, the comparison of two runs as text
 * :mod:`.templating`: the Jinja2 environment
-* :mod:`.tables_baseline` ... :mod:`.tables_placement`: each step's tables and its section of the index page
+* :mod:`.tables`: each step's tables and its section of the index page, one module per step; :mod:`.monitor_views`:
+  step 0's views
 * :mod:`.summary`: the job's story across steps (pure functions of the results)
 * :mod:`.index`: the index page; :mod:`.export`: notebooks as HTML, results first; :mod:`.found`: the block a step
   report opens with; :mod:`.views`: what the notebooks show

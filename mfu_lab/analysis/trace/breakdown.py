@@ -19,10 +19,10 @@ HolisticTraceAnalysis computes a similar breakdown for GPU traces but fails on
 CPU-only ones, so this module does both the same way.
 
 Fusion candidates (runs of adjacent memory-bound operations, with the traffic a fused kernel would save)
-are found by :mod:`.trace_fusion`, whose docstring gives the formula.
+are found by :mod:`.fusion`, whose docstring gives the formula.
 
-The parts: :mod:`.trace_events` (reading, categorising, intervals), :mod:`.trace_index`
-(one trace indexed), :mod:`.trace_fusion` (fusion candidates); this module holds the table,
+The parts: :mod:`.events` (reading, categorising, intervals), :mod:`.index`
+(one trace indexed), :mod:`.fusion` (fusion candidates); this module holds the table,
 the breakdown and :func:`analyse`, and re-exports the parts' names.
 """
 
