@@ -1,5 +1,6 @@
 """The monitor's record files: JSON lines, one file per rank and run, shared by the writer (in the user's training
-job, :mod:`mfu_lab.monitor`) and the reader (:mod:`mfu_lab.analysis.monitor.read`, :mod:`~mfu_lab.analysis.monitor.summary`).
+job, :mod:`mfu_lab.monitor`) and the reader (:mod:`mfu_lab.analysis.monitor.read`,
+:mod:`~mfu_lab.analysis.monitor.summary`).
 
 The contract between the two sides (the writer keeps it; the reader may rely on it):
 
