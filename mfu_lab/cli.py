@@ -9,6 +9,7 @@
     mfu-lab keys             list every job key with its default and help
     mfu-lab report JOB_DIR   re-export HTML for executed notebooks in a job folder and refresh its index
     mfu-lab gate             pre-launch GPU health gate on this node (NVML); exit 1 names the failing GPU
+    mfu-lab trace FILE [--step-ms MS] [--json]   step 3's analysis of a torch.profiler trace you already have
     mfu-lab check-html [JOB_DIR]         open the job's reports in headless Chromium; screenshots; exit 1 on errors
     mfu-lab history [JOB_DIR]            list the job's runs (kept under JOB_DIR/runs/) with their MFU
     mfu-lab compare RUN_A RUN_B [--job-dir DIR] [--tolerance 0.03]
@@ -31,7 +32,7 @@ import logging
 import os
 import sys
 
-from mfu_lab.commands import jobfile, lab, production, results, run
+from mfu_lab.commands import jobfile, lab, production, results, run, trace
 from mfu_lab.commands.common import EXIT_BAD_INPUT, EXIT_OK, EXIT_STEP_FAILED  # noqa: F401 - all three kept here
 from mfu_lab.core.errors import JobError, MfuLabError
 from mfu_lab.core.registry import BY_KEY
@@ -135,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--prepare-only", action="store_true", help="prepare the lab and print the command that "
                     "starts JupyterLab on it, without starting it")
     lb.set_defaults(func=lab.cmd_lab)
+
+    t = sub.add_parser("trace", help="step 3's analysis of a torch.profiler trace you have: breakdown, top kernels, "
+                       "fusion candidates")
+    t.add_argument("file", help="the trace (.json or .json.gz, as torch.profiler exports it)")
+    t.add_argument("--step-ms", type=float, help="the step's time without the profiler (ms): shares against it")
+    t.add_argument("--top", type=int, default=20, help="rows of the top table (default 20)")
+    t.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    t.set_defaults(func=trace.cmd_trace)
 
     g = sub.add_parser("gate", help="pre-launch health gate: every NVIDIA GPU on this node cool and unthrottled")
     g.add_argument("--max-temp-c", type=float, default=HOT_C, help=f"fail a GPU above this temperature ({HOT_C:g})")

@@ -119,6 +119,9 @@ def _kernels(d: dict, msg: str, because: str) -> Gain | None:
             return Gain(opt["share_of_step"], "bound", "measured",
                         f"step 3: the optimizer step takes {opt['share_of_step']:.1%} of the profiled step, "
                         f"{opt.get('ops_per_step', 0):.0f} {opt.get('what', 'operators')} per step")
+    idle = ((d.get("metrics") or {}).get("idle_share") or {}).get("value")
+    if msg.startswith("The device is idle between") and isinstance(idle, int | float):  # the step without profiler
+        return Gain(idle, "bound", "measured", f"step 3: the device idle {idle:.1%} of the step without the profiler")
     for prefix, name, what in (("The device waits for the next batch", "waiting_for_data", "waiting for data"),
                                ("The device is idle between", "idle", "device idle between operators"),
                                ("Communication is exposed", "communicating", "exposed communication")):

@@ -2,7 +2,9 @@
 
 Fusion candidates are runs of adjacent memory-bound operations (elementwise,
 normalisation, reduction, memory copy) between compute-bound ones on the same
-thread (CPU) or stream (GPU), grouped by their sequence of operator names. For
+thread (CPU) or stream (GPU), grouped by their sequence of operator names. On a GPU an operation is the run of
+kernels one operator launched, classified by its heaviest kernel (cuBLAS 13's mm and cuDNN's attention launch a
+memset first: a matmul is never a memory-bound operation because of it). For
 each run a fused kernel would not write every intermediate result to memory and
 read it back: estimated saving = 2 x (output bytes of every operation but the
 last), an operation's output taken as the size of its largest tensor input
@@ -61,6 +63,7 @@ class _Unit:
     shapes: str
     transparent: bool  # moves no data (views, pass-through autograd nodes)
     phase: str = ""  # forward | backward | optimizer: a fused kernel never spans two of them
+    heaviest_us: float = 0.0  # GPU: the longest of the operator's kernels, whose category is the unit's
 
 
 
@@ -108,6 +111,8 @@ def _gpu_units(tr: IndexedTrace) -> dict[Any, list[_Unit]]:
             if ext is not None and ext == prev_ext:  # another kernel of the same operator: one unit
                 u = lanes[lane][-1]
                 u.time_us += d.dur
+                if d.dur > u.heaviest_us:  # classified by its heaviest kernel: cuBLAS 13's mm and cuDNN's
+                    u.heaviest_us, u.category = d.dur, d.category  # attention launch a memset first
                 continue
             prev_ext = ext
             op = tr.linked_op(d)
@@ -115,7 +120,7 @@ def _gpu_units(tr: IndexedTrace) -> dict[Any, list[_Unit]]:
             name = short_name(op.name) if op is not None else d.name[:60]
             phase = tr.phase.get(id(op), "forward") if op is not None else "forward"
             lanes[lane].append(_Unit(name, d.category, d.ts, d.dur, _out_bytes(name, args), shape_text(args),
-                                     False, "optimizer" if d.category == "optimizer" else phase))
+                                     False, "optimizer" if d.category == "optimizer" else phase, d.dur))
     return lanes
 
 

@@ -49,6 +49,7 @@ from mfu_lab.core.thresholds import (
 )
 from mfu_lab.steps.baseline.step import reference_peak, step1_reference
 from mfu_lab.steps.kernels import layout as kl
+from mfu_lab.steps.kernels.figures import compare_with_step1, trace_metrics
 from mfu_lab.workers.launch import error_lines, launch, world_layout
 
 INFO = BY_KEY["kernels"]
@@ -220,13 +221,14 @@ def advise(r: KernelsResult) -> list[Advice]:
     elif b.communicating > COMM_LIMIT:
         out.append(Advice("act", "Communication is exposed: use step 2's bucket size and hook to overlap it",
                           f"exposed communication {b.communicating:.1%} (aim under {COMM_LIMIT:.0%})"))
-    if b.idle > IDLE_LIMIT:
+    idle = r.metric("idle_share")  # against the step without the profiler (the window's own is slowed by it)
+    if idle is not None and idle > IDLE_LIMIT:
         fix = ("launch overhead: CUDA graphs via torch.compile(mode='reduce-overhead') (step 4), fewer and larger "
                "kernels (fusion, below), or a larger micro-batch" if device_type == "cuda" else
                "per-operator overhead between small operators: torch.compile (step 4) removes most of it; a larger "
                "micro-batch amortises it")
         out.append(Advice("act", f"The device is idle between {unit} for a large share of the step: {fix}",
-                          f"idle {b.idle:.1%} of the profiled window"))
+                          f"idle {idle:.1%} of the step without the profiler"))
     for c in a.fusion[:3]:
         if c.share_of_step >= FUSION_LIMIT:
             saving = (f", estimated {c.est_saving_per_step_s * 1e3:.2f} ms of traffic saved per step"
@@ -254,53 +256,6 @@ def advise(r: KernelsResult) -> list[Advice]:
     return out
 
 
-def _compare(ref: dict[str, Any] | None, median_s: float, profiled_s: float) -> dict[str, Any]:
-    """This run's step time against step 1's, when step 1 ran on this device."""
-    compare: dict[str, Any] = {"this_median_s": median_s, "profiled_median_s": profiled_s}
-    if ref:
-        compare |= {k: ref[k] for k in ("source", "median_s", "p10_s", "p90_s", "mfu")}
-        compare["consistent"] = ref["p10_s"] <= median_s <= ref["p90_s"] or abs(median_s / ref["median_s"] - 1) <= 0.05
-        compare["difference"] = median_s / ref["median_s"] - 1
-    return compare
-
-
-def _trace_metrics(a: tr.TraceAnalysis, bandwidth: float, bw_note: str, whose: str = "") -> dict[str, Metric]:
-    """The figures read from the trace: top-N share, the breakdown, categories, bandwidth, fusion, optimizer."""
-    b = a.breakdown
-    best = a.fusion[0] if a.fusion else None
-    est_total = sum(c.est_saving_per_step_s or 0.0 for c in a.fusion)
-    mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
-    window = f"over {a.steps} profiled steps{whose}"
-    return {
-        "top_n_share": Metric(a.top_share, "fraction", "measured",
-                              f"self time of the top {len(a.top)} {'kernels' if a.kind == 'gpu' else 'operators'} "
-                              f"/ profiled window ({window})"),
-        "computing_share": Metric(b.computing, "fraction", "measured", "device computing / profiled window" + whose),
-        "exposed_comm_share": Metric(b.communicating, "fraction", "measured", "communication outside compute" + whose),
-        "copying_share": Metric(b.copying, "fraction", "measured", "memory copies outside compute" + whose),
-        "data_wait_share": Metric(b.waiting_for_data, "fraction", "measured", "idle while the host loads data" + whose),
-        "idle_share": Metric(b.idle, "fraction", "measured",
-                             "nothing running on the device, outside data loading" + whose),
-        "matmul_attention_share": Metric(a.category_share["matmul"] + a.category_share["attention"], "fraction",
-                                         "measured", "self time of matmul and attention / profiled window" + whose),
-        "memory_bound_share": Metric(mem, "fraction", "measured",
-                                     "self time of elementwise, normalisation, reduction and memory copy / window"
-                                     + whose),
-        "memory_bandwidth_bytes_per_s": Metric(bandwidth, "bytes/s", "measured", bw_note),
-        "ops_per_step": Metric(a.ops_per_step, "kernels" if a.kind == "gpu" else "operators", "counted",
-                               "kernels and copies (GPU) / operators (CPU) in the trace, per profiled step; step 4 "
-                               "compares its compiled count with this" + whose),
-        "fusion_candidates": Metric(float(len(a.fusion)), "patterns", "counted",
-                                    "distinct runs of 2+ adjacent memory-bound operations in the trace" + whose),
-        "fusion_saving_per_step_s": Metric(est_total, "s", "analytic",
-                                           "sum over candidates of 2 x intermediate bytes / measured bandwidth"),
-        "top_candidate_share": Metric(best.share_of_step if best else 0.0, "fraction", "measured",
-                                      f"measured time of '{best.pattern}' runs / step" if best else "no candidate"),
-        "optimizer_share": Metric(a.optimizer.get("share_of_step", 0.0), "fraction", "measured",
-                                  "Optimizer.step span / profiled step" + whose),
-    }
-
-
 def _run_in_layout(job: Job, device: dev.DeviceInfo, say, t_start: float, write: bool) -> KernelsResult:
     """Step 3 for a job in its own layout: every rank traced (see :mod:`mfu_lab.steps.kernels.layout`)."""
     nnodes, nproc = world_layout(job, device.type)
@@ -315,15 +270,15 @@ def _run_in_layout(job: Job, device: dev.DeviceInfo, say, t_start: float, write:
                                     "the most exposed rank's traced step / the unprofiled median (slowest rank per "
                                     "step) - 1; a traced span, not the profiled step's wall-clock"),
         "tokens_per_s": m["tokens_per_s"],
-    } | _trace_metrics(a, lp.bandwidth, lp.bandwidth_note, rank0) | {
+    } | trace_metrics(a, lp.bandwidth, lp.bandwidth_note, rank0, step_s=median) | {
         k: v for k, v in m.items() if k not in ("mfu", "profiled_mfu", "step_time_median_s", "tokens_per_s")}
     if lp.layout["caveat"]:  # every figure that holds a collective's time, on a CPU
         for k in ("exposed_comm_share", "profiled_mfu", "profiler_overhead"):
             metrics[k] = dataclasses.replace(metrics[k], note=f"{metrics[k].note} ({lp.layout['caveat']})")
     ddp = {"status": "skipped", "reason": f"the job runs in its own layout {name}: every rank is traced instead"}
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, lp.ledger,
-                           lp.unprofiled, lp.profiled, _compare(lp.reference, median, traced), lp.trace_file, [],
-                           ddp, layout=lp.layout, fit=lp.fit, skipped=lp.skipped)
+                           lp.unprofiled, lp.profiled, compare_with_step1(lp.reference, median, traced),
+                           lp.trace_file, [], ddp, layout=lp.layout, fit=lp.fit, skipped=lp.skipped)
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
@@ -384,7 +339,7 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
 
     plain, prof = stats(unprofiled.measured("wall_s")), stats(profiled.measured("wall_s"))
     overhead = prof.median / plain.median - 1
-    compare = _compare(ref, plain.median, prof.median)
+    compare = compare_with_step1(ref, plain.median, prof.median)
     n = len(unprofiled.measured("wall_s"))
     mfu_plain = fl.mfu(flops.model_flops_per_step, n / sum(unprofiled.measured("wall_s")), peak)
     mfu_profiled = fl.mfu(flops.model_flops_per_step, a.steps / a.window_s, peak)
@@ -402,7 +357,7 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
                                     "side by side in this run"),
         "tokens_per_s": Metric(job.tokens_per_step * n / sum(unprofiled.measured("wall_s")), "tokens/s", "measured",
                                "unprofiled steps"),
-    } | _trace_metrics(a, bandwidth, bw_note) | {
+    } | trace_metrics(a, bandwidth, bw_note, step_s=plain.median) | {
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
     ranks = ddp.get("ranks", [])
