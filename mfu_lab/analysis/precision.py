@@ -4,7 +4,8 @@ A lower precision is adopted only on two kinds of evidence at once: its speedup 
 interleaved rounds, has a 95% interval entirely above 1.0 (proven faster, not just faster on the median),
 and its loss curve from the same seed and batches stayed within the job's ``loss_tolerance`` of float32's
 without the divergence watch stopping it. Among the rungs that pass both, the fastest (highest median
-speedup) is adopted; when none passes, the job keeps its own precision.
+speedup) is adopted, but a rung other than the job's own only when its interval lies above the job's own rung's
+(faster than what the job already has, beyond the noise); when none passes, the job keeps its own precision.
 
 Before any of that, a rung must be able to win at all: a few short matmul probes of each precision
 (:func:`mfu_lab.core.measure.device.measure_matmul_peak`, well under a second in all) measure its matmul rate beside
@@ -126,12 +127,31 @@ def verdict(f: Figures, tolerance: float) -> tuple[str, str]:
     return NOT_FASTER, f"{interval}: the interval contains 1.0, so not proven faster"
 
 
-def judge(rungs: list[Figures], tolerance: float) -> tuple[list[tuple[str, str]], str | None]:
-    """Every rung's (status, reason), and the adopted rung's name (the fastest that passes) or None."""
+def beyond(f: Figures, base: Figures) -> bool:
+    """Whether ``f`` is faster than ``base`` beyond the noise: its speedup interval over float32 lies wholly above
+    ``base``'s (the two intervals do not overlap)."""
+    return None not in (f.speedup_low, base.speedup_high) and f.speedup_low > base.speedup_high
+
+
+def judge(rungs: list[Figures], tolerance: float, own: str = "") -> tuple[list[tuple[str, str]], str | None]:
+    """Every rung's (status, reason), and the adopted rung's name (the fastest that passes) or None.
+
+    ``own`` names the job's own rung. When it passes the rule itself, another rung is adopted only when it is
+    faster than the job's own beyond the noise (:func:`beyond`); the others stay ``ok`` with that said, and the
+    job's own is the one adopted (no change). A point estimate ahead inside overlapping intervals is noise: the
+    first H200 run moved a bf16 job to TF32 on 2.64x [2.42, 2.82] against bf16's 2.38x [2.27, 2.65]."""
     out = [verdict(f, tolerance) for f in rungs]
     passed = [(f.speedup, i) for i, (f, (s, _)) in enumerate(zip(rungs, out)) if s == OK]
     if not passed:
         return out, None
+    mine = next((i for i, f in enumerate(rungs) if f.name == own and out[i][0] == OK), None)
+    if mine is not None:
+        base = rungs[mine]
+        for _, i in passed:
+            if i != mine and not beyond(rungs[i], base):
+                out[i] = (OK, out[i][1] + f"; not faster than the job's own {own} beyond the noise "
+                                          f"({base.speedup:.2f}x [{base.speedup_low:.2f}, {base.speedup_high:.2f}])")
+        passed = [(sp, i) for sp, i in passed if i == mine or beyond(rungs[i], base)]
     _, best = max(passed)
     out[best] = (ADOPTED, out[best][1])
     return out, rungs[best].name

@@ -180,6 +180,9 @@ def _fp8(d: dict, msg: str) -> Gain | None:
     if msg == pc.get("text"):
         if not pc.get("adopted"):
             return Gain(0.0, "none", "measured", "step 5: no lower precision proven faster with its loss kept")
+        own = next((r.get("name") for r in (d.get("precision") or {}).get("rungs") or [] if r.get("own")), None)
+        if pc.get("rung") == own:  # keeping what the job already trains in gives nothing back
+            return Gain(0.0, "none", "measured", f"step 5: {own} is the job's own precision, kept")
         return _speedup(pc.get("speedup"), "5", f"{pc.get('rung') or pc.get('dtype')} against float32, interleaved")
     if msg == (d.get("choice") or {}).get("text"):
         sp = d.get("speed") or {}

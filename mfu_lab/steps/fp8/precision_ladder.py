@@ -336,7 +336,7 @@ def settle(job: Job, rungs: list[Rung], native: dict | None) -> str | None:
                 r.status, r.reason = pr.FAILED, "the float32 reference failed: " + rungs[0].reason
     figures = [pr.Figures(r.name, r.speedup, r.speedup_low, r.speedup_high, r.final_gap, r.diverged,
                           r.status if r.status in pr.UNJUDGED else "", r.loss_skipped) for r in rungs]
-    verdicts, adopted = pr.judge(figures, job.loss_tolerance)
+    verdicts, adopted = pr.judge(figures, job.loss_tolerance, next((r.name for r in rungs if r.own), ""))
     for r, (status, reason) in zip(rungs, verdicts):
         if r.status not in pr.UNJUDGED:
             r.status, r.reason = status, reason

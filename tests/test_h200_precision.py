@@ -1,0 +1,64 @@
+"""Step 5's precision rule on the first H200 run's figures (tests/data/h200/small_job_05_fp8_result.json): a bf16
+job is not moved to TF32 on noise, and keeping the job's own precision scores no gain."""
+
+import dataclasses
+import json
+
+import pytest
+
+from mfu_lab.analysis import precision as pr
+from mfu_lab.core.job.schema import Job
+from mfu_lab.report.gains import estimate
+from mfu_lab.steps.fp8 import precision_ladder as ladder
+
+from .conftest import ROOT
+
+RESULT = json.loads((ROOT / "tests" / "data" / "h200" / "small_job_05_fp8_result.json").read_text())
+
+
+def _rungs() -> list[ladder.Rung]:
+    names = {f.name for f in dataclasses.fields(ladder.Rung)}
+    out = []
+    for d in RESULT["precision"]["rungs"]:
+        r = ladder.Rung(**{k: v for k, v in d.items() if k in names})
+        if r.status != pr.REFERENCE:
+            r.status, r.reason = "", ""  # judged again
+        out.append(r)
+    return out
+
+
+def test_a_bf16_job_is_not_moved_to_tf32_on_noise():
+    """As run: TF32 2.64x [2.42, 2.82] was adopted over the job's own bf16 2.38x [2.27, 2.65]: the intervals
+    overlap, so TF32 is not faster than what the job has beyond the noise, and the job keeps bf16."""
+    stored = {r["name"]: r["status"] for r in RESULT["precision"]["rungs"]}
+    assert stored["tf32"] == "adopted" and stored["bfloat16"] == "ok"  # the fixture as the old rule judged it
+    job = Job(**{k: v for k, v in RESULT["job"].items() if k in {f.name for f in dataclasses.fields(Job)}})
+    rungs = _rungs()
+    adopted = ladder.settle(job, rungs, None)
+    by = {r.name: r for r in rungs}
+    assert adopted == "bfloat16" and by["bfloat16"].status == pr.ADOPTED and by["bfloat16"].own
+    assert by["tf32"].status == pr.OK and "not faster than the job's own bfloat16 beyond the noise" in by["tf32"].reason
+    choice = ladder.choose(job, rungs, adopted)
+    assert choice["rung"] == "bfloat16" and choice["text"].startswith("Keep bfloat16 autocast (the job's own")
+
+
+def test_a_rung_beyond_the_jobs_own_is_still_adopted():
+    rungs = [pr.Figures("float32", status=pr.REFERENCE),
+             pr.Figures("tf32", 3.0, 2.9, 3.1, 0.0), pr.Figures("bfloat16", 2.4, 2.3, 2.6, 0.0)]
+    verdicts, adopted = pr.judge(rungs, 0.02, own="bfloat16")
+    assert adopted == "tf32" and verdicts[1][0] == pr.ADOPTED and verdicts[2][0] == pr.OK
+    assert pr.judge(rungs, 0.02)[1] == "tf32"  # a float32 job: the rule as before
+    # the job's own rung off the loss: the others are judged against float32 alone
+    off = [rungs[0], rungs[1], pr.Figures("bfloat16", 2.4, 2.3, 2.6, 0.5)]
+    verdicts, adopted = pr.judge(off, 0.02, own="bfloat16")
+    assert adopted == "tf32" and verdicts[2][0] == pr.OFF
+
+
+def test_keeping_the_jobs_own_precision_gains_nothing():
+    d = json.loads(json.dumps(RESULT))
+    d["precision"]["choice"] |= {"rung": "bfloat16", "adopted": True, "text": "Keep bfloat16 autocast (the job's own "
+                                                                              "precision): 2.38x ..."}
+    g = estimate("fp8", d, {"message": d["precision"]["choice"]["text"]})
+    assert g is not None and g.share == 0.0 and g.kind == "none" and "job's own precision" in g.evidence
+    d["precision"]["choice"] |= {"rung": "tf32", "text": "Train in TF32 matmuls: 2.64x ...", "speedup": 2.64}
+    assert estimate("fp8", d, {"message": d["precision"]["choice"]["text"]}).share == pytest.approx(1 - 1 / 2.64)
