@@ -62,3 +62,13 @@ def test_keeping_the_jobs_own_precision_gains_nothing():
     assert g is not None and g.share == 0.0 and g.kind == "none" and "job's own precision" in g.evidence
     d["precision"]["choice"] |= {"rung": "tf32", "text": "Train in TF32 matmuls: 2.64x ...", "speedup": 2.64}
     assert estimate("fp8", d, {"message": d["precision"]["choice"]["text"]}).share == pytest.approx(1 - 1 / 2.64)
+
+
+def test_a_bound_is_labelled_analytic_never_measured():
+    """Step 1's "raise micro_batch ... up to 70.3%" on the H200 was labelled measured: it is a bound (the compute
+    efficiency loss it addresses), never a measured gain."""
+    d = json.loads((ROOT / "tests" / "data" / "h200" / "01_baseline_result.json").read_text())
+    advice = next(a for a in d["advice"] if a["message"].startswith("Most of the peak is lost"))
+    g = estimate("baseline", d, advice)
+    assert g.kind == "bound" and g.source == "analytic" and g.share == pytest.approx(0.703, abs=0.001)
+    assert g.text == "up to 70.3% of the step" and "compute efficiency loss 70.3%" in g.evidence

@@ -89,7 +89,7 @@ def test_recommendations_are_ordered_by_estimated_gain_and_the_optimizer_comes_b
     assert own.index(msgs[fuse]) < own.index(msgs[opt])
     folder, first = first_change(items)
     assert folder == "03_kernels" and first["message"] == msgs[opt] and first["gain"].share == pytest.approx(0.23)
-    assert "23.0%" in first["gain"].evidence and first["gain"].source == "measured"
+    assert "23.0%" in first["gain"].evidence and first["gain"].source == "analytic"  # a bound, never measured
     # no estimate: after those with one; "keep as is": last
     kinds = ["gain" if a["gain"] and a["gain"].kind != "none" and a["gain"].share > 0 else
              "none" if a["gain"] is None else "keep" for _, a in items]

@@ -43,6 +43,12 @@ class Gain:
     evidence: str  # which step measured what
     topic: str = ""  # the loss it addresses ("data"): a bound ranks no higher than a measured estimate of it
 
+    def __post_init__(self) -> None:
+        # "up to X%" is never measured: it is the most a change could give back, the share of the loss it
+        # addresses (a formula over a measured figure, which the evidence names), so it is labelled analytic
+        if self.kind == "bound" and self.source == "measured":
+            object.__setattr__(self, "source", "analytic")
+
     @property
     def text(self) -> str:
         if self.kind == "none":
