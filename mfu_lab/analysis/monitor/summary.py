@@ -124,8 +124,8 @@ def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSum
     ops = _operations(st, launches, wall_clock, queue_s, queue_note)
     stragglers = _named(st.stragglers, st, node=False)
     node_stragglers = _named(st.node_stragglers, st, node=True)
-    start, verdict, figures = _verdict(shares, ops, stragglers)
     profile = _profile(st)
+    start, verdict, figures = _verdict(shares, ops, stragglers, st.world, profile)
     mfu = tot.mfu
     peaks = sorted({str((s.get("peak") or {}).get("source")) for s in st.ranks.values() if s.get("peak")})
     return MonitorSummary(
@@ -254,12 +254,19 @@ def _named(table: dict, st: Folder, node: bool) -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: -d["others_lost_s"])
 
 
-def _verdict(shares, ops, stragglers) -> tuple[str | None, str, dict[str, float]]:
+def _verdict(shares, ops, stragglers, world: int = 2, profile: dict | None = None) -> tuple[str | None, str,
+                                                                                         dict[str, float]]:
+    """Which loss to start with. Communication is judged by what is exposed: the profiler windows' communication
+    outside compute when there are any, else the time with a collective in flight (net of waiting for the
+    slowest), said so; at a world of one rank there is no gradient to all-reduce and no communication verdict."""
     def v(d):
         return d["value"] if d and d.get("value") is not None else None
 
     wait = v(shares["waiting_for_slowest"]) or 0.0
-    comm = v(shares["communication"])
+    comm = v(shares["communication"]) if world > 1 else None
+    exposed = ((profile or {}).get("breakdown") or {}).get("communicating")
+    if comm is not None and isinstance(exposed, int | float):
+        comm, wait = exposed, 0.0  # the windows' exposed share: overlap measured, not assumed
     ops_rest = sum(v(p) or 0.0 for k, p in ops["parts"].items() if k != "stragglers")
     figures = {k: x for k, x in {
         "data": v(shares["data"]), "host": v(shares["host"]), "other": v(shares.get("other")),
@@ -273,8 +280,10 @@ def _verdict(shares, ops, stragglers) -> tuple[str | None, str, dict[str, float]
     key, why = START_WITH[name]
     info = BY_KEY[key]
     what = {"data": "waiting for data", "host": "host time between steps", "other": "evaluation, checkpoints and "
-            "logging outside the training steps", "communication": "communication (net of "
-            "waiting for the slowest rank)", "stragglers": "waiting for the slowest rank", "operations":
+            "logging outside the training steps", "communication": "exposed communication (outside compute, "
+            "from the profiler windows)" if isinstance(exposed, int | float) else "communication in flight (net of "
+            "waiting for the slowest rank; no profiler window measured how much of it compute hides)",
+            "stragglers": "waiting for the slowest rank", "operations":
             "operations loss (throttling, restarts, queue)", "compute": "computing (no loss outside the step "
             f"above {LOSS_FLOOR:.0%})"}[name]
     base = "of the wall-clock" if name == "operations" else "of the step"
