@@ -30,6 +30,7 @@ from mfu_lab.core.job.paths import find_workbook_root, workbook_file
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.process import procs, quick_imports
 from mfu_lab.core.registry import STEPS
+from mfu_lab.core.store.files import mark_job_root, refuse_links
 
 LAB = "lab"  # the lab's folder inside the job's output folder
 MONITOR_NOTEBOOK = "00_monitor.ipynb"
@@ -115,6 +116,8 @@ def prepare_lab(job: Job, fresh: bool = False) -> Lab:
                           "reinstall it from the workbook's source (pip install <checkout>), or run it from the "
                           "checkout")
     lab = Lab(lab_folder(job))
+    mark_job_root(job.output_root())  # the workbook's folder: a later run may write into it
+    refuse_links(lab.folder, include_self=True)  # <job>/lab a link would carry the notebooks out of the job's folder
     lab.folder.mkdir(parents=True, exist_ok=True)
     for name, src, params in notebooks:
         dst = lab.folder / name

@@ -13,7 +13,10 @@ back when its write fails); then renames put the files in place, each previous o
 the index is rewritten. When the disk cannot take the index, the publication is undone: the previous files renamed
 back, the history line taken back (a fault in the page's own code leaves the set published, and says so). Whatever
 fails, the running mark is cleared and the index rewritten, or removed when even that cannot be (a page saying
-"running" for a process that has ended would be false), and the message says what was kept.
+"running" for a process that has ended would be false), and the message says what was kept. The renames are
+journalled: a process killed among them (``kill -9``) leaves the set for the next run, ``mfu-lab step`` or
+``mfu-lab report`` to complete (:func:`settle_publications`); killed before them, its staged files are removed and
+the step says "interrupted".
 """
 
 from __future__ import annotations
@@ -35,10 +38,19 @@ from mfu_lab.core.store.files import RESULT_FILE, PlantedLink, read_json, refuse
 from mfu_lab.core.store.history import RUNS_DIR, append_history, history_line, truncate_history
 from mfu_lab.core.store.nodes import this_node
 from mfu_lab.core.store.runstate import FAILURE_FILE, clear_running, mark_failed, mark_running
-from mfu_lab.core.store.staging import KEPT, STAGE_ENV, remove_leftovers, staged
+from mfu_lab.core.store.staging import (
+    JOURNAL,
+    KEPT,
+    REPORT_FILE,
+    STAGE_ENV,
+    history_length,
+    remove_leftovers,
+    settle,
+    staged,
+    write_journal,
+)
 from mfu_lab.report import export_html, write_index
 
-REPORT_FILE = "report.html"
 INDEX_FILE = "index.html"
 
 
@@ -173,6 +185,7 @@ class Publication:
     placed: list[Path] = field(default_factory=list)  # finals renamed into place
     line: str = ""
     history_at: int | None = None  # the history's length before this publication's line
+    journal: Path | None = None  # the renames' journal, while they are under way (core.store.staging)
 
     def prepare(self, notebook: Path | None) -> None:
         """Write every new file under its staged name: the report (from the staged result) and the run's copy."""
@@ -191,14 +204,23 @@ class Publication:
             self.line = history_line(self.run_id, self.info.folder, self.info.key, data)
 
     def commit(self) -> None:
-        """Put the staged files in place: the previous ones aside, the history line, the renames."""
+        """Put the staged files in place: the previous ones aside, the journal, the history line, the renames;
+        then the running mark cleared and the journal removed. A process killed after the journal is written
+        leaves it, and the next run (or report) completes the set (:func:`mfu_lab.core.store.staging.settle`)."""
         for _, final in self.moves:
             self.kept[final] = _keep_aside(final)
+        if self.moves:
+            self.journal = write_journal(self.folder, self.run_id, self.info.key,
+                                         history_length(self.job_root) if self.line else None)
         if self.line:
             self.history_at = append_history(self.job_root, self.line)
         for new, final in self.moves:
             os.replace(new, final)
             self.placed.append(final)
+        clear_running(self.folder)
+        if self.journal is not None:
+            self.journal.unlink()
+            self.journal = None
 
     def finish(self) -> None:
         """The publication stands: the previous files set aside are let go."""
@@ -223,6 +245,8 @@ class Publication:
                 attempt(f"the previous {final.name} could not be put back", os.replace, kept, final)
             else:
                 attempt(f"the new {final.name} could not be removed", final.unlink, True)
+        if self.journal is not None:  # the renames are taken back: nothing is left to complete
+            attempt(f"{JOURNAL} could not be removed", self.journal.unlink, True)
         for final, kept in self.kept.items():
             if kept is not None and final not in self.placed:
                 attempt(f"{kept} could not be removed", kept.unlink, True)
@@ -254,6 +278,18 @@ def rewrite_index(job_root: Path) -> str:
     except Exception:  # noqa: BLE001
         return (f"{INDEX_FILE} could not be rewritten ({_short(first)}), so it was removed rather than left "
                 f"out of date; mfu-lab report {job_root} writes it again")
+
+
+def settle_publications(job_root: Path, say=print) -> list[str]:
+    """Complete (or take back) what a killed publication left in the job's folder
+    (:func:`mfu_lab.core.store.staging.settle`; the caller holds the job's lock), say each, and rewrite the index
+    when anything was done; what was said."""
+    notes = settle(job_root)
+    for note in notes:
+        say(f"mfu-lab: {note}")
+    if notes and (problem := rewrite_index(job_root)):
+        say(f"mfu-lab: warning: {problem}")
+    return notes
 
 
 @contextmanager
@@ -296,8 +332,7 @@ def step_bracket(job: Job, info, source: str, run_id: str, notebook: Path | None
         with _staging_set():
             yield folder
         ran = True
-        clear_running(folder)
-        pub.prepare(notebook)
+        pub.prepare(notebook)  # the running mark stays until the set is in place: a kill before says "interrupted"
         pub.commit()
         try:
             write_index(root)

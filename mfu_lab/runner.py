@@ -30,11 +30,11 @@ from mfu_lab.core.process import budget, procs, quick_imports
 from mfu_lab.core.process.budget import LEFT_ENV, left_env, plan_text
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.store import step_results as store
-from mfu_lab.core.store.files import load_results
-from mfu_lab.core.store.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id, run_id_from_env
+from mfu_lab.core.store.files import JOB_MARKER, is_job_root, load_results, refuse_links_below
+from mfu_lab.core.store.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id
 from mfu_lab.core.store.results import source_digest
 from mfu_lab.core.store.runstate import job_lock, resumable
-from mfu_lab.publish import NotPublished, filesystem_problem, fresh_step_folder, step_bracket
+from mfu_lab.publish import NotPublished, filesystem_problem, fresh_step_folder, settle_publications, step_bracket
 from mfu_lab.report import export_html
 
 
@@ -88,6 +88,12 @@ def start_checks(job, job_arg: str, keys: list[str], say=print) -> None:
     line = budget.busy_text(contention.busy_now(), job_arg, keys, job, earlier)
     if line:
         say("mfu-lab: " + line)
+    from mfu_lab.steps.fit import device_type_of, step1_time_note  # torch: only once a run starts
+
+    line = step1_time_note(job, device_type_of(job))  # a long run on a CPU is said, with its estimate
+    if line:
+        say("mfu-lab: " + line)
+
 
 def check_output_folder(job: Job, source: str) -> None:
     """Refuse, before any work, an output folder that cannot be made or written: a file where a folder of the
@@ -108,6 +114,30 @@ def check_output_folder(job: Job, source: str) -> None:
             why = f"nothing can be written in {probe} ({e.strerror})"
     if why:
         raise JobError(source, [JobProblem("out_dir", job.out_dir, f"{why}; choose another out_dir (--out DIR)")])
+    if why := not_the_workbooks(target):
+        raise JobError(source, [JobProblem("out_dir", job.out_dir, why)])
+
+
+def not_the_workbooks(target: Path) -> str:
+    """Why the workbook may not write its results in ``target`` (a job's output folder), '' when it may: inside
+    the installed mfu_lab package (its own files, and its source digest, which ``--resume`` compares), or a folder
+    that holds files the workbook did not make (no marker, history nor step result), which a run would overwrite
+    or delete. A link planted there (where a step folder or runs/ would be) is refused as one, named."""
+    real, package = Path(os.path.realpath(target)), Path(os.path.realpath(Path(__file__).parent))
+    if real == package or package in real.parents:
+        return (f"{target} is inside the installed mfu_lab package ({package}): results there would change the "
+                "package's source digest (every --resume would then run every step again) and could overwrite its "
+                "files; choose an out_dir outside it (--out DIR)")
+    if not real.is_dir() or is_job_root(real):
+        return ""
+    found = sorted(p.name for p in real.iterdir())
+    if not found:
+        return ""
+    refuse_links_below(target, depth=1)
+    shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    return (f"{target} already holds files mfu-lab did not make ({shown}) and no {JOB_MARKER} marker: a run "
+            "would overwrite or delete them, so nothing was written; choose a new or empty folder (--out DIR, or "
+            "another job_name), or the folder of an earlier run of this job")
 
 
 def resolve_job(path: str | None, overrides: dict, out: str | None, writable: bool = True) -> tuple[Job, str]:
@@ -226,7 +256,8 @@ def run_one_step(info, job: Job, source: str, wait: bool = False, overrides: dic
     command line's (``-p``), recorded in the result (:mod:`mfu_lab.core.job.overrides`)."""
     with procs.interrupt_on_sigterm(), job_lock(job.output_root(), "(starting)", wait) as holder:
         # one reserved id for the lock, the running marker and the history line (record reads it from RUN_ENV)
-        run_id = run_id_from_env() or new_run_id(job_root=job.output_root())
+        settle_publications(job.output_root())  # a publication a killed run left half done, completed or taken back
+        run_id = current_run_id(job.output_root())  # MFU_LAB_RUN_ID of an earlier run is not joined (history)
         holder(run_id)
         with run_id_set(run_id), overrides_set(overrides), step_bracket(job, info, source, run_id):
             warn_damaged(job)
@@ -242,6 +273,7 @@ def run_steps(job: Job, source: str, steps: list, *, quiet: bool = False, resume
     the kernels and recorded in every result and in tuned.yaml (:mod:`mfu_lab.core.job.overrides`)."""
     job_root = job.output_root()
     with procs.interrupt_on_sigterm(), job_lock(job_root, "(starting)", wait) as holder:
+        settle_publications(job_root)  # a publication a killed run left half done: completed or taken back, said
         same_code = {"source_digest": source_digest()}
         run_id = (resumed_run_id(job_root, job.to_dict(), same_code) if resume else None) \
             or new_run_id(job_root=job_root)

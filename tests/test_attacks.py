@@ -265,8 +265,9 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_
 
 
 def test_keep_going_goes_past_a_step_whose_folder_cannot_be_written(tmp_path):
-    root = tmp_path / "tiny"
-    root.mkdir()
+    from mfu_lab.core.store.files import mark_job_root
+
+    root = mark_job_root(tmp_path / "tiny")  # an earlier run's folder (issue 48: a run refuses one it did not make)
     (root / "01_baseline").write_text("a file where the step's folder should be")
     p = in_process("run", str(TINY), "--steps", "baseline,kernels", "--out", str(tmp_path), "-q", "--keep-going",
                    "-p", "profile_ddp=false")

@@ -73,11 +73,12 @@ def test_result_file_round_trips_and_the_index_shows_step_4(ran):
 
 def test_a_failing_mode_is_recorded_and_the_others_still_run(tmp_path):
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), compile_backend="inductor",
-                              compile_modes=["reduce-overhead"], compile_options={"no_such_option": 1}, steps=2)
+                              compile_modes=["reduce-overhead"], steps=2,  # allowed options a CPU cannot compile:
+                              compile_options={"max_autotune": True, "max_autotune_gemm_backends": "CUTLASS"})
     r = compiled.run(job)
     by = {t.mode: t for t in r.trials}
     assert by["reduce-overhead"].status == "skipped"
-    assert by["options"].status == "failed" and "no_such_option" in by["options"].error
+    assert by["options"].status == "failed" and "max_autotune_gemm_backends" in by["options"].error
     assert r.eager.status == "ok" and not r.recommendation["compile"]
     assert any("options" in a.message and "failed" in a.message for a in r.advice)
 

@@ -72,3 +72,21 @@ def test_a_bound_is_labelled_analytic_never_measured():
     g = estimate("baseline", d, advice)
     assert g.kind == "bound" and g.source == "analytic" and g.share == pytest.approx(0.703, abs=0.001)
     assert g.text == "up to 70.3% of the step" and "compute efficiency loss 70.3%" in g.evidence
+
+
+def test_the_tuned_job_adopts_neither_tf32_nor_the_slower_float8_policy():
+    """The H200 check's small job, judged again: the precision ladder keeps bf16, and the FP8 policy that torchao
+    measured at 0.70x of bf16 is listed, not adopted (step 5 chose it on its loss alone)."""
+    from mfu_lab.analysis import tuning
+
+    job = Job(**{k: v for k, v in RESULT["job"].items() if k in {f.name for f in dataclasses.fields(Job)}})
+    rungs = _rungs()
+    d = json.loads(json.dumps(RESULT))
+    d["precision"] = {**d["precision"], "choice": ladder.choose(job, rungs, ladder.settle(job, rungs, None))}
+    assert d["speed"]["status"] == "ok" and d["speed"]["speedup"] == pytest.approx(0.70, abs=0.01)
+    found = tuning.changes(job, {"fp8": d})
+    adopted = [(c.key, c.new) for c in found if c.adopted]
+    assert adopted == [], adopted
+    fp8 = [c for c in found if c.key == "fp8_layers"]
+    assert fp8 and not fp8[0].adopted and "measured 0.70x of bf16" in fp8[0].reason
+    assert not any(c.key in ("dtype", "matmul_precision") for c in found)  # bf16 is the job's own: no change

@@ -14,6 +14,11 @@ A change is ``adopted`` (applied to the tuned job), or not, with the reason:
 - a step that said "keep as is", or a lossy trial that diverged or left the tolerance, produces no
   change at all: there is nothing to adopt.
 
+A result on disk is data, never configuration: each reader may set only the keys its rung owns, by name and type
+(:data:`~mfu_lab.analysis.result_keys.MAY_SET`), and a key that names code never comes from a result. Every change
+read from a result passes :func:`~mfu_lab.analysis.result_keys.admitted`; one it drops is listed as not adopted, with
+why.
+
 Placement on the cluster stays a hint (it is modelled): it is not a key of the tuned job. A layout measured on this
 node (step 6's ``layouts``, or step 2's FSDP2 pick) faster beyond the noise is proposed as the ``layout`` rung
 (dp_mode, fsdp_*, tp, sp, pp, pp_schedule...), with its measured figures; step 7 verifies it under torchrun.
@@ -27,6 +32,7 @@ from typing import Any
 import yaml
 
 from mfu_lab.analysis.layouts.proposal import faster_layout
+from mfu_lab.analysis.result_keys import admitted
 from mfu_lab.core.job import overrides as ov
 from mfu_lab.core.job.schema import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
@@ -37,6 +43,7 @@ SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_
               "data", "seq_policy", "device", "dtype", "attention", "compile_mode")
 LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
 TUNED_SUFFIX = "-tuned"
+JOB_NAME_MAX = 64  # job_name's length limit (core.job.rules.JOB_NAME_RE)
 
 
 @dataclass
@@ -110,9 +117,9 @@ def _fsdp_pick(job: Job, r: dict, comm: dict) -> list[Change]:
     lossy = comm["job_keys"].get("fsdp_reduce_dtype", "float32") not in ("float32", "")
     out = []
     for key, new in comm["job_keys"].items():
-        if new == getattr(job, key):
+        if new == getattr(job, key, None):
             continue
-        c = Change("layout", "attention_comm", key, getattr(job, key), new,
+        c = Change("layout", "attention_comm", key, getattr(job, key, None), new,
                    f"step 2: {comm['hook']}, {fig}{gap} (measured)", "measured", lossy)
         if lossy:
             c.reason = (f"reduces gradients in {comm['job_keys']['fsdp_reduce_dtype']}: adopted because step 2's "
@@ -144,8 +151,8 @@ def _data(job: Job, r: dict) -> list[Change]:
         sp = race["speedup"]
         evidence = (f"{why}; step 1's loader race: {race['pick']} {sp['value']:.2f}x [{sp['low']:.2f}, "
                     f"{sp['high']:.2f}] over the job's own loader (measured side by side)")
-        return [Change("data", "baseline", k, getattr(job, k), v, evidence, "measured")
-                for k, v in race["pick_knobs"].items() if getattr(job, k) != v]
+        return [Change("data", "baseline", k, getattr(job, k, None), v, evidence, "measured")
+                for k, v in race["pick_knobs"].items() if getattr(job, k, None) != v]
     if race.get("ran") is False:  # the user's own DataLoader: its knobs are not the job's to change
         return []
     new = 2 if job.num_workers == 0 else job.num_workers * 2
@@ -204,24 +211,36 @@ def _fp8(job: Job, r: dict) -> list[Change]:
         (r.get("metrics") or {}).get("chosen_final_gap", {}).get("value") is not None) else ""
     evidence = (f"step 5: loss within fp8_tolerance over the trial{gap} ({label})"
                 + ("; FP8 numerics only: this device has no FP8 units, no speed is claimed" if emulated else ""))
+    speed = r.get("speed") or {}
+    slower = ""  # FP8 only where it is faster: torchao's real speed, when measured, gates the policy
+    if speed.get("status") == "ok" and isinstance(speed.get("speedup"), int | float) and speed["speedup"] <= 1.0:
+        slower = (f"measured {speed['speedup']:.2f}x of bf16 (torchao {speed.get('recipe') or ''} against the same "
+                  "model without it, both compiled): not faster, so not adopted")
     out = []
     if sorted(groups) != sorted(job.fp8_layers):
-        out.append(Change("fp8", "fp8", "fp8_layers", list(job.fp8_layers), list(groups), evidence, label, True))
+        out.append(Change("fp8", "fp8", "fp8_layers", list(job.fp8_layers), list(groups), evidence, label, True,
+                          adopted=not slower, reason=slower))
     if choice.get("recipe") and choice["recipe"] != job.fp8_recipe:
-        out.append(Change("fp8", "fp8", "fp8_recipe", job.fp8_recipe, choice["recipe"], evidence, label, True))
+        out.append(Change("fp8", "fp8", "fp8_recipe", job.fp8_recipe, choice["recipe"], evidence, label, True,
+                          adopted=not slower, reason=slower))
     return out
 
 
 def _rechecked(job: Job, r: dict) -> list[Change]:
-    """Changes step 7 itself adopted (an earlier choice timed again at the tuned precision, and faster)."""
-    fields = Change.__dataclass_fields__
-    return [Change(**{k: v for k, v in c.items() if k in fields}) for c in r.get("changes", [])
-            if c.get("step") == "verify" and c.get("adopted")]
+    """Changes step 7 itself adopted (an earlier choice timed again at the tuned precision, and faster, or a
+    proposed layout withdrawn); its fields as text where they are text, whatever the file holds."""
+    rows = r.get("changes")
+    return [Change(str(c.get("rung", "")), "verify", c.get("key"), c.get("old"), c.get("new"),
+                   str(c.get("evidence", "")), str(c.get("label", "")), c.get("lossy") is True,
+                   reason=str(c.get("reason", "")))
+            for c in (rows if isinstance(rows, list) else []) if isinstance(c, dict)
+            and c.get("step") == "verify" and c.get("adopted") is True]
 
 
-READERS = (("attention_comm", _attention), ("attention_comm", _communication), ("placement", _layout),
-           ("baseline", _data),
-           ("compile", _compile), ("fp8", _precision), ("fp8", _fp8), ("verify", _rechecked))
+# (the step whose result is read, the reader's row in result_keys.MAY_SET, the reader)
+READERS = (("attention_comm", "attention", _attention), ("attention_comm", "communication", _communication),
+           ("placement", "layout", _layout), ("baseline", "data", _data), ("compile", "compile", _compile),
+           ("fp8", "precision", _precision), ("fp8", "fp8", _fp8), ("verify", "rechecked", _rechecked))
 
 
 def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...] = ()) -> list[Change]:
@@ -236,11 +255,13 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
     if unknown:
         raise ValueError(f"--keep {', '.join(unknown)}: not a job key")
     out: list[Change] = []
-    for step, read in READERS:
+    refused: list[Change] = []  # listed after the others: a refused change of step 7 replaces no earlier one
+    for step, reader, read in READERS:
         r = results.get(step)
         if not r:
             continue
-        found = read(job, r)
+        found, dropped = admitted(reader, read(job, r))
+        refused += dropped
         if step == "placement" and found:  # step 6 compared every layout that fits: its pick replaces step 2's
             out = [o for o in out if o.rung != "layout"]
         measured_with = {k: v for k, v in (r.get("job") or {}).items()
@@ -252,7 +273,7 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
             if c.key in pinned:
                 c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
             out.append(c)
-    return in_effect(out, job.to_dict())
+    return in_effect(out, job.to_dict()) + refused
 
 
 def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
@@ -271,15 +292,21 @@ def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
 
 
 def tuned_job(job: Job, chosen: list[Change], source: str = "the tuned job") -> Job:
-    """The job with every adopted change applied, under its own name (``<job_name>-tuned``) so that its
-    results do not overwrite the original's."""
+    """The job with every adopted change applied, under its own name (:func:`tuned_name`) so that its results do
+    not overwrite the original's."""
     values = job.to_dict()
     for c in chosen:
         if c.adopted:
             values[c.key] = c.new
-    if not values["job_name"].endswith(TUNED_SUFFIX):
-        values["job_name"] = (values["job_name"] + TUNED_SUFFIX)[:64]
+    values["job_name"] = tuned_name(job.job_name)
     return validate(values, source)
+
+
+def tuned_name(name: str) -> str:
+    """``<name>-tuned``, the name cut first where it would pass job_name's 64 characters: always another name than
+    ``name`` (a tuned job's own tuned job is ``<name>-tuned-tuned``), so their results never share a folder."""
+    out = name[:JOB_NAME_MAX - len(TUNED_SUFFIX)] + TUNED_SUFFIX
+    return out if out != name else name[:JOB_NAME_MAX - len(TUNED_SUFFIX) - 1] + TUNED_SUFFIX
 
 
 def staircase(job: Job, chosen: list[Change]) -> list[tuple[str, Job, list[Change]]]:
@@ -302,6 +329,12 @@ def _flow(value: Any) -> str:
     return text[:-4].strip() if text.endswith("\n...") else text
 
 
+def _one_line(text: str) -> str:
+    """A comment's text on its one line: a line break or other unprintable character (text read from a result)
+    becomes a space, so that no comment starts a key line of its own."""
+    return "".join(ch if ch.isprintable() else " " for ch in text)
+
+
 def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "", overrides: dict | None = None) -> str:
     """The tuned job as a YAML file: every key, each changed line commented with its step, gain and label, each
     value that came from the command line (``overrides``; default: the run's,
@@ -311,8 +344,8 @@ def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "", ov
     by_key = {c.key: c for c in chosen if c.adopted}
     given = {k: v for k, v in (ov.from_env() if overrides is None else overrides).items() if k in FIELDS}
     with_flags = f" as the command line changed it ({ov.flags(given)})" if given else ""
-    lines = [f"# The tuned job: {source}{with_flags} with the changes the workbook's steps measured and adopted"
-             + (f" (run {run_id})" if run_id else "") + ".",
+    lines = [_one_line(f"# The tuned job: {source}{with_flags} with the changes the workbook's steps measured and "
+                       "adopted" + (f" (run {run_id})" if run_id else "") + "."),
              "# Validate: mfu-lab validate THIS_FILE    Run: mfu-lab run THIS_FILE    Refuse a change: keep: [KEY] in "
              "the original job, or --keep KEY",
              f"# job_name gets '{TUNED_SUFFIX}' so that its results stay beside, not over, the original's."]
@@ -320,7 +353,8 @@ def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "", ov
     if not by_key:
         lines.append("# No change was adopted: every step kept the job as it is (or the changes are pinned).")
     for c in refused:
-        lines.append(f"# not adopted: {c.key}: {_flow(c.old)} -> {_flow(c.new)} ({c.rung}): {c.reason}")
+        key = c.key if isinstance(c.key, str) else _flow(c.key)
+        lines.append(_one_line(f"# not adopted: {key}: {_flow(c.old)} -> {_flow(c.new)} ({c.rung}): {c.reason}"))
     for key, value in tuned.to_dict().items():
         c, notes = by_key.get(key), []
         if c:
@@ -331,5 +365,5 @@ def tuned_yaml(job: Job, chosen: list[Change], source: str, run_id: str = "", ov
             what = "from the command line" if value == getattr(job, key) else "the value it replaced came from the " \
                 "command line"
             notes.append(f"{what} ({ov.flag(key, given[key])}), not {source}")
-        lines.append(f"{key}: {_flow(value)}" + (f"  # {'; '.join(notes)}" if notes else ""))
+        lines.append(f"{key}: {_flow(value)}" + (f"  # {_one_line('; '.join(notes))}" if notes else ""))
     return "\n".join(lines) + "\n"

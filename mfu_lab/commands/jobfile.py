@@ -10,6 +10,7 @@ import yaml
 from mfu_lab.commands.common import EXIT_OK, parse_overrides
 from mfu_lab.core.engine.layout import beyond_ddp
 from mfu_lab.core.job import factories
+from mfu_lab.core.job.compile_options import options_text
 from mfu_lab.core.job.schema import FIELDS, KEY_GROUPS, Job, load_job
 from mfu_lab.runner import check_cluster, check_output_folder
 
@@ -25,13 +26,43 @@ def cmd_validate(args) -> int:
 
         check_folder(job.monitor_path())
         mon = f"; monitor folder {job.monitor_path()}: {len(rank_files(job.monitor_path()))} rank file(s)"
-    layout = layout_here(job, f"{args.job} and the command line (-p KEY=VALUE)" if args.param else str(args.job))
+    source = f"{args.job} and the command line (-p KEY=VALUE)" if args.param else str(args.job)
+    check_ranks(job, source)
+    layout = layout_here(job, source)
+    notes = fit_here(job, source)
     print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable{mon}"
           f"{layout})")
     for line in factories.code_notes(job, Path(args.job).resolve().parent):
         print(line)
+    if job.compile_mode == "options" or job.compile_options:
+        used = "the job trains with them" if job.compile_mode == "options" else "step 4's options trial"
+        print(f"compile options in force ({used}; inductor options from the allowed list): "
+              f"{options_text(job.compile_options)}")
+    for line in notes:
+        print(line)
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
     return EXIT_OK
+
+
+def check_ranks(job: Job, source: str) -> None:
+    """``nproc_per_node`` against this machine (workers.launch.check_nproc, as every launch checks it): its GPUs,
+    or its cores and memory for CPU ranks; JobError naming ``source``."""
+    from mfu_lab.steps.fit import device_type_of
+    from mfu_lab.workers.launch import check_nproc
+
+    check_nproc(job, device_type_of(job), source)
+
+
+def fit_here(job: Job, source: str) -> list[str]:
+    """The reference model's memory in its layout on this machine, and step 1's estimated time on a CPU
+    (steps.fit.before_run): a JobError naming ``source``, or the warnings to print."""
+    from mfu_lab.steps.fit import before_run, device_type_of
+    from mfu_lab.workers.launch import world_layout
+
+    device_type = device_type_of(job)
+    nnodes, nproc = world_layout(job, device_type)
+    note = before_run(job, device_type, nnodes * nproc, source)
+    return [note] if note else []
 
 
 def layout_here(job: Job, source: str) -> str:
@@ -40,12 +71,11 @@ def layout_here(job: Job, source: str) -> str:
     checked too; a factory model is not imported (validate runs no code a job file names)."""
     if not beyond_ddp(job):
         return ""
-    import torch
-
     from mfu_lab.core.engine.layout_check import check_layout, dp_degree
+    from mfu_lab.steps.fit import device_type_of
     from mfu_lab.workers.launch import world_layout
 
-    device_type = "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = device_type_of(job)
     nnodes, nproc = world_layout(job, device_type)
     if job.uses_reference_model:
         check_layout(job, nnodes * nproc, device_type, source)

@@ -14,6 +14,8 @@ from mfu_lab.core.store import files
 from mfu_lab.core.store.files import JOB_MARKER, RESULT_FILE, is_job_root, write_json_atomic
 from mfu_lab.core.store.history import compare, mfu_trend, resolve_run, runs
 from mfu_lab.core.store.nodes import merge_into
+from mfu_lab.core.store.runstate import JobBusy, job_lock, step_state
+from mfu_lab.publish import settle_publications
 from mfu_lab.report import export_html, fmt, write_index
 from mfu_lab.report.browser import check_pages, ensure_chromium, job_pages
 from mfu_lab.report.format import compare_text
@@ -29,12 +31,21 @@ def cmd_report(args) -> int:
                                                    f"{JOB_MARKER} marker, no run history, no step result): "
                                                    "mfu-lab report rewrites index.html only in a folder a run "
                                                    "made, e.g. outputs/<job_name>")])
+    try:  # a publication a killed run left half done is completed first; a run holding the folder finishes its own
+        with job_lock(root, "(mfu-lab report)"):
+            settle_publications(root)
+    except JobBusy:
+        pass
     for info in STEPS:
         nb = root / info.folder / info.notebook
         merged = root / info.folder / RESULT_FILE
         if merged.is_file() and (data := merge_into(merged, 1)) is not None:  # nodes that finished after node 0
             write_json_atomic(merged, data)
             print(f"merged the nodes' results into {merged}: {data['nodes']['text']}")
+        if nb.is_file() and (st := step_state(root / info.folder)).status in ("running", "interrupted"):
+            print(f"kept {root / info.folder / 'report.html'}: {info.folder} is {st.status} ({st.detail}), so its "
+                  "notebook is not a finished one; the published report stands")
+            continue
         if nb.is_file():
             try:
                 print(f"exported {export_html(nb, root / info.folder / 'report.html')}")

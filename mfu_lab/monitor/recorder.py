@@ -45,6 +45,11 @@ Never a harm to the job: bad arguments raise here, at construction, before train
 failure inside the monitor (a folder it cannot write, the open-file limit, a failed rotation, a non-finite token
 count, a failed analysis) is counted in ``Monitor.errors``, warned about once per kind, and training goes on
 (:mod:`mfu_lab.monitor.records`).
+
+Threads and forks: ``step()`` may move to another thread (the FLOP window then opens again there, and no counting
+mode stays on either thread: :mod:`mfu_lab.monitor.flops_window`). A forked child (a DataLoader worker, or a process
+that goes on with the loop) records nothing: the file, the rank and the run are the parent's, so the child's copy
+of the monitor is closed at the fork without writing, and an open FLOP window is taken off its thread.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +75,17 @@ from mfu_lab.monitor.flops_window import CountsOneStep, StepFlops
 from mfu_lab.monitor.intervals import SplitsSteps
 from mfu_lab.monitor.profiling import ProfileWindows
 from mfu_lab.monitor.records import WritesRecords
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the monitors of this process, for the fork handler below
+
+
+def _after_fork_in_child() -> None:
+    for mon in list(_LIVE):
+        mon._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
@@ -108,6 +125,8 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
         self._reset_interval()
         self._mark = time.perf_counter()
         self._host_from: float | None = None
+        self._pid = os.getpid()  # a record is written by this process only (records.WritesRecords._emit)
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ public
     def wrap_hook(self, hook):
@@ -240,6 +259,18 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
                         closing.close()
                 except Exception as e:
                     self._fail("close", e)
+
+    def _forked(self) -> None:
+        """In a forked child: closed without a record (the parent's file, rank and run are not the child's), the
+        writer's descriptor left to the parent, an open FLOP window taken off this thread. Never raises."""
+        self._closed = self._writer_closed = True
+        self._writer, self._prof, self.nvml, self._tb = None, None, None, None
+        f, self._flops = self._flops, None
+        try:
+            if f is not None:
+                f.drop_in_child()
+        except Exception:  # noqa: BLE001 - the child goes on, as the job does after any failure in the monitor
+            pass
 
     # ------------------------------------------------------------------ start and steps
     def _start(self) -> None:

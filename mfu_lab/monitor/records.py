@@ -9,6 +9,7 @@ the next record, and a start record that did not get through is written first.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +37,7 @@ class WritesRecords:
     _writer_path: Path | None
     _writer_closed: bool
     _unwritten_start: dict[str, Any] | None
+    _pid: int
 
     def _fail(self, kind: str, e: BaseException, where: str = "") -> None:
         """Count a failure inside the monitor and warn about its kind once; the job goes on."""
@@ -50,6 +52,8 @@ class WritesRecords:
     def _emit(self, kind: str, **fields: Any) -> None:
         """Append one record. A record that cannot be written (a full disk, a folder that is a file, the open-file
         limit) is counted and warned about once; the file is opened again at the next record."""
+        if os.getpid() != self._pid:
+            return  # a forked child: this rank's file is its parent's (recorder.Monitor._forked)
         rec = {"kind": kind, "v": VERSION, "t": time.time(), "launch": self.launch, "run": self.run,
                "rank": self.ids["rank"], "node": self.host, **fields}
         try:

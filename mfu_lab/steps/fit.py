@@ -4,14 +4,18 @@ The model is built on the meta device (:func:`mfu_lab.core.engine.meta_shape.job
 model of 28 GB is sized on a laptop), and its memory per rank comes from the same formulas step 6 uses
 (:func:`mfu_lab.analysis.layouts.terms.memory_per_rank`: 16 B/param over t x p, over the FSDP ranks too;
 activations s*b*h*(8 + 24/t)*bytes/2 per layer). What is available is measured: on a GPU each device's free
-memory (``torch.cuda.mem_get_info``); on a CPU the machine's available memory, which the ranks share, so there
-"fits" means the ranks together fit. A job that does not fit is refused with the layouts of this node that
-would, and their memory per rank.
+memory (``torch.cuda.mem_get_info``); on a CPU the machine's available memory, or its cgroup's when lower
+(:mod:`mfu_lab.core.measure.host`), which the ranks share, so there "fits" means the ranks together fit. A job that
+does not fit is refused with the layouts of this node that would, and their memory per rank.
+
+Before a run (``mfu-lab validate``, the start of ``mfu-lab run`` and ``step``), :func:`before_run` refuses the
+reference model's job that memory cannot hold (exit 2, naming the key) and, on a CPU, says what step 1's training
+alone is estimated to take when that is long: a ``seq_len`` of 100,000 is accepted, and said to take hours, but never
+refused for its time.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -19,31 +23,22 @@ import torch
 from mfu_lab.analysis.layouts import terms as layout_terms
 from mfu_lab.core.engine.layout import Layout, beyond_ddp
 from mfu_lab.core.engine.meta_shape import job_shape
-from mfu_lab.core.errors import StepError
+from mfu_lab.core.errors import JobError, JobProblem, StepError
 from mfu_lab.core.job.schema import Job
+from mfu_lab.core.measure import host
 
 GIB = 2 ** 30
 
 
 def available_bytes(device_type: str, world: int) -> tuple[float, str]:
-    """(bytes one rank may use, how it was read): a GPU's free memory, or the CPU's available memory / world."""
+    """(bytes one rank may use, how it was read): a GPU's free memory, or the CPU's available memory / world, the
+    CPU's being the machine's or its cgroup's when lower (a container, a Slurm job; :mod:`mfu_lab.core.measure.host`).
+    """
     if device_type == "cuda":  # pragma: no cover - GPU only
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
         return float(free), "the smallest free memory of this node's GPUs (torch.cuda.mem_get_info)"
-    avail = _mem_available()
-    return avail / world, (f"this machine's available memory ({avail / GIB:.1f} GiB, /proc/meminfo MemAvailable) "
-                           f"shared by {world} rank(s)")
-
-
-def _mem_available() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    avail = host.available_memory()
+    return avail.bytes / world, f"{avail.how}, shared by {world} rank(s)"
 
 
 def check_fit(job: Job, device_type: str, world: int, node_world: int | None = None,
@@ -91,3 +86,89 @@ def one_process_note(job: Job, what: str, in_layout_instead: str) -> dict[str, s
     return {"what": f"{what} in the job's layout ({', '.join(parts)})",
             "reason": f"measured on one process holding the whole model, not per rank in the layout: "
                       f"{in_layout_instead}; step 7 runs the adopted change in the layout, side by side"}
+
+
+LONG_STEP1_S = 600.0  # step 1's training estimated longer than this on a CPU: said before the run
+
+
+def device_type_of(job: Job) -> str:
+    """'cuda' or 'cpu': where the job's ``device`` (auto | cpu | cuda) puts it on this machine."""
+    return "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def _cached_peak(dtype: str) -> float | None:
+    """This CPU's peak for ``dtype`` from the per-user cache (:mod:`mfu_lab.core.measure.peak_cache`), None when
+    nothing is cached: read only, nothing measured."""
+    import json
+
+    from mfu_lab.core.measure import peak_cache
+    from mfu_lab.core.measure.device import cpu_name
+
+    try:
+        data = json.loads(peak_cache.cache_path().read_text(encoding="utf-8"))
+        entry = data["peaks"][peak_cache.key_of(peak_cache.conditions("cpu", cpu_name(), dtype))]
+        peak = float(entry["flops_per_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return peak if peak > 0 else None
+
+
+def step1_flops(job: Job) -> float:
+    """The reference GPT's model FLOPs of step 1's training (warm-up and timed steps): 6N + 12*L*d*T per token
+    (:func:`mfu_lab.core.measure.flops.transformer_flops_per_token`), N its matmul weights (12 d^2 a block and the
+    tied head)."""
+    from mfu_lab.core.measure.flops import transformer_flops_per_token
+
+    n = job.n_layers * 12 * job.d_model ** 2 + job.vocab_size * job.d_model
+    per_token = transformer_flops_per_token(n, job.n_layers, job.d_model, job.seq_len)
+    return per_token * job.micro_batch * job.seq_len * (job.warmup_steps + job.steps)
+
+
+def step1_time_note(job: Job, device_type: str) -> str:
+    """A warning ('' when none): step 1's training of the reference GPT on a CPU is estimated above
+    :data:`LONG_STEP1_S`. The estimate: its FLOPs (:func:`step1_flops`) at this CPU's cached peak (a lower bound: a
+    training step reaches a share of the matmul peak), else at the rate of the default job's step on the reference
+    CPU (:data:`mfu_lab.core.process.budget.REFERENCE_STEP_S`)."""
+    if device_type != "cpu" or not job.uses_reference_model:
+        return ""
+    flops = step1_flops(job)
+    peak = _cached_peak(job.dtype)
+    if peak is not None:
+        seconds, how = flops / peak, (f"at least: at this CPU's cached {job.dtype} peak of {peak / 1e9:,.0f} "
+                                      "GFLOP/s, which a training step reaches only a share of")
+    else:
+        from mfu_lab.core.process.budget import REFERENCE_STEP_S
+
+        default = Job()
+        rate = step1_flops(default) / (default.warmup_steps + default.steps) / REFERENCE_STEP_S
+        seconds, how = flops / rate, (f"about: at the default job's rate on the reference 2-core CPU "
+                                      f"({rate / 1e9:,.0f} GFLOP/s; this CPU's peak is not measured yet)")
+    if seconds <= LONG_STEP1_S:
+        return ""
+    took = f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.0f} min"
+    return (f"warning: step 1's training alone is estimated at {took} on this CPU ({how}; "
+            f"{job.warmup_steps + job.steps} steps of {flops / (job.warmup_steps + job.steps):.2g} model FLOPs, "
+            f"6N + 12*L*d*T a token x micro_batch {job.micro_batch} x seq_len {job.seq_len}); the other steps "
+            "train more. An estimate, not a limit: shrink seq_len, micro_batch or steps, or bound the run with "
+            "--budget MINUTES")
+
+
+def before_run(job: Job, device_type: str, world: int, source: str) -> str:
+    """Before any step: refuse (JobError from ``source``, exit 2) the reference GPT's job that the memory available
+    cannot hold in its layout over ``world`` ranks (:func:`check_fit`; a factory model is not imported here: step 1
+    sizes it), naming ``seq_len`` when activations take most of it, ``d_model`` when the model's state does; return
+    :func:`step1_time_note`."""
+    if not job.uses_reference_model or (device_type == "cuda" and not torch.cuda.is_available()):
+        return ""  # a GPU job checked on a machine without one: its memory is measured where it runs
+    try:
+        check_fit(job, device_type, world if beyond_ddp(job) else 1, node_world=world)
+    except StepError as e:
+        ms = layout_terms.memory_shape(job_shape(job).params, job.n_layers, job.n_heads, job.d_model, job.seq_len,
+                                       job.micro_batch, 4 if job.dtype == "float32" else 2,
+                                       job.activation_checkpointing, job.attention == "unfused",
+                                       job.ddp_grad_as_bucket_view)
+        mem = layout_terms.memory_per_rank(ms, Layout.from_job(job, world if beyond_ddp(job) else 1))
+        acts = mem["activations"].value > mem["total"].value / 2
+        key = "seq_len" if acts else "d_model"
+        raise JobError(source, [JobProblem(key, getattr(job, key), str(e))]) from None
+    return step1_time_note(job, device_type)

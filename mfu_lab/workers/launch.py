@@ -27,8 +27,9 @@ from mfu_lab.workers.comm_configs import config_key, is_fsdp, sweep_configs
 
 
 def world_layout(job: Job, device_type: str) -> tuple[int, int]:
-    """(nnodes, nproc_per_node): the job's, or one process per visible GPU, or 2 on CPU. On CUDA a
-    ``nproc_per_node`` above the GPUs this node sees is a JobError (:func:`check_nproc`), before any launch."""
+    """(nnodes, nproc_per_node): the job's, or one process per visible GPU, or 2 on CPU. A ``nproc_per_node`` this
+    node cannot hold (above its GPUs; CPU ranks beyond its cores or memory) is a JobError (:func:`check_nproc`),
+    before any launch."""
     if job.nproc_per_node:
         check_nproc(job, device_type)
         return job.nnodes, job.nproc_per_node
@@ -39,22 +40,61 @@ def world_layout(job: Job, device_type: str) -> tuple[int, int]:
     return job.nnodes, 2
 
 
-def check_nproc(job: Job, device_type: str) -> None:
-    """Each CUDA rank takes a GPU of its own (``cuda:LOCAL_RANK``): refuse a ``nproc_per_node`` above this node's
-    visible GPUs, naming the key, the value and the count, instead of ranks that crash on an invalid device ordinal
-    or NCCL's "Duplicate GPU detected". CPU ranks share the CPU: any count runs."""
-    if device_type != "cuda" or not job.nproc_per_node:
-        return
-    import torch
+CPU_RANKS_PER_CORE = 4  # CPU ranks share the cores: beyond this many a core, the ranks only wait on each other
+RANK_HOST_BYTES = 300e6  # a CPU rank's own memory before the model: the interpreter, torch, gloo (an estimate)
 
+
+def check_nproc(job: Job, device_type: str, source: str | None = None, cgroup_root: Path | None = None,
+                meminfo: Path | None = None) -> None:
+    """Refuse, naming ``nproc_per_node``, ranks this node cannot hold (JobError from ``source``, by default the job
+    layout), before any launch (:func:`world_layout` and ``mfu-lab validate`` both call it).
+
+    CUDA: each rank takes a GPU of its own (``cuda:LOCAL_RANK``): not more ranks than this node's visible GPUs,
+    instead of ranks that crash on an invalid device ordinal or NCCL's "Duplicate GPU detected". CPU: the ranks
+    share the cores and the memory: not more than :data:`CPU_RANKS_PER_CORE` a core (:func:`host.usable_cores`,
+    the cgroup's quota included), nor more than the memory available (:func:`host.available_memory`, the cgroup's
+    limit included) holds at an estimated :data:`RANK_HOST_BYTES` a rank plus its share of the reference model's
+    state (16 B a parameter over tp x pp, and over the FSDP ranks; a factory model is not imported here: step 1's
+    fit check sizes it)."""
+    if not job.nproc_per_node:
+        return
     from mfu_lab.core.engine.layout_check import LAYOUT_SOURCE
     from mfu_lab.core.errors import JobError, JobProblem
 
+    n, where = job.nproc_per_node, source or LAYOUT_SOURCE
+    if device_type != "cuda":
+        from mfu_lab.core.measure import host
+
+        cores, how = host.usable_cores(cgroup_root)
+        if n > CPU_RANKS_PER_CORE * cores:
+            raise JobError(where, [JobProblem("nproc_per_node", n, (
+                f"must be at most {CPU_RANKS_PER_CORE * cores} CPU ranks on this node ({CPU_RANKS_PER_CORE} a core "
+                f"x {how}): CPU ranks share the cores, so more only wait on each other and take memory; use "
+                f"nproc_per_node: 0 (2 on CPU) or {CPU_RANKS_PER_CORE * cores} or fewer"))])
+        avail = host.available_memory(cgroup_root, meminfo)
+        model, said = 0.0, "a factory model's state not counted here (step 1's fit check sizes it)"
+        if job.uses_reference_model:
+            params = job.n_layers * (12 * job.d_model ** 2 + 13 * job.d_model) + (
+                job.vocab_size + job.seq_len + 2) * job.d_model
+            split = job.tp * job.pp * (max(1, n * job.nnodes // (job.tp * job.pp)) if job.dp_mode == "fsdp" else 1)
+            model = 16.0 * params / split
+            said = f"+ {model / 1e6:,.1f} MB of model state (16 B x {params:,} parameters / {split})"
+        need = n * (RANK_HOST_BYTES + model)
+        if need > avail.bytes:
+            most = max(1, int(avail.bytes // (RANK_HOST_BYTES + model)))
+            raise JobError(where, [JobProblem("nproc_per_node", n, (
+                f"{n} CPU ranks need about {need / 2 ** 30:.1f} GiB (an estimate: {RANK_HOST_BYTES / 1e6:.0f} MB "
+                f"a rank for the interpreter and torch {said}, before activations), more than the "
+                f"{avail.bytes / 2 ** 30:.2f} GiB available ({avail.how}); use nproc_per_node: {most} or fewer, "
+                "or run where more memory is free"))])
+        return
+    import torch
+
     count = torch.cuda.device_count()
-    if job.nproc_per_node > count:
+    if n > count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         seen = f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
-        raise JobError(LAYOUT_SOURCE, [JobProblem("nproc_per_node", job.nproc_per_node, (
+        raise JobError(where, [JobProblem("nproc_per_node", n, (
             f"must be at most the {count} GPU(s) this node sees (torch.cuda.device_count() = {count}{seen}): each "
             f"rank takes a GPU of its own; use nproc_per_node: 0 (one per visible GPU) or {count} or fewer"))])
 

@@ -5,6 +5,10 @@ Its switches and nodes can come from the file itself (``switches`` x
 ``nodes_per_switch``) or from a Slurm ``topology.conf``; GPUs per node and the
 intra-node link can come from the matrix ``nvidia-smi topo -m`` prints. Every
 problem is reported with the file, the key (or line) and what is allowed.
+
+Bounds: the files a cluster file names are read as the YAML is (:func:`mfu_lab.core.job.yamlfile.read_text`: at
+most a megabyte, UTF-8 text), and a cluster holds at most :data:`MAX_NODES` nodes and :data:`MAX_GPUS` GPUs
+(more than any built), counted before a node list is built.
 """
 
 from __future__ import annotations
@@ -23,15 +27,20 @@ class ClusterError(JobError):
     """A cluster file, Slurm topology.conf or nvidia-smi matrix that cannot be used."""
 
 
+MAX_NODES = 100_000  # nodes in one cluster: the largest built hold about a tenth of that
+MAX_GPUS = 1_000_000
+TOO_MANY = f"at most {MAX_NODES:,} nodes in a cluster (more than any built)"
+
+
 # ------------------------------------------------------------------ Slurm topology.conf
 _HOSTLIST = re.compile(r"([^,\[]*)(\[[^\]]*\])?([^,\[]*)")
 
 
-def expand_hostlist(text: str, where: str, key: str = "Nodes") -> list[str]:
+def expand_hostlist(text: str, where: str, key: str = "Nodes", limit: int = MAX_NODES) -> list[str]:
     """Slurm hostlist syntax: ``gpu[001-004,007],login1`` -> gpu001 ... gpu004, gpu007, login1.
 
     Zero padding is kept from the range's first bound, as Slurm does. ``where``
-    names the file and line for the error.
+    names the file and line for the error; a list of more than ``limit`` names is refused before it is built.
     """
     out: list[str] = []
     pos = 0
@@ -43,16 +52,21 @@ def expand_hostlist(text: str, where: str, key: str = "Nodes") -> list[str]:
             raise ClusterError(where, [JobProblem(key, text, "an empty host name in the list")])
         if brackets:
             for part in brackets[1:-1].split(","):
-                r = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+                r = re.fullmatch(r"(\d{1,12})(?:-(\d{1,12}))?", part.strip())
                 if not r:
-                    raise ClusterError(where, [JobProblem(key, text, f"range '{part}' must be N or N-M (digits)")])
+                    raise ClusterError(where, [JobProblem(key, text, f"range '{part}' must be N or N-M (digits, up "
+                                                                     "to 12 each)")])
                 lo, hi = r.group(1), r.group(2) or r.group(1)
                 if int(hi) < int(lo):
                     raise ClusterError(where, [JobProblem(key, text, f"range '{part}' runs backwards")])
                 if int(hi) - int(lo) > 100_000:
                     raise ClusterError(where, [JobProblem(key, text, f"range '{part}' is implausibly large")])
+                if len(out) + int(hi) - int(lo) + 1 > limit:
+                    raise ClusterError(where, [JobProblem(key, text, f"names more nodes than fit: {TOO_MANY}")])
                 out += [f"{prefix}{str(i).zfill(len(lo))}{suffix}" for i in range(int(lo), int(hi) + 1)]
         else:
+            if len(out) >= limit:
+                raise ClusterError(where, [JobProblem(key, text, f"names more nodes than fit: {TOO_MANY}")])
             out.append(prefix + suffix)
         pos = m.end()
         if pos < len(text):
@@ -73,6 +87,7 @@ def parse_topology_conf(text: str, source: str = "topology.conf") -> dict[str, l
     leaves: dict[str, list[str]] = {}
     parents: dict[str, tuple[list[str], str]] = {}
     owner: dict[str, str] = {}
+    children = 0  # switches named under the parents, bounded as the nodes are
     for no, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -96,14 +111,15 @@ def parse_topology_conf(text: str, source: str = "topology.conf") -> dict[str, l
             raise ClusterError(where, [JobProblem("SwitchName", name, "has both Nodes and Switches; a switch "
                                                                       "holds one or the other")])
         if "Nodes" in fields:
-            nodes = expand_hostlist(fields["Nodes"], where)
+            nodes = expand_hostlist(fields["Nodes"], where, limit=MAX_NODES - len(owner))
             for n in nodes:
                 if n in owner:
                     raise ClusterError(where, [JobProblem("Nodes", n, f"already under switch {owner[n]}")])
                 owner[n] = name
             leaves[name] = nodes
         elif "Switches" in fields:
-            parents[name] = (expand_hostlist(fields["Switches"], where, "Switches"), where)
+            parents[name] = (expand_hostlist(fields["Switches"], where, "Switches", MAX_NODES - children), where)
+            children += len(parents[name][0])
         else:
             raise ClusterError(where, [JobProblem("SwitchName", name, "needs Nodes= (a leaf) or Switches=")])
     for children, where in parents.values():
@@ -317,6 +333,16 @@ def _queue(items: list, source: str) -> list[QueueEntry]:
     return out
 
 
+def _text(source: str, key: str, value: str, path: Path) -> str:
+    """The text of a file the cluster file names under ``key``, read with the YAML's bounds."""
+    try:
+        return yamlfile.read_text(path)
+    except yamlfile.YamlProblem as e:
+        raise ClusterError(source, [JobProblem(key, value, f"{path} {e}")]) from None
+    except OSError as e:
+        raise ClusterError(source, [JobProblem(key, value, f"{path} cannot be read ({e.strerror or e})")]) from None
+
+
 def load_cluster(path: str | Path) -> Cluster:
     """Read and check a cluster file (safe YAML). Relative paths inside it are taken from its folder."""
     path = Path(path)
@@ -356,9 +382,13 @@ def load_cluster(path: str | Path) -> Cluster:
         conf = path.parent / data["topology_conf"]
         if not conf.is_file():
             raise ClusterError(source, [JobProblem("topology_conf", data["topology_conf"], f"no such file ({conf})")])
-        switches = parse_topology_conf(conf.read_text(encoding="utf-8"), str(conf))
+        switches = parse_topology_conf(_text(source, "topology_conf", data["topology_conf"], conf), str(conf))
         sources["switches"] = f"Slurm topology.conf ({conf.name})"
     else:
+        if data["switches"] * data["nodes_per_switch"] > MAX_NODES:
+            raise ClusterError(source, [JobProblem("switches", data["switches"], f"switches x nodes_per_switch = "
+                                                   f"{data['switches'] * data['nodes_per_switch']:,} nodes; "
+                                                   f"{TOO_MANY}")])
         switches = {f"leaf{s}": [f"node{s * data['nodes_per_switch'] + i:03d}" for i in range(data["nodes_per_switch"])]
                     for s in range(data["switches"])}
     topo = None
@@ -366,7 +396,7 @@ def load_cluster(path: str | Path) -> Cluster:
         f = path.parent / data["nvidia_smi_topo"]
         if not f.is_file():
             raise ClusterError(source, [JobProblem("nvidia_smi_topo", data["nvidia_smi_topo"], f"no such file ({f})")])
-        topo = parse_nvidia_smi_topo(f.read_text(encoding="utf-8"), str(f))
+        topo = parse_nvidia_smi_topo(_text(source, "nvidia_smi_topo", data["nvidia_smi_topo"], f), str(f))
         if "gpus_per_node" in data and data["gpus_per_node"] != topo.gpus:
             raise ClusterError(source, [JobProblem("gpus_per_node", data["gpus_per_node"],
                                                    f"the nvidia-smi matrix ({f.name}) shows {topo.gpus} GPUs")])
@@ -379,6 +409,10 @@ def load_cluster(path: str | Path) -> Cluster:
                                           + (f" x {values['nvlink_gbps_per_link']:g} GB/s per link"
                                              if code.startswith("NV") else " (assumed PCIe rate)"))
     n_gpus = sum(len(v) for v in switches.values()) * values["gpus_per_node"]
+    if n_gpus > MAX_GPUS:
+        raise ClusterError(source, [JobProblem("gpus_per_node", values["gpus_per_node"], f"{n_gpus:,} GPUs in "
+                                               f"{n_gpus // values['gpus_per_node']:,} nodes; at most {MAX_GPUS:,} "
+                                               "GPUs in a cluster (more than any built)")])
     if values["occupied_gpus"] >= n_gpus:
         raise ClusterError(source, [JobProblem("occupied_gpus", values["occupied_gpus"],
                                                f"must be below the cluster's {n_gpus} GPUs")])

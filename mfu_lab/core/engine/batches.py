@@ -98,6 +98,61 @@ def as_batch(raw: Any) -> Batch:
                     "(inputs, targets) or a mapping with 'input_ids' (and optionally 'labels', 'attention_mask')")
 
 
+def batch_problem(batch: Batch, index: int, what: str, seq_len: int = 0, vocab: int = 0) -> str | None:
+    """Why batch ``index`` (from 1) of the data ``what`` cannot be trained on, naming the key to change; None when it
+    can. Checked: not empty, rows no longer than ``seq_len``, token ids in 0..``vocab`` - 1 and targets too (or
+    :data:`IGNORE`); 0 leaves a bound out. Read on the host with numpy, before the batch is moved: no torch operator
+    (a profiled step's trace holds the job's own) and no device synchronisation. A batch the data gives on a device
+    already is not read (that would wait for the device); the training step checks the first one."""
+    x, y = batch[0], batch[1]
+    if x.device.type != "cpu" or y.device.type != "cpu":
+        return None
+    at = f"batch {index} of the data ({what})"
+    if x.numel() == 0:
+        return f"{at} is empty (shape {tuple(x.shape)}): every batch needs at least one token; check key 'data'"
+    if seq_len and x.size(1) > seq_len:
+        return (f"{at} has rows of {x.size(1)} tokens, longer than seq_len ({seq_len}, the model's positions): set "
+                f"key 'seq_len' to at least {x.size(1)}, or cut the data's rows to {seq_len} tokens")
+    ids, targets = x.numpy(), y.numpy()
+    fix = ("the data and the model disagree: set key 'vocab_size' to the model's vocabulary (0: its input "
+           "embedding's), or check the data, data_dtype and the tokenizer")
+    low, top = int(ids.min()), int(ids.max())
+    if low < 0:
+        return f"{at} holds token id {low}: token ids are 0 or more; check key 'data' and data_dtype"
+    if vocab and top >= vocab:
+        return f"{at} holds token id {top}, past the vocabulary's {vocab} ids (0..{vocab - 1}): {fix}"
+    if targets.size:
+        low, top = int(targets.min()), int(targets.max())
+        if vocab and top >= vocab:
+            return f"{at} holds target {top}, past the vocabulary's {vocab} ids (0..{vocab - 1}): {fix}"
+        if low < 0 and (low != IGNORE or bool(((targets < 0) & (targets != IGNORE)).any())):
+            bad = int(targets[(targets < 0) & (targets != IGNORE)][0])
+            return (f"{at} holds target {bad}: a target is a token id (0 or more) or {IGNORE} for none; check key "
+                    "'data' (its labels)")
+    return None
+
+
+def checked_batch(raw: Any, index: int, what: str, seq_len: int = 0, vocab: int = 0) -> Batch:
+    """:func:`as_batch`, then :func:`batch_problem`'s check: a StepError naming the batch and the key."""
+    batch = as_batch(raw)
+    why = batch_problem(batch, index, what, seq_len, vocab)
+    if why:
+        raise StepError(why)
+    return batch
+
+
+def loss_problem(loss: Any, fn: Any) -> str | None:
+    """Why what the job's own loss function ``fn`` returned cannot be trained on, naming the key; None when it is
+    one number (a floating-point tensor of one element). Reads no value: no device synchronisation."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return None
+    spec = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', '?')}"
+    got = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
+           else type(loss).__name__)
+    return (f"key 'loss' = {spec!r} returned {got}; a loss is one number to train on: a floating-point tensor of "
+            "one element (the mean of a per-token loss, say)")
+
+
 def loss_view(x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> Any:
     """The batch as a user's loss function of ``(output, batch)`` receives it: the mapping for Hugging Face style
     batches (``input_ids``, ``labels``, ``attention_mask``), else the pair ``(inputs, targets)``."""

@@ -12,7 +12,8 @@
 
 A map-style dataset is split over data-parallel ranks by ``DistributedSampler``; an iterable dataset, a user's
 DataLoader or a plain iterable is used as it is on every rank, so each rank may see the same batches
-(:attr:`Feed.notes` says so). Every batch is made a :class:`~mfu_lab.core.engine.batches.Batch` (:func:`as_batch`).
+(:attr:`Feed.notes` says so). Every batch is made a :class:`~mfu_lab.core.engine.batches.Batch` and checked
+(:func:`~mfu_lab.core.engine.batches.checked_batch`: on the host, before it is moved, every batch).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from mfu_lab.core.engine.batches import (
     IGNORE,  # the target id cross_entropy skips: padding
     Batch,
-    as_batch,
+    checked_batch,
     input_embedding,
 )
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.job.factories import load_factory
+from mfu_lab.core.job.factories import load_factory, source_digest
 from mfu_lab.core.job.paths import input_path
 from mfu_lab.core.job.rules import DATA_PREFIXES, DATA_SOURCES
 from mfu_lab.core.job.schema import Job
@@ -287,8 +288,8 @@ def user_data(job: Job, rank: int = 0, world: int = 1) -> Any:
 
 @dataclass
 class Feed:
-    """Exactly ``n`` batches of a loader, epoch after epoch, each made a :class:`Batch`. ``notes``: what the
-    result should say about the data (ranks that may see the same batches, knobs the loader fixes)."""
+    """Exactly ``n`` batches of a loader, epoch after epoch, each made a :class:`Batch` checked against ``bounds``.
+    ``notes``: what the result should say about the data (ranks that may see the same batches, knobs it fixes)."""
 
     loader: Any
     n: int
@@ -297,6 +298,7 @@ class Feed:
     load_s: float = 0.0
     notes: tuple[str, ...] = ()
     fixed: tuple[str, ...] = ()  # loader knobs the job cannot change (a user's own DataLoader)
+    bounds: tuple[int, int] = (0, 0)  # (seq_len, vocabulary) every batch is checked against; 0: not that one
 
     def __len__(self) -> int:
         return self.n
@@ -310,7 +312,7 @@ class Feed:
             for raw in self.loader:
                 if self.load_s:
                     time.sleep(self.load_s)
-                yield as_batch(raw)
+                yield checked_batch(raw, made + 1, self.what, *self.bounds)
                 made, got = made + 1, got + 1
                 if made == self.n:
                     return
@@ -353,7 +355,7 @@ def build_loader(job: Job, n_batches: int, device_type: str, n_samples: int | No
     kind = data_kind(job)
     want = n_samples if n_samples is not None else n_batches * job.micro_batch
     if kind == "factory":
-        return _user_feed(job, math.ceil(want / job.micro_batch), device_type, rank, world)
+        return _checked(_user_feed(job, math.ceil(want / job.micro_batch), device_type, rank, world), job)
     collate = None
     if kind in ("synthetic_varlen", "hf") and job.seq_policy != "pack":
         collate = Collate(job.seq_policy, job.seq_len, bucket_lengths(job.seq_len, job.seq_buckets),
@@ -368,7 +370,17 @@ def build_loader(job: Job, n_batches: int, device_type: str, n_samples: int | No
     sampler = DistributedSampler(ds, world, rank, shuffle=False) if kind == "hf" and world > 1 else None
     loader = DataLoader(ds, batch_size=job.micro_batch, shuffle=False, sampler=sampler, collate_fn=collate,
                         drop_last=job.last_batch == "drop", **_loader_kw(job, device_type))
-    return Feed(loader, math.ceil(want / job.micro_batch), job.data, sampler)
+    return _checked(Feed(loader, math.ceil(want / job.micro_batch), job.data, sampler), job)
+
+
+def _checked(feed: Feed, job: Job) -> Feed:
+    """The feed with its batches' bounds: the reference GPT's ``seq_len`` (its positions) and :func:`job_vocab`."""
+    seq = job.seq_len if job.uses_reference_model else 0  # a model of the user's has positions of its own
+    try:
+        feed.bounds = (seq, job_vocab(job))
+    except Exception:  # noqa: BLE001 - no embedding, or a model the meta device cannot build: the training step
+        feed.bounds = (seq, 0)  # still checks the first batch against the model it has
+    return feed
 
 
 def _user_feed(job: Job, n: int, device_type: str, rank: int, world: int) -> Feed:
@@ -402,7 +414,7 @@ def same_batches(job: Job, n_batches: int, device_type: str, rank: int = 0, worl
     mfu-lab's own loaders give the same batches on every call (seeded windows, rows in order, a map-style dataset
     unshuffled): they are returned as they are, data wait included. A factory's own DataLoader or iterable may
     shuffle: its first ``n_batches`` are drawn once, saved under ``<out>/<job>/.batches/`` and read back by every
-    later candidate (none of them then waits on data: these steps compare compute, not loading)."""
+    later candidate (none then waits on data: they compare compute), keyed on all they depend on, its source too."""
     feed = build_loader(job, n_batches, device_type, rank=rank, world=world)
     if not getattr(feed, "fixed", ()):
         return feed
@@ -410,7 +422,8 @@ def same_batches(job: Job, n_batches: int, device_type: str, rank: int = 0, worl
     import json
     import os
 
-    key = hashlib.sha256(json.dumps([job.data, job.factory_paths, job.micro_batch, job.seq_len, job.seed, n_batches,
+    key = hashlib.sha256(json.dumps([job.data, source_digest(job.data, job.factory_paths, job.trust),
+                                     job.factory_paths, job.trust, job.micro_batch, job.seq_len, job.seed, n_batches,
                                      rank, world]).encode()).hexdigest()[:16]
     path = job.output_root() / ".batches" / f"{key}.pt"
     if path.is_file():

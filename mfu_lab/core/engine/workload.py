@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mfu_lab.core.engine.batches import FORWARD_KEYS, input_embedding, loss_view, vocab_problem
+from mfu_lab.core.engine.batches import FORWARD_KEYS, input_embedding, loss_problem, loss_view, vocab_problem
 from mfu_lab.core.engine.data import (  # noqa: F401  (re-exported: the steps import the data from here too)
     IGNORE,
     PAD_ID,
@@ -34,7 +34,8 @@ from mfu_lab.core.engine.data import (  # noqa: F401  (re-exported: the steps im
     build_dataset,
     build_loader,
 )
-from mfu_lab.core.errors import StepError
+from mfu_lab.core.errors import JobError, JobProblem, StepError
+from mfu_lab.core.job.compile_options import options_problem
 from mfu_lab.core.job.factories import load_factory
 from mfu_lab.core.job.schema import Job
 
@@ -245,7 +246,11 @@ class TrainStep:
         with self.autocast():
             out = forward(x, **fkw)
         if self.loss_fn is not None:
-            return self.loss_fn(out, loss_view(x, y, kw))
+            loss = self.loss_fn(out, loss_view(x, y, kw))
+            why = loss_problem(loss, self.loss_fn)  # a vector or None: named here, not by autograd
+            if why:
+                raise StepError(why)
+            return loss
         own = getattr(out, "loss", None) if "labels" in fkw else None
         if isinstance(own, torch.Tensor):
             return own.float()
@@ -269,9 +274,14 @@ DYNAMIC = {"auto": None, "static": False, "dynamic": True}
 
 
 def compile_kwargs(mode: str, backend: str, dynamic: str, options: dict[str, Any]) -> dict[str, Any]:
-    """torch.compile keyword arguments for a mode ('options' compiles with the job's compile_options)."""
+    """torch.compile keyword arguments for a mode ('options' compiles with the job's compile_options, checked
+    again here against the allowed inductor options, :mod:`mfu_lab.core.job.compile_options`: a Job built without
+    validation never hands torch a setting that names a program, such as ``cpp.cxx``)."""
     kw: dict[str, Any] = {"backend": backend, "dynamic": DYNAMIC[dynamic]}
     if mode == "options":
+        why = options_problem(options) if isinstance(options, dict) else "must be a mapping of names to values"
+        if why:
+            raise JobError("job (torch.compile options)", [JobProblem("compile_options", options, why)])
         kw["options"] = dict(options)
     elif mode != "default":
         kw["mode"] = mode

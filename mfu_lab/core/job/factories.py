@@ -22,6 +22,7 @@ the place the rule found, with only that folder put on ``sys.path``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.machinery
 import sys
@@ -272,6 +273,22 @@ def load_factory(spec: str, folder: Path | str | None, factory_paths: list, trus
     if not callable(func):
         raise StepError(f"job key '{key}' = {spec!r}: module '{module_name}' has no function '{func_name}'")
     return func
+
+
+def source_digest(spec: str, factory_paths: list, trust: list, folder: Path | str | None = None) -> str:
+    """16 hex digits of the source file of the module ``spec`` names, found under the rule and not imported: what a
+    cache of something a factory made is keyed on, so an edited factory is not served its old output. '' for a spec
+    that names no code (``''``, ``gpt``); a module the rule refuses or cannot read gets a word of its own (nothing
+    is served under it either: the factory then fails to load)."""
+    if not spec or ":" not in spec:
+        return ""
+    found = locate(spec, folder, list(factory_paths), list(trust))[0]
+    if found is None:
+        return "refused"
+    try:
+        return hashlib.sha256(found.origin.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "unreadable"
 
 
 CALLS = {"model": "{func}(**model_kwargs)", "data": "{func}() (with rank and world_size when it takes them)",

@@ -19,6 +19,7 @@ from collections.abc import Collection
 from typing import Any
 
 from mfu_lab.core.errors import JobProblem, short_repr
+from mfu_lab.core.job.compile_options import options_problem
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -46,6 +47,7 @@ JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MODEL_RE = re.compile(r"^(gpt|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_BASE60_TEXT = re.compile(r"^[+-]?\d[\d_]*(:[0-5]?\d)+(\.\d*)?$")  # YAML 1.1's base 60; the reader keeps it text
 
 # Keys whose meaning changed (issue 28): step 6's cluster-scale tp, pp and interleave became cluster_tp, cluster_pp
 # and cluster_interleave; the plain tp and pp are now the job's own layout. A job file written for the old names is
@@ -88,6 +90,9 @@ def type_problem(f: dataclasses.Field, value: Any, keys: Collection[str]) -> tup
         return per_dtype_number(value)
     if t == "bool":
         return value, None if isinstance(value, bool) else "must be true or false"
+    if isinstance(value, str) and _BASE60_TEXT.match(value.strip()) and t in ("int", "float", "float | None"):
+        return value, (f"must be a number, not {value!r}: YAML 1.1 reads numbers with colons as base 60 (1:30 as "
+                       "90), so the workbook keeps them as text and refuses them; write the number itself, e.g. 90")
     if t == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             return value, "must be a whole number"
@@ -183,6 +188,8 @@ def items_problem(kind: str, items: list, keys: Collection[str]) -> str | None:
 
 def mapping_problem(kind: str, mapping: dict) -> str | None:
     """The entries of a mapping key (its keys are text already)."""
+    if kind == "inductor_option":
+        return options_problem(mapping)
     for k, v in mapping.items():
         if kind == "tp_style":
             if not k.strip():
@@ -208,8 +215,9 @@ def rule_problem(name: str, meta: dict, value: Any) -> str | None:
     if meta.get("pattern") == "job_name" and not JOB_NAME_RE.fullmatch(value):
         return ("must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit "
                 "(it names a folder, so no path separators)")
-    if name == "out_dir" and (not value.strip() or "\x00" in value):
-        return "must be a folder path (not empty, no NUL character)"
+    if name == "out_dir" and (not value.strip() or any(ord(c) < 32 or ord(c) == 127 for c in value)):
+        return ("must be a folder path on one line: not empty, and no newline, tab, NUL or other control character "
+                "(it names folders and is printed in commands and reports, like job_name)")
     if meta.get("pattern") == "data" and value not in DATA_SOURCES and not (
             value.startswith(DATA_PREFIXES) and value.split(":", 1)[1].strip()) and not FACTORY_RE.fullmatch(value):
         return ("must be one of " + ", ".join(DATA_SOURCES) + ", tokens:PATH (a flat token file), hf:PATH (a "

@@ -219,7 +219,7 @@ class Job:
     compile_backend: str = _key("inductor", "torch.compile backend (inductor; aot_eager or eager to check dynamo "
                                 "alone)")
     compile_options: dict = _key({}, "inductor options; when given, one more trial compiles with these options "
-                                 "instead of a mode")
+                                 "instead of a mode", items="inductor_option")
     compile_dynamic: str = _key("auto", "dynamic shapes: auto (torch's default: static, then dynamic after a "
                                 "change) | static (dynamic False) | dynamic (dynamic True)", choices=COMPILE_DYNAMIC)
     compile_warmup_steps: int = _key(2, "first compiled steps, where compilation happens (their extra time is the "

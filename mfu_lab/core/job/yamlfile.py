@@ -3,6 +3,8 @@
 - Safe loading only: a file cannot build Python objects.
 - A file larger than :data:`MAX_BYTES`, or not UTF-8 text, is refused with its name.
 - A key written twice in one mapping is refused, naming both lines (YAML would keep the last silently).
+- A number written with colons (``1:30``) stays the text written: YAML 1.1 reads it as base 60 (``1:30`` is 90,
+  ``1:30.5`` is 90.5), which no setting here means; a key that wants a number then refuses the text.
 - Aliases are bounded: the document, with every alias expanded, may hold at most :data:`MAX_NODES` values.
   Nested aliases ("billion laughs") otherwise grow exponentially: nine levels of ten took 3.3 GB in a minute.
 
@@ -57,6 +59,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 seen[key] = line
         super().flatten_mapping(node)
 
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        return text if ":" in text else super().construct_yaml_int(node)  # base 60 (1:30 -> 90): kept as text
+
+    def construct_yaml_float(self, node):
+        text = self.construct_scalar(node)
+        return text if ":" in text else super().construct_yaml_float(node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+
 
 def _expanded_size(root: yaml.Node) -> int:
     """Values in the document with every alias expanded, computed without expanding (aliases share nodes)."""
@@ -99,16 +113,25 @@ def loads(text: str) -> Any:
         raise YamlProblem("nests values too deeply") from None
 
 
-def load(path: Path) -> Any:
-    """A YAML file's value: refused when missing, too large, not UTF-8 text, or past the bounds above."""
+def read_text(path: Path) -> str:
+    """A settings file's text (YAML, or the plain-text files a cluster file names): refused when missing, larger
+    than :data:`MAX_BYTES` (never more than that is read), or not UTF-8 text."""
     path = Path(path)
     size = path.stat().st_size
-    if size > MAX_BYTES:
-        raise YamlProblem(f"is {size:,} bytes; a job or cluster file may hold at most {MAX_BYTES:,}")
-    raw = path.read_bytes()
+    raw = b""
+    if size <= MAX_BYTES:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)  # bounded even where the size said less (a file that grew, a /proc file)
+    if size > MAX_BYTES or len(raw) > MAX_BYTES:
+        said = f"{size:,} bytes" if size > MAX_BYTES else f"more than {MAX_BYTES:,} bytes"
+        raise YamlProblem(f"is {said}; a job or cluster file may hold at most {MAX_BYTES:,}")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         bad = raw[e.start:e.start + 1]
         raise YamlProblem(f"is not UTF-8 text (byte {e.start} is {bad!r}); save it as UTF-8") from None
-    return loads(text)
+
+
+def load(path: Path) -> Any:
+    """A YAML file's value: refused when missing, too large, not UTF-8 text, or past the bounds above."""
+    return loads(read_text(path))

@@ -27,6 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from mfu_lab.core.engine.workload import GPT
+from mfu_lab.core.job.factories import source_digest
 from mfu_lab.core.store.files import write_json_atomic
 from mfu_lab.core.store.results import ResultFormatError, rebuild
 
@@ -225,8 +226,10 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path |
 
 def job_key_extra(job) -> str:
     """The job's part of a FLOP count's cache key: its model spec and ``model_kwargs`` (sorted, so their order in
-    the job file does not matter)."""
-    return repr((job.model, sorted(job.model_kwargs.items(), key=lambda kv: str(kv[0]))))
+    the job file does not matter), its ``loss`` (the count runs it), and the source of the model and loss factories'
+    modules (:func:`mfu_lab.core.job.factories.source_digest`: an edited factory is counted again)."""
+    digests = [source_digest(spec, job.factory_paths, job.trust) for spec in (job.model, job.loss)]
+    return repr((job.model, sorted(job.model_kwargs.items(), key=lambda kv: str(kv[0])), job.loss, digests))
 
 
 def count_key(model: torch.nn.Module, train_step, x, y, key_extra: str = "") -> str:

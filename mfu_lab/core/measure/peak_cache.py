@@ -4,7 +4,9 @@ peak comes from its datasheet row or the job's ``peak_flops``; a GPU without eit
 ``device.resolve_peak``.)
 
 The cache is ``$XDG_CACHE_HOME/mfu-lab/peaks.json`` (``~/.cache/mfu-lab`` without it), written atomically and keyed
-by the conditions: device model, usable cores, torch threads, torch version, dtype. At each use a quick re-check
+by the conditions: device model, usable cores, torch threads, torch version, dtype. A file that cannot be read as
+JSON, or an entry whose rates are not finite numbers > 0 (a hand edit; JSON reads NaN and Infinity as numbers), is
+measured again and rewritten, and the note names the file and what was wrong. At each use a quick re-check
 runs: five short probes (a small square matmul, best of a few calls each; well under a second in all), compared
 with the probes taken around the peak's measurement (the lower median of those before and after it). "Beyond the
 noise" means outside the re-check probes' own p10-p90:
@@ -24,6 +26,7 @@ atomic write rather than ``files.write_atomic``: ``files`` imports ``results``, 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -73,8 +76,8 @@ def describe(cond: dict[str, Any]) -> str:
 def _read() -> dict[str, Any]:
     try:
         data = json.loads(cache_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # none yet, or damaged: measured again and rewritten
+    except (OSError, ValueError, RecursionError):
+        return {}  # none yet, or damaged (not UTF-8, not JSON, nested past the parser): measured again and rewritten
     return data if isinstance(data, dict) and isinstance(data.get("peaks"), dict) else {}
 
 
@@ -190,10 +193,28 @@ def _measure_entry(measure: Measure, device_type: str, dtype: str, cond: dict[st
             "date": now.date().isoformat(), "conditions": cond}
 
 
+def _rate(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def damage(entry: Any) -> str | None:
+    """What is wrong with a cache entry's values (a hand edit, a torn write, NaN or Infinity, which JSON reads
+    as numbers), None when they are sound: rates finite numbers > 0, the date and how it was measured text."""
+    if not isinstance(entry, dict):
+        return f"the entry is {type(entry).__name__}, not a mapping"
+    for k in ("flops_per_s", "probe_flops_per_s"):
+        if not _rate(entry.get(k)):
+            return f"{k} is {entry.get(k)!r:.40}, not a finite number > 0"
+    for k in ("how", "date"):
+        if not isinstance(entry.get(k), str):
+            return f"{k} is {entry.get(k)!r:.40}, not text"
+    return None
+
+
 def _usable(entry: Any, cond: dict[str, Any], dtype: str) -> bool:
-    """A cache entry for these conditions whose probes were taken the way a re-check takes them now."""
-    return (isinstance(entry, dict) and bool(entry.get("probe_flops_per_s")) and entry.get("conditions") == cond
-            and entry.get("probe_n") == probe_n(dtype, cond["device_type"]) and bool(entry.get("flops_per_s")))
+    """A sound cache entry for these conditions whose probes were taken the way a re-check takes them now."""
+    return (damage(entry) is None and entry.get("conditions") == cond
+            and entry.get("probe_n") == probe_n(dtype, cond["device_type"]))
 
 
 def measured_peak(device_type: str, device_name: str, dtype: str, measure: Measure) -> tuple[float, str, dict]:
@@ -204,10 +225,12 @@ def measured_peak(device_type: str, device_name: str, dtype: str, measure: Measu
     key = key_of(cond)
     entry = _read().get("peaks", {}).get(key)
     if not _usable(entry, cond, dtype):
+        why = damage(entry) if entry is not None else None
         entry = _measure_entry(measure, device_type, dtype, cond)
         _write(key, entry)
-        note = (f"{entry['how']}; measured now and cached from {entry['date']} ({describe(cond)}; nothing cached "
-                f"for these conditions in {cache_path()})")
+        found = (f"the entry for these conditions in {cache_path()} was damaged ({why}) and is replaced" if why
+                 else f"nothing cached for these conditions in {cache_path()}")
+        note = f"{entry['how']}; measured now and cached from {entry['date']} ({describe(cond)}; {found})"
         return entry["flops_per_s"], note, {"cache": str(cache_path()), **entry, "recheck": None,
                                             "verdict": "new"}
     chk = recheck(entry, probe_rates(dtype, device_type))

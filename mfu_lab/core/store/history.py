@@ -7,27 +7,33 @@ parameters and every metric with its unit and label. Nothing in ``runs/`` or the
 rewritten, so a rerun never overwrites what an earlier run measured.
 
 A run is one ``mfu-lab run`` (every step it executes shares the id, passed to the notebooks' kernels in
-``MFU_LAB_RUN_ID``); a step run on its own (a notebook in JupyterLab, ``mfu-lab step``) is a run of its own.
+``MFU_LAB_RUN_ID``); a step run on its own (a notebook in JupyterLab, ``mfu-lab step``) is a run of its own. The
+variable names the run only while that run holds the job's folder: an id left in it (or set by hand) that names a
+run which has ended is an earlier run's, and a save takes a new id rather than join it.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
+import platform
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.errors import JobError, JobProblem, short_repr
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.store.files import RESULT_FILE, load_results, open_nofollow, refuse_links, write_atomic
 
 HISTORY_FILE = "history.jsonl"
 RUNS_DIR = "runs"
 RUN_ENV = "MFU_LAB_RUN_ID"
+LOCK_FILE = ".lock"  # the job's lock (core.store.runstate.job_lock): the run holding the folder names itself in it
 _RUN_ID = re.compile(r"\d{8}-\d{6}(-\d+)?")
 
 
@@ -66,15 +72,57 @@ def resumed_run_id(job_root: Path, job_dict: dict[str, Any], workbook: dict[str,
     return last["run"] if same else None
 
 
-def run_id_from_env() -> str | None:
-    """``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it to a well-formed id (anything else could name a path)."""
+def run_id_from_env(job_root: Path | None = None) -> str | None:
+    """``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it to a well-formed id (anything else could name a path).
+    Given the job's folder, only while that run holds it (:func:`run_holds_job`): the id of a run that has ended
+    is an earlier run's, whose ``runs/`` copy and history line are never rewritten."""
     rid = os.environ.get(RUN_ENV, "")
-    return rid if _RUN_ID.fullmatch(rid) else None
+    if not _RUN_ID.fullmatch(rid):
+        return None
+    return rid if job_root is None or run_holds_job(job_root, rid) else None
 
 
-def current_run_id() -> str:
-    """The run this process belongs to: ``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it, else a new id."""
-    return run_id_from_env() or new_run_id()
+def run_holds_job(job_root: Path, rid: str) -> bool:
+    """Whether run ``rid`` holds the job's folder now: another process on this host holds the job's lock
+    (:func:`mfu_lab.core.store.runstate.job_lock`, an exclusive ``flock``) and names ``rid`` in it. The lock is
+    tried for a moment, shared, only when the file names ``rid``: a taken try means no run holds the folder."""
+    try:
+        fd = open_nofollow(Path(job_root) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        try:
+            holder = json.loads(f.read(4096) or b"{}")
+        except ValueError:
+            return False
+        if not (isinstance(holder, dict) and holder.get("run") == rid and holder.get("host") == platform.node()
+                and holder.get("pid") != os.getpid()):
+            return False
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def current_run_id(job_root: Path | None = None) -> str:
+    """The run this process belongs to: ``MFU_LAB_RUN_ID`` when a ``mfu-lab run`` set it (given the job's folder:
+    when that run holds the folder now), else a new id, reserved in the job's folder when given. A variable that
+    names no run of the job in progress is said on stderr, and not used."""
+    rid = run_id_from_env(job_root)
+    if rid:
+        return rid
+    new = new_run_id(job_root=job_root)
+    given = os.environ.get(RUN_ENV, "")
+    if given and job_root is not None:
+        what = ("is not a run of {root} in progress (that run has ended, or never held this job's folder): its kept "
+                "results and history stay as they were" if _RUN_ID.fullmatch(given) else
+                "is not a run id (YYYYMMDD-HHMMSS, as mfu-lab run sets it)").format(root=job_root)
+        shown = given if _RUN_ID.fullmatch(given) else short_repr(given, 40)
+        print(f"mfu-lab: warning: {RUN_ENV}={shown} {what}; these results are kept as a new run {new}",
+              file=sys.stderr, flush=True)
+    return new
 
 
 def job_digest(job_dict: dict[str, Any]) -> str:
@@ -92,7 +140,7 @@ def job_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def record(job_root: Path, folder: str, step: str, result: dict[str, Any], run_id: str | None = None) -> str:
     """Keep a copy of a just-saved step result under ``runs/<run_id>/`` and append its line to the history."""
     job_root = Path(job_root)
-    rid = run_id or current_run_id()
+    rid = run_id or current_run_id(job_root)
     src = job_root / folder / RESULT_FILE
     write_atomic(job_root / RUNS_DIR / rid / folder / RESULT_FILE, src.read_bytes())
     append_history(job_root, history_line(rid, folder, step, result))

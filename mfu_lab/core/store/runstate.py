@@ -34,7 +34,7 @@ from mfu_lab.core.store.files import (
     refuse_links_below,
     write_json_atomic,
 )
-from mfu_lab.core.store.history import job_changes, job_digest
+from mfu_lab.core.store.history import LOCK_FILE, job_changes, job_digest
 from mfu_lab.core.store.results import git_commit, source_digest
 
 RUNNING_FILE = "running.json"
@@ -111,9 +111,6 @@ def step_state(folder: Path, result: dict | None = None) -> StepState:
     if result:
         return StepState("ok", "", result)
     return StepState("not run")
-
-
-LOCK_FILE = ".lock"
 
 
 class JobBusy(MfuLabError):
