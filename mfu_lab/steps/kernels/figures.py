@@ -23,9 +23,11 @@ def compare_with_step1(ref: dict[str, Any] | None, median_s: float, profiled_s: 
 def trace_metrics(a: tr.TraceAnalysis, bandwidth: float, bw_note: str, whose: str = "",
                    step_s: float | None = None) -> dict[str, Metric]:
     """The figures read from the trace: top-N share, the breakdown, categories, bandwidth, fusion, optimizer. The
-    idle share is against ``step_s``, the median step without the profiler, when there is one."""
+    idle share of a GPU trace is against ``step_s``, the median step without the profiler, when there is one."""
     b = a.breakdown
-    idle, _, idle_how = tr.idle_share(a, step_s)
+    # a GPU's kernels run as fast under the profiler as without it, so their busy time carries over to the real
+    # step; a CPU trace's operators are the host's own, slowed by the profiler too: its window is the basis
+    idle, _, idle_how = tr.idle_share(a, step_s if a.kind == "gpu" else None)
     best = a.fusion[0] if a.fusion else None
     est_total = sum(c.est_saving_per_step_s or 0.0 for c in a.fusion)
     mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
