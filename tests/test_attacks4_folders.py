@@ -24,27 +24,19 @@ import mfu_lab
 from mfu_lab import publish, runner
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.store import step_results as store
-from mfu_lab.core.store.files import JOB_MARKER, PlantedLink, mark_job_root, read_json, write_atomic, write_json_atomic
+from mfu_lab.core.store.files import JOB_MARKER, PlantedLink, mark_job_root, read_json, write_json_atomic
 from mfu_lab.core.store.history import load_history
 from mfu_lab.core.store.results import source_digest
 from mfu_lab.core.store.runstate import RUNNING_FILE, step_state
 from mfu_lab.core.store.staging import JOURNAL
 
 from .conftest import ROOT, TINY, in_process
+from .test_publish import fake_export, result  # one stored result and a report without nbconvert
 
 INFO = BY_KEY["baseline"]
 NOTEBOOK = ROOT / "notebooks" / INFO.notebook
 
 
-def result(mfu: float, job) -> dict:
-    return {"status": "ok", "elapsed_s": 1.0, "job": job.to_dict(), "environment": {"created_at": f"run {mfu}"},
-            "metrics": {"mfu": {"value": mfu, "unit": "", "source": "measured"}}}
-
-
-def fake_export(notebook, html, result=None):
-    """export_html without nbconvert: the report names the result it summarises."""
-    figure = read_json(result)["metrics"]["mfu"]["value"] if result else "none"
-    return write_atomic(html, f"report of {notebook.name}: mfu {figure}\n")
 
 
 def tree(folder: Path) -> dict[str, bytes | None]:
