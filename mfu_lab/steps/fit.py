@@ -30,6 +30,14 @@ from mfu_lab.core.measure import host
 GIB = 2 ** 30
 
 
+class FitError(StepError):
+    """The job does not fit its layout; ``record`` is :func:`check_fit`'s record of the memory it needs."""
+
+    def __init__(self, message: str, record: dict[str, Any]):
+        super().__init__(message)
+        self.record = record
+
+
 def available_bytes(device_type: str, world: int) -> tuple[float, str]:
     """(bytes one rank may use, how it was read): a GPU's free memory, or the CPU's available memory / world, the
     CPU's being the machine's or its cgroup's when lower (a container, a Slurm job; :mod:`mfu_lab.core.measure.host`).
@@ -66,14 +74,14 @@ def check_fit(job: Job, device_type: str, world: int, node_world: int | None = N
         return record
     fit = layout_terms.layouts_that_fit(ms, node_world or world, per_rank, max(job.pp_microbatches, 1), job.sp)
     names = "; ".join(f"{c['name']} ({c['bytes_per_rank'] / GIB:.1f} GiB per rank)" for c in fit[:6])
-    raise StepError(
+    raise FitError(
         f"the job does not fit its layout {layout.name}: {need / GIB:.1f} GiB per rank (analytic: parameters, "
         f"gradients, AdamW state and activations of {shape.params / 1e9:.2f}B parameters) against "
         f"{per_rank / GIB:.1f} GiB available per rank ({where}). "
         + (f"Layouts of {node_world or world} ranks that would fit: {names}. Set dp_mode, tp and pp in the job "
            "to one of them." if fit else
            f"No layout of {node_world or world} ranks fits: use more nodes (nnodes), a smaller micro_batch, "
-           "activation_checkpointing: true, or a smaller model."))
+           "activation_checkpointing: true, or a smaller model."), record)
 
 
 def one_process_note(job: Job, what: str, in_layout_instead: str) -> dict[str, str] | None:
@@ -96,23 +104,6 @@ def device_type_of(job: Job) -> str:
     return "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def _cached_peak(dtype: str) -> float | None:
-    """This CPU's peak for ``dtype`` from the per-user cache (:mod:`mfu_lab.core.measure.peak_cache`), None when
-    nothing is cached: read only, nothing measured."""
-    import json
-
-    from mfu_lab.core.measure import peak_cache
-    from mfu_lab.core.measure.device import cpu_name
-
-    try:
-        data = json.loads(peak_cache.cache_path().read_text(encoding="utf-8"))
-        entry = data["peaks"][peak_cache.key_of(peak_cache.conditions("cpu", cpu_name(), dtype))]
-        peak = float(entry["flops_per_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return peak if peak > 0 else None
-
-
 def step1_flops(job: Job) -> float:
     """The reference GPT's model FLOPs of step 1's training (warm-up and timed steps): 6N + 12*L*d*T per token
     (:func:`mfu_lab.core.measure.flops.transformer_flops_per_token`), N its matmul weights (12 d^2 a block and the
@@ -132,7 +123,10 @@ def step1_time_note(job: Job, device_type: str) -> str:
     if device_type != "cpu" or not job.uses_reference_model:
         return ""
     flops = step1_flops(job)
-    peak = _cached_peak(job.dtype)
+    from mfu_lab.core.measure import peak_cache
+    from mfu_lab.core.measure.device import cpu_name
+
+    peak = peak_cache.cached("cpu", cpu_name(), job.dtype)  # read only: nothing measured before the run
     if peak is not None:
         seconds, how = flops / peak, (f"at least: at this CPU's cached {job.dtype} peak of {peak / 1e9:,.0f} "
                                       "GFLOP/s, which a training step reaches only a share of")
@@ -162,13 +156,8 @@ def before_run(job: Job, device_type: str, world: int, source: str) -> str:
         return ""  # a GPU job checked on a machine without one: its memory is measured where it runs
     try:
         check_fit(job, device_type, world if beyond_ddp(job) else 1, node_world=world)
-    except StepError as e:
-        ms = layout_terms.memory_shape(job_shape(job).params, job.n_layers, job.n_heads, job.d_model, job.seq_len,
-                                       job.micro_batch, 4 if job.dtype == "float32" else 2,
-                                       job.activation_checkpointing, job.attention == "unfused",
-                                       job.ddp_grad_as_bucket_view)
-        mem = layout_terms.memory_per_rank(ms, Layout.from_job(job, world if beyond_ddp(job) else 1))
-        acts = mem["activations"].value > mem["total"].value / 2
+    except FitError as e:
+        acts = e.record["by_kind"]["activations"] > e.record["bytes_per_rank"] / 2
         key = "seq_len" if acts else "d_model"
         raise JobError(source, [JobProblem(key, getattr(job, key), str(e))]) from None
     return step1_time_note(job, device_type)

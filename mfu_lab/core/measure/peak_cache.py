@@ -217,6 +217,13 @@ def _usable(entry: Any, cond: dict[str, Any], dtype: str) -> bool:
             and entry.get("probe_n") == probe_n(dtype, cond["device_type"]))
 
 
+def cached(device_type: str, device_name: str, dtype: str) -> float | None:
+    """The cached peak (FLOP/s) for these conditions, read only (nothing measured, nothing written); None when
+    nothing sound is cached (:func:`damage`)."""
+    entry = _read().get("peaks", {}).get(key_of(conditions(device_type, device_name, dtype)))
+    return None if entry is None or damage(entry) else float(entry["flops_per_s"])
+
+
 def measured_peak(device_type: str, device_name: str, dtype: str, measure: Measure) -> tuple[float, str, dict]:
     """(FLOP/s, note, record) of this machine's peak for ``dtype``: the cached one after a quick re-check, or one
     measured now (nothing cached, or the cache stale) and cached. ``record`` (JSON-ready) holds the conditions,
