@@ -36,28 +36,27 @@ def read(path: str, step_ms: float | None, top: int) -> dict[str, Any]:
     if not p.is_file():
         raise _refuse("FILE", path, "no such file: give a torch.profiler trace (.json or .json.gz, as "
                       "export_chrome_trace or tensorboard_trace_handler write it)")
+    step_s = step_ms / 1e3 if step_ms else None
     try:
-        a = analyse(load_trace(p), top_n=top)
+        a = analyse(load_trace(p), top_n=top, step_s=step_s)  # the candidates' shares of that step
     except ValueError as e:  # not JSON, no traceEvents, no operators or kernels
         raise _refuse("FILE", path, str(e)) from e
-    step_s = step_ms / 1e3 if step_ms else None
     return figures(a, step_s) | {"file": str(p)}
 
 
 def figures(a: TraceAnalysis, step_s: float | None) -> dict[str, Any]:
     idle, basis, how = idle_share(a, step_s)
     per_step = step_s or a.step_time_s  # the step the shares below are of
-    b = a.breakdown
     return {
         "kind": a.kind, "steps": a.steps, "window_s": a.window_s, "profiled_step_s": a.step_time_s,
         "step_s": per_step, "basis": basis,
         "idle_share": {"value": idle, "basis": basis, "how": how, "source": "measured"},
-        "breakdown": {"basis": "window", **{k: v for k, v in b.parts().items()}},
+        "breakdown": {"basis": "window", **a.breakdown.parts()},
         "top": [{"name": r.name, "category": r.category, "calls": r.calls, "total_s": r.total_s,
                  "share_of_step": r.total_s / a.steps / per_step, "shapes": r.shapes, "launched_by": r.launched_by}
                 for r in a.top],
         "fusion": [{"pattern": c.pattern, "ops": c.ops, "categories": c.categories, "per_step": c.per_step,
-                    "time_per_step_s": c.time_per_step_s, "share_of_step": c.time_per_step_s / per_step,
+                    "time_per_step_s": c.time_per_step_s, "share_of_step": c.share_of_step,
                     "saved_bytes_per_step": c.saved_bytes_per_step, "remedy": c.remedy} for c in a.fusion],
         "category_share": a.category_share, "optimizer": a.optimizer, "notes": a.notes,
     }
