@@ -29,6 +29,7 @@ from mfu_lab.core.measure import contention
 from mfu_lab.core.process import budget, procs, quick_imports
 from mfu_lab.core.process.budget import LEFT_ENV, left_env, plan_text
 from mfu_lab.core.registry import BY_KEY, STEPS
+from mfu_lab.core.store import fixed_costs
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.files import JOB_MARKER, is_job_root, load_results, refuse_links_below
 from mfu_lab.core.store.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id
@@ -88,6 +89,11 @@ def start_checks(job, job_arg: str, keys: list[str], say=print) -> None:
     line = budget.busy_text(contention.busy_now(), job_arg, keys, job, earlier)
     if line:
         say("mfu-lab: " + line)
+    if job.budget_min:
+        before = {k: store.earlier(job, k).data for k in ("baseline", "compile")}
+        line = budget.minimum_text(job, keys, before, budget.overhead(job.device)[0])
+        if line:
+            say("mfu-lab: " + line)
     from mfu_lab.steps.fit import device_type_of, step1_time_note  # torch: only once a run starts
 
     line = step1_time_note(job, device_type_of(job))  # a long run on a CPU is said, with its estimate
@@ -291,8 +297,10 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
     root = find_workbook_root()
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}"
           + ("; thorough (exhaustive sweeps)" if job.thorough else ""))
+    overhead = budget.overhead(job.device)
     if job.budget_min:
-        print("mfu-lab: " + plan_text(job.budget_min, [s.key for s in steps], {s.key: s.number for s in STEPS}))
+        print("mfu-lab: " + plan_text(job.budget_min, [s.key for s in steps], {s.key: s.number for s in STEPS},
+                                      overhead))
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
     _monitor_step(job, quiet)
     failed: list[str] = []
@@ -306,7 +314,7 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
         t0 = time.perf_counter()
         print(f"[{n}/{len(steps)}] {info.folder}: {info.title}", flush=True)
         if job.budget_min:  # the step's kernel inherits it: its share of what the run has left (core.process.budget)
-            os.environ[LEFT_ENV] = left_env(job.budget_min, keys, time.perf_counter() - t_run, info.key)
+            os.environ[LEFT_ENV] = left_env(job.budget_min, keys, time.perf_counter() - t_run, info.key, overhead[0])
         try:
             html = execute_step(info, job, source, root, quiet, execution_timeout)
         except (StepExecutionError, OSError) as e:
@@ -327,12 +335,32 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
                           "--resume later keeps what finished)", file=sys.stderr)
                 return failed
             continue
-        print(f"[{n}/{len(steps)}] {info.folder} done in {time.perf_counter() - t0:.0f} s -> {html}")
+        wall = time.perf_counter() - t0
+        print(f"[{n}/{len(steps)}] {info.folder} done in {wall:.0f} s -> {html}")
+        record_fixed_costs(job, info, wall)
     print(f"mfu-lab: summary page: {job.output_root() / 'index.html'}")
     _tuned(job, source, run_id)
     if failed:
         print(f"mfu-lab: {len(failed)} step(s) failed: {', '.join(failed)}", file=sys.stderr)
     return failed
+
+
+def record_fixed_costs(job: Job, info, wall_s: float) -> None:
+    """Keep what this machine's step cost beside the step's own work (:mod:`mfu_lab.core.store.fixed_costs`): its
+    notebook, the step's wall time less the ``elapsed_s`` its result records; after step 4, its longest measured
+    cold compile. A result that cannot be read keeps nothing."""
+    try:
+        data = json.loads((job.step_dir(info.folder) / "result.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    key = fixed_costs.machine_key(job.device)
+    elapsed = data.get("elapsed_s")
+    if isinstance(elapsed, (int, float)) and 0 <= elapsed <= wall_s:
+        fixed_costs.record(key, "notebook_s", wall_s - elapsed)
+    colds = [t.get("compile_cold_s") for t in data.get("trials") or [] if isinstance(t, dict)]
+    colds = [c for c in colds if isinstance(c, (int, float)) and c > 0]
+    if info.key == "compile" and colds:
+        fixed_costs.record(key, "cold_compile_s", max(colds))
 
 
 def _monitor_step(job: Job, quiet: bool) -> None:

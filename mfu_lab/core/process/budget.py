@@ -39,6 +39,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from mfu_lab.core.store import fixed_costs
+
 WEIGHTS = {"baseline": 16, "attention_comm": 121, "kernels": 37, "compile": 133, "fp8": 61, "placement": 136,
            "verify": 118}
 # A step's notebook beside the step's own work: its wall time less its elapsed_s, 9-19 s a step in the run above
@@ -46,23 +48,36 @@ WEIGHTS = {"baseline": 16, "attention_comm": 121, "kernels": 37, "compile": 133,
 STEP_OVERHEAD_S = 11.0
 
 
-def plan(budget_min: float, keys: list[str] | None = None) -> dict[str, float]:
-    """Seconds per step by the rule above (all steps, or those in ``keys``); {} without a budget."""
+def overhead(device: str = "auto") -> tuple[float, str]:
+    """(seconds, where from) of one step's notebook on this machine: the median of the notebooks measured here
+    (:mod:`mfu_lab.core.store.fixed_costs`, recorded by the runner after each step), else :data:`STEP_OVERHEAD_S`,
+    the reference CPU's, said so."""
+    m = fixed_costs.median(fixed_costs.machine_key(device), "notebook_s")
+    if m:
+        return m[0], f"this machine's notebooks, measured (median of {m[1]})"
+    return STEP_OVERHEAD_S, "the reference CPU's notebooks (none measured on this machine yet)"
+
+
+def plan(budget_min: float, keys: list[str] | None = None, overhead_s: float = STEP_OVERHEAD_S) -> dict[str, float]:
+    """Seconds per step by the rule above (all steps, or those in ``keys``), each notebook costing ``overhead_s``;
+    {} without a budget."""
     if not budget_min:
         return {}
     total = sum(WEIGHTS.values())
-    work = max(0.0, budget_min * 60.0 - len(WEIGHTS) * STEP_OVERHEAD_S)
+    work = max(0.0, budget_min * 60.0 - len(WEIGHTS) * overhead_s)
     return {k: work * w / total for k, w in WEIGHTS.items() if keys is None or k in keys}
 
 
-LEFT_ENV = "MFU_LAB_BUDGET_LEFT"  # "<seconds left>;<key>,<key>...": set by the runner before each step of a run
+LEFT_ENV = "MFU_LAB_BUDGET_LEFT"  # "<seconds left>;<key>,<key>...;<a notebook's s>": set by the runner before a step
 
 
-def left_env(budget_min: float, keys: list[str], used_s: float, key: str) -> str:
-    """:data:`LEFT_ENV`'s value before step ``key`` of a run of ``keys`` that has taken ``used_s`` seconds."""
-    p = plan(budget_min, keys)
-    left = sum(p.values()) + len(p) * STEP_OVERHEAD_S - used_s
-    return f"{left:.3f};{','.join(keys[keys.index(key):])}"
+def left_env(budget_min: float, keys: list[str], used_s: float, key: str,
+             overhead_s: float = STEP_OVERHEAD_S) -> str:
+    """:data:`LEFT_ENV`'s value before step ``key`` of a run of ``keys`` that has taken ``used_s`` seconds, each
+    notebook costing ``overhead_s``."""
+    p = plan(budget_min, keys, overhead_s)
+    left = sum(p.values()) + len(p) * overhead_s - used_s
+    return f"{left:.3f};{','.join(keys[keys.index(key):])};{overhead_s:.3f}"
 
 
 def share_s(budget_min: float, key: str) -> float | None:
@@ -70,25 +85,32 @@ def share_s(budget_min: float, key: str) -> float | None:
     this step), else its share of the plan; None without a budget."""
     if not budget_min:
         return None
-    left, _, keys = os.environ.get(LEFT_ENV, "").partition(";")
+    left, _, rest_of = os.environ.get(LEFT_ENV, "").partition(";")
+    keys, _, each = rest_of.partition(";")
     rest = [k for k in keys.split(",") if k in WEIGHTS]
     if not rest or rest[0] != key:
         return plan(budget_min).get(key)
-    work = max(0.0, float(left) - len(rest) * STEP_OVERHEAD_S)
+    try:
+        each_s = float(each) if each else STEP_OVERHEAD_S
+    except ValueError:
+        each_s = STEP_OVERHEAD_S
+    work = max(0.0, float(left) - len(rest) * each_s)
     return work * WEIGHTS[key] / sum(WEIGHTS[k] for k in rest)
 
 
-def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int]) -> str:
-    """The plan as one line the runner prints before the first step."""
-    p = plan(budget_min, keys)
+def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int],
+              overhead: tuple[float, str] = (STEP_OVERHEAD_S, "")) -> str:
+    """The plan as one line the runner prints before the first step; ``overhead``: a notebook's seconds and where
+    from (:func:`overhead`)."""
+    p = plan(budget_min, keys, overhead[0])
     if not p:
         return ""
     parts = ", ".join(f"step {numbers.get(k, '?')} {s:.0f} s" for k, s in p.items())
     return (f"budget {budget_min:g} min, spread by each step's share of the default run (README, 'Cost'): {parts} "
             f"(step 1 takes more, up to {STEP1_MOST:.0%} of the steps' work, when the job's full step 1 needs it); "
-            f"{sum(p.values()) / 60:.1f} min planned for the steps' own work, and about {STEP_OVERHEAD_S:.0f} s "
-            "for each step's notebook and report; before each step, what the run has left is spread again over "
-            "it and the steps after it")
+            f"{sum(p.values()) / 60:.1f} min planned for the steps' own work, and about {overhead[0]:.0f} s "
+            f"for each step's notebook and report" + (f" ({overhead[1]})" if overhead[1] else "")
+            + "; before each step, what the run has left is spread again over it and the steps after it")
 
 
 STEP1_MIN_STEPS = 3  # timed steps step 1 keeps under a budget: a median and a spread (the job's own minimum is 2)
@@ -215,16 +237,28 @@ TRIAL_START_S = 10.0  # a compile trial's process start, model build and trace (
 COLD_COMPILE_S = 30.0  # the default job's cold compile there (26-33 s), when the job has no step-4 result of its own
 
 
+def cold_compile(job, earlier: dict | None = None) -> tuple[float, str]:
+    """(seconds, where from) of a cold compile of ``job``: the longest of the job's last step 4 (measured), else the
+    median of the cold compiles measured on this machine (:mod:`mfu_lab.core.store.fixed_costs`), else the default
+    job's on the reference CPU (:data:`COLD_COMPILE_S`)."""
+    colds = [t["compile_cold_s"] for t in (earlier or {}).get("trials") or [] if t.get("compile_cold_s")]
+    if colds:
+        return max(colds), "this job's last step 4, measured"
+    m = fixed_costs.median(fixed_costs.machine_key(getattr(job, "device", "auto")), "cold_compile_s")
+    if m:
+        return m[0], f"this machine's cold compiles, measured (median of {m[1]})"
+    return COLD_COMPILE_S, "the default job's on the reference CPU"
+
+
 def fit_compile(job, clock: Clock, step_s: tuple[float, str], earlier: dict | None = None) -> int:
     """Timed steps of each compile trial within step 4's share, so that eager and one compiled mode fit: each trial
     a start (:data:`TRIAL_START_S`), ``compile_warmup_steps`` and 3 profiled steps and the timed steps at
-    ``step_s``, the compiled one also a cold compile (the longest of the job's last step 4, measured, else
-    :data:`COLD_COMPILE_S`); the job's ``steps`` without a budget, never fewer than 3."""
+    ``step_s``, the compiled one also a cold compile (:func:`cold_compile`); the job's ``steps`` without a budget,
+    never fewer than 3."""
     left = clock.left_s()
     if left is None:
         return job.steps
-    colds = [t["compile_cold_s"] for t in (earlier or {}).get("trials") or [] if t.get("compile_cold_s")]
-    cold, where = (max(colds), "this job's last step 4, measured") if colds else (COLD_COMPILE_S, "the default job's")
+    cold, where = cold_compile(job, earlier)
     each = step_s[0]
     fixed = 2 * (TRIAL_START_S + (job.compile_warmup_steps + 3) * each) + cold
     n = fit_count(left, job.steps, 2 * each, fixed_s=fixed, least=3)
@@ -235,9 +269,47 @@ def fit_compile(job, clock: Clock, step_s: tuple[float, str], earlier: dict | No
     return n
 
 
-def budget_for(key: str, seconds: float) -> float:
+def minimums(job, earlier: dict[str, dict | None]) -> dict[str, tuple[float, str]]:
+    """(seconds, how) each step with a floor needs at least, whatever its share: the floors the fit functions above
+    keep (step 3 its profiled steps and 1 warm-up and 3 timed steps; step 4 eager and one compiled mode, 3 timed
+    steps each, with their starts and a cold compile; step 7 two rungs of 2 rounds). ``earlier``: the job's last
+    results by step key (step 1's gives the step time, step 4's the cold compile)."""
+    each, src = job_step_s(earlier.get("baseline"))
+    at = f"at about {each:.2g} s a step ({src})"
+    profiled = 1.5 * each * (job.profile_warmup_steps + job.profile_steps) + 5.0
+    cold, where = cold_compile(job, earlier.get("compile"))
+    compile_s = 2 * (TRIAL_START_S + (job.compile_warmup_steps + 3) * each) + cold + 3 * 2 * each
+    verify_s = 2 * (5.0 + job.verify_warmup_steps * each + 2 * job.verify_steps * each)
+    return {
+        "kernels": (profiled + 4 * each, f"its profiled steps, 1 warm-up and 3 timed steps {at}"),
+        "compile": (compile_s, f"eager and one mode: two trial starts of about {TRIAL_START_S:.0f} s, a {cold:.0f} s "
+                               f"cold compile ({where}), warm-up and 3 timed steps each {at}"),
+        "verify": (verify_s, f"the original and one rung, 2 rounds of {job.verify_steps} steps each {at}"),
+    }
+
+
+def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead_s: float = STEP_OVERHEAD_S) -> str:
+    """What a run prints before its first step when the budget's plan gives a step less than its minimum
+    (:func:`minimums`): the step runs its minimum anyway, so the run ends about that much past the budget, said
+    with the figures ('' when every share holds its step's minimum, or without a budget)."""
+    p = plan(getattr(job, "budget_min", 0.0) or 0.0, keys, overhead_s)
+    if not p:
+        return ""
+    numbers = {k: i for i, k in enumerate(WEIGHTS, 1)}
+    short = [(k, p[k], need, how) for k, (need, how) in minimums(job, earlier).items() if k in p and p[k] < need]
+    if not short:
+        return ""
+    over = sum(need - share for _, share, need, _ in short)
+    parts = "; ".join(f"step {numbers[k]} gets {share:.0f} s but needs about {need:.0f} s ({how})"
+                      for k, share, need, how in short)
+    return (f"the budget of {job.budget_min:g} min cannot hold every step's minimum: {parts}. Those steps run their "
+            f"minimum, so the run may end about {over:.0f} s past the budget (the steps after them get less); "
+            f"--budget {max(budget_for(k, need, overhead_s) for k, _, need, _ in short):g} holds them")
+
+
+def budget_for(key: str, seconds: float, overhead_s: float = STEP_OVERHEAD_S) -> float:
     """The --budget in minutes whose share for step ``key`` is ``seconds`` (rounded up to a tenth)."""
-    return math.ceil((seconds * sum(WEIGHTS.values()) / WEIGHTS[key] + len(WEIGHTS) * STEP_OVERHEAD_S) / 60.0 * 10) / 10
+    return math.ceil((seconds * sum(WEIGHTS.values()) / WEIGHTS[key] + len(WEIGHTS) * overhead_s) / 60.0 * 10) / 10
 
 
 def step1_refusal(job, keys: list[str], earlier: dict | None = None) -> str:

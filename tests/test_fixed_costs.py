@@ -1,0 +1,127 @@
+"""The budget reads this machine's fixed costs (issue 46 §3): a notebook's seconds and a cold compile, measured by
+the runs made here and kept per machine, and a run says up front when the budget cannot hold a step's minimum."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from mfu_lab import runner
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.process import budget
+from mfu_lab.core.store import fixed_costs
+
+from .conftest import TINY
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "mfu-lab" / "fixed_costs.json"
+
+
+def test_figures_are_kept_per_machine_and_kind_and_the_median_reads_the_last_ones(cache):
+    key = fixed_costs.machine_key("cpu")
+    assert fixed_costs.median(key, "notebook_s") is None
+    for s in [9.0, 30.0, 8.0] + [7.0] * fixed_costs.KEEP:
+        fixed_costs.record(key, "notebook_s", s)
+    assert fixed_costs.figures(key, "notebook_s") == [7.0] * fixed_costs.KEEP  # only the last KEEP
+    assert fixed_costs.median(key, "notebook_s") == (7.0, fixed_costs.KEEP)
+    assert fixed_costs.median(fixed_costs.machine_key("cuda"), "notebook_s") is None  # another device kind
+    fixed_costs.record(key, "notebook_s", float("nan"))  # not kept
+    fixed_costs.record(key, "notebook_s", -1.0)
+    assert len(fixed_costs.figures(key, "notebook_s")) == fixed_costs.KEEP
+    with pytest.raises(ValueError, match="notebook_s, cold_compile_s"):
+        fixed_costs.record(key, "coffee_s", 1.0)
+    assert json.loads(cache.read_text())["machines"][key]["notebook_s"][-1] == 7.0
+
+
+def test_a_damaged_cache_is_taken_as_empty_and_rewritten(cache):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{not json")
+    key = fixed_costs.machine_key("cpu")
+    assert fixed_costs.median(key, "notebook_s") is None
+    cache.write_text(json.dumps({"machines": {key: {"notebook_s": ["x", True, float("inf"), 4.0]}}}))
+    assert fixed_costs.figures(key, "notebook_s") == [4.0]  # a hand edit's strings, booleans and infinities left out
+    fixed_costs.record(key, "notebook_s", 6.0)
+    assert fixed_costs.median(key, "notebook_s") == (5.0, 2)
+
+
+def test_the_plan_spends_the_notebooks_measured_here_and_says_so(cache):
+    assert budget.overhead("cpu") == (budget.STEP_OVERHEAD_S, budget.overhead("cpu")[1])
+    assert "none measured" in budget.overhead("cpu")[1]
+    for s in (3.0, 4.0, 5.0):
+        fixed_costs.record(fixed_costs.machine_key("cpu"), "notebook_s", s)
+    each, where = budget.overhead("cpu")
+    assert each == 4.0 and "measured (median of 3)" in where
+    p = budget.plan(5.0, overhead_s=each)
+    assert sum(p.values()) + len(budget.WEIGHTS) * each == pytest.approx(300.0)  # the budget, all of it
+    assert sum(p.values()) > sum(budget.plan(5.0).values())  # cheaper notebooks leave the steps more
+    text = budget.plan_text(5.0, list(budget.WEIGHTS), {}, (each, where))
+    assert "about 4 s for each step's notebook" in text and "median of 3" in text
+
+
+def test_a_run_hands_each_step_the_notebook_seconds_it_planned_with(monkeypatch):
+    keys = list(budget.WEIGHTS)
+    env = budget.left_env(5.0, keys, 0.0, "kernels", overhead_s=4.0)
+    monkeypatch.setenv(budget.LEFT_ENV, env)
+    rest = keys[keys.index("kernels"):]
+    left = float(env.split(";")[0])
+    want = (left - len(rest) * 4.0) * budget.WEIGHTS["kernels"] / sum(budget.WEIGHTS[k] for k in rest)
+    assert budget.share_s(5.0, "kernels") == pytest.approx(want)
+    monkeypatch.setenv(budget.LEFT_ENV, env.rsplit(";", 1)[0])  # an older runner's two fields: the reference's
+    weight = budget.WEIGHTS["kernels"] / sum(budget.WEIGHTS[k] for k in rest)
+    want = (left - len(rest) * budget.STEP_OVERHEAD_S) * weight
+    assert budget.share_s(5.0, "kernels") == pytest.approx(want)
+
+
+def test_a_cold_compile_comes_from_the_job_then_this_machine_then_the_reference(cache):
+    job = load_job(TINY)
+    assert budget.cold_compile(job) == (budget.COLD_COMPILE_S, "the default job's on the reference CPU")
+    fixed_costs.record(fixed_costs.machine_key(job.device), "cold_compile_s", 22.0)
+    cold, where = budget.cold_compile(job)
+    assert cold == 22.0 and "this machine's" in where
+    cold, where = budget.cold_compile(job, {"trials": [{"compile_cold_s": 12.5}, {"compile_cold_s": None}]})
+    assert cold == 12.5 and "this job's last step 4" in where
+
+
+def test_a_budget_too_small_for_a_steps_minimum_is_said_up_front_with_the_figures(cache):
+    job = dataclasses.replace(load_job(TINY), budget_min=2.0)
+    step1 = {"metrics": {"step_time_median_s": {"value": 0.5}}}
+    mins = budget.minimums(job, {"baseline": step1})
+    cold = budget.COLD_COMPILE_S
+    assert mins["compile"][0] == pytest.approx(2 * (budget.TRIAL_START_S + (job.compile_warmup_steps + 3) * 0.5)
+                                               + cold + 6 * 0.5)
+    assert "500 ms (measured)" in mins["compile"][1]
+    text = budget.minimum_text(job, list(budget.WEIGHTS), {"baseline": step1})
+    p = budget.plan(2.0)
+    short = [k for k, (need, _) in mins.items() if p[k] < need]
+    assert short and "cannot hold every step's minimum" in text
+    for k in short:
+        n = list(budget.WEIGHTS).index(k) + 1
+        assert f"step {n} gets {p[k]:.0f} s but needs about {mins[k][0]:.0f} s" in text
+    over = sum(mins[k][0] - p[k] for k in short)
+    assert f"about {over:.0f} s past the budget" in text
+    bigger = float(text.rsplit("--budget ", 1)[1].split()[0])
+    assert budget.minimum_text(dataclasses.replace(job, budget_min=bigger), list(budget.WEIGHTS),
+                               {"baseline": step1}) == ""  # the budget it names holds them
+    assert budget.minimum_text(dataclasses.replace(job, budget_min=0.0), list(budget.WEIGHTS), {}) == ""
+
+
+def test_the_runner_keeps_each_steps_notebook_seconds_and_step_4s_cold_compile(cache, tmp_path):
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path / "out"))
+    info = SimpleNamespace(key="compile", folder="04_compile")
+    folder = job.step_dir(info.folder)
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({"elapsed_s": 40.0, "trials": [
+        {"compile_cold_s": 18.0}, {"compile_cold_s": 25.0}, {"mode": "eager"}]}))
+    runner.record_fixed_costs(job, info, 52.5)
+    key = fixed_costs.machine_key(job.device)
+    assert fixed_costs.figures(key, "notebook_s") == [12.5]  # wall 52.5 s less the step's own 40 s
+    assert fixed_costs.figures(key, "cold_compile_s") == [25.0]
+    (folder / "result.json").write_text("{damaged")
+    runner.record_fixed_costs(job, info, 60.0)  # nothing read, nothing kept
+    assert fixed_costs.figures(key, "notebook_s") == [12.5]
