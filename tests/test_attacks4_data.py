@@ -152,7 +152,7 @@ DATA = """
 
 
 def test_cached_batches_are_drawn_again_after_the_data_factorys_code_changed(tiny_job, tmp_path):
-    from mfu_lab.core.engine.data import same_batches
+    from mfu_lab.core.engine.work import same_batches
 
     name = "attacks4_batches"
     _module(tmp_path, name, DATA.format(fill=1))

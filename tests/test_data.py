@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from mfu_lab.core.engine.batches import Batch, as_batch
-from mfu_lab.core.engine.data import Feed, build_loader, same_batches
+from mfu_lab.core.engine.data import Feed, build_loader
+from mfu_lab.core.engine.work import same_batches
 from mfu_lab.core.engine.workload import build_model, build_train_step
 from mfu_lab.core.errors import JobError, StepError
 from mfu_lab.core.job.schema import load_job, validate

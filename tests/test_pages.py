@@ -143,13 +143,16 @@ def test_ctrl_c_during_a_run_is_quiet_and_clean(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(tmp_path), "--steps",
                           "baseline", "-p", "synthetic_load_ms=400", "-p", "steps=60"], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    running = tmp_path / "tiny" / "01_baseline" / "running.json"
-    deadline = time.monotonic() + 120
-    while not running.is_file() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(6)  # the kernel is up and the step is measuring
+    seen = []  # stdout read line by line until the kernel is up and the step measures (its progress lines), however
+    deadline = time.monotonic() + 120  # long a busy machine takes to start the kernel: a sleep would race it
+    for line in p.stdout:
+        seen.append(line)
+        if "baseline steps:" in line or time.monotonic() > deadline:
+            break
+    time.sleep(1)
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
+    out = "".join(seen) + out
     both = out + err
     assert p.returncode == 130, both[-3000:]
     assert "interrupted" in both and "ZMQError" not in both and "IPKernelApp" not in both, both[-3000:]

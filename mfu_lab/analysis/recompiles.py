@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mfu_lab.core.engine.batches import call_model as call
 from mfu_lab.core.engine.workload import DYNAMIC, compile_kwargs
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -37,20 +38,34 @@ class ShapeAudit:
 
 
 def audit_shapes(loader, label: str) -> ShapeAudit:
-    """Read every batch of ``loader`` (one epoch) and tally the (batch, length) shapes it yields."""
+    """Read every batch of ``loader`` (one epoch) and tally the shapes of its inputs: (batch, length) for token
+    ids, the input's whole shape for any other batch (core.engine.batches), whose -100 are not padding."""
+    from mfu_lab.core.engine.batches import tensors
     from mfu_lab.core.engine.workload import IGNORE
 
     shapes: Counter = Counter()
     pad = total = n = samples = 0
-    for x, y in loader:
-        shapes[tuple(x.shape)] += 1
-        pad += int((y == IGNORE).sum())
-        total += y.numel()
+    lengths = set()
+    for batch in loader:
+        x, y = batch
+        first = tensors(x)[0]
+        shapes[tuple(first.shape)] += 1
+        if getattr(batch, "tokens", True):
+            pad += int((y == IGNORE).sum())
+            total += y.numel()
+            lengths.add(first.shape[1] if first.dim() > 1 else 1)
         n += 1
-        samples += x.shape[0]
-    return ShapeAudit(n, {f"{b}x{t}": c for (b, t), c in sorted(shapes.items(), key=lambda kv: -kv[1])},
-                      sorted({b for b, _ in shapes}), sorted({t for _, t in shapes}), pad / total if total else 0.0,
+        samples += first.shape[0] if first.dim() else 1
+    return ShapeAudit(n, {"x".join(map(str, s)): c for s, c in sorted(shapes.items(), key=lambda kv: -kv[1])},
+                      sorted({s[0] if s else 1 for s in shapes}), sorted(lengths), pad / total if total else 0.0,
                       len(shapes) > 1, samples, label)
+
+
+def shape_text(x) -> str:
+    """``8x256``: the shape of an input's first tensor."""
+    from mfu_lab.core.engine.batches import tensors
+
+    return "x".join(map(str, tensors(x)[0].shape))
 
 
 # ------------------------------------------------------------------ recompiles
@@ -115,10 +130,10 @@ def count_recompiles(model: torch.nn.Module, inputs: list[torch.Tensor], dynamic
     compiled = torch.compile(model, backend=backend, dynamic=DYNAMIC[dynamic])
     with RecompileLog() as log, torch.no_grad():
         for x in inputs:
-            compiled(x)
+            call(compiled, x, model)
     graphs = int(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    return RecompileRun(label, dynamic, ["x".join(map(str, x.shape)) for x in inputs], log.count, graphs,
+    return RecompileRun(label, dynamic, [shape_text(x) for x in inputs], log.count, graphs,
                         [guard_lines(m) for m in log.messages])
 
 
@@ -141,7 +156,7 @@ def graph_breaks(model: torch.nn.Module, x: torch.Tensor) -> GraphBreaks:
     """torch._dynamo.explain on one forward: how many graphs, how many breaks, and why."""
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch._dynamo.explain(model)(x)
+        out = call(torch._dynamo.explain(model), x, model)
     torch._dynamo.reset()
     reasons = []
     for br in out.break_reasons:

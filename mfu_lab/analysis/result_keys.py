@@ -36,6 +36,7 @@ MAY_SET: dict[str, Owns] = {
     "layout": Owns("step 6's layouts measured on this node", _LAYOUT),
     "data": Owns("step 1's data check and loader race", {"num_workers": int, "prefetch_factor": int,
                                                          "pin_memory": bool, "persistent_workers": bool}),
+    "optimizer": Owns("step 3's optimizer race", {"adamw_impl": str}),
     "compile": Owns("step 4's compile trials", {"compile_mode": str, "seq_policy": str}),
     "precision": Owns("step 5's precision ladder", {"dtype": str, "matmul_precision": str}),
     "fp8": Owns("step 5's FP8 policy trials", {"fp8_layers": list, "fp8_recipe": str}),

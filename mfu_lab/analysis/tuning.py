@@ -37,7 +37,7 @@ from mfu_lab.core.job import overrides as ov
 from mfu_lab.core.job.schema import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
-RUNGS = ("attention", "communication", "layout", "data", "compile", "precision", "fp8")
+RUNGS = ("attention", "communication", "layout", "data", "optimizer", "compile", "precision", "fp8")
 # keys that change what a step measured: a result taken with other values is evidence about another job
 SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "micro_batch",
               "data", "seq_policy", "device", "dtype", "attention", "compile_mode")
@@ -164,8 +164,27 @@ def _data(job: Job, r: dict) -> list[Change]:
     return out
 
 
+def _optimizer(job: Job, r: dict) -> list[Change]:
+    """Step 3's optimizer race: AdamW's implementation proven faster side by side (steps.kernels.optimizer_race)."""
+    race = r.get("optimizer_race") or {}
+    if not race.get("adopted") or race.get("pick") == job.adamw_impl:
+        return []
+    sp = race.get("speedup") or {}
+    evidence = (f"step 3's optimizer race: {race['pick']} {sp.get('value', 0):.2f}x [{sp.get('low', 0):.2f}, "
+                f"{sp.get('high', 0):.2f}] over the job's own {race.get('reference')} (measured side by side); "
+                f"{race.get('why', '')}")
+    return [Change("optimizer", "kernels", "adamw_impl", job.adamw_impl, race["pick"], evidence, "measured")]
+
+
 def _compile(job: Job, r: dict) -> list[Change]:
     rec = r.get("recommendation") or {}
+    led = rec.get("led")
+    if not rec.get("compile") and led and led != job.compile_mode:  # a leader its confirmation did not prove
+        trial = next((t for t in r.get("trials", []) if t.get("mode") == led), {})
+        return [Change("compile", "compile", "compile_mode", job.compile_mode, led,
+                       f"step 4: mode {led} led the trials ({_speed(trial.get('speedup'))} eager) but its "
+                       "confirmation beside eager did not prove it; proposed: step 7 times it side by side and "
+                       "withdraws it unless it is faster there", "proposed")]
     if not rec.get("compile") or rec.get("mode") == job.compile_mode:
         return []
     trial = next((t for t in r.get("trials", []) if t.get("mode") == rec["mode"]), {})
@@ -239,7 +258,8 @@ def _rechecked(job: Job, r: dict) -> list[Change]:
 
 # (the step whose result is read, the reader's row in result_keys.MAY_SET, the reader)
 READERS = (("attention_comm", "attention", _attention), ("attention_comm", "communication", _communication),
-           ("placement", "layout", _layout), ("baseline", "data", _data), ("compile", "compile", _compile),
+           ("placement", "layout", _layout), ("baseline", "data", _data), ("kernels", "optimizer", _optimizer),
+           ("compile", "compile", _compile),
            ("fp8", "precision", _precision), ("fp8", "fp8", _fp8), ("verify", "rechecked", _rechecked))
 
 

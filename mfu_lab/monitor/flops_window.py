@@ -184,8 +184,9 @@ class CountsOneStep:
     steps_done: int
     flops_per_step: float | None
     flops_per_token: float | None
+    flops_per_sample: float | None
 
-    def _count(self, tokens: int | None) -> bool:
+    def _count(self, tokens: int | None, samples: int | None = None) -> bool:
         """Close (or open) the FLOP-count window at this step() call; True when this step was counted."""
         take_off_left()  # a window this thread opened and another closed
         f = self._flops
@@ -206,25 +207,29 @@ class CountsOneStep:
                 return True
             f.close()
             self._flops = None
-            self._counted(f, tokens)
+            self._counted(f, tokens, samples)
             return True
         except Exception as e:
             self._give_up_count(e)
             return True
 
-    def _counted(self, f: StepFlops, tokens: int | None) -> None:
+    def _counted(self, f: StepFlops, tokens: int | None, samples: int | None = None) -> None:
         window = ("between the framework's batch-start and batch-end hooks" if self.framework else
                   f"between step() calls {self.steps_done - 1} and {self.steps_done}")
         attention = sorted({op for op in f.by_op if "scaled_dot_product" in op or "attention" in op})
-        common = {"step": self.steps_done, "window": window, "rejected_windows": f.rejected, "tokens": tokens}
+        common = {"step": self.steps_done, "window": window, "rejected_windows": f.rejected, "tokens": tokens,
+                  "samples": samples}
         if f.total <= 0:
             self._emit("flops", source=None, **common, note="the FLOP counter counted nothing in a training step's "
-                       "window (a compiled or custom-kernel model?): pass flops_per_token")
+                       "window (a compiled or custom-kernel model?): pass flops_per_token or flops_per_sample")
             return
         if tokens:
             self.flops_per_token = f.total / tokens
+        if samples:
+            self.flops_per_sample = f.total / samples
         self.flops_per_step = float(f.total)
-        self._emit("flops", source="counted", per_step=float(f.total), per_token=self.flops_per_token, **common,
+        self._emit("flops", source="counted", per_step=float(f.total), per_token=self.flops_per_token,
+                   per_sample=self.flops_per_sample, **common,
                    attention_ops=attention, counter="mfu_lab.core.measure.flops (FlopCounterMode, the "
                    "workbook's attention mapping)",
                    note=f"one training step as it ran (forward, backward, optimizer; recomputation, if "
@@ -243,5 +248,6 @@ class CountsOneStep:
         why = (f"an evaluation ran in each of {len(f.rejected)} windows" if error is None else
                f"the count failed ({type(error).__name__}: {error})")
         self._emit("flops", source=None, step=self.steps_done, rejected_windows=f.rejected,
-                   note=f"no training step's FLOPs were counted: {why}; pass flops_per_token for MFU")
+                   note=f"no training step's FLOPs were counted: {why}; pass flops_per_token (or "
+                   "flops_per_sample) for MFU")
 

@@ -9,6 +9,10 @@
             loss = train_step(batch)
             mon.step(tokens=batch["input_ids"].numel())
 
+Work that is not tokens (images, rows of a table) is counted in samples instead: ``mon.step(samples=len(images))``
+gives samples/s, and MFU from ``flops_per_sample`` (the job's formula) or from the FLOPs counted in one step;
+the records name the unit (``unit``: ``tokens/s`` or ``samples/s``).
+
 A loop without a loader times its own fetch with ``with mon.fetch(): x, y = get_batch()`` (or passes
 ``step(data_wait_s=...)``), and may mark evaluation, checkpoints and logging with ``with mon.other(): ...``.
 ``step()`` without ``with`` or ``start()`` starts the monitor on the first call.
@@ -36,7 +40,8 @@ boundary, so a short job gets one too, then one every ``profile_every_s`` second
 + 2 + ``profile_steps`` steps gets none), its steps left out of the timing and its analysis run off the loop
 (:mod:`mfu_lab.monitor.profiling`); no window opens while the last one's analysis is still running.
 
-FLOPs: ``flops_per_token`` when given (the job's formula: analytic); otherwise, with ``model``, one training
+FLOPs: ``flops_per_token`` (with ``step(tokens=)``) or ``flops_per_sample`` (with ``step(samples=)``) when given
+(the job's formula: analytic); otherwise, with ``model``, one training
 step is counted with the workbook's counter (:mod:`mfu_lab.monitor.flops_window`: the window between the first
 and the second ``step()``, or an adapter's batch hooks; a window with an evaluation in it is replaced by the
 next) and left out of the timing. Peak: ``peak_flops`` when given; else :mod:`mfu_lab.monitor.setup`.
@@ -93,13 +98,15 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
                  flops_per_token: float | None = None, peak_flops: float | None = None, every: int = 50,
                  dtype: str | None = None, profile_every_s: float | None = 1800.0, profile_steps: int = 3,
                  nvml_interval_s: float = 1.0, fsync_s: float = 60.0, max_bytes: int = 64 * 2**20,
-                 tensorboard: bool = False, count_flops: bool = True, keep_traces: int = 2, run: str | None = None):
+                 tensorboard: bool = False, count_flops: bool = True, keep_traces: int = 2, run: str | None = None,
+                 flops_per_sample: float | None = None):
         setup.check(out_dir, model=model, flops_per_token=flops_per_token, peak_flops=peak_flops, every=every,
                     dtype=dtype, profile_every_s=profile_every_s, profile_steps=profile_steps,
                     nvml_interval_s=nvml_interval_s, fsync_s=fsync_s, max_bytes=max_bytes, keep_traces=keep_traces,
-                    run=run)
+                    run=run, flops_per_sample=flops_per_sample)
         self.out_dir, self.model, self.every = Path(out_dir), model, every
         self.flops_per_token, self.peak_flops, self.dtype = flops_per_token, peak_flops, dtype
+        self.flops_per_sample = flops_per_sample
         self.profile_every_s, self.profile_steps, self.keep_traces = profile_every_s, profile_steps, keep_traces
         self.nvml_interval_s, self.fsync_s, self.max_bytes = nvml_interval_s, fsync_s, max_bytes
         self.tensorboard, self.count_flops, self.run_given = tensorboard, count_flops, run
@@ -215,16 +222,18 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
                 self._give_up_count(e)
 
     def step(self, tokens: int | None = None, data_wait_s: float | None = None, host_s: float | None = None,
-             other_s: float | None = None) -> None:
-        """Mark the end of one training step: ``tokens`` processed in it (for tokens/s and MFU); ``data_wait_s``
-        / ``host_s`` / ``other_s`` when the caller timed the data wait, host work or evaluation/checkpoint/logging
-        time between steps itself (framework adapters). Never raises; after :meth:`close` it does nothing."""
+             other_s: float | None = None, samples: int | None = None) -> None:
+        """Mark the end of one training step: ``tokens`` processed in it (for tokens/s and MFU), or for work that
+        is not tokens (images, rows) ``samples`` (for samples/s and MFU; both may be given, and tokens/s is then
+        the record's unit); ``data_wait_s`` / ``host_s`` / ``other_s`` when the caller timed the data wait, host
+        work or evaluation/checkpoint/logging time between steps itself (framework adapters). Never raises; after
+        :meth:`close` it does nothing."""
         if self._closed:
             return
         if not self._started:
             self.start()  # the first step() starts the monitor: this step is its warm-up, as after start()
         try:
-            self._step(time.perf_counter(), tokens, data_wait_s, host_s, other_s)
+            self._step(time.perf_counter(), tokens, data_wait_s, host_s, other_s, samples)
         except Exception as e:
             self._fail("step", e)
         self._host_from = time.perf_counter()  # the monitor's own time from here on counts as host time
@@ -285,7 +294,7 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
         device = setup.device_info(self.model, self.cuda)
         dtype = setup.train_dtype(self.model, self.dtype)
         wants_peak = self.peak_flops is not None or self.flops_per_token is not None or \
-            (self.model is not None and self.count_flops)
+            self.flops_per_sample is not None or (self.model is not None and self.count_flops)
         peak = setup.peak_record(device, dtype, self.dtype, self.peak_flops) if wants_peak else None
         self._peak_flops = peak["flops_per_s"] if peak else None
         self._comm_timed, comm_how = attach(self.model, self.comm) if self.model is not None else \
@@ -296,15 +305,20 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
             nvml_why = self.nvml.skipped
         self._tb, tb_why = setup.tensorboard(self.tensorboard, self.out_dir / "tensorboard"
                                              / f"{self.host}-{self.run}-rank{self.ids['rank']}")
-        counting = self.flops_per_token is None and self.model is not None and self.count_flops
+        counting = (self.flops_per_token is None and self.flops_per_sample is None and self.model is not None
+                    and self.count_flops)
         window = ("between the framework's batch-start and batch-end hooks of one optimizer step" if self.framework
                   else "between the first and the second step() calls (one training iteration)")
-        flops = ({"per_token": float(self.flops_per_token), "source": "analytic",
+        flops = ({"per_token": float(self.flops_per_token), "source": "analytic", "unit": "tokens",
                   "note": "flops_per_token given to the monitor (the job's formula)"} if self.flops_per_token else
+                 {"per_sample": float(self.flops_per_sample), "source": "analytic", "unit": "samples",
+                  "note": "flops_per_sample given to the monitor (the job's formula): MFU from step(samples=)"}
+                 if self.flops_per_sample else
                  {"source": "counted", "note": f"one training step counted {window}, with the workbook's counter "
                   "(fused attention counted); a window with an evaluation in it is replaced by the next"}
                  if counting else
-                 {"source": None, "note": "no flops_per_token and no model given: MFU is not computed"})
+                 {"source": None, "note": "no flops_per_token, flops_per_sample or model given: MFU is not "
+                  "computed"})
         data = ({"how": f"{self.framework}: the gap before each batch, less the evaluation, checkpoint and logging "
                  "time its hooks mark (other_s)"} if self.framework else
                 {"how": "the wrapped loader's next(), Monitor.fetch() or step(data_wait_s=); an interval with none "
@@ -327,13 +341,14 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
                                         self.profile_steps, self.keep_traces, self._emit, self._fail)
             self._next_profile = time.monotonic()
 
-    def _step(self, now: float, tokens, data_wait_s, host_s, other_s) -> None:
+    def _step(self, now: float, tokens, data_wait_s, host_s, other_s, samples=None) -> None:
         tokens = self._tokens(tokens)
+        samples = self._tokens(samples, "samples")
         given = [self._seconds(v) for v in (data_wait_s, host_s, other_s)]
         data, data_timed, host, host_timed, other = self._take_pending(given)
         dur, self._mark = now - self._mark, now
         self.steps_done += 1
-        counted = self._count(tokens)
+        counted = self._count(tokens, samples)
         if self.steps_done == 1 or counted:  # the warm-up, and a step counted under the FLOP counter: not timed
             self.comm.discard()
             return
@@ -344,7 +359,7 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
                 self.comm.discard()  # the window's collectives belong to steps left out of the timing
                 self._mark = time.perf_counter()
             return
-        if self._add_timed(dur, other, data, data_timed, host, host_timed, tokens):
+        if self._add_timed(dur, other, data, data_timed, host, host_timed, tokens, samples):
             self._interval()
             if (self._next_profile is not None and self._flops is None and time.monotonic() >= self._next_profile
                     and not self._prof.analysing):  # one window's child at a time: none piles up on the cores

@@ -18,7 +18,8 @@ from typing import Any
 from mfu_lab.core.store.monitor_files import VERSION, RecordWriter
 
 WHAT = {"start": "setting up at start", "write": "writing a record", "step": "recording a step", "close": "closing",
-        "tokens": "reading the token count", "arguments": "reading step()'s seconds", "flops": "counting FLOPs"}
+        "tokens": "reading the token count", "samples": "reading the sample count",
+        "arguments": "reading step()'s seconds", "flops": "counting FLOPs"}
 
 
 class WritesRecords:

@@ -86,7 +86,7 @@ def _positive(name: str, value, *, whole: bool = False, none_ok: bool = False, z
 
 
 def check(out_dir, *, model, flops_per_token, peak_flops, every, dtype, profile_every_s, profile_steps, nvml_interval_s,
-          fsync_s, max_bytes, keep_traces, run) -> None:
+          fsync_s, max_bytes, keep_traces, run, flops_per_sample=None) -> None:
     """Monitor(...)'s arguments: a bad one raises here, at construction, with its name (before training starts)."""
     if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
         raise TypeError(f"Monitor(out_dir={out_dir!r}): a folder path (str or os.PathLike)")
@@ -96,6 +96,10 @@ def check(out_dir, *, model, flops_per_token, peak_flops, every, dtype, profile_
     _positive("profile_every_s", profile_every_s, none_ok=True)
     _positive("profile_steps", profile_steps, whole=True)
     _positive("flops_per_token", flops_per_token, none_ok=True)
+    _positive("flops_per_sample", flops_per_sample, none_ok=True)
+    if flops_per_token is not None and flops_per_sample is not None:
+        raise ValueError("Monitor(flops_per_token=..., flops_per_sample=...): give one, the FLOPs per unit of work "
+                         "that step() counts (tokens= or samples=)")
     if not isinstance(peak_flops, Mapping):
         _positive("peak_flops", peak_flops, none_ok=True)
     _positive("nvml_interval_s", nvml_interval_s)

@@ -26,7 +26,8 @@ def size_sweep(result) -> ReportFigure:
         if lay != shown:
             ax.annotate(lay, (r["gpus_n"], r["mfu"] * 100), fontsize=7, textcoords="offset points", xytext=(3, -10))
             shown = lay
-    ax2.plot(n, [r["tokens_per_gpu_hour"] / 1e6 for r in ok], "o-", color=COLORS["compute"])
+    unit, per = getattr(result, "unit", "tokens"), getattr(result, "per_unit", 1) or 1
+    ax2.plot(n, [r["tokens_per_gpu_hour"] / per / 1e6 for r in ok], "o-", color=COLORS["compute"])
     for a in (ax, ax2):
         a.set_xscale("log", base=2)
         a.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -36,8 +37,8 @@ def size_sweep(result) -> ReportFigure:
             a.text(result.efficient_size, a.get_ylim()[0], " efficient size", fontsize=8, va="bottom")
     ax.set_ylabel("MFU (%)")
     ax.set_title("Predicted MFU by size [modelled]")
-    ax2.set_ylabel("million tokens per GPU-hour")
-    ax2.set_title("Predicted tokens per GPU-hour [modelled]")
+    ax2.set_ylabel(f"million {unit} per GPU-hour")
+    ax2.set_title(f"Predicted {unit} per GPU-hour [modelled]")
     fig.tight_layout()
     return fig
 

@@ -82,7 +82,22 @@ def _headline_mfu(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "job": the_job(base), "overrides": ov.flags(changed),
             "others": others if len(others) <= OTHERS_SHOWN else f"{len(given) - len(changed)}, in the steps table",
             "where": where, "statistic": statistic, "shared": shared,
-            "tokens": _metric(base, "tokens_per_s"), "median": _metric(base, "step_time_median_s")}
+            "tokens": _metric(base, "tokens_per_s") or _metric(base, "samples_per_s"),
+            "median": _metric(base, "step_time_median_s"), "padding": _padding(base)}
+
+
+PADDING_SAID = 0.5  # above this share of positions padding, the first screen says so
+
+
+def _padding(base: dict[str, Any]) -> str:
+    """A line for the first screen when more than half of the measured positions were padding: MFU counts the
+    useful tokens only, so most of each batch's work is not in it."""
+    m = _metric(base, "padding_share")
+    if not m or m["value"] <= PADDING_SAID:
+        return ""
+    return (f"{m['value']:.0%} of the batches' positions are padding (targets of -100, counted): MFU counts only the "
+            "other tokens, so most of each step's work is not model work. Pack the samples (seq_policy: pack) or "
+            "check the data's labels")
 
 
 def first_screen(results: dict[str, dict[str, Any]], recommendations: list[tuple[str, dict[str, Any]]],

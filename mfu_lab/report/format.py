@@ -21,7 +21,7 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value} {unit}".strip()
     if unit == "fraction":
         return f"{value:.1%}"
-    if unit in ("FLOP", "FLOP/s", "tokens/s", "bytes", "bytes/s"):
+    if unit in ("FLOP", "FLOP/s", "tokens/s", "samples/s", "bytes", "bytes/s"):
         for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
             if abs(value) >= scale:
                 u = {"bytes": "B", "bytes/s": "B/s"}.get(unit, unit)

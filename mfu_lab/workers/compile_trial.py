@@ -29,7 +29,7 @@ def main() -> int:
         import torch
 
         from mfu_lab.analysis.recompiles import RecompileLog, guard_lines, mode_kwargs
-        from mfu_lab.core.engine.data import same_batches
+        from mfu_lab.core.engine.work import same_batches
         from mfu_lab.core.engine.workload import build_model, build_train_step, eager
         from mfu_lab.core.job.schema import validate
         from mfu_lab.core.measure.device import resolve_device

@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mfu_lab.analysis import racing
 from mfu_lab.analysis.dp_family import loss_ok
-from mfu_lab.core.engine.data import same_batches
+from mfu_lab.core.engine.batches import to_device
+from mfu_lab.core.engine.work import same_batches
 from mfu_lab.core.engine.workload import GPT, build_loader, build_model, build_train_step, eager
 from mfu_lab.core.job.schema import validate
 from mfu_lab.core.measure.timed import run_steps, stats
@@ -307,7 +308,7 @@ def main() -> None:
             x, y = next(iter(loader(1)))
             with torch.profiler.profile() as prof:  # one extra step, profiled, for communication time
                 t0 = time.perf_counter()
-                ts(x.to(device), y.to(device))
+                ts(to_device(x, device), to_device(y, device))
                 if cuda:
                     torch.cuda.synchronize()  # sync point: the step's kernels are inside the profile
                 profiled_s = time.perf_counter() - t0

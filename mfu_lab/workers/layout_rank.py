@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mfu_lab.analysis.layouts.terms import memory_per_rank, memory_shape
-from mfu_lab.core.engine.batches import IGNORE
+from mfu_lab.core.engine.batches import IGNORE, to_device
 from mfu_lab.core.engine.layout import Layout, build_mesh
 from mfu_lab.core.engine.layout_check import check_layout
 from mfu_lab.core.engine.meta_shape import job_shape
@@ -105,7 +105,7 @@ def reference_losses(job: Job, layout: Layout, batches: list, device: torch.devi
     if layout.pp > 1:
         untie_head(model)  # as the layout does: a tied head trains differently
     ts = build_train_step(eager(job), model, device.type)
-    return [float(ts(x.to(device), y.to(device))) for x, y in batches]
+    return [float(ts(to_device(x, device), to_device(y, device))) for x, y in batches]
 
 
 def global_losses(local: list, layout: Layout, device: torch.device) -> list[float]:

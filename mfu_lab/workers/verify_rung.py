@@ -31,6 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
+from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.process import procs
 from mfu_lab.core.process.progress import GAP_S
 
@@ -144,7 +145,7 @@ def main() -> int:
 
         import torch
 
-        from mfu_lab.core.engine.data import same_batches
+        from mfu_lab.core.engine.work import same_batches
         from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
         from mfu_lab.core.job.schema import validate
         from mfu_lab.core.measure import flops as fl
@@ -162,7 +163,7 @@ def main() -> int:
         step = build_train_step(job, model, device.type)
         quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
         x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
-        report = fl.count_step_flops(model, step, x0.to(tdev), y0.to(tdev))
+        report = fl.count_step_flops(model, step, to_device(x0, tdev), to_device(y0, tdev))
         torch.manual_seed(job.seed)  # every rung starts its steps from the same random state, whatever counting drew
         total = job.verify_warmup_steps + spec["steps_total"]
         batches = iter(same_batches(job, total, device.type))

@@ -54,9 +54,23 @@ def calibrate(job: Job, cluster: Cluster, earlier: dict[str, dict]) -> tuple[Clu
         r = earlier.get(key)
         if r and same_chip(r, cluster) and (r["metrics"].get("mfu") or {}).get("value"):
             measured.append((r["metrics"]["mfu"]["value"], BY_KEY[key]))
+    die_runs = []  # the same compute die, another board (an H200's MFU for an H100 cluster: both GH100)
+    for key in CALIBRATED_FROM:
+        r = earlier.get(key)
+        chip = dev.lookup_chip((r or {}).get("environment", {}).get("device_name", "")) if r else None
+        if chip is not None and chip.name != cluster.gpu and dev.same_die(chip.name, cluster.gpu) and \
+                (r["metrics"].get("mfu") or {}).get("value"):
+            die_runs.append((r["metrics"]["mfu"]["value"], BY_KEY[key], chip.name))
     if measured:
         eff, info = max(measured, key=lambda t: t[0])
         eff_src, eff_from = "measured", f"step {info.number} ({info.folder}) on {cluster.gpu}: the best MFU measured"
+    elif die_runs:
+        eff, info, chip = max(die_runs, key=lambda t: t[0])
+        eff_src = "measured"
+        eff_from = (f"step {info.number} ({info.folder}) on an {chip}, the same {dev.same_die(chip, cluster.gpu)} "
+                    f"compute die as the cluster's {cluster.gpu} (same-die calibration): its best MFU measured, in "
+                    f"place of the assumed {job.assumed_mfu:.0%}; memory bandwidth and clocks differ between the "
+                    "boards, so the cluster's GPUs may reach less")
     else:
         ran = {r["environment"].get("device_name") for r in earlier.values()}
         if ran:

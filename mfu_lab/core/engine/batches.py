@@ -12,6 +12,13 @@ with them, ``-100`` (:data:`IGNORE`) where a position has none. Users' data come
 
 :class:`Batch` is that pair with the forward's keyword tensors (``labels``, ``attention_mask``) riding along in
 ``kwargs``; :func:`mfu_lab.core.measure.timed.run_steps` passes them on, a loop that does not trains on the pair.
+
+**Any other batch** (images and labels, regression pairs, a dict of tensors) trains when the job names its own
+``loss:`` (or the model has no token embedding and returns ``.loss``): it is kept as it is, on the device, with
+``Batch.tokens`` False. ``x`` is then what goes into the model (the first of a tuple, or the dict, or the tensor) and
+``y`` the rest (the second of a pair, a :class:`Rest` of the others, or None); the loss gets the batch as the data
+gave it (:func:`loss_view`). Such a batch has samples (its first dimension), no tokens: nothing in it scales the
+FLOPs, and ``-100`` in it is the user's business.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from mfu_lab.core.errors import StepError
 
@@ -29,18 +37,108 @@ IGNORE = -100  # a target position cross_entropy skips: padding (core.engine.wor
 FORWARD_KEYS = ("labels", "attention_mask")
 
 
+README_SECTION = "README, 'Your own model and data'"
+
+
 class Batch(tuple):
-    """``(x, y)`` with ``kwargs``: the model's extra keyword tensors (``labels``, ``attention_mask``)."""
+    """``(x, y)`` with ``kwargs``: the model's extra keyword tensors (``labels``, ``attention_mask``). ``tokens``:
+    False for a batch that is not token ids (module docstring), whose ``x`` and ``y`` are as the data gave them."""
 
     kwargs: dict[str, torch.Tensor]
+    tokens: bool
 
-    def __new__(cls, x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, torch.Tensor] | None = None):
+    def __new__(cls, x: Any, y: Any, kwargs: dict[str, torch.Tensor] | None = None, tokens: bool = True):
         b = super().__new__(cls, (x, y))
         b.kwargs = dict(kwargs or {})
+        b.tokens = tokens
         return b
 
     def __reduce__(self):  # DataLoader workers send batches through pickle; keep the keyword tensors
-        return (Batch, (self[0], self[1], self.kwargs))
+        return (Batch, (self[0], self[1], self.kwargs, self.tokens))
+
+
+class Rest(tuple):
+    """The targets of a batch tuple of three or more: everything after the model's input."""
+
+
+def to_device(obj: Any, device: Any, non_blocking: bool = False) -> Any:
+    """``obj`` with every tensor in it (a tensor, tuple, list or dict, nested) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if obj is None:
+        return None
+    moved = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=non_blocking), obj)
+    return Rest(moved) if isinstance(obj, Rest) else moved
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj``, in order (a tensor, tuple, list or dict, nested)."""
+    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def samples_of(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (1 for a scalar, 0 for none)."""
+    ts = tensors(batch[0] if isinstance(batch, Batch) else batch)
+    if not ts:
+        return 0
+    return int(ts[0].shape[0]) if ts[0].dim() else 1
+
+
+def shape_key(obj: Any) -> str:
+    """Every tensor's shape and dtype in ``obj``, with the structure around them (a FLOP count's cache key)."""
+    if isinstance(obj, torch.Tensor):
+        return f"{tuple(obj.shape)}:{obj.dtype}"
+    leaves, spec = pytree.tree_flatten(obj)
+    return repr((str(spec), [f"{tuple(t.shape)}:{t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                             for t in leaves]))
+
+
+def describe(obj: Any) -> str:
+    """What a batch is, for an error: its type and every tensor's shape and dtype."""
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of shape {tuple(obj.shape)} and dtype {obj.dtype}"
+    if isinstance(obj, Mapping):
+        return "a dict {" + ", ".join(f"{k!r}: {describe(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {len(obj)} (" + "; ".join(describe(v) for v in obj) + ")"
+    return f"a {type(obj).__name__}"
+
+
+def not_tokens_hint(raw: Any) -> str:
+    """What a batch that is not token ids needs: the key to set, what it got, where the README says more."""
+    return (f"; the batch is {describe(raw)}. A batch that is not token ids trains with the job's own loss: set "
+            "key 'loss' to package.module:function taking (output, batch), which receives the batch as your data "
+            f"gives it ({README_SECTION})")
+
+
+def call_model(fn: Any, x: Any, model: Any = None) -> Any:
+    """``fn`` (the model, or a wrapper of ``model``: compiled, DDP, an explainer) on one input: a dict of tensors as
+    the keywords the model's forward takes, anything else as its one positional input."""
+    if not isinstance(x, Mapping):
+        return fn(x)
+    import inspect
+
+    model = fn if model is None else model
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        params = {}
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return fn(**{k: v for k, v in x.items() if anything or k in params})
+
+
+def any_batch(raw: Any) -> Batch:
+    """A batch that is not token ids, kept as the data gave it (module docstring)."""
+    if isinstance(raw, (tuple, list)) and not isinstance(raw, Rest):
+        if not raw:
+            raise StepError("a batch is an empty " + type(raw).__name__ + "; expected at least the model's input")
+        if len(raw) == 1:
+            return Batch(raw[0], None, tokens=False)
+        return Batch(raw[0], raw[1] if len(raw) == 2 else Rest(raw[1:]), tokens=False)
+    if not tensors(raw):
+        raise StepError(f"a batch is {describe(raw)} and holds no tensor; expected tensors (a tensor, a tuple or a "
+                        f"dict of them) ({README_SECTION})")
+    return Batch(raw, None, tokens=False)
 
 
 def shift_left(labels: torch.Tensor) -> torch.Tensor:
@@ -63,10 +161,25 @@ def _ids(t: Any, what: str) -> torch.Tensor:
     return t.long()
 
 
-def as_batch(raw: Any) -> Batch:
-    """One batch as the user's data gives it, as a :class:`Batch` (module docstring: the three forms)."""
+def as_batch(raw: Any, ids: bool = True, other: bool = False) -> Batch:
+    """One batch as the user's data gives it, as a :class:`Batch` (module docstring). ``ids``: the model takes
+    token ids (it has a token embedding), so the three token forms are tried first; ``other``: any other batch is
+    accepted as it is (the job names its ``loss:``, or the model has no token embedding). A batch that fits
+    neither names the key to set."""
     if isinstance(raw, Batch):
         return raw
+    if not ids:
+        return any_batch(raw)
+    try:
+        return token_batch(raw)
+    except StepError as e:
+        if other:
+            return any_batch(raw)
+        raise StepError(str(e) + not_tokens_hint(raw)) from None
+
+
+def token_batch(raw: Any) -> Batch:
+    """One of the three token forms as a :class:`Batch`; a StepError for anything else."""
     if isinstance(raw, torch.Tensor):
         x = _ids(raw, "token ids")
         return Batch(x, shift_left(x))
@@ -105,6 +218,10 @@ def batch_problem(batch: Batch, index: int, what: str, seq_len: int = 0, vocab: 
     (a profiled step's trace holds the job's own) and no device synchronisation. A batch the data gives on a device
     already is not read (that would wait for the device); the training step checks the first one."""
     x, y = batch[0], batch[1]
+    if not getattr(batch, "tokens", True):  # not token ids: its values are the user's loss's business
+        if not any(t.numel() for t in tensors(x)):
+            return f"batch {index} of the data ({what}) is empty ({describe(x)}); check key 'data'"
+        return None
     if x.device.type != "cpu" or y.device.type != "cpu":
         return None
     at = f"batch {index} of the data ({what})"
@@ -132,9 +249,10 @@ def batch_problem(batch: Batch, index: int, what: str, seq_len: int = 0, vocab: 
     return None
 
 
-def checked_batch(raw: Any, index: int, what: str, seq_len: int = 0, vocab: int = 0) -> Batch:
+def checked_batch(raw: Any, index: int, what: str, seq_len: int = 0, vocab: int = 0, ids: bool = True,
+                  other: bool = False) -> Batch:
     """:func:`as_batch`, then :func:`batch_problem`'s check: a StepError naming the batch and the key."""
-    batch = as_batch(raw)
+    batch = as_batch(raw, ids, other)
     why = batch_problem(batch, index, what, seq_len, vocab)
     if why:
         raise StepError(why)
@@ -153,10 +271,17 @@ def loss_problem(loss: Any, fn: Any) -> str | None:
             "one element (the mean of a per-token loss, say)")
 
 
-def loss_view(x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> Any:
+def loss_view(x: Any, y: Any, kwargs: dict[str, torch.Tensor]) -> Any:
     """The batch as a user's loss function of ``(output, batch)`` receives it: the mapping for Hugging Face style
-    batches (``input_ids``, ``labels``, ``attention_mask``), else the pair ``(inputs, targets)``."""
-    return {"input_ids": x, **kwargs} if kwargs else (x, y)
+    batches (``input_ids``, ``labels``, ``attention_mask``), else the pair ``(inputs, targets)``; a batch that is not
+    token ids as the data gave it (a dict, a lone tensor, a tuple of three or more)."""
+    if kwargs:
+        return {"input_ids": x, **kwargs}
+    if isinstance(x, Mapping) or y is None:
+        return x
+    if isinstance(y, Rest):
+        return (x, *y)
+    return (x, y)
 
 
 # ------------------------------------------------------------------ the vocabulary
@@ -182,7 +307,8 @@ def vocab_problem(model: nn.Module, x: torch.Tensor, job_vocab: int, data: str, 
     """Why the token ids of ``x`` cannot go into the model's input embedding, naming both sizes and the key to
     change; None when they fit (or the model has no embedding to check against)."""
     emb, where = input_embedding(model)
-    if emb is None or x.numel() == 0 or x.device.type == "meta":
+    if (emb is None or not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.numel() == 0
+            or x.device.type == "meta"):
         return None
     try:
         top, rows = int(x.max()), emb.num_embeddings

@@ -32,12 +32,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from mfu_lab.core.engine.batches import (
     IGNORE,  # the target id cross_entropy skips: padding
-    Batch,
     checked_batch,
     input_embedding,
 )
 from mfu_lab.core.errors import StepError
-from mfu_lab.core.job.factories import load_factory, source_digest
+from mfu_lab.core.job.factories import load_factory
 from mfu_lab.core.job.paths import input_path
 from mfu_lab.core.job.rules import DATA_PREFIXES, DATA_SOURCES
 from mfu_lab.core.job.schema import Job
@@ -299,6 +298,8 @@ class Feed:
     notes: tuple[str, ...] = ()
     fixed: tuple[str, ...] = ()  # loader knobs the job cannot change (a user's own DataLoader)
     bounds: tuple[int, int] = (0, 0)  # (seq_len, vocabulary) every batch is checked against; 0: not that one
+    ids: bool = True  # the model takes token ids: the token forms are tried first (core.engine.batches.as_batch)
+    other: bool = False  # any other batch is taken as it is (the job names its loss, or the model has no embedding)
 
     def __len__(self) -> int:
         return self.n
@@ -312,7 +313,7 @@ class Feed:
             for raw in self.loader:
                 if self.load_s:
                     time.sleep(self.load_s)
-                yield checked_batch(raw, made + 1, self.what, *self.bounds)
+                yield checked_batch(raw, made + 1, self.what, *self.bounds, self.ids, self.other)
                 made, got = made + 1, got + 1
                 if made == self.n:
                     return
@@ -374,13 +375,31 @@ def build_loader(job: Job, n_batches: int, device_type: str, n_samples: int | No
 
 
 def _checked(feed: Feed, job: Job) -> Feed:
-    """The feed with its batches' bounds: the reference GPT's ``seq_len`` (its positions) and :func:`job_vocab`."""
+    """The feed with its batches' bounds: the reference GPT's ``seq_len`` (its positions) and :func:`job_vocab`;
+    whether the model takes token ids (it has a token embedding) and whether other batches are accepted (the job
+    names its ``loss``, or the model has no token embedding: core.engine.batches, "any other batch")."""
     seq = job.seq_len if job.uses_reference_model else 0  # a model of the user's has positions of its own
+    feed.ids = takes_ids(job)
     try:
-        feed.bounds = (seq, job_vocab(job))
-    except Exception:  # noqa: BLE001 - no embedding, or a model the meta device cannot build: the training step
+        feed.bounds = (seq, job_vocab(job) if feed.ids else 0)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot build: the training step
         feed.bounds = (seq, 0)  # still checks the first batch against the model it has
+    feed.other = bool(job.loss) or not feed.ids
     return feed
+
+
+def takes_ids(job: Job) -> bool:
+    """Whether the job's model takes token ids: the reference GPT, or a model with a token embedding (built on the
+    meta device). A model the meta device cannot build is taken to (its first batch says otherwise)."""
+    if job.uses_reference_model or job.vocab_size:
+        return True
+    try:
+        job_vocab(job)
+    except StepError:  # no nn.Embedding: images, rows, signals
+        return False
+    except Exception:  # noqa: BLE001 - the meta device could not build it
+        return True
+    return True
 
 
 def _user_feed(job: Job, n: int, device_type: str, rank: int, world: int) -> Feed:
@@ -406,34 +425,3 @@ def _user_feed(job: Job, n: int, device_type: str, rank: int, world: int) -> Fee
                     LOADER_KNOBS)
     raise StepError(f"job key 'data' = {job.data!r}: {job.data.split(':')[1]}() returned {type(obj).__name__}; "
                     "expected a torch Dataset, IterableDataset, DataLoader or an iterable of batches")
-
-
-def same_batches(job: Job, n_batches: int, device_type: str, rank: int = 0, world: int = 1) -> Any:
-    """The batches of a side-by-side comparison (steps 2, 4, 5 and 7), the same for every candidate, in any process.
-
-    mfu-lab's own loaders give the same batches on every call (seeded windows, rows in order, a map-style dataset
-    unshuffled): they are returned as they are, data wait included. A factory's own DataLoader or iterable may
-    shuffle: its first ``n_batches`` are drawn once, saved under ``<out>/<job>/.batches/`` and read back by every
-    later candidate (none then waits on data: they compare compute), keyed on all they depend on, its source too."""
-    feed = build_loader(job, n_batches, device_type, rank=rank, world=world)
-    if not getattr(feed, "fixed", ()):
-        return feed
-    import hashlib
-    import json
-    import os
-
-    key = hashlib.sha256(json.dumps([job.data, source_digest(job.data, job.factory_paths, job.trust),
-                                     job.factory_paths, job.trust, job.micro_batch, job.seq_len, job.seed, n_batches,
-                                     rank, world]).encode()).hexdigest()[:16]
-    path = job.output_root() / ".batches" / f"{key}.pt"
-    if path.is_file():
-        try:
-            return [Batch(x, y, kw) for x, y, kw in torch.load(path, weights_only=True)]
-        except Exception:  # a torn or foreign file: drawn again below
-            pass
-    batches = list(feed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    torch.save([(b[0], b[1], b.kwargs) for b in batches], tmp)
-    os.replace(tmp, path)
-    return batches

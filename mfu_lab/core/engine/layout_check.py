@@ -132,6 +132,11 @@ def check_layout(job: Job, world: int, device_type: str, source: str = LAYOUT_SO
 
 def _model_problems(job: Job, shape: ModelShape) -> list[JobProblem]:
     problems = []
+    if job.pp > 1 and job.loss:
+        problems.append(JobProblem("pp", job.pp, f"the job's own loss (key 'loss' = {job.loss!r}) reads the whole "
+                                   "batch as the data gives it, but a pipeline's last stage holds only its "
+                                   "micro-batch's output and targets: use pp: 1 with a loss factory (DDP, FSDP2 and "
+                                   "tensor parallel run it)"))
     if job.tp > 1 and not shape.heads:
         problems.append(JobProblem("tp", job.tp, f"needs the attention heads of {job.model}, which could not be "
                                    f"found (looked for config.{', config.'.join(HEAD_CONFIG_KEYS)} and the module "

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mfu_lab.core.engine.batches import input_embedding
 from mfu_lab.core.engine.layout import Layout
 from mfu_lab.core.engine.workload import GPT, compile_kwargs, logits_of
 from mfu_lab.core.errors import StepError
+from mfu_lab.core.job.factories import load_factory
 from mfu_lab.core.job.schema import Job
 
 LLAMA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -201,6 +203,7 @@ class Parallelized:
     schedule: Any = None  # PP: the pipeline schedule
     ddp: nn.Module | None = None  # the DDP wrapper, when the layout is plain DDP
     dp_grad_sync: bool = False  # DDP mode beside TP/PP: gradients all-reduced over "dp" after backward
+    loss_fn: Any = None  # the job's own loss of (output, batch) (key 'loss'), else cross-entropy of the logits
 
     @property
     def first_stage(self) -> bool:
@@ -230,7 +233,7 @@ class Parallelized:
                 loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last_stage else None
             else:
                 model = self.ddp or self.modules[0]
-                loss = cross_entropy(logits_of(model(x)), y, self.vocab_size)
+                loss = job_loss(model, self.modules[0], x, y, self.loss_fn, self.vocab_size)
         if self.schedule is None:
             loss.backward()
         if self.layout.sp and not self.layout.fsdp:
@@ -279,8 +282,23 @@ class Parallelized:
                 "grads": sum(local(p.grad) for p in params if p.grad is not None), "optimizer": opt}
 
 
+def job_loss(forward: nn.Module, model: nn.Module, x: Any, y: Any, loss_fn: Any, vocab_size: int) -> torch.Tensor:
+    """The loss of one batch in a layout, as the single-process step has it (core.engine.workload.TrainStep): the
+    job's own loss of ``(output, batch)`` when it names one, the batch as the data gave it (a dict's keys go into
+    the forward that takes them); else cross-entropy of the logits against the targets."""
+    from mfu_lab.core.engine.batches import call_model, loss_problem, loss_view
+
+    if loss_fn is None:
+        return cross_entropy(logits_of(forward(x)), y, vocab_size)
+    loss = loss_fn(call_model(forward, x, model), loss_view(x, y, {}))
+    why = loss_problem(loss, loss_fn)
+    if why:
+        raise StepError(why)
+    return loss
+
+
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    if logits.size(-1) != vocab_size:
+    if vocab_size and logits.size(-1) != vocab_size:
         raise StepError(f"the model's logits have {logits.size(-1)} classes; expected vocab_size={vocab_size}")
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
@@ -338,10 +356,12 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
     optimizer = torch.optim.AdamW(list(dict.fromkeys(params)), lr=job.lr, **impl)
     if job.dtype == "float16":
         notes.append("float16 runs without loss scaling in a layout (the single-process reference uses GradScaler)")
-    par = Parallelized(layout, mesh, modules, optimizer, autocast_dtype, job.vocab_size, notes,
-                       [i for i, _ in parts], None, ddp, sync)
+    loss_fn = load_factory(job.loss, None, job.factory_paths, job.trust, key="loss") if job.loss else None
+    vocab = job.vocab_size or (emb.num_embeddings if (emb := input_embedding(model)[0]) is not None else 0)
+    par = Parallelized(layout, mesh, modules, optimizer, autocast_dtype, vocab, notes,
+                       [i for i, _ in parts], None, ddp, sync, loss_fn)
     if layout.pp > 1:
-        par.schedule = _schedule(parts, layout, mesh["pp"].get_group(), device, job.vocab_size)
+        par.schedule = _schedule(parts, layout, mesh["pp"].get_group(), device, vocab)
     return par
 
 

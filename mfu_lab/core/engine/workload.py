@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mfu_lab.core.engine.batches import FORWARD_KEYS, input_embedding, loss_problem, loss_view, vocab_problem
+from mfu_lab.core.engine.batches import (
+    FORWARD_KEYS,
+    README_SECTION,
+    describe,
+    input_embedding,
+    loss_problem,
+    loss_view,
+    vocab_problem,
+)
 from mfu_lab.core.engine.data import (  # noqa: F401  (re-exported: the steps import the data from here too)
     IGNORE,
     PAD_ID,
@@ -223,6 +232,7 @@ class TrainStep:
             params = {}
         anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.takes = {k for k in FORWARD_KEYS if k in params or (anything and k == "attention_mask")}
+        self.params, self.anything = set(params), anything
         if not self.vocab_size:
             emb, _ = input_embedding(self.model)
             self.vocab_size = emb.num_embeddings if emb is not None else 0
@@ -233,10 +243,24 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype))
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor, eager: bool = False, **kw: torch.Tensor) -> torch.Tensor:
+    def _forward(self, forward, x: Any, fkw: dict[str, torch.Tensor]) -> Any:
+        """The model on the batch's input: a dict of tensors goes in as the keywords the forward takes, anything
+        else as the one positional input."""
+        if isinstance(x, Mapping):
+            kw = {k: v for k, v in x.items() if self.anything or k in self.params}
+            if not kw:
+                raise StepError(f"the batch is {describe(x)}, but the model's forward takes none of its keys (it takes "
+                                f"{sorted(self.params)}): give the model's input as the dict's key, or the batch as "
+                                f"a pair (inputs, targets) ({README_SECTION})")
+            return forward(**kw)
+        return forward(x, **fkw)
+
+    def loss(self, x: Any, y: Any, eager: bool = False, **kw: torch.Tensor) -> torch.Tensor:
         """The step's loss; ``eager`` runs the uncompiled model (FLOP counting traces eager operators). ``kw``: the
-        batch's keyword tensors (``labels``, ``attention_mask``); those the forward takes go into it."""
-        if not self.vocab_checked and x.device.type != "meta":
+        batch's keyword tensors (``labels``, ``attention_mask``); those the forward takes go into it. ``x`` and ``y``
+        may be a batch that is not token ids (core.engine.batches: any other batch), which the job's loss reads."""
+        ids = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
+        if not self.vocab_checked and ids and x.device.type != "meta":
             why = vocab_problem(self.model, x, self.vocab_size, self.data, self.reference)
             if why:
                 raise StepError(why)
@@ -244,16 +268,21 @@ class TrainStep:
         forward = self.model if eager or self.compiled is None else self.compiled
         fkw = {k: v for k, v in kw.items() if k in self.takes}
         with self.autocast():
-            out = forward(x, **fkw)
+            out = self._forward(forward, x, fkw)
         if self.loss_fn is not None:
             loss = self.loss_fn(out, loss_view(x, y, kw))
             why = loss_problem(loss, self.loss_fn)  # a vector or None: named here, not by autograd
             if why:
                 raise StepError(why)
             return loss
-        own = getattr(out, "loss", None) if "labels" in fkw else None
+        own = getattr(out, "loss", None) if "labels" in fkw or isinstance(x, Mapping) else None
         if isinstance(own, torch.Tensor):
             return own.float()
+        if not (ids and isinstance(y, torch.Tensor) and y.shape == x.shape and x.dim() == 2):
+            got = describe(loss_view(x, y, kw))
+            raise StepError(f"the batch is {got}: not token ids with aligned targets, and the job names no loss. Set "
+                            "key 'loss' to package.module:function taking (output, batch), which receives the batch "
+                            f"as your data gives it ({README_SECTION})")
         logits = logits_of(out)
         if logits.shape[:2] != x.shape or (self.vocab_size and logits.size(-1) != self.vocab_size):
             raise StepError(f"the model's logits have shape {tuple(logits.shape)}; expected "

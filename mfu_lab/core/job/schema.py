@@ -103,7 +103,7 @@ class Job:
     d_model: int = _key(256, "hidden size", min=1)
     vocab_size: int = _key(2048, "token vocabulary (0: the model's input embedding size, the default for a model "
                            "factory; the reference gpt takes 2048)", min=0)
-    seq_len: int = _key(256, "tokens per sample", min=1)
+    seq_len: int = _key(256, "tokens per sample (token ids only; other batches keep their own shapes)", min=1)
     attention: str = _key("sdpa", "sdpa (fused scaled_dot_product_attention) | unfused (explicit softmax(QK^T)V)",
                           choices=ATTENTIONS)
     activation_checkpointing: bool = _key(False, "recompute each block's activations in backward (raises HFU, not MFU)")

@@ -88,6 +88,17 @@ PEAK_TABLE: tuple[Chip, ...] = (
 
 DTYPE_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
+# The compute die under each row (NVIDIA's whitepapers): the same die runs the same kernels on the same SM design,
+# so one chip's measured MFU is the best evidence for another's (labelled so: memory and clocks still differ).
+DIES = {"A100": "GA100", "H100 NVL": "GH100", "H100 PCIe": "GH100", "H800 PCIe": "GH100", "H100 SXM": "GH100",
+        "H200 NVL": "GH100", "H200": "GH100", "GB200": "GB100", "B200": "GB100"}
+
+
+def same_die(a: str, b: str) -> str | None:
+    """The die two chip rows share (``DIES``), None when they differ or either is unknown."""
+    die = DIES.get(a)
+    return die if die is not None and die == DIES.get(b) else None
+
 
 @dataclass(frozen=True)
 class DeviceInfo:

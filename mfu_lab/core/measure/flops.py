@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from mfu_lab.core.engine.batches import shape_key
 from mfu_lab.core.engine.workload import GPT
 from mfu_lab.core.job.factories import source_digest
 from mfu_lab.core.store.files import write_json_atomic
@@ -194,7 +195,6 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path |
         train_step.loss(x, y, eager=True).backward()
         model.zero_grad(set_to_none=True)
 
-    tokens = x.numel()
     ckpt = isinstance(model, GPT) and model.activation_checkpointing
     if ckpt:  # model FLOPs are counted without the recompute, hardware FLOPs with it
         model.activation_checkpointing = False
@@ -207,6 +207,7 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path |
     flash = flash_style(counted.by_op)
     recompute_counted = flash_recompute_flops(counted.by_op)  # once per backward, checkpointed or not
     if isinstance(model, GPT):
+        tokens = x.numel()
         n = model.matmul_params()
         analytic = transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
         layers = model.n_layers if flash else 0
@@ -245,8 +246,8 @@ def count_key(model: torch.nn.Module, train_step, x, y, key_extra: str = "") -> 
         source = Path(inspect.getsourcefile(type(model)) or "").read_bytes()
     except (OSError, TypeError):
         source = b""
-    for part in (key_extra, repr(model), "|".join(atts), hashlib.sha256(source).hexdigest(), tuple(x.shape),
-                 str(x.dtype), tuple(y.shape), str(y.dtype), getattr(model, "activation_checkpointing", None),
+    for part in (key_extra, repr(model), "|".join(atts), hashlib.sha256(source).hexdigest(), shape_key(x),
+                 shape_key(y), getattr(model, "activation_checkpointing", None),
                  getattr(train_step, "dtype", None), getattr(train_step, "device_type", None), torch.__version__):
         h.update(repr(part).encode() + b"\0")
     return h.hexdigest()[:16]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from mfu_lab.core.engine.batches import IGNORE
+from mfu_lab.core.engine.batches import IGNORE, samples_of, to_device
 from mfu_lab.core.measure.contention import Contention, ContentionProbe
 
 
@@ -48,6 +48,13 @@ class Timings:
     contention: Contention | None = None  # was the machine shared while these steps ran (core.measure.contention)
     tokens: list[int] | None = None  # per step: targets that are not padding (IGNORE), counted on the host
     padded_tokens: list[int] | None = None  # per step: every position of the batch, padding included
+    samples: list[int] | None = None  # per step: the batch's samples (its first dimension)
+
+    def measured_samples(self) -> int | None:
+        """Samples over the measured steps, None when they were not counted."""
+        if not self.samples:
+            return None
+        return sum(self.samples[self.warmup_steps:])
 
     def measured_tokens(self) -> tuple[int, int] | None:
         """(useful, padded) tokens over the measured steps, None when the batches had no token targets."""
@@ -95,9 +102,14 @@ def stats(values: list[float]) -> Stats:
 Progress = Callable[[int, int, float], None]
 
 
-def _count(y, useful: list[int], padded: list[int]) -> None:
-    """Non-padding targets of one batch, counted on the host before the copy (no device synchronisation), with
-    numpy: no torch operator runs, so a profiled window's trace holds the job's operators only."""
+def _count(batch, useful: list[int], padded: list[int], samples: list[int]) -> None:
+    """Samples of one batch, and its non-padding targets when it is token ids, counted on the host before the copy
+    (no device synchronisation), with numpy: no torch operator runs, so a profiled window's trace holds the job's
+    operators only. A batch that is not token ids (core.engine.batches) has no tokens: its -100 scale nothing."""
+    samples.append(samples_of(batch))
+    if not getattr(batch, "tokens", True):
+        return
+    y = batch[1]
     if not isinstance(y, torch.Tensor) or y.device.type != "cpu" or y.requires_grad:
         return  # not a batch of token targets on the host: not counted (a device tensor would need a sync)
     try:
@@ -131,14 +143,14 @@ def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
     n = warmup + steps
     wall, data, compute, losses = [], [], [], []
     it = iter(batches)
-    useful, padded = [], []
+    useful, padded, samples = [], [], []
     start = prev_end = time.perf_counter()
     for i in range(n):
         t0 = time.perf_counter()
         batch = next(it)
         x, y = batch
-        _count(y, useful, padded)
-        x, y, kw = x.to(device), y.to(device), _kwargs(batch, device)
+        _count(batch, useful, padded, samples)
+        x, y, kw = to_device(x, device), to_device(y, device), _kwargs(batch, device)
         t1 = time.perf_counter()
         losses.append(step(x, y, **kw))
         end = time.perf_counter()
@@ -150,7 +162,7 @@ def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
             progress(i + 1, n, end - start)
     return Timings(wall, data, compute, [float(v) for v in losses], warmup,
                    "time.perf_counter around each phase (CPU runs synchronously)", tokens=useful or None,
-                   padded_tokens=padded or None)
+                   padded_tokens=padded or None, samples=samples or None)
 
 
 def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pragma: no cover - GPU only
@@ -165,13 +177,13 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     start = time.perf_counter()
     origin.record()
     fetch = []  # host seconds spent getting each batch and issuing its copy: the only part that is data wait
-    useful, padded = [], []
+    useful, padded, samples = [], [], []
     for i in range(n):
         t0 = time.perf_counter()
         batch = next(it)
         x, y = batch
-        _count(y, useful, padded)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        _count(batch, useful, padded, samples)
+        x, y = to_device(x, device, True), to_device(y, device, True)
         kw = _kwargs(batch, device, True)
         fetch.append(time.perf_counter() - t0)
         ready[i].record()
@@ -195,7 +207,7 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
                    "CUDA events on the device timeline (no synchronisation inside the loop); data wait: the "
                    "device's idle time before each batch was ready, up to the host's time fetching it",
                    torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated", tokens=useful or None,
-                   padded_tokens=padded or None)
+                   padded_tokens=padded or None, samples=samples or None)
 
 
 def interleaved(timers: dict[str, Callable[[int], list[float]]], rounds: int, steps: int) -> dict[str, list[float]]:

@@ -22,6 +22,7 @@ from typing import Any
 from mfu_lab.analysis import racing
 from mfu_lab.analysis.dp_family import loss_gap, loss_verdict
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.workload import GPT, build_loader, build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -176,8 +177,8 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
 
     model = build_model(job).to(torch_device).train()
     x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
-    flops = count_step_flops(model, build_train_step(job, model, device.type), x.to(torch_device),
-                             y.to(torch_device), cache_dir=job.output_root(),
+    flops = count_step_flops(model, build_train_step(job, model, device.type), to_device(x, torch_device),
+                             to_device(y, torch_device), cache_dir=job.output_root(),
                              key_extra=fl.job_key_extra(job))
     ref = _baseline_reference(job, device.name)
     if ref:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.engine.batches import describe, to_device
 from mfu_lab.core.engine.layout import Layout, beyond_ddp
 from mfu_lab.core.engine.layout_check import check_layout
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
@@ -107,9 +108,11 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     train_step = build_train_step(job, model, device.type)
     loader = build_loader(job, job.warmup_steps + job.steps, device.type)
     # one batch for counting FLOPs, from an in-process loader so no worker starts for it
-    x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
-    report = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device), cache_dir=job.output_root(),
-                              key_extra=fl.job_key_extra(job))
+    b0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
+    x0, y0 = b0
+    is_tokens = getattr(b0, "tokens", True)  # token ids (core.engine.batches), or images, rows...: samples only
+    report = count_step_flops(model, train_step, to_device(x0, torch_device), to_device(y0, torch_device),
+                              cache_dir=job.output_root(), key_extra=fl.job_key_extra(job))
 
     with HealthSampler(device.type, device.name, device.index) as sampler:
         timings, clock = _timed_steps(job, train_step, loader, torch_device, p, t_start)
@@ -137,13 +140,17 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
                     f"positions) / wall time, {window}")
         mfu_how = (f"{report.model_flops_source} model FLOPs per token x non-padding tokens / ({peak.source} peak x "
                    f"measured wall time), {window}: padding ({padding:.1%} of positions) is not model work")
-    else:  # batches without token targets: every step counts as the job's tokens per step
-        tokens_per_s, padding = job.tokens_per_step * n / total_wall, None
+    else:  # batches without token targets, or not token ids at all: the step's FLOPs, never scaled by positions
+        tokens_per_s, padding = (job.tokens_per_step * n / total_wall if is_tokens else None), None
         mfu_value = fl.mfu(report.model_flops_per_step, n / total_wall, peak.flops_per_s)
         hfu_value = fl.mfu(report.hardware_flops_per_step, n / total_wall, peak.flops_per_s)
-        tok_note = "tokens per step x steps / wall time, " + window
-        mfu_how = (f"{report.model_flops_source} model FLOPs x steps / ({peak.source} peak x measured wall time), "
-                   + window)
+        tok_note = ("tokens per step x steps / wall time, " + window if is_tokens else
+                    "the batches are not token ids (" + describe(b0[0]) + "): no tokens; see samples_per_s")
+        mfu_how = (f"{report.model_flops_source} model FLOPs per step x steps / ({peak.source} peak x measured wall "
+                   f"time), {window}" + ("" if is_tokens else ": the batch's FLOPs as counted, not scaled by "
+                                         "targets or positions (the batches are not token ids)"))
+    samples = timings.measured_samples()
+    samples_per_s = samples / total_wall if samples else None
     ledger = single_process_ledger(timings, mfu_value, health, hardware_flops(report))  # recompute = HFU - MFU
     data_f, compute_f = ledger_part(timings, "data_s"), ledger_part(timings, "compute_s")
     metrics = {
@@ -162,6 +169,9 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
         "step_time_p90_s": Metric(st.p90, "s", "measured"),
         "step_time_cv": Metric(st.cv, "fraction", "measured", "standard deviation / mean of step times"),
         "tokens_per_s": Metric(tokens_per_s, "tokens/s", "measured", tok_note),
+        "samples_per_s": Metric(samples_per_s, "samples/s", "measured",
+                                f"samples (each batch's first dimension, counted on the host: {samples or 0:,}) / "
+                                f"wall time, {window}"),
         "model_flops_per_step": Metric(report.model_flops_per_step, "FLOP", report.model_flops_source, report.formula),
         "hardware_flops_per_step": Metric(report.hardware_flops_per_step, "FLOP", report.model_flops_source,
                                           "model FLOPs + recomputed forward (activation checkpointing) + the score "
@@ -237,6 +247,7 @@ def _timed_steps(job: Job, train_step, loader, device, p, t_start: float) -> tup
         loss=w.loss + t.loss, warmup_steps=len(w.wall_s), peak_memory_bytes=max(mem) if mem else None,
         tokens=(w.tokens or []) + (t.tokens or []) or None,
         padded_tokens=(w.padded_tokens or []) + (t.padded_tokens or []) or None,
+        samples=(w.samples or []) + (t.samples or []) or None,
         method=t.method + "; under a budget the warm-up ran first, timed apart, to size the timed steps")
     return joined, clock
 

@@ -27,6 +27,9 @@ from mfu_lab.analysis import racing
 from mfu_lab.analysis import recompiles as cp
 from mfu_lab.analysis.trace import breakdown as tr
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.engine.batches import to_device
+from mfu_lab.core.engine.data import job_vocab
+from mfu_lab.core.engine.work import token_job, work_rates
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -194,8 +197,10 @@ def advise(r: CompileResult) -> list[Advice]:
     out: list[Advice] = []
     a, real = r.audit, r.recompiles[0]
     if a.varies or real.recompiles:
-        out.append(Advice("act", "Fix the shapes before compiling: set seq_policy to pad or pack (one length) or "
-                          "bucket (a few), and last_batch to drop or pad",
+        fix = ("set seq_policy to pad or pack (one length) or bucket (a few), and last_batch to drop or pad"
+               if a.seq_lens else "make the data's inputs one shape (resize or crop them) and set last_batch to "
+               "drop or pad")
+        out.append(Advice("act", "Fix the shapes before compiling: " + fix,
                           f"one epoch of the data has {len(a.shapes)} shapes ({', '.join(list(a.shapes)[:4])}...); "
                           f"they cause {real.recompiles} recompile(s) under compile_dynamic={real.dynamic}"))
     if a.padding_fraction > 0.10:
@@ -243,20 +248,28 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     # ---- 2. recompiles (dynamo alone: no backend compile needed) and graph breaks
     model = build_model(job).to(torch_device).train()
     batches = [x for x, _ in epoch_batches[:64]]
-    say(f"counting recompiles: {len(batches)} batches of the data, then {job.seq_len}-token lengths varied")
-    real = cp.count_recompiles(model, [x.to(torch_device) for x in batches], job.compile_dynamic,
+    tokens = all(getattr(b, "tokens", True) for b in epoch_batches[:1])
+    vocab = job_vocab(job) if tokens else 0  # vocab_size 0: the model's input embedding's rows
+    say(f"counting recompiles: {len(batches)} batches of the data"
+        + (f", then {job.seq_len}-token lengths varied" if tokens and vocab else ""))
+    real = cp.count_recompiles(model, [to_device(x, torch_device) for x in batches], job.compile_dynamic,
                                "the data's own shapes")
-    b = min(job.micro_batch, 2)
-    lengths = sorted({job.seq_len, max(1, job.seq_len // 2), max(1, 3 * job.seq_len // 4)}, reverse=True)
-    demo_x = [torch.randint(job.vocab_size, (b, n), device=torch_device) for n in lengths]
-    demo = [cp.count_recompiles(model, demo_x, "static", "lengths varied, dynamic=False"),
-            cp.count_recompiles(model, demo_x, "auto", "lengths varied, torch's default (dynamic=None)")]
-    breaks = cp.graph_breaks(model, demo_x[0])
+    if tokens and vocab:  # the length demo: inputs that have a length
+        b = min(job.micro_batch, 2)
+        lengths = sorted({job.seq_len, max(1, job.seq_len // 2), max(1, 3 * job.seq_len // 4)}, reverse=True)
+        demo_x = [torch.randint(vocab, (b, n), device=torch_device) for n in lengths]
+        demo = [cp.count_recompiles(model, demo_x, "static", "lengths varied, dynamic=False"),
+                cp.count_recompiles(model, demo_x, "auto", "lengths varied, torch's default (dynamic=None)")]
+    else:
+        demo = []
+        skipped.append({"what": "the length-variation demo", "reason": "the batches are not token ids: their inputs "
+                        "have no sequence length to vary (the recompile audit above reads the data's own shapes)"})
+    breaks = cp.graph_breaks(model, to_device(demo_x[0] if demo else batches[0], torch_device))
 
     # ---- FLOPs and peak for MFU, as in step 1
     x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
-    report = count_step_flops(model, build_train_step(job, model, device.type), x0.to(torch_device),
-                              y0.to(torch_device), cache_dir=job.output_root(),
+    report = count_step_flops(model, build_train_step(job, model, device.type), to_device(x0, torch_device),
+                              to_device(y0, torch_device), cache_dir=job.output_root(),
                               key_extra=fl.job_key_extra(job))
     flops, hw = report.model_flops_per_step, hardware_flops(report)
     peak, *peak_label, _ = reference_peak(job, device)
@@ -360,8 +373,12 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                             "total wall time of the measured steps"),
         "step_time_median_s": Metric(chosen.step_median_s, "s", "measured", method),
         "eager_step_time_median_s": Metric(eager.step_median_s, "s", "measured", "eager, fresh process"),
-        "tokens_per_s": Metric(job.tokens_per_step * (chosen.steps_per_s or 0) or None, "tokens/s", "measured",
-                               "tokens per step x steps / wall time, over the total wall time of the measured steps"),
+        "tokens_per_s": Metric(work_rates(job, chosen.steps_per_s)[0], "tokens/s", "measured",
+                               "tokens per step x steps / wall time, over the total wall time of the measured steps"
+                               if token_job(job) else "the batches are not token ids: no tokens; see samples_per_s"),
+        "samples_per_s": Metric(work_rates(job, chosen.steps_per_s)[1], "samples/s", "measured",
+                                "samples per step x steps / wall time, over the total wall time of the measured "
+                                "steps"),
         "speedup": Metric(shown.speedup if shown else None, "x", "measured",
                           which + "eager median / compiled median"),
         "compile_cold_s": Metric(shown.compile_cold_s if shown else None, "s", "measured",

@@ -25,6 +25,7 @@ import torch
 
 from mfu_lab.analysis import fp8_numerics as f8
 from mfu_lab.analysis import precision as pr
+from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.workload import build_model, build_train_step, eager
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -159,7 +160,7 @@ def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch
     f8.apply_policy(model, groups, recipe)
     ts = build_train_step(eager(job), model, device.type)  # emulation hooks run eager
     for i, (x, y) in enumerate(batches):
-        loss = ts.loss(x.to(device), y.to(device))
+        loss = ts.loss(to_device(x, device), to_device(y, device))
         ts.scaler.scale(loss).backward()
         ts.scaler.unscale_(ts.optimizer)
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mfu_lab.analysis import fp8_numerics as f8
+from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.workload import build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -42,7 +43,7 @@ def study(job: Job, model: nn.Module, batches: list, device: dev.DeviceInfo, say
         "3 scalings")
     ts = build_train_step(job, model, device.type)
     to = device.torch_device
-    by_scaling = f8.sensitivity(model, lambda m, x, y: ts.loss(x.to(to), y.to(to)),
+    by_scaling = f8.sensitivity(model, lambda m, x, y: ts.loss(to_device(x, to), to_device(y, to)),
                                 batches[:job.fp8_sensitivity_batches])
     scaling = f8.RECIPES[job.fp8_recipe][0]
     return Study(by_scaling, scaling, min(by_scaling[scaling], key=lambda g: g.worst_snr_db).group)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from mfu_lab.analysis import fp8_numerics as f8
-from mfu_lab.core.engine.data import same_batches
+from mfu_lab.core.engine.batches import to_device
+from mfu_lab.core.engine.work import same_batches, work_rates
 from mfu_lab.core.engine.workload import build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -82,14 +83,18 @@ def speed_metrics(job: Job, speed: dict[str, Any], device: dev.DeviceInfo,
     torch_device = device.torch_device
     metrics = {"fp8_speedup": Metric(speed["speedup"], "x", "measured", "bf16 step / fp8 step, both compiled")}
     fp8_rate = speed["fp8_steps"] / speed["fp8_total_s"]  # steps per second over the measured FP8 steps
-    metrics["tokens_per_s"] = Metric(job.tokens_per_step * fp8_rate, "tokens/s", "measured",
+    tokens_per_s, samples_per_s = work_rates(job, fp8_rate)
+    metrics["tokens_per_s"] = Metric(tokens_per_s, "tokens/s", "measured",
                                      "tokens per step x steps / wall time, over the total wall time of the "
-                                     "measured FP8 steps")
+                                     "measured FP8 steps" if tokens_per_s is not None else
+                                     "the batches are not token ids: no tokens; see samples_per_s")
+    metrics["samples_per_s"] = Metric(samples_per_s, "samples/s", "measured", "samples per step x steps / wall "
+                                      "time, over the measured FP8 steps")
     chip = dev.lookup_chip(device.name)
     m0 = build_model(job).to(torch_device).train()
     x0, y0 = batch
-    flops = count_step_flops(m0, build_train_step(job, m0, device.type), x0.to(torch_device),
-                             y0.to(torch_device), cache_dir=job.output_root(),
+    flops = count_step_flops(m0, build_train_step(job, m0, device.type), to_device(x0, torch_device),
+                             to_device(y0, torch_device), cache_dir=job.output_root(),
                              key_extra=fl.job_key_extra(job)).model_flops_per_step
     for peak_name in ("bf16", "fp8"):
         pk = getattr(chip, peak_name) if chip else None

@@ -23,6 +23,8 @@ from typing import Any
 
 from mfu_lab.analysis.trace import breakdown as tr
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.engine.batches import to_device
+from mfu_lab.core.engine.work import work_rates
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -50,6 +52,7 @@ from mfu_lab.core.thresholds import (
 from mfu_lab.steps.baseline.step import reference_peak, step1_reference
 from mfu_lab.steps.kernels import layout as kl
 from mfu_lab.steps.kernels.figures import compare_with_step1, trace_metrics
+from mfu_lab.steps.kernels.optimizer_race import race_optimizer
 from mfu_lab.workers.launch import error_lines, launch, world_layout
 
 INFO = BY_KEY["kernels"]
@@ -85,6 +88,7 @@ class KernelsResult(StepResult):
     # the job in its own layout (steps.kernels.layout): the run's summary, "name", "profiles" (one per rank), "caveat"
     layout: dict[str, Any] = field(default_factory=dict)
     fit: dict[str, Any] = field(default_factory=dict)  # the layout's memory per rank against what is available
+    optimizer_race: dict[str, Any] = field(default_factory=dict)  # steps.kernels.optimizer_race, when AdamW costs
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelsResult:
@@ -237,13 +241,19 @@ def advise(r: KernelsResult) -> list[Advice]:
                               f"{c.per_step:g} run{'' if c.per_step == 1 else 's'} per step taking "
                               f"{c.time_per_step_s * 1e3:.2f} ms "
                               f"({c.share_of_step:.1%} of the step){saving}"))
-    opt = a.optimizer
-    if opt.get("found") and not opt["multi_tensor"] and opt["share_of_step"] > OPTIMIZER_LIMIT:
-        out.append(Advice("act", "The optimiser updates one parameter at a time: torch.optim.AdamW(..., fused=True) "
-                          "(CUDA, and CPU since torch 2.4) or foreach=True does it in a few multi-tensor kernels "
-                          "(in the job file: adamw_impl: fused)",
-                          f"optimizer step {opt['share_of_step']:.1%} of the step, {opt['ops_per_step']:.0f} "
-                          f"{opt['what']} per step"))
+    opt, race = a.optimizer, r.optimizer_race or {}
+    if opt.get("found") and opt["share_of_step"] > OPTIMIZER_LIMIT:
+        seen = (f"optimizer step {opt['share_of_step']:.1%} of the step, {opt['ops_per_step']:.0f} {opt['what']} per "
+                "step")
+        if race.get("ran"):  # raced side by side: adopted into tuned.yaml, or said why not
+            out.append(Advice("act" if race.get("adopted") else "info",
+                              f"AdamW's implementation, raced side by side: {race['verdict']}"
+                              + (" (tuned.yaml carries it; step 7 verifies it)" if race.get("adopted") else ""),
+                              seen + "; " + race.get("method", "")))
+        elif not opt["multi_tensor"]:
+            out.append(Advice("act", "The optimiser updates one parameter at a time: torch.optim.AdamW(..., "
+                              "fused=True) or foreach=True does it in a few multi-tensor kernels. Not raced here ("
+                              + race.get("note", "no race ran") + "): set adamw_impl in the job file by hand", seen))
     mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
     if mem > MEMORY_BOUND_LIMIT:
         out.append(Advice("look", "Memory-bound operations take a large share: their cost is bytes moved, not "
@@ -302,8 +312,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     model = build_model(job).to(torch_device).train()
     train_step = build_train_step(job, model, device.type)
     x0, y0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
-    flops = count_step_flops(model, train_step, x0.to(torch_device), y0.to(torch_device), cache_dir=job.output_root(),
-                             key_extra=fl.job_key_extra(job))
+    flops = count_step_flops(model, train_step, to_device(x0, torch_device), to_device(y0, torch_device),
+                             cache_dir=job.output_root(), key_extra=fl.job_key_extra(job))
     ref = step1_reference(job, device.name)
     peak, *peak_label, _ = reference_peak(job, device)
     if not ref:
@@ -338,9 +348,17 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     a = tr.analyse(trace, job.top_n, bandwidth, step_s=plain.median)  # shares of the step without the profiler
     del trace
 
+    opt_race = {}
+    if a.optimizer.get("found") and a.optimizer["share_of_step"] > OPTIMIZER_LIMIT:
+        say("racing AdamW's implementations side by side (the optimizer's share is above "
+            f"{OPTIMIZER_LIMIT:.0%})")
+        opt_race = race_optimizer(job, torch_device, a.optimizer["share_of_step"], clock.left_s(), plain.median, say)
+        if not opt_race.get("ran"):
+            skipped.append({"what": "optimizer race", "reason": opt_race["note"]})
     overhead = prof.median / plain.median - 1
     compare = compare_with_step1(ref, plain.median, prof.median)
     n = len(unprofiled.measured("wall_s"))
+    rates = work_rates(job, n / sum(unprofiled.measured("wall_s")))
     mfu_plain = fl.mfu(flops.model_flops_per_step, n / sum(unprofiled.measured("wall_s")), peak)
     mfu_profiled = fl.mfu(flops.model_flops_per_step, a.steps / a.window_s, peak)
     ledger = trace_ledger(a.breakdown, mfu_profiled, device.type, hardware_flops(flops))
@@ -355,8 +373,10 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         "profiled_step_time_median_s": Metric(prof.median, "s", "measured", "the same steps under torch.profiler"),
         "profiler_overhead": Metric(overhead, "fraction", "measured", "profiled median / unprofiled median - 1, "
                                     "side by side in this run"),
-        "tokens_per_s": Metric(job.tokens_per_step * n / sum(unprofiled.measured("wall_s")), "tokens/s", "measured",
-                               "unprofiled steps"),
+        "tokens_per_s": Metric(rates[0], "tokens/s", "measured", "unprofiled steps" if rates[0] is not None else
+                               "the batches are not token ids: no tokens; see samples_per_s"),
+        "samples_per_s": Metric(rates[1], "samples/s", "measured", "samples per step x steps / wall time, unprofiled "
+                                "steps"),
     } | trace_metrics(a, bandwidth, bw_note, step_s=plain.median) | {
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
@@ -373,7 +393,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         metrics["ddp_step_time_s"] = Metric(max(r.step_time_s for r in ranks), "s", "measured",
                                             "profiled window / steps, slowest rank")
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
-                           unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped=skipped + clock.shortened)
+                           unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped=skipped + clock.shortened,
+                           optimizer_race=opt_race)
     result.budget = clock.record()
     if ranks:  # advice sizes DDP's buckets against the gradients
         ddp["gradient_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -38,7 +38,7 @@ def job_facts(job: Job, shape: pl.Shape) -> Facts:
 
     with torch.device("meta"):  # parameter counts only: no memory, no weights
         model = build_model(job)
-    in_blocks = sum(p.numel() for b in blocks_of(model) for p in b.parameters())
+    in_blocks = sum(p.numel() for b in blocks_of(model) or [] for p in b.parameters())  # none: one root group
     root = float(sum(p.numel() for p in model.parameters()) - in_blocks)
     tied = float(head.weight.numel()) if (head := tied_head(model)) is not None else 0.0
     # torch 2.13 reshards the root when told explicitly (parallelize passes reshard_after_forward to every group)

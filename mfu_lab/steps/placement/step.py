@@ -38,7 +38,9 @@ from mfu_lab.analysis.placement.strategies import (
     strategy_rows,
 )
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.meta_shape import shaped
+from mfu_lab.core.engine.work import token_job
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -80,6 +82,9 @@ class PlacementResult(StepResult):
     layouts_run: dict = dataclasses.field(default_factory=dict)  # world, backend, steps, seconds (or skipped)
     # the node's time terms the cluster predictions took (NCCL on GPUs) and not (analysis.layouts.calibration)
     calibrated_here: str = ""
+    # issue 47: the unit of the throughput shown (the model counts tokens: samples x seq_len) and tokens per unit
+    unit: str = "tokens"
+    per_unit: int = 1
 
 
 Result = PlacementResult  # the step contract: every step module names its result class Result
@@ -97,8 +102,8 @@ def job_shape(job: Job, device: dev.DeviceInfo) -> tuple[pl.Shape, str]:
     """The job's shape for the model; FLOPs per sample counted here (one forward and backward)."""
     model = build_model(job).to(device.torch_device).train()
     x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
-    fl = count_step_flops(model, build_train_step(job, model, device.type), x.to(device.torch_device),
-                          y.to(device.torch_device), cache_dir=job.output_root(), key_extra=job_key_extra(job))
+    fl = count_step_flops(model, build_train_step(job, model, device.type), to_device(x, device.torch_device),
+                          to_device(y, device.torch_device), cache_dir=job.output_root(), key_extra=job_key_extra(job))
     params = float(sum(p.numel() for p in model.parameters()))
     dims = shaped(job)  # a factory model's layers, heads and width read from the model (core.engine.meta_shape)
     shape = pl.Shape(dims.n_layers, dims.n_heads, dims.d_model, job.seq_len, job.micro_batch, params,
@@ -207,6 +212,8 @@ def run(job: Job, progress=None, write: bool = True) -> PlacementResult:
         dataclasses.asdict(shape) | {"from": shape_from}, cal_rows, coloc, check, sweep, size, chosen_row,
         strategies, shared, gang, hint, [], layouts, layouts_run, node_cal.statement(),
         skipped=skipped + clock.shortened)
+    if not token_job(job):  # the model counts global_batch x seq_len per step: samples are that over seq_len
+        result.unit, result.per_unit = "samples", shape.seq_len
     result.budget = clock.record()
     result.metrics = _metrics(result, cal)
     result.advice = advise(result)
@@ -247,8 +254,11 @@ def _metrics(r: PlacementResult, cal: pl.Calibration) -> dict[str, Metric]:
         "predicted_mfu": Metric(c.get("mfu"), "fraction", "modelled",
                                 f"chosen layout {c.get('label', '-')}; {cal_note}"),
         "predicted_step_s": Metric(c.get("step_s"), "s", "modelled", "one optimizer step of global_batch samples"),
-        "predicted_tokens_per_s": Metric(c.get("tokens_per_s"), "tokens/s", "modelled", "global_batch x seq_len / "
-                                         "predicted step time"),
+        "predicted_tokens_per_s": Metric(c.get("tokens_per_s") if r.unit == "tokens" else None, "tokens/s",
+                                         "modelled", "global_batch x seq_len / predicted step time" if r.unit ==
+                                         "tokens" else "the batches are not token ids: see predicted_samples_per_s"),
+        "predicted_samples_per_s": Metric(c["tokens_per_s"] / r.per_unit if c.get("tokens_per_s") else None,
+                                          "samples/s", "modelled", "global_batch / predicted step time"),
         "placement_gpus": Metric(float(c["layout"]["tp"] * c["layout"]["pp"] * c["layout"]["dp"]) if c else None,
                                  "GPUs", "modelled", "the job's gpus key, or the efficient size"),
         "efficient_size": Metric(float(r.efficient_size) if r.efficient_size else None, "GPUs", "modelled",

@@ -16,6 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core.engine.work import first_batch_facts, token_job
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure.timed import stats
@@ -25,14 +26,15 @@ from mfu_lab.workers.layout_launch import run_layouts
 ROUNDS = 2  # each turn rebuilds the layout and checks its loss: far dearer than a single-process round
 
 
-def rung_figures(rung, model_flops_per_step: float, tokens_per_step: float) -> None:
+def rung_figures(rung, model_flops_per_step: float, tokens_per_step: float, samples_per_step: float = 0) -> None:
     """A rung's figures from its timed steps (``rung.wall_s``): the median step and its p10-p90 as their own
     figures; tokens/s and MFU over the total wall time of the measured steps (model FLOPs x steps / (peak x total
     wall)), the one MFU statistic every step uses."""
     st = stats(rung.wall_s)
     n, total = len(rung.wall_s), sum(rung.wall_s)
     rung.step_median_s, rung.step_p10_s, rung.step_p90_s = st.median, st.p10, st.p90
-    rung.tokens_per_s = tokens_per_step * n / total
+    rung.tokens_per_s = tokens_per_step * n / total if tokens_per_step else None  # 0: not token ids
+    rung.samples_per_s = samples_per_step * n / total if samples_per_step else None
     rung.mfu = model_flops_per_step * n / (rung.peak_flops_per_s * total) if rung.peak_flops_per_s else None
 
 
@@ -76,7 +78,8 @@ def measure_in_layout(job: Job, rungs: list, jobs: list[Job], work: Path, say, d
         report = flops[rung.name]
         if rung.peak_flops_per_s:
             rung.peak_flops_per_s *= scale
-        rung_figures(rung, report.model_flops_per_step * p["dp"], job.tokens_per_step * p["dp"])
+        rung_figures(rung, report.model_flops_per_step * p["dp"],
+                     job.tokens_per_step * p["dp"] if token_job(job) else 0, first_batch_facts(job)[1] * p["dp"])
         rung.hardware_flops_ratio = report.hardware_flops_per_step / report.model_flops_per_step
         rung.flops_source = report.model_flops_source + " (meta device)"
         where = f"in the job's layout {p['name']} ({world} ranks, slowest rank per step, {len(rung.wall_s)} steps " \

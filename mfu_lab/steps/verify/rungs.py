@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mfu_lab.core.engine.work import first_batch_facts, token_job
 from mfu_lab.core.errors import DeviceError
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -35,7 +36,8 @@ class Rung:
     step_median_s: float | None = None
     step_p10_s: float | None = None
     step_p90_s: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # token-id jobs only
+    samples_per_s: float | None = None  # every job: each batch's first dimension
     mfu: float | None = None
     hardware_flops_ratio: float | None = None  # hardware / model FLOPs per step (recompute), as the rung counted
     flops_source: str = ""
@@ -174,5 +176,6 @@ def measure_rungs(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say)
             continue
         rung.wall_s, rung.data_s, rung.compute_s = s.wall_s, s.data_s, s.compute_s
         rung.loss += s.loss
-        rung_figures(rung, flops[rung.name], job.tokens_per_step)
+        rung_figures(rung, flops[rung.name], job.tokens_per_step if token_job(job) else 0,
+                     first_batch_facts(job)[1])
     return [[r, n] for r, n in done.order]

@@ -106,7 +106,10 @@ def metrics(before: Rung | None, after: Rung | None, loss: dict) -> dict[str, Me
                  "adopted was timed)") + ", step 7's interleaved rounds: model FLOPs x steps / (its precision's peak x "
                  f"wall time), {WALL}"),
         "tokens_per_s": m(shown.tokens_per_s if shown else None, "tokens/s",
-                          f"tokens per step x steps / wall time, {WALL}"),
+                          f"tokens per step x steps / wall time, {WALL}" if not shown or shown.tokens_per_s is not None
+                          else "the batches are not token ids: no tokens; see samples_per_s"),
+        "samples_per_s": m(getattr(shown, "samples_per_s", None) if shown else None, "samples/s",
+                           f"samples per step x steps / wall time, {WALL}"),
         "step_time_median_s": m(shown.step_median_s if shown else None, "s", "median of the interleaved steps"),
         "mfu_before": m(before.mfu if before else None, "fraction", "the original job, interleaved rounds: model "
                         f"FLOPs x steps / (peak x wall time), {WALL}"),

@@ -108,6 +108,8 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
                    f"{r.name}: {r.reason}" for r in rungs[1:]) + ")")
         skipped.append({"what": "the staircase", "reason": why})
     staircase.speedups(rungs)
+    if withdraw_unproven(job, stairs, rungs, chosen) and write:
+        save_tuned(job, chosen)
     measured = [r for r in rungs if r.wall_s]
     before = measured[0] if measured and measured[0].name == "original" else None
     after = measured[-1] if measured else None
@@ -136,6 +138,34 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     if write:
         save(job, result)
     return result
+
+
+WITHDRAWN_RUNGS = ("fp8",)  # rungs step 7 withdraws unless it measures them faster (beside every proposed change)
+
+
+def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -> bool:
+    """A proposed change (step 4's unconfirmed leader, a guessed loader setting) or an FP8 rung that step 7 did not
+    measure faster than the rung below beyond the noise is withdrawn: each of its keys back to the job's value
+    (analysis.tuning reads step 7's own changes last, and a change back to the job's value leaves tuned.yaml).
+    Returns whether any was withdrawn."""
+    by_name = {name: changes for name, _, changes in stairs}
+    done = False
+    for rung in rungs[1:]:
+        mine = by_name.get(rung.name) or []
+        if rung.challenger or rung.status != "ok" or rung.gain is None or not mine:
+            continue
+        if not (rung.name in WITHDRAWN_RUNGS or any(c.label == "proposed" for c in mine)):
+            continue
+        if rung.proven and rung.gain > 1:
+            continue
+        why = (f"step 7: rung {rung.name} gave {rung.gain:.2f}x [{rung.gain_low:.2f}, {rung.gain_high:.2f}] over the "
+               "rung below, side by side: not faster beyond the noise")
+        for c in mine:
+            chosen.append(tuning.Change(rung.name, "verify", c.key, c.new, getattr(job, c.key), why, "measured",
+                                        reason="withdrawn: not verified faster (the staircase's later rungs were "
+                                        "measured with it)"))
+        done = True
+    return done
 
 
 def advise(r: VerifyResult) -> list[Advice]:

@@ -1,0 +1,47 @@
+"""Step 7 withdraws what it did not measure faster (issue 46): a proposed change (step 4's unconfirmed compile
+leader, a guessed loader setting) or an FP8 rung whose gain over the rung below is not beyond the noise goes back
+to the job's value in tuned.yaml; a proven one stays."""
+
+from __future__ import annotations
+
+from mfu_lab.analysis import tuning
+from mfu_lab.steps.verify.rungs import Rung
+from mfu_lab.steps.verify.step import withdraw_unproven
+
+LEADER = {"recommendation": {"compile": False, "led": "default", "text": "Stay eager: ..."},
+          "trials": [{"mode": "default", "speedup": 1.12}]}
+
+
+def test_an_unconfirmed_compile_leader_is_proposed_not_thrown_away(tiny_job):
+    chosen = tuning.changes(tiny_job, {"compile": LEADER})
+    assert [(c.key, c.new, c.label, c.adopted) for c in chosen] == [("compile_mode", "default", "proposed", True)]
+    assert "1.12x eager" in chosen[0].evidence and "step 7 times it" in chosen[0].evidence
+
+
+def rung(name, gain, low, high):
+    return Rung(name, {}, "ok", gain=gain, gain_low=low, gain_high=high, proven=low > 1.0 or high < 1.0,
+                wall_s=[0.1])
+
+
+def test_step_7_withdraws_a_proposed_rung_not_faster_and_keeps_a_proven_one(tiny_job):
+    chosen = tuning.changes(tiny_job, {"compile": LEADER})
+    stairs = tuning.staircase(tiny_job, chosen)
+    assert [s[0] for s in stairs] == ["original", "compile"]
+    rungs = [Rung("original", {}, "ok", wall_s=[0.1]), rung("compile", 1.02, 0.97, 1.08)]
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) is True
+    after = tuning.in_effect(chosen, tiny_job.to_dict())
+    assert [c.key for c in after if c.adopted] == []  # back to the job's own compile_mode: nothing left to change
+    assert "not faster beyond the noise" in chosen[-1].evidence
+    chosen = tuning.changes(tiny_job, {"compile": LEADER})
+    rungs[1] = rung("compile", 1.20, 1.10, 1.30)
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) is False
+    assert [c.new for c in tuning.in_effect(chosen, tiny_job.to_dict())] == ["default"]
+
+
+def test_a_measured_change_is_not_withdrawn_by_one_noisy_rung(tiny_job):
+    kernels = {"optimizer_race": {"ran": True, "adopted": True, "pick": "fused", "reference": "default",
+                                  "speedup": {"value": 1.3, "low": 1.1, "high": 1.5}}}
+    chosen = tuning.changes(tiny_job, {"kernels": kernels})
+    stairs = tuning.staircase(tiny_job, chosen)
+    rungs = [Rung("original", {}, "ok", wall_s=[0.1]), rung("optimizer", 1.01, 0.95, 1.07)]
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) is False
