@@ -160,3 +160,11 @@ def test_the_report_reads_a_samples_run(tmp_path):
     train_s = [r["wall_s"] - r["other_s"] for r in iv]
     assert s.mfu["value"] == pytest.approx(sum(r["mfu"] * t for r, t in zip(iv, train_s)) / sum(train_s))
     assert s.tokens_per_s["value"] is None
+    # samples/s of all ranks: each rank's samples over its training time, x ranks (one rank here)
+    assert s.samples_per_s["value"] == pytest.approx(sum(r["samples"] for r in iv) / sum(train_s))
+    assert s.samples_per_s["label"] == "measured"
+    from mfu_lab.core.store.results import jsonable
+    from mfu_lab.report.monitor_views import monitor_section
+
+    page = str(monitor_section(jsonable(s), None))
+    assert "samples/s, all ranks" in page and "tokens/s, all ranks" not in page

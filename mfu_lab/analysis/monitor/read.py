@@ -48,6 +48,8 @@ class Sums:
     comm_wall: float = 0.0  # wall time of the intervals whose communication was timed
     tokens: float = 0.0
     tokens_wall: float = 0.0
+    samples: float = 0.0  # work that is not tokens (images, rows): the monitor's samples= (issue 47)
+    samples_wall: float = 0.0
     mfu_wall: float = 0.0  # sum of mfu x wall
     mfu_w: float = 0.0  # training time (wall - other) of the intervals with an MFU
     steps: int = 0
@@ -78,6 +80,9 @@ class Sums:
         if r.get("tokens") and train > 0:
             self.tokens += float(r["tokens"])
             self.tokens_wall += train
+        if r.get("samples") and train > 0:
+            self.samples += float(r["samples"])
+            self.samples_wall += train
         if r.get("mfu") is not None and train > 0:
             self.mfu_wall += float(r["mfu"]) * train
             self.mfu_w += train

@@ -78,6 +78,7 @@ class MonitorSummary:
     series: dict[str, Any] = field(default_factory=dict)
     launches: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    samples_per_s: dict[str, Any] = field(default_factory=dict)  # the monitor's samples= (work that is not tokens)
 
 
 def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSummary:
@@ -128,7 +129,7 @@ def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSum
     start, verdict, figures = _verdict(shares, ops, stragglers, st.world, profile)
     mfu = tot.mfu
     peaks = sorted({str((s.get("peak") or {}).get("source")) for s in st.ranks.values() if s.get("peak")})
-    return MonitorSummary(
+    out = MonitorSummary(
         str(folder), read, span, sorted({str((s.get("device") or {}).get("name")) for s in st.ranks.values()}),
         labelled(mfu, "measured", "model FLOPs x steps / (peak x (wall - evaluation, checkpoints, logging)), "
                  "weighted by that time over every rank's intervals; "
@@ -142,6 +143,10 @@ def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSum
           "ranks": len(v.ranks),
           "clean_end": len(v.ended) == len(v.ranks), "slurm": v.slurm} for k, v in st.launches.items()],
         notes)
+    out.samples_per_s = labelled(tot.samples / tot.samples_wall * st.world if tot.samples_wall else None, "measured",
+                                 "samples per second of all ranks together (each rank's samples / its wall time, x "
+                                 "ranks): the monitor's samples=, for work that is not tokens")
+    return out
 
 
 def _iso(t: float) -> str:
