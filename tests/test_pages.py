@@ -140,7 +140,11 @@ def test_ctrl_c_during_a_run_is_quiet_and_clean(tmp_path):
 
     from .conftest import ROOT, TINY
 
-    p = subprocess.Popen([sys.executable, "-m", "mfu_lab", "run", str(TINY), "--out", str(tmp_path), "--steps",
+    # a pytest started in the background (``cmd &``) ignores SIGINT, and an ignored signal stays ignored in its
+    # children: the runner is started with Python's own handler back, as a terminal's foreground process has it
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'mfu_lab'; runpy.run_module('mfu_lab', run_name='__main__', alter_sys=True)")
+    p = subprocess.Popen([sys.executable, "-c", start, "run", str(TINY), "--out", str(tmp_path), "--steps",
                           "baseline", "-p", "synthetic_load_ms=400", "-p", "steps=60"], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     seen = []  # stdout read line by line until the kernel is up and the step measures (its progress lines), however
