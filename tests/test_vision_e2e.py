@@ -24,7 +24,8 @@ STEPS = ["01_baseline", "02_attention_and_comm", "03_kernels", "04_compile", "05
 @pytest.fixture(scope="module")
 def vision_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("vision")
-    small = [f"micro_batch={MICRO_BATCH}", "steps=6", "warmup_steps=1", "compile_modes=[default]", "compile_backend=eager",
+    small = [f"micro_batch={MICRO_BATCH}", "steps=6", "warmup_steps=1", "compile_modes=[default]",
+             "compile_backend=eager",
              "verify_rounds=2", "verify_steps=2", "verify_warmup_steps=1", "profile_steps=2", "profile_warmup_steps=1",
              "fp8_steps=4", "coloc_steps=2", "placement_layouts=false"]  # step 6's layouts: test_any_job_steps.py
     p = in_process("run", ROOT / "parameters" / "vision.yaml", "--budget", "2", "--out", out, "-q",
