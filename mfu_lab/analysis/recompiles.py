@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mfu_lab.core.engine.batches import call_model as call
+from mfu_lab.core.engine.batches import call_model
 from mfu_lab.core.engine.workload import DYNAMIC, compile_kwargs
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -130,7 +130,7 @@ def count_recompiles(model: torch.nn.Module, inputs: list[torch.Tensor], dynamic
     compiled = torch.compile(model, backend=backend, dynamic=DYNAMIC[dynamic])
     with RecompileLog() as log, torch.no_grad():
         for x in inputs:
-            call(compiled, x, model)
+            call_model(compiled, x, model)
     graphs = int(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
     return RecompileRun(label, dynamic, [shape_text(x) for x in inputs], log.count, graphs,
@@ -156,7 +156,7 @@ def graph_breaks(model: torch.nn.Module, x: torch.Tensor) -> GraphBreaks:
     """torch._dynamo.explain on one forward: how many graphs, how many breaks, and why."""
     torch._dynamo.reset()
     with torch.no_grad():
-        out = call(torch._dynamo.explain(model), x, model)
+        out = call_model(torch._dynamo.explain(model), x, model)
     torch._dynamo.reset()
     reasons = []
     for br in out.break_reasons:

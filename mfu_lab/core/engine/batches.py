@@ -23,7 +23,9 @@ FLOPs, and ``-100`` in it is the user's business.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -111,20 +113,35 @@ def not_tokens_hint(raw: Any) -> str:
             f"gives it ({README_SECTION})")
 
 
+@lru_cache(maxsize=64)
+def _forward_params(cls: type) -> tuple[frozenset[str], bool]:
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return frozenset(), False
+    return (frozenset(params) - {"self"},
+            any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
+
+
+def forward_params(model: Any) -> tuple[frozenset[str], bool]:
+    """The names the model's ``forward`` takes and whether it takes any keyword (``**kwargs``), read once per class
+    (a training loop asks at every step)."""
+    return _forward_params(type(model))
+
+
 def call_model(fn: Any, x: Any, model: Any = None) -> Any:
     """``fn`` (the model, or a wrapper of ``model``: compiled, DDP, an explainer) on one input: a dict of tensors as
-    the keywords the model's forward takes, anything else as its one positional input."""
+    the keywords the model's forward takes, anything else as its one positional input. A dict none of whose keys
+    the forward takes names them and the README section."""
     if not isinstance(x, Mapping):
         return fn(x)
-    import inspect
-
-    model = fn if model is None else model
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError, AttributeError):
-        params = {}
-    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return fn(**{k: v for k, v in x.items() if anything or k in params})
+    params, anything = forward_params(fn if model is None else model)
+    kw = {k: v for k, v in x.items() if anything or k in params}
+    if not kw:
+        raise StepError(f"the batch is {describe(x)}, but the model's forward takes none of its keys (it takes "
+                        f"{sorted(params)}): give the model's input as the dict's key, or the batch as a pair "
+                        f"(inputs, targets) ({README_SECTION})")
+    return fn(**kw)
 
 
 def any_batch(raw: Any) -> Batch:

@@ -15,6 +15,9 @@ from mfu_lab.core.engine.batches import Batch, Rest, samples_of
 from mfu_lab.core.engine.data import build_loader, data_kind
 from mfu_lab.core.job.factories import source_digest
 from mfu_lab.core.job.schema import Job
+from mfu_lab.core.store.results import Metric
+
+NO_TOKENS = "the batches are not token ids: no tokens; see samples_per_s"
 
 _FIRST: dict[str, tuple[bool, int]] = {}
 
@@ -47,6 +50,17 @@ def work_rates(job: Job, steps_per_s: float | None, ranks: int = 1) -> tuple[flo
         return None, None
     tokens, samples = first_batch_facts(job)
     return (job.tokens_per_step * ranks * steps_per_s if tokens else None), samples * ranks * steps_per_s
+
+
+def rate_metrics(job: Job, steps_per_s: float | None, over: str, ranks: int = 1,
+                 tokens_how: str = "tokens per step x steps / wall time") -> dict[str, Metric]:
+    """``tokens_per_s`` and ``samples_per_s`` as a step's metrics (:func:`work_rates`), both measured ``over`` the
+    steps it names; tokens/s empty, and said so, for a job whose batches are not token ids."""
+    tokens_per_s, samples_per_s = work_rates(job, steps_per_s, ranks)
+    return {"tokens_per_s": Metric(tokens_per_s, "tokens/s", "measured",
+                                   f"{tokens_how}, {over}" if first_batch_facts(job)[0] else NO_TOKENS),
+            "samples_per_s": Metric(samples_per_s, "samples/s", "measured",
+                                    f"samples per step x steps / wall time, {over}")}
 
 
 def same_batches(job: Job, n_batches: int, device_type: str, rank: int = 0, world: int = 1) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +25,9 @@ from torch.utils.checkpoint import checkpoint
 from mfu_lab.core.engine.batches import (
     FORWARD_KEYS,
     README_SECTION,
+    call_model,
     describe,
+    forward_params,
     input_embedding,
     loss_problem,
     loss_view,
@@ -226,13 +227,8 @@ class TrainStep:
 
     def __post_init__(self):
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
-        try:
-            params = inspect.signature(self.model.forward).parameters
-        except (TypeError, ValueError):
-            params = {}
-        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        params, anything = forward_params(self.model)
         self.takes = {k for k in FORWARD_KEYS if k in params or (anything and k == "attention_mask")}
-        self.params, self.anything = set(params), anything
         if not self.vocab_size:
             emb, _ = input_embedding(self.model)
             self.vocab_size = emb.num_embeddings if emb is not None else 0
@@ -242,18 +238,6 @@ class TrainStep:
         if self.dtype == "float32":
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype))
-
-    def _forward(self, forward, x: Any, fkw: dict[str, torch.Tensor]) -> Any:
-        """The model on the batch's input: a dict of tensors goes in as the keywords the forward takes, anything
-        else as the one positional input."""
-        if isinstance(x, Mapping):
-            kw = {k: v for k, v in x.items() if self.anything or k in self.params}
-            if not kw:
-                raise StepError(f"the batch is {describe(x)}, but the model's forward takes none of its keys (it takes "
-                                f"{sorted(self.params)}): give the model's input as the dict's key, or the batch as "
-                                f"a pair (inputs, targets) ({README_SECTION})")
-            return forward(**kw)
-        return forward(x, **fkw)
 
     def loss(self, x: Any, y: Any, eager: bool = False, **kw: torch.Tensor) -> torch.Tensor:
         """The step's loss; ``eager`` runs the uncompiled model (FLOP counting traces eager operators). ``kw``: the
@@ -268,7 +252,7 @@ class TrainStep:
         forward = self.model if eager or self.compiled is None else self.compiled
         fkw = {k: v for k, v in kw.items() if k in self.takes}
         with self.autocast():
-            out = self._forward(forward, x, fkw)
+            out = call_model(forward, x, self.model) if isinstance(x, Mapping) else forward(x, **fkw)
         if self.loss_fn is not None:
             loss = self.loss_fn(out, loss_view(x, y, kw))
             why = loss_problem(loss, self.loss_fn)  # a vector or None: named here, not by autograd

@@ -28,7 +28,7 @@ import torch
 
 from mfu_lab.analysis.layouts import terms as lt
 from mfu_lab.analysis.trace import breakdown as trace
-from mfu_lab.core.engine.work import token_job, work_rates
+from mfu_lab.core.engine.work import rate_metrics
 from mfu_lab.core.engine.workload import build_model, build_train_step
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job.schema import Job
@@ -124,11 +124,8 @@ def headline_metrics(job: Job, run: LayoutRun, report: FlopReport, peak_total: f
         "step_time_p10_s": Metric(st.p10, "s", "measured"),
         "step_time_p90_s": Metric(st.p90, "s", "measured"),
         "step_time_cv": Metric(st.cv, "fraction", "measured", "standard deviation / mean of step times"),
-        "tokens_per_s": Metric(work_rates(job, n / total, dp)[0], "tokens/s", "measured",
-                               f"micro_batch x seq_len x {dp} data-parallel ranks x steps / total wall {window}"
-                               if token_job(job) else "the batches are not token ids: no tokens; see samples_per_s"),
-        "samples_per_s": Metric(work_rates(job, n / total, dp)[1], "samples/s", "measured",
-                                f"samples per micro-batch x {dp} data-parallel ranks x steps / total wall {window}"),
+        **rate_metrics(job, n / total, f"x {dp} data-parallel ranks, total wall {window}", dp,
+                       "micro_batch x seq_len x steps / wall time"),
         "model_flops_per_step": Metric(flops_per_step, "FLOP", report.model_flops_source,
                                        report.formula + f"; x {dp} data-parallel ranks"),
         "hardware_flops_per_step": Metric(hw_per_step, "FLOP", report.model_flops_source,

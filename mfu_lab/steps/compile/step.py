@@ -29,7 +29,7 @@ from mfu_lab.analysis.trace import breakdown as tr
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.data import job_vocab
-from mfu_lab.core.engine.work import token_job, work_rates
+from mfu_lab.core.engine.work import rate_metrics
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -248,7 +248,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     # ---- 2. recompiles (dynamo alone: no backend compile needed) and graph breaks
     model = build_model(job).to(torch_device).train()
     batches = [x for x, _ in epoch_batches[:64]]
-    tokens = all(getattr(b, "tokens", True) for b in epoch_batches[:1])
+    tokens = getattr(epoch_batches[0], "tokens", True) if epoch_batches else True
     vocab = job_vocab(job) if tokens else 0  # vocab_size 0: the model's input embedding's rows
     say(f"counting recompiles: {len(batches)} batches of the data"
         + (f", then {job.seq_len}-token lengths varied" if tokens and vocab else ""))
@@ -373,12 +373,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                             "total wall time of the measured steps"),
         "step_time_median_s": Metric(chosen.step_median_s, "s", "measured", method),
         "eager_step_time_median_s": Metric(eager.step_median_s, "s", "measured", "eager, fresh process"),
-        "tokens_per_s": Metric(work_rates(job, chosen.steps_per_s)[0], "tokens/s", "measured",
-                               "tokens per step x steps / wall time, over the total wall time of the measured steps"
-                               if token_job(job) else "the batches are not token ids: no tokens; see samples_per_s"),
-        "samples_per_s": Metric(work_rates(job, chosen.steps_per_s)[1], "samples/s", "measured",
-                                "samples per step x steps / wall time, over the total wall time of the measured "
-                                "steps"),
+        **rate_metrics(job, chosen.steps_per_s, "over the total wall time of the measured steps"),
         "speedup": Metric(shown.speedup if shown else None, "x", "measured",
                           which + "eager median / compiled median"),
         "compile_cold_s": Metric(shown.compile_cold_s if shown else None, "s", "measured",

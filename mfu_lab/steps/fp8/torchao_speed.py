@@ -17,7 +17,7 @@ import torch
 
 from mfu_lab.analysis import fp8_numerics as f8
 from mfu_lab.core.engine.batches import to_device
-from mfu_lab.core.engine.work import same_batches, work_rates
+from mfu_lab.core.engine.work import rate_metrics, same_batches
 from mfu_lab.core.engine.workload import build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -83,13 +83,7 @@ def speed_metrics(job: Job, speed: dict[str, Any], device: dev.DeviceInfo,
     torch_device = device.torch_device
     metrics = {"fp8_speedup": Metric(speed["speedup"], "x", "measured", "bf16 step / fp8 step, both compiled")}
     fp8_rate = speed["fp8_steps"] / speed["fp8_total_s"]  # steps per second over the measured FP8 steps
-    tokens_per_s, samples_per_s = work_rates(job, fp8_rate)
-    metrics["tokens_per_s"] = Metric(tokens_per_s, "tokens/s", "measured",
-                                     "tokens per step x steps / wall time, over the total wall time of the "
-                                     "measured FP8 steps" if tokens_per_s is not None else
-                                     "the batches are not token ids: no tokens; see samples_per_s")
-    metrics["samples_per_s"] = Metric(samples_per_s, "samples/s", "measured", "samples per step x steps / wall "
-                                      "time, over the measured FP8 steps")
+    metrics |= rate_metrics(job, fp8_rate, "over the total wall time of the measured FP8 steps")
     chip = dev.lookup_chip(device.name)
     m0 = build_model(job).to(torch_device).train()
     x0, y0 = batch

@@ -24,7 +24,7 @@ from typing import Any
 from mfu_lab.analysis.trace import breakdown as tr
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.batches import to_device
-from mfu_lab.core.engine.work import work_rates
+from mfu_lab.core.engine.work import rate_metrics
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -358,7 +358,6 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     overhead = prof.median / plain.median - 1
     compare = compare_with_step1(ref, plain.median, prof.median)
     n = len(unprofiled.measured("wall_s"))
-    rates = work_rates(job, n / sum(unprofiled.measured("wall_s")))
     mfu_plain = fl.mfu(flops.model_flops_per_step, n / sum(unprofiled.measured("wall_s")), peak)
     mfu_profiled = fl.mfu(flops.model_flops_per_step, a.steps / a.window_s, peak)
     ledger = trace_ledger(a.breakdown, mfu_profiled, device.type, hardware_flops(flops))
@@ -373,11 +372,8 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         "profiled_step_time_median_s": Metric(prof.median, "s", "measured", "the same steps under torch.profiler"),
         "profiler_overhead": Metric(overhead, "fraction", "measured", "profiled median / unprofiled median - 1, "
                                     "side by side in this run"),
-        "tokens_per_s": Metric(rates[0], "tokens/s", "measured", "unprofiled steps" if rates[0] is not None else
-                               "the batches are not token ids: no tokens; see samples_per_s"),
-        "samples_per_s": Metric(rates[1], "samples/s", "measured", "samples per step x steps / wall time, unprofiled "
-                                "steps"),
-    } | trace_metrics(a, bandwidth, bw_note, step_s=plain.median) | {
+    } | rate_metrics(job, n / sum(unprofiled.measured("wall_s")), "unprofiled steps") | trace_metrics(
+        a, bandwidth, bw_note, step_s=plain.median) | {
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
     ranks = ddp.get("ranks", [])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from mfu_lab.core.engine.work import NO_TOKENS
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure.health import HealthSummary
 from mfu_lab.core.measure.ledger import HardwareFlops, Ledger, single_process_ledger
@@ -107,7 +108,7 @@ def metrics(before: Rung | None, after: Rung | None, loss: dict) -> dict[str, Me
                  f"wall time), {WALL}"),
         "tokens_per_s": m(shown.tokens_per_s if shown else None, "tokens/s",
                           f"tokens per step x steps / wall time, {WALL}" if not shown or shown.tokens_per_s is not None
-                          else "the batches are not token ids: no tokens; see samples_per_s"),
+                          else NO_TOKENS),
         "samples_per_s": m(getattr(shown, "samples_per_s", None) if shown else None, "samples/s",
                            f"samples per step x steps / wall time, {WALL}"),
         "step_time_median_s": m(shown.step_median_s if shown else None, "s", "median of the interleaved steps"),
