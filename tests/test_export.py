@@ -173,6 +173,24 @@ def test_a_failed_run_does_not_show_the_earlier_result_as_its_own(tmp_path):
     assert "50.0%" not in found
 
 
+def test_a_finished_run_exported_under_its_own_running_mark_shows_its_figures(tmp_path):
+    """Publishing exports the report from the staged result while the step's running mark is still in place (it
+    goes once the set is in place): that report is the finished run's, not "did not finish"."""
+    from mfu_lab.core.store.runstate import mark_running
+
+    folder = tmp_path / "tiny" / STEP2
+    folder.mkdir(parents=True)
+    mark_running(folder, "attention_comm", "run-1")  # this process: alive, as the runner is while it publishes
+    staged = folder / "result.json.staged"
+    staged.write_text(json.dumps(_result(0.5)))
+    nb = folder / f"{STEP2}.ipynb"
+    nbformat.write(_notebook(), str(nb))
+    found = _found(export_html(nb, folder / "report.html", staged).read_text())
+    assert "did not finish" not in found and "50.0%" in found
+    without = _found(export_html(nb, folder / "report.html").read_text())  # no staged result: still running
+    assert "did not finish (running" in without
+
+
 def test_a_result_of_an_odd_shape_never_stops_the_export(tmp_path):
     odd = {"metrics": [1, 2], "advice": "none", "job": None, "recommendation": "text",
            "environment": {"created_at": 3}}

@@ -49,6 +49,7 @@ def text_of(path) -> str:
 def test_every_step_runs_on_the_vision_job(vision_run):
     for step in STEPS:
         assert result(vision_run, step)["status"] == "ok", step
+        assert "did not finish" not in text_of(vision_run / step / "report.html"), step
 
 
 def test_its_mfu_is_the_hand_formula_over_the_measured_steps(vision_run):

@@ -173,7 +173,10 @@ def _context(notebook: Path, info: StepInfo, result: Path | None = None) -> dict
     res = Path(result) if result is not None else folder / RESULT_FILE
     # a damaged result.json reads as "damaged" (or as the failure, when one is recorded); a staged one is given
     state = step_state(folder, read_json(res) if result is not None else None)
-    if state.status in NOT_FINISHED:
+    # a staged result is the new result of a step that ran to its end, exported while its own running mark is still
+    # in place (publish: the mark goes once the set is in place): that run finished, whatever the mark says
+    finished_here = result is not None and state.status == "running"
+    if state.status in NOT_FINISHED and not finished_here:
         kept = (" The result.json beside it is an earlier run's; its figures are on the job's index page, not here."
                 if res.is_file() else "")
         ctx["note"] = (f"This run of step {info.number} did not finish ({state.status}: {state.detail}); the error "
