@@ -45,3 +45,17 @@ def test_a_measured_change_is_not_withdrawn_by_one_noisy_rung(tiny_job):
     stairs = tuning.staircase(tiny_job, chosen)
     rungs = [Rung("original", {}, "ok", wall_s=[0.1]), rung("optimizer", 1.01, 0.95, 1.07)]
     assert withdraw_unproven(tiny_job, stairs, rungs, chosen) is False
+
+
+def test_a_proposed_compile_mode_step_7_cannot_time_within_its_share_is_not_adopted_and_said(tiny_job):
+    from mfu_lab.core.process.budget import Clock
+    from mfu_lab.steps.verify.step import untimed_proposals
+
+    step4 = LEADER | {"trials": [{"mode": "default", "speedup": 1.12, "compile_cold_s": 20.0}]}
+    chosen = tuning.changes(tiny_job, {"compile": step4})
+    said = untimed_proposals(tiny_job, chosen, Clock(30.0), step4)  # 30 s left: not twice the 20 s cold compile
+    assert not chosen[0].adopted and "about 20 s" in chosen[0].reason and "--budget" in said[0]["reason"]
+    assert [s[0] for s in tuning.staircase(tiny_job, chosen)] == ["original"]  # no compile rung to time
+    chosen = tuning.changes(tiny_job, {"compile": step4})
+    assert untimed_proposals(tiny_job, chosen, Clock(60.0), step4) == [] and chosen[0].adopted
+    assert untimed_proposals(tiny_job, chosen, Clock(None), step4) == [] and chosen[0].adopted  # no budget: timed

@@ -32,7 +32,7 @@ from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure.environment import environment
 from mfu_lab.core.measure.ledger import Ledger
-from mfu_lab.core.process.budget import Clock, fit_verify, job_step_s
+from mfu_lab.core.process.budget import Clock, cold_compile, fit_verify, job_step_s
 from mfu_lab.core.process.faults import guarded
 from mfu_lab.core.process.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
@@ -78,6 +78,8 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     results, missing = earlier_results(job)
     skipped = [{"what": "an earlier step's changes", "reason": m} for m in missing]
     chosen = tuning.changes(job, results, keep)
+    clock = Clock.for_step(job, INFO.key)
+    skipped += untimed_proposals(job, chosen, clock, results.get("compile"))
     tuned_path = job.output_root() / TUNED_FILE
     if write:
         save_tuned(job, chosen)
@@ -95,7 +97,6 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     work = launcher_folder(job.step_dir(INFO.folder) / "work")  # one per node: nodes share no progress file
     timed = (ok := sum(r.status == "ok" for r in rungs)) > 1  # the original and at least one rung to time against it
     nnodes, nproc = world_layout(job, device.type)
-    clock = Clock.for_step(job, INFO.key)
     run_job = fit_verify(job, clock, job_step_s(results.get("baseline")), ok, bool(layout_change(job, chosen)),
                          ddp_configs(job, chosen) is not None)
     if beyond_ddp(job) and timed:
@@ -138,6 +139,26 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     if write:
         save(job, result)
     return result
+
+
+def untimed_proposals(job: Job, chosen: list, clock: Clock, step4: dict | None) -> list[dict[str, str]]:
+    """A proposed compile mode (step 4's unconfirmed leader) is adopted only once step 7 times it faster; its rung
+    compiles cold in a process of its own. When step 7's share cannot hold that compile twice over (the compile
+    and the rounds after it), it is withdrawn untimed, and said: the budget never buys a rung it cannot time.
+    Returns the skipped entries."""
+    left = clock.left_s()
+    if left is None:
+        return []
+    cold, where = cold_compile(job, step4)
+    out = []
+    for c in [c for c in chosen if c.adopted and c.label == "proposed" and c.key == "compile_mode"]:
+        if 2 * cold <= left:
+            continue
+        why = (f"budget: step 7's share ({left:.0f} s) cannot time a compiled rung, whose cold compile alone takes "
+               f"about {cold:.0f} s ({where}); a larger --budget (or none) times it")
+        c.adopted, c.reason = False, "not timed, so not adopted: " + why
+        out.append({"what": f"proposed change {c.key}: {c.new}", "reason": why})
+    return out
 
 
 WITHDRAWN_RUNGS = ("fp8",)  # rungs step 7 withdraws unless it measures them faster (beside every proposed change)
