@@ -4,6 +4,7 @@
     python benchmarks/gpu_check.py --part 1        # one 10-minute call each: --part 1, 2, 3 (riskiest first)
     python benchmarks/gpu_check.py --quick          # step 1 alone (= --steps baseline)
     python benchmarks/gpu_check.py --monitor-only   # the production monitor's GPU paths alone (= --steps monitor)
+    python benchmarks/gpu_check.py --workbook       # the whole workbook through papermill, original against tuned
 
 Plain Python (GPU machines have torch but no Jupyter). Runs the selected steps (default: all, in the workbook's
 order) on a small GPT in bf16 with the fewest trials that still take every GPU path: CUDA events, the datasheet
@@ -16,6 +17,14 @@ more than 8 GPUs are visible or more are asked for; a step whose rough estimate 
 (counted from this process's start) is skipped ("time"); a failing step is recorded and the next goes on. The
 last thing printed is one table, path | figure | value | label | pass/fail, also written to
 <out>/gpu-check/table.md and table.json. Exit 0: no row failed; 1: some row failed; 2: no CUDA device.
+
+``--workbook`` runs the whole workbook instead (``mfu-lab run parameters/gpt2_124m_gpu.yaml`` under papermill, a
+child process that ends with this one), without a budget when the estimates fit ``--limit-s``, else with the
+``--budget`` (and, if need be, the ``--steps``) that fit, the plan printed first with each step it shortens and why
+(benchmarks/gpu_check_workbook.py). It ends with step 7's staircase, the original against the tuned job side by side,
+step 1's MFU and the tuned MFU, also written to <out>/gpu-check/workbook.md and workbook.json. Exit 0: step 7 ran;
+1: a step failed, step 7 left no result, or the run was stopped at the limit; 2: no CUDA device, the Jupyter stack
+missing (the line that installs it is printed), or the limit too small for steps 1 and 7; 130: interrupted.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import gpu_check_workbook as wb  # noqa: E402
 from gpu_check_race import confirmation_row, round_rows, step_race_one_rank  # noqa: E402
 from gpu_check_table import (  # noqa: E402
     DEFAULT_STEPS,
@@ -96,11 +106,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="one part of the check, each one 10-minute call, riskiest first: "
                            + "; ".join(f"{k}: {','.join(v)}" for k, v in PARTS.items())
                            + " (part 2 reads part 1's results: give both the same --out)")
+    pick.add_argument("--workbook", action="store_true",
+                      help="the whole workbook on --job through papermill (mfu-lab run), without a budget when it "
+                           "fits --limit-s, else with the budget that fits (the plan says which steps it shortens); "
+                           "ends with the original against the tuned job (<out>/gpu-check/workbook.md)")
+    ap.add_argument("--job", default=str(JOB_FILE), help="--workbook: the job file (default: parameters/"
+                    "gpt2_124m_gpu.yaml; the plan's estimates are this job's on one H200)")
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="--workbook: run without a CUDA device (to try the plumbing on a small CPU job, e.g. "
+                         "--job tests/data/tiny.yaml; the estimates are an H200's)")
     ap.add_argument("--skip-verify", action="store_true", help="leave step 7 out")
     ap.add_argument("--limit-s", type=float, default=560.0,
                     help="seconds the whole check may take, start-up included; a step whose rough estimate no "
                          "longer fits is skipped (default 560: one 10-minute call with a margin)")
     args = ap.parse_args(argv)
+    if args.workbook and args.skip_verify:
+        ap.error("--skip-verify leaves out a step of the check; --workbook always runs step 7 (its proof)")
+    if (args.allow_cpu or args.job != str(JOB_FILE)) and not args.workbook:
+        ap.error("--job and --allow-cpu go with --workbook")
+    args.job = Path(args.job).expanduser().resolve()
     args.steps = (["baseline"] if args.quick else ["monitor"] if args.monitor_only
                   else list(PARTS[args.part]) if args.part else args.steps)
     if args.skip_verify:
@@ -441,6 +465,55 @@ def _layout_rows(b, p: str, name: str, rows: list[Row]) -> Row:
                       ok=finite(m["mfu"].value) and m["mfu"].value > 0)
 
 
+def workbook_main(args: argparse.Namespace, t_start: float) -> int:
+    """``--workbook``: plan, run `mfu-lab run` on the job as a child, then the original against the tuned job."""
+    missing = wb.missing_modules()
+    if missing:  # before torch's import: on a GPU machine without the wheels this says so in a second
+        print(wb.install_hint(missing, ROOT))
+        return 2
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        print("gpu_check --workbook: no CUDA device visible; nothing to check here (--allow-cpu runs the plumbing "
+              "on a CPU job)")
+        return 2
+    from mfu_lab.core.job.schema import load_job
+    from mfu_lab.core.process import budget
+
+    job = load_job(args.job)
+    visible = torch.cuda.device_count() if cuda else 0
+    world = (job.nproc_per_node or visible) if cuda else 1
+    header = {"date": wb.now_iso(), "torch": torch.__version__, "CUDA": torch.version.cuda,
+              "GPU": f"{visible} x {torch.cuda.get_device_name(0)}" if cuda else "none (--allow-cpu)",
+              "job": str(args.job.relative_to(ROOT) if args.job.is_relative_to(ROOT) else args.job),
+              "limit_s": args.limit_s}
+    print("\n".join(f"{k}: {v}" for k, v in header.items()))
+    est = wb.estimates(job, wb.H200, world)
+    plan = wb.make_plan(args.limit_s, time.monotonic() - t_start, est, wb.H200, budget.overhead(job.device)[0])
+    print(plan.text(), flush=True)
+    header["plan"] = " ".join(plan.cli_args())
+    if plan.refused:
+        return 2
+    cmd = [sys.executable, "-m", "mfu_lab", "run", str(args.job), "--out", str(args.out)] + plan.cli_args()
+    print("running: " + " ".join(cmd), flush=True)
+    since = time.time()
+    deadline = t_start + args.limit_s - wb.GRACE_S - wb.TABLE_S
+    outcome = wb.run_child(cmd, wb.child_env(ROOT), ROOT, deadline, lambda line: print(line, flush=True))
+    header["run"] = (f"exit {outcome.rc} after {outcome.seconds:.0f} s" + (f"; {outcome.stopped}" if outcome.stopped
+                                                                           else ""))
+    results, notes = wb.read_results(args.out / job.job_name, since)
+    table = wb.side_by_side(results.get("baseline"), results.get("verify"))
+    steps = wb.step_rows(plan, outcome, results, notes)
+    shortened = wb.shortened_by_steps(results)
+    md, js = wb.write_report(args.out / "gpu-check", header, table, steps, shortened, plan, outcome)
+    print(f"\nwrote {md} and {js}; {time.monotonic() - t_start:.0f} s of --limit-s {args.limit_s:.0f}")
+    print(wb.format_report(table, steps, shortened, plan, outcome))
+    if outcome.interrupted:
+        return 130
+    return 0 if outcome.rc == 0 and "verify" in results else 1
+
+
 RUN = {"monitor": step_monitor, "baseline": step_baseline, "attention_comm": step_attention_comm,
        "kernels": step_kernels, "compile": step_compile, "fp8": step_fp8, "placement": step_placement,
        "verify": step_verify, "layouts": step_layouts, "race1": step_race_one_rank}
@@ -452,6 +525,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     some earlier import, which in a test suite is however long the suite has run)."""
     t_start = time.monotonic() if started is None else started
     args = parse_args(argv)
+    if args.workbook:
+        return workbook_main(args, t_start)
     import torch
 
     if not torch.cuda.is_available():
