@@ -13,6 +13,10 @@ float32's. A rung whose probes cannot reach float32's within the probes' own noi
 p10, :func:`cannot_be_faster`) is recorded as "cannot be faster here" with both rates and is neither trained
 nor timed (``--thorough`` still times it): bf16 and fp16 on a CPU without native units run in software, 15x
 slower and more, and timing them took tens of minutes.
+
+Under a budget step 5 takes the job's own precision as the reference instead of float32 (``reference=``): every
+speedup and loss gap is then against what the job already trains in, so a rung is adopted only when it beats
+the job's own beyond the noise, measured side by side.
 """
 
 from __future__ import annotations
@@ -60,11 +64,12 @@ def gflops(summary: dict) -> str:
             f"{summary['p90'] / 1e9:.3g})")
 
 
-def probe_reason(rung: dict, reference: dict, thorough: bool = False) -> str:
-    """Why a rung cannot be faster here, with both rates (one clause: no ';', which the choice splits on)."""
+def probe_reason(rung: dict, reference: dict, thorough: bool = False, name: str = "float32") -> str:
+    """Why a rung cannot be faster here, with both rates (one clause: no ';', which the choice splits on);
+    ``name``: the reference rung's."""
     then = "timed anyway because --thorough" if thorough else "not trained or timed (--thorough times it)"
-    return (f"its matmul probe reached {gflops(rung)} against float32's {gflops(reference)}, measured, below "
-            f"float32's within the probes' noise: {then}")
+    return (f"its matmul probe reached {gflops(rung)} against {name}'s {gflops(reference)}, measured, below "
+            f"{name}'s within the probes' noise: {then}")
 
 
 def native_bf16(text: str | None = None) -> dict:
@@ -102,8 +107,9 @@ class Figures:
     loss_skipped: str = ""  # why no loss curve was trained (a race: the speed alone rules the rung out)
 
 
-def verdict(f: Figures, tolerance: float) -> tuple[str, str]:
-    """(status, reason) of one rung under the rule; the loss is judged before the speed."""
+def verdict(f: Figures, tolerance: float, reference: str = "float32") -> tuple[str, str]:
+    """(status, reason) of one rung under the rule; the loss is judged before the speed. ``reference``: the rung
+    the speedups and loss gaps are taken against (float32, or the job's own under a budget)."""
     if f.status in UNJUDGED:
         return f.status, ""
     if f.diverged:
@@ -111,19 +117,19 @@ def verdict(f: Figures, tolerance: float) -> tuple[str, str]:
     if f.final_gap is None and f.loss_skipped and f.speedup_low is not None and f.speedup_low <= 1.0:
         interval = f"{f.speedup:.2f}x [{f.speedup_low:.2f}, {f.speedup_high:.2f}]"
         if f.speedup_high < 1.0:
-            return SLOWER, f"{interval}: proven slower than float32; {f.loss_skipped}"
+            return SLOWER, f"{interval}: proven slower than {reference}; {f.loss_skipped}"
         return NOT_FASTER, f"{interval}: the interval contains 1.0, so not proven faster; {f.loss_skipped}"
     if f.final_gap is None:
         return FAILED, "no loss curve to judge"
     if f.final_gap > tolerance:
-        return OFF, f"final loss {f.final_gap:+.2%} from float32's (tolerance {tolerance:.0%})"
+        return OFF, f"final loss {f.final_gap:+.2%} from {reference}'s (tolerance {tolerance:.0%})"
     if f.speedup is None or f.speedup_low is None or f.speedup_high is None:
         return FAILED, "no step times to judge"
     interval = f"{f.speedup:.2f}x [{f.speedup_low:.2f}, {f.speedup_high:.2f}]"
     if f.speedup_low > 1.0:
-        return OK, f"{interval} faster, final loss {f.final_gap:+.2%} from float32's"
+        return OK, f"{interval} faster, final loss {f.final_gap:+.2%} from {reference}'s"
     if f.speedup_high < 1.0:
-        return SLOWER, f"{interval}: proven slower than float32"
+        return SLOWER, f"{interval}: proven slower than {reference}"
     return NOT_FASTER, f"{interval}: the interval contains 1.0, so not proven faster"
 
 
@@ -133,14 +139,15 @@ def beyond(f: Figures, base: Figures) -> bool:
     return None not in (f.speedup_low, base.speedup_high) and f.speedup_low > base.speedup_high
 
 
-def judge(rungs: list[Figures], tolerance: float, own: str = "") -> tuple[list[tuple[str, str]], str | None]:
+def judge(rungs: list[Figures], tolerance: float, own: str = "",
+          reference: str = "float32") -> tuple[list[tuple[str, str]], str | None]:
     """Every rung's (status, reason), and the adopted rung's name (the fastest that passes) or None.
 
     ``own`` names the job's own rung. When it passes the rule itself, another rung is adopted only when it is
     faster than the job's own beyond the noise (:func:`beyond`); the others stay ``ok`` with that said, and the
     job's own is the one adopted (no change). A point estimate ahead inside overlapping intervals is noise: the
     first H200 run moved a bf16 job to TF32 on 2.64x [2.42, 2.82] against bf16's 2.38x [2.27, 2.65]."""
-    out = [verdict(f, tolerance) for f in rungs]
+    out = [verdict(f, tolerance, reference) for f in rungs]
     passed = [(f.speedup, i) for i, (f, (s, _)) in enumerate(zip(rungs, out)) if s == OK]
     if not passed:
         return out, None

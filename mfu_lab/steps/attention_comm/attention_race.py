@@ -18,6 +18,7 @@ from mfu_lab.core.measure import flops as fl
 from mfu_lab.core.measure.timed import run_steps, stats
 from mfu_lab.core.process.budget import fit_count
 
+DDP_HALF = 0.5  # of step 2's share left after the attention first round: the DDP race's, when it runs
 FINAL_LEAST = 5  # timed steps of each final-round run under a budget, at least: a median and a spread to compare
 JOB_IMPL = {"sdpa": "sdpa (torch's choice)", "unfused": "unfused"}  # the job's attention among the candidates
 IMPOSSIBLE_SHARE = ("attention share above 100%: n_layers x the standalone timing exceeds the whole step, so the "
@@ -44,10 +45,13 @@ class AttentionRow:
     kernel: str = ""  # aten operators the forward dispatches to (same kernel, same signature)
 
 
-def attention_section(job, device, torch_device, flops_per_step, peak, progress, clock) -> tuple[list, Any]:
+def attention_section(job, device, torch_device, flops_per_step, peak, progress, clock,
+                      ddp_half: bool = True) -> tuple[list, Any]:
     """Every implementation checked against unfused float32 and timed alone; then their training steps raced
     (:mod:`mfu_lab.analysis.racing`): ``race_steps`` steps each, the survivors (the job's own attention always) for
-    the job's ``steps``, side by side. ``thorough``: every correct implementation for the full ``steps``."""
+    the job's ``steps``, side by side. ``thorough``: every correct implementation for the full ``steps``.
+    Under a budget the final round fits :data:`DDP_HALF` of step 2's share left when the DDP half runs after it
+    (``ddp_half``), else the whole of it: nothing is held back for a DDP race that will not run (world size 1)."""
     job = shaped(job)  # a factory model's own width and heads (core.engine.meta_shape), not the file's
     hd = job.d_model // job.n_heads
     check_shape = (min(2, job.micro_batch), job.n_heads, job.seq_len, hd)
@@ -105,21 +109,23 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
         first.finish()
         final, dropped = racing.survivors(screen, refs)
         each = (time.perf_counter() - t0) / len(ok) / (job.warmup_steps + job.race_steps)  # one step, measured
-        half = None if clock.left_s() is None else clock.left_s() / 2  # the other half: the data-parallel race
+        left = clock.left_s()
+        half = None if left is None else left * (1 - DDP_HALF if ddp_half else 1.0)  # the rest: the DDP race's
+        whose = (f"half of step 2's {left or 0:.0f} s left; the other half is the DDP race's" if ddp_half else
+                 f"step 2's {left or 0:.0f} s left, all of it: no DDP race runs after it")
         if half is not None and each * (job.warmup_steps + job.steps) * len(final) > half:
             cut = [k for k in final[1:] if k not in refs]
             final = [k for k in final if k not in cut]
             dropped |= {k: "budget: the final round measures the leader and the job's attention only" for k in cut}
             if cut:
                 clock.shorten("attention final round", f"{', '.join(cut)} not measured for the full {job.steps} "
-                              f"steps (half of step 2's {2 * half:.0f} s left; the other half is the DDP race's)")
+                              f"steps ({whose})")
         if half is not None:
             steps = fit_count(half, job.steps, each * len(final), fixed_s=each * job.warmup_steps * len(final),
                               least=min(job.steps, FINAL_LEAST))
             if steps < job.steps:
                 clock.shorten("attention final steps", f"{steps} of the job's {job.steps} for each of "
-                              f"{', '.join(final)}: half of step 2's {2 * half:.0f} s left, at {each:.2f} s a step "
-                              "(measured in the first round); the other half is the DDP race's")
+                              f"{', '.join(final)}: {whose}, at {each:.2f} s a step (measured in the first round)")
         log.rounds.append(racing.log_round(1, job.race_steps, screen, final, dropped, time.perf_counter() - t0))
         for r in ok:
             if r.name in dropped:

@@ -51,6 +51,40 @@ def layout_beyond_ddp(job: Job) -> str:
             "against each other is step 6's (the issue 'Layouts raced')")
 
 
+ONE_RANK = "world size 1: no gradient communication to tune"
+
+
+def one_rank_skip(nnodes: int, nproc: int, device_type: str) -> str:
+    """Why step 2 runs no DDP half at world size 1 (nothing launched, nothing timed), and how to run it where there
+    is gradient communication."""
+    where = ("this node shows one GPU" if device_type == "cuda" and nproc == 1 and nnodes == 1 else
+             f"nnodes x nproc_per_node = {nnodes} x {nproc}")
+    return (f"{ONE_RANK} ({where}): no rank exchanges gradients, so the DDP sweep, its FSDP2 candidates and the "
+            "all-reduce benchmark are not run and none of step 2's share is held back for them. To tune "
+            "communication, run step 2 with 2 or more ranks: a node with 2 or more GPUs (nproc_per_node: 0 takes "
+            "every visible GPU), nproc_per_node: 2 on a CPU, or nnodes: N (README, 'On a GPU node, and across "
+            "nodes')")
+
+
+def ddp_half_runs(job: Job, device_type: str) -> tuple[bool, str]:
+    """(whether step 2's DDP half runs, why not): not at world size 1 (:func:`one_rank_skip`), nor for a job that
+    does not communicate through DDP's buckets and hooks (:func:`layout_beyond_ddp`). The attention half then
+    plans with the whole of step 2's share (:func:`mfu_lab.steps.attention_comm.attention_race.attention_section`)."""
+    nnodes, nproc = world_layout(job, device_type)
+    if nnodes * nproc < 2:
+        return False, one_rank_skip(nnodes, nproc, device_type)
+    beyond = layout_beyond_ddp(job)
+    return not beyond, beyond
+
+
+def skipped_sweep(job: Job, device_type: str, why: str) -> SweepOutcome:
+    """The DDP half's record at world size 1: the layout and why nothing ran; no configuration, no launch, no
+    figure."""
+    nnodes, nproc = world_layout(job, device_type)
+    return SweepOutcome({"nnodes": nnodes, "nproc_per_node": nproc, "world_size": nnodes * nproc,
+                         "backend": "nccl" if device_type == "cuda" else "gloo", "skipped": why}, [])
+
+
 SCREEN_SHARE = 0.5  # under a budget the first round gets at most half the time left (then: finals, confirmation)
 
 

@@ -8,6 +8,10 @@ communication hooks and gradient_as_bucket_view, and FSDP2 candidates (one knob 
 time from the job's own settings, or their product: ``comm_screen``), with an
 all-reduce bandwidth benchmark. Every figure is measured here. Writes
 ``<out>/<job>/02_attention_and_comm/result.json``.
+
+At world size 1 (one GPU, ``nproc_per_node: 1``) no rank exchanges gradients: the DDP half does not run (no
+launch, no time planned for it: the attention half plans with the whole share), and the result records why
+(:func:`mfu_lab.steps.attention_comm.comm_race.one_rank_skip`), with no DDP rows, race or figure.
 """
 
 from __future__ import annotations
@@ -46,10 +50,10 @@ from mfu_lab.steps.attention_comm.attention_race import (
     _pick,
     attention_section,
 )
-from mfu_lab.steps.attention_comm.comm_race import confirm_pick, job_config, race_ddp
+from mfu_lab.steps.attention_comm.comm_race import confirm_pick, ddp_half_runs, job_config, race_ddp, skipped_sweep
 from mfu_lab.steps.baseline.step import step1_reference
 from mfu_lab.workers.comm_configs import config_key, config_name, fsdp_job_keys, is_fsdp, screened_configs
-from mfu_lab.workers.launch import one_rank_reason, world_layout
+from mfu_lab.workers.launch import world_layout
 
 INFO = BY_KEY["attention_comm"]
 DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets
@@ -174,6 +178,9 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     device = dev.resolve_device(job.device)
     torch_device = device.torch_device
     skipped: list[dict[str, str]] = []
+    nnodes, nproc = world_layout(job, device.type)  # before any work: a world of one rank has no DDP half
+    ddp, no_ddp = ddp_half_runs(job, device.type)
+    one_rank = nnodes * nproc < 2
 
     model = build_model(job).to(torch_device).train()
     x, y = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
@@ -192,7 +199,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
     # ---- attention
     att_race = None
     if isinstance(model, GPT):
-        rows, att_race = attention_section(job, device, torch_device, fps, peak, say, clock)
+        rows, att_race = attention_section(job, device, torch_device, fps, peak, say, clock, ddp_half=ddp)
     else:
         rows = []
         skipped.append({"what": "attention comparison", "reason": "a user model's attention cannot be swapped by "
@@ -213,20 +220,47 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
             skipped.append({"what": f"timing {r.name}'s training step", "reason": r.reason})
 
     # ---- communication
-    nnodes, nproc = world_layout(job, device.type)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    del model  # the ranks share this GPU: the launcher keeps no model on it (launch() empties the allocator's cache)
+    if one_rank:  # world size 1: nothing launched, nothing timed, no figure; said once, with why
+        say(f"communication: skipped, {no_ddp}")
+        sweep, comm_rows, best_comm, ledger, race = skipped_sweep(job, device.type, no_ddp), [], None, None, None
+    else:
+        sweep, comm_rows, best_comm, ledger, race = _communication(job, device.type, grad_bytes, flops, peak, best_att,
+                                                                   job_impl, clock, say)
+    if sweep.layout.get("skipped"):
+        skipped.append({"what": "DDP sweep and all-reduce benchmark", "reason": sweep.layout["skipped"]})
+
+    rec = _recommend(job, best_att, best_comm, ref, race.confirmation if race else None)
+    metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)
+    result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
+                                 rows, sweep.layout | {"launches": sweep.launches}, comm_rows, sweep.allreduce, ledger,
+                                 rec, [], skipped=skipped)
+    result.races = {"attention": att_race, "ddp": race}  # ddp None: the DDP half did not run (world size 1)
+    result.skipped += clock.shortened
+    result.budget = clock.record()
+    result.advice = advise(result)
+    result.elapsed_s = time.perf_counter() - t_start
+    if write:
+        save(job, result)
+    return result
+
+
+def _communication(job: Job, device_type: str, grad_bytes: int, flops, peak: float, best_att: AttentionRow | None,
+                   job_impl: AttentionRow | None, clock: Clock, say) -> tuple:
+    """Step 2's DDP half, two ranks or more: (the sweep, its rows, the recommended row or None, the data-parallel
+    ledger or None, how the race ran)."""
+    fps = flops.model_flops_per_step
     n_configs = len(screened_configs(job, job_config(job)))
     screen = ("one knob at a time from the job's own settings (comm_screen: factors)" if job.comm_screen == "factors"
               else "every combination of the comm_* lists")
     say(f"communication: {n_configs} configurations, " + ("each measured in full (thorough)" if job.thorough else
-        f"{screen}, raced: {job.race_steps} steps each, then the survivors in full") if nnodes * nproc > 1 else
-        f"communication: skipped, {one_rank_reason(nnodes, nproc, device.type)}")
+        f"{screen}, raced: {job.race_steps} steps each, then the survivors in full"))
     done = {"n": 0, "total": n_configs, "eta": say.eta("communication configurations", n_configs), "cfg": "",
             "full": set()}
     beat = say.heartbeat("  comm")  # inside a configuration and while the ranks start: a line at least every GAP_S
 
     def on_event(ev):
-        if nnodes * nproc < 2:
-            return  # said once above
         kind = ev["event"]
         if kind == "start":
             done["cfg"] = config_name(ev["config"])
@@ -255,16 +289,12 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
                 + done["eta"].tag(min(done["n"], done["total"])))
             beat.said()
 
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    del model  # the ranks share this GPU: the launcher keeps no model on it (launch() empties the allocator's cache)
     work = launcher_folder(job.step_dir(INFO.folder) / "ddp")  # one per node's launcher
-    sweep, race, configs = race_ddp(job, device.type, best_att.name if best_att else None, work, on_event,
+    sweep, race, configs = race_ddp(job, device_type, best_att.name if best_att else None, work, on_event,
                                     grad_bytes, DDP_DEFAULT, clock)
     say(f"communication: {race.text()}")
-    if sweep.layout.get("skipped"):
-        skipped.append({"what": "DDP sweep and all-reduce benchmark", "reason": sweep.layout["skipped"]})
     world = sweep.layout["world_size"]
-    peak_total = peak * world if device.type == "cuda" else peak  # CPU ranks share one CPU's cores
+    peak_total = peak * world if device_type == "cuda" else peak  # CPU ranks share one CPU's cores
     comm_rows = _comm_rows(configs, sweep, fps, peak_total, world)
     good = [r for r in comm_rows if r.status == "ok"]
     ddp_default = next((r for r in good if (r.hook, float(r.bucket_mb), r.grad_as_bucket_view) == DDP_DEFAULT), None)
@@ -274,7 +304,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         best_comm = next((r for r in good if config_name(_cfg(r)) == decided.get("candidate")), ddp_default)
     if best_comm is not None and ddp_default is not None and best_comm is not ddp_default:
         say(f"communication: {config_name(_cfg(best_comm))} led; measured again beside DDP's defaults, alternating")
-        race.confirmation = confirm_pick(job, device.type, best_att.name if best_att else None, sweep,
+        race.confirmation = confirm_pick(job, device_type, best_att.name if best_att else None, sweep,
                                          _cfg(ddp_default), _cfg(best_comm), work, clock,
                                          max(ddp_default.step_median_s, best_comm.step_median_s), say)
         say(f"communication: {race.confirmation.text()}")
@@ -288,20 +318,7 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
         ledger = _ddp_ledger(best_comm, ev, world, hardware_flops(flops) if own else None,
                              "" if own else f"the ranks ran {best_att.name}, the FLOPs were counted with the job's "
                              "own attention")
-
-    rec = _recommend(job, best_att, best_comm, ref, race.confirmation)
-    metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)
-    result = AttentionCommResult("attention_comm", job.to_dict(), environment(device.name, device.type), metrics, ref,
-                                 rows, sweep.layout | {"launches": sweep.launches}, comm_rows, sweep.allreduce, ledger,
-                                 rec, [], skipped=skipped)
-    result.races = {"attention": att_race, "ddp": race}
-    result.skipped += clock.shortened
-    result.budget = clock.record()
-    result.advice = advise(result)
-    result.elapsed_s = time.perf_counter() - t_start
-    if write:
-        save(job, result)
-    return result
+    return sweep, comm_rows, best_comm, ledger, race
 
 
 def _cfg(row: CommRow) -> dict:

@@ -5,10 +5,11 @@ on the MLP, on every group but the most sensitive (:mod:`mfu_lab.steps.fp8.sensi
 own ``fp8_layers`` and ``fp8_policies``; the scaling study adds everywhere under the other recipe and everywhere
 without scaling. Each trains the job's model from the same seed on the same batches for ``fp8_steps`` steps under
 the divergence watch against the reference's curve (a float32 job reuses the precision ladder's float32 curve, the
-same training). Unless ``thorough``, the broadest policy races first: once one keeps the loss, narrower ones cannot
-win and are not run. A trial that no longer fits step 5's budget is skipped with the reason. :func:`choose` picks
-the policy that puts the most matmul FLOPs into FP8 while its loss stays within ``fp8_tolerance`` of the
-reference, and writes it as a job-file fragment.
+same training; under a budget, any job reuses the ladder's curve of its own precision). Unless ``thorough``, the
+broadest policy races first: once one keeps the loss, narrower ones cannot win and are not run. A trial that no
+longer fits step 5's budget is skipped with the reason. :func:`choose` picks the policy that puts the most matmul
+FLOPs into FP8 while its loss stays within ``fp8_tolerance`` of the reference, and writes it as a job-file
+fragment.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mfu_lab.core.process.budget import Clock, job_step_s
 from mfu_lab.core.store import step_results as store
 from mfu_lab.steps.fp8.precision_ladder import train_trial
 
-LADDER_REUSED = ("the precision ladder's float32 loss curve: the same model, seed, batches, precision and "
+LADDER_REUSED = ("the precision ladder's reference loss curve: the same model, seed, batches, precision and "
                  "divergence watch, so not trained a second time")
 
 
@@ -61,12 +62,18 @@ def check_groups(job: Job, groups: list[str]) -> None:
         raise JobError("the job", problems)
 
 
+def trials_minimum_s(job: Job) -> tuple[float, str]:
+    """(seconds, where the step time is from) the FP8 trials need at least: the reference and one policy, 2 x
+    ``fp8_steps`` training steps at step 1's step time (an emulated FP8 step takes longer still)."""
+    step_s, where = job_step_s(store.earlier(job, "baseline").data)
+    return 2 * job.fp8_steps * step_s, where
+
+
 def why_no_trial_fits(job: Job, clock: Clock) -> str:
     """Why no FP8 policy can be trained within step 5's share ('' when one can, or without a budget): the float32
-    reference and one policy need 2 x ``fp8_steps`` training steps at step 1's step time at least (an emulated FP8
-    step takes longer still). Said once in the budget's cuts; the policies each carry it."""
-    step_s, where = job_step_s(store.earlier(job, "baseline").data)
-    need = 2 * job.fp8_steps * step_s
+    reference and one policy need 2 x ``fp8_steps`` training steps at step 1's step time at least
+    (:func:`trials_minimum_s`). Said once in the budget's cuts; the policies each carry it."""
+    need, where = trials_minimum_s(job)
     if clock.fits(need):
         return ""
     why = (f"{max(clock.left_s(), 0.0):.0f} s of step 5's {clock.planned_s:.0f} s share left, less than the float32 "
@@ -95,9 +102,12 @@ def _policies(job: Job, groups: list[str], most_sensitive: str) -> list[tuple[st
 
 
 def _ladder_reference(job: Job, precision: dict[str, Any]) -> tuple[list[float], list[float], float] | None:
-    """(losses, gradient norms, seconds) of the ladder's float32 curve when it is the FP8 reference's training: the
-    job trains in float32 at the rung's matmul precision, and the curve ran every FP8 step without stopping."""
-    r = next((r for r in precision.get("rungs", []) if r["name"] == "float32"), None)
+    """(losses, gradient norms, seconds) of the ladder's reference curve when it is the FP8 reference's training: the
+    job trains in the reference rung's dtype and matmul precision (float32's; under a budget the job's own, always),
+    and the curve ran every FP8 step without stopping."""
+    rungs = precision.get("rungs", [])
+    r = next((r for r in rungs if r.get("status") == "reference"), None) or next(
+        (r for r in rungs if r["name"] == "float32"), None)
     if (r is None or (job.dtype, job.matmul_precision) != (r["dtype"], r["matmul_precision"]) or r.get("diverged")
             or len(r.get("loss") or []) != job.fp8_steps or len(r.get("grad_norm") or []) != job.fp8_steps):
         return None

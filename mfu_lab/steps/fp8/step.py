@@ -47,7 +47,15 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.results import Metric, StepResult
 from mfu_lab.steps.fit import one_process_note
-from mfu_lab.steps.fp8.policies import PolicyTrial, check_groups, choose, kept, train_policies, why_no_trial_fits
+from mfu_lab.steps.fp8.policies import (
+    PolicyTrial,
+    check_groups,
+    choose,
+    kept,
+    train_policies,
+    trials_minimum_s,
+    why_no_trial_fits,
+)
 from mfu_lab.steps.fp8.precision_ladder import NOT_RUN, ladder
 from mfu_lab.steps.fp8.sensitivity import study
 from mfu_lab.steps.fp8.torchao_speed import real_speed_or_failure, speed_metrics
@@ -85,11 +93,12 @@ def fp8_hardware(device: dev.DeviceInfo) -> str:
 
 
 def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: list[dict[str, str]],
-               no_fp8: str = "") -> dict[str, Any]:
+               no_fp8: str = "", clock: Clock | None = None, reserve_s: float = 0.0) -> dict[str, Any]:
     """The precision ladder; an error outside any one rung is recorded, and the FP8 part still runs. ``no_fp8``:
-    why no FP8 trial runs (the budget), so float32's curve is trained only if a rung needs it."""
+    why no FP8 trial runs (the budget), so the reference's curve is trained only if a rung needs it. ``clock``
+    (step 5's) and ``reserve_s`` (seconds kept for the FP8 trials): the ladder's share of the budget."""
     try:
-        out = ladder(job, batches, device, say, no_fp8)
+        out = ladder(job, batches, device, say, no_fp8, clock, reserve_s)
     except Exception as err:  # noqa: BLE001 - the FP8 part does not depend on the ladder
         why = f"{type(err).__name__}: {err}"[:400]
         skipped.append({"what": "precision ladder", "reason": why})
@@ -99,6 +108,8 @@ def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: li
                           f"{job.matmul_precision}): the precision ladder failed ({why})", "speedup": None,
                           "speedup_low": None, "speedup_high": None, "final_gap": None, "label": "measured"}}
     for r in out["rungs"]:
+        if r["reason"].startswith("budget: "):  # said once, in the budget's cuts (clock.shortened)
+            continue
         if r["status"] in NOT_RUN:  # cannot run here, failed, or its matmul probe cannot reach float32's
             skipped.append({"what": f"precision {r['name']}", "reason": f"{r['status']}: {r['reason']}"
                             if r["status"] == pr.CANNOT_BE_FASTER else r["reason"]})
@@ -111,10 +122,11 @@ def advise(r: Fp8Result) -> list[Advice]:
     if pc:
         change = pc["adopted"] and (pc["dtype"], pc["matmul_precision"]) != (r.job["dtype"], r.job["matmul_precision"])
         ruled = [g["name"] for g in r.precision.get("rungs", []) if g.get("status") == pr.CANNOT_BE_FASTER]
+        ref = r.precision.get("reference", "float32")
         out.append(Advice("act" if change else "info", pc["text"], "step times of each precision in interleaved "
-                          "rounds against float32 (speedup with a 95% bootstrap interval, measured) and loss curves "
+                          f"rounds against {ref} (speedup with a 95% bootstrap interval, measured) and loss curves "
                           "from the same seed and batches under the divergence watch" + (
-                              f"; {', '.join(ruled)}: matmul probes beside float32's (measured), not timed"
+                              f"; {', '.join(ruled)}: matmul probes beside {ref}'s (measured), not timed"
                               if ruled else "")))
     out += [Advice("act" if r.choice.get("groups") else "info", r.choice["text"],
                    "loss curves from the same seed and batches, under the divergence watch")]
@@ -172,7 +184,9 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     sens = study(job, model, batches, device, say)
     del model
     no_fp8 = why_no_trial_fits(job, clock)
-    precision = _precision(job, batches, device, say, skipped, no_fp8)
+    # the ladder's share: what is left, less the FP8 trials' minimum when they fit (precision_ladder._fit)
+    reserve = 0.0 if no_fp8 or clock.left_s() is None else trials_minimum_s(job)[0]
+    precision = _precision(job, batches, device, say, skipped, no_fp8, clock, reserve)
     trials = train_policies(job, groups, sens.most, share, batches, torch_device, precision, clock, no_fp8, say,
                             skipped)
     best, choice = choose(job, trials)
@@ -188,7 +202,8 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     pc = precision["choice"]
     metrics = {
         "precision_speedup": Metric(pc["speedup"] if pc["adopted"] else None, "x", "measured",
-                                    f"float32 step / {pc['rung']} step, median of interleaved rounds (95% interval "
+                                    f"{precision.get('reference', 'float32')} step / {pc['rung']} step, median of "
+                                    "interleaved rounds (95% interval "
                                     f"{pc['speedup_low'] or 0:.2f}-{pc['speedup_high'] or 0:.2f})" if pc["adopted"]
                                     else "no lower precision was adopted"),
         "fp8_flops_share": Metric(choice["flops_share"], "fraction", "analytic",
