@@ -176,3 +176,14 @@ def test_split_qkv_keeps_the_results_and_the_flops():
         block.attn.split_qkv()
     x = torch.randint(64, (2, 16))
     assert torch.allclose(fused(x), split(x), atol=1e-6) and split.matmul_params() == n
+
+
+def test_ddp_and_fsdp2_accumulate_grad_accum_micro_batches_per_timed_step(tmp_path):
+    """grad_accum 2 in the job's own layouts: each timed step holds two micro-batches (its tokens twice one's),
+    DDP under no_sync and FSDP2 without gradient sync until the last; the loss check still passes."""
+    runs = run_layouts(job(grad_accum=2), "cpu", tmp_path, [item(), item(dp_mode="fsdp")])
+    for r in runs:
+        assert_equal_loss(r)
+        assert r.tokens_per_step == 2 * 2 * B * S  # grad_accum x data-parallel ranks x micro_batch x seq_len
+        assert len(r.step_times_s[0]) == 2 and len(r.losses) == 2
+    assert not ours()

@@ -28,13 +28,13 @@ def test_step_7_withdraws_a_proposed_rung_not_faster_and_keeps_a_proven_one(tiny
     stairs = tuning.staircase(tiny_job, chosen)
     assert [s[0] for s in stairs] == ["original", "compile"]
     rungs = [Rung("original", {}, "ok", wall_s=[0.1]), rung("compile", 1.02, 0.97, 1.08)]
-    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) is True
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) == {"compile"}
     after = tuning.in_effect(chosen, tiny_job.to_dict())
     assert [c.key for c in after if c.adopted] == []  # back to the job's own compile_mode: nothing left to change
     assert "not faster beyond the noise" in chosen[-1].evidence
     chosen = tuning.changes(tiny_job, {"compile": LEADER})
     rungs[1] = rung("compile", 1.20, 1.10, 1.30)
-    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) is False
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) == set()
     assert [c.new for c in tuning.in_effect(chosen, tiny_job.to_dict())] == ["default"]
 
 
@@ -44,7 +44,7 @@ def test_a_measured_change_is_not_withdrawn_by_one_noisy_rung(tiny_job):
     chosen = tuning.changes(tiny_job, {"kernels": kernels})
     stairs = tuning.staircase(tiny_job, chosen)
     rungs = [Rung("original", {}, "ok", wall_s=[0.1]), rung("optimizer", 1.01, 0.95, 1.07)]
-    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) is False
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) == set()
 
 
 def test_a_proposed_compile_mode_step_7_cannot_time_within_its_share_is_not_adopted_and_said(tiny_job):

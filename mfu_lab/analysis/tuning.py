@@ -37,10 +37,11 @@ from mfu_lab.core.job import overrides as ov
 from mfu_lab.core.job.schema import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
-RUNGS = ("attention", "communication", "layout", "data", "optimizer", "compile", "precision", "fp8")
+RUNGS = ("attention", "communication", "layout", "data", "optimizer", "batch", "compile", "loss", "precision",
+         "fp8")
 # keys that change what a step measured: a result taken with other values is evidence about another job
 SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "micro_batch",
-              "data", "seq_policy", "device", "dtype", "attention", "compile_mode")
+              "data", "seq_policy", "device", "dtype", "attention", "compile_mode", "loss_impl", "grad_accum")
 LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
 TUNED_SUFFIX = "-tuned"
 JOB_NAME_MAX = 64  # job_name's length limit (core.job.rules.JOB_NAME_RE)
@@ -164,16 +165,45 @@ def _data(job: Job, r: dict) -> list[Change]:
     return out
 
 
+def _raced(race: dict) -> str:
+    """A side-by-side race's speedup with its interval ("1.20x [1.05, 1.30]")."""
+    sp = race.get("speedup") or {}
+    return f"{sp.get('value', 0):.2f}x [{sp.get('low', 0):.2f}, {sp.get('high', 0):.2f}]"
+
+
 def _optimizer(job: Job, r: dict) -> list[Change]:
     """Step 3's optimizer race: AdamW's implementation proven faster side by side (steps.kernels.optimizer_race)."""
     race = r.get("optimizer_race") or {}
     if not race.get("adopted") or race.get("pick") == job.adamw_impl:
         return []
-    sp = race.get("speedup") or {}
-    evidence = (f"step 3's optimizer race: {race['pick']} {sp.get('value', 0):.2f}x [{sp.get('low', 0):.2f}, "
-                f"{sp.get('high', 0):.2f}] over the job's own {race.get('reference')} (measured side by side); "
-                f"{race.get('why', '')}")
+    evidence = (f"step 3's optimizer race: {race['pick']} {_raced(race)} over the job's own "
+                f"{race.get('reference')} (measured side by side); {race.get('why', '')}")
     return [Change("optimizer", "kernels", "adamw_impl", job.adamw_impl, race["pick"], evidence, "measured")]
+
+
+def _batch(job: Job, r: dict) -> list[Change]:
+    """Step 3's batch race: a larger micro_batch with a smaller grad_accum, samples per optimizer step held, proven
+    faster side by side (steps.kernels.batch_race); with activation checkpointing when that is what made it fit."""
+    race = r.get("batch_race") or {}
+    if not race.get("adopted"):
+        return []
+    evidence = (f"step 3's batch race: {race['pick']} (micro_batch x grad_accum) {_raced(race)} over the job's own "
+                f"{race.get('reference')}, {race.get('samples_per_step')} samples per optimizer step held (measured "
+                "side by side)")
+    keys = race.get("pick_keys") or {}
+    return [Change("batch", "kernels", k, getattr(job, k, None), v, evidence, "measured")
+            for k, v in keys.items() if getattr(job, k, None) != v]
+
+
+def _loss(job: Job, r: dict) -> list[Change]:
+    """Step 4's loss race: the default cross-entropy's implementation proven faster side by side
+    (steps.compile.loss_race), in the mode the job trains in after step 4."""
+    race = r.get("loss_race") or {}
+    if not race.get("adopted") or race.get("pick") == job.loss_impl:
+        return []
+    evidence = (f"step 4's loss race (mode {race.get('mode')}): {race['pick']} {_raced(race)} over the job's own "
+                f"{race.get('reference')} (measured side by side), final loss within {race.get('final_gap', 0):.2%}")
+    return [Change("loss", "compile", "loss_impl", job.loss_impl, race["pick"], evidence, "measured")]
 
 
 def _compile(job: Job, r: dict) -> list[Change]:
@@ -232,7 +262,15 @@ def _fp8(job: Job, r: dict) -> list[Change]:
                 + ("; FP8 numerics only: this device has no FP8 units, no speed is claimed" if emulated else ""))
     speed = r.get("speed") or {}
     slower = ""  # FP8 only where it is faster: torchao's real speed, when measured, gates the policy
-    if speed.get("status") == "ok" and isinstance(speed.get("speedup"), int | float) and speed["speedup"] <= 1.0:
+    kept, dropped = speed.get("groups_kept"), speed.get("groups_dropped") or {}
+    if isinstance(kept, list) and dropped:  # each group probed on its own shapes (steps.fp8.group_speed)
+        groups = [g for g in groups if g in kept]
+        evidence += "; left out, not faster in FP8 on their own shapes: " + "; ".join(
+            f"{g} ({w})" for g, w in dropped.items())
+    if speed.get("status") == "slower" or not groups:
+        slower = f"measured per group: {speed.get('reason') or 'no group faster in FP8'}; not adopted"
+        groups = groups or list(choice.get("groups") or [])
+    elif speed.get("status") == "ok" and isinstance(speed.get("speedup"), int | float) and speed["speedup"] <= 1.0:
         slower = (f"measured {speed['speedup']:.2f}x of bf16 (torchao {speed.get('recipe') or ''} against the same "
                   "model without it, both compiled): not faster, so not adopted")
     out = []
@@ -259,7 +297,8 @@ def _rechecked(job: Job, r: dict) -> list[Change]:
 # (the step whose result is read, the reader's row in result_keys.MAY_SET, the reader)
 READERS = (("attention_comm", "attention", _attention), ("attention_comm", "communication", _communication),
            ("placement", "layout", _layout), ("baseline", "data", _data), ("kernels", "optimizer", _optimizer),
-           ("compile", "compile", _compile),
+           ("kernels", "batch", _batch),
+           ("compile", "compile", _compile), ("compile", "loss", _loss),
            ("fp8", "precision", _precision), ("fp8", "fp8", _fp8), ("verify", "rechecked", _rechecked))
 
 

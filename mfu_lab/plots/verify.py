@@ -10,7 +10,8 @@ from mfu_lab.plots.base import ReportFigure
 from mfu_lab.plots.monitor import Unavailable
 
 RUNG_COLORS = {"original": "#495057", "attention": "#3b6fb6", "communication": "#7048e8", "data": "#e8912d",
-               "optimizer": "#f08c00", "compile": "#2f9e44", "precision": "#c2255c", "fp8": "#868e96"}
+               "optimizer": "#f08c00", "batch": "#1098ad", "compile": "#2f9e44", "loss": "#5c940d",
+               "precision": "#c2255c", "fp8": "#868e96"}
 
 
 def staircase(result) -> ReportFigure | Unavailable:

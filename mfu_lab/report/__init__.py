@@ -31,7 +31,7 @@ from mfu_lab.report.index import (
     write_index,
 )
 from mfu_lab.report.tables.attention_comm import attention_table, comm_table
-from mfu_lab.report.tables.compile import audit_table, recompile_table, step3_table, trials_table
+from mfu_lab.report.tables.compile import audit_table, loss_race_table, recompile_table, step3_table, trials_table
 from mfu_lab.report.tables.fp8 import policies_table, precision_table, sensitivity_table
 from mfu_lab.report.tables.kernels import breakdown_table, compare_line, fusion_table, ranks_table, top_table
 from mfu_lab.report.tables.placement import (
@@ -64,6 +64,7 @@ from mfu_lab.report.views import (
     layouts_view,
     ledger_view,
     loader_race_view,
+    loss_race_view,
     metrics_view,
     policies_view,
     precision_view,
@@ -86,7 +87,8 @@ __all__ = [
     "badge", "breakdown_table", "breakdown_view", "calibration_table", "calibration_view", "changes_table",
     "check_table", "check_view", "comm_table", "comm_view", "compare_line", "environment_html", "export_html", "fmt",
     "fusion_table", "fusion_view", "gang_table", "gang_view", "hints_html", "hints_view", "history_html",
-    "layout_view", "ledger_view", "loader_race_view", "load_results", "metrics_view", "policies_table",
+    "layout_view", "ledger_view", "loader_race_view", "load_results", "loss_race_table", "loss_race_view",
+    "metrics_view", "policies_table",
     "policies_view", "ranks_table", "ranks_view",
     "recommendations_list", "recompile_table", "recompile_view", "sensitivity_table", "sensitivity_view",
     "shared_table", "shared_view", "step3_table", "step3_view", "strategies_table", "strategies_view", "sweep_table",

@@ -15,7 +15,7 @@ from mfu_lab.core.job import overrides as ov
 from mfu_lab.core.store.results import jsonable
 from mfu_lab.report.format import badge, fmt
 from mfu_lab.report.tables.attention_comm import attention_table, comm_table
-from mfu_lab.report.tables.compile import audit_table, recompile_table, step3_table, trials_table
+from mfu_lab.report.tables.compile import audit_table, loss_race_table, recompile_table, step3_table, trials_table
 from mfu_lab.report.tables.fp8 import policies_table, precision_table, sensitivity_table
 from mfu_lab.report.tables.kernels import breakdown_table, fusion_table, ranks_table, top_table
 from mfu_lab.report.tables.layout import layout_table
@@ -159,6 +159,11 @@ def recompile_view(result) -> Html:
 def trials_view(result) -> Html:
     """Step 4: each compile mode against eager (:func:`trials_table`)."""
     return _part(trials_table(result))
+
+
+def loss_race_view(result) -> Html:
+    """Step 4: the loss's implementations raced side by side (:func:`loss_race_table`)."""
+    return _part(loss_race_table(result))
 
 
 def step3_view(result) -> Html:

@@ -12,6 +12,7 @@ to spec["out"] (status, per-step walls and losses, recompiles with their guard m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -26,9 +27,8 @@ def main() -> int:
     out = Path(spec["out"])
     result: dict = {"mode": spec["mode"], "status": "failed"}
     try:
-        import torch
 
-        from mfu_lab.analysis.recompiles import RecompileLog, guard_lines, mode_kwargs
+        from mfu_lab.analysis.recompiles import RecompileLog, guard_lines
         from mfu_lab.core.engine.work import same_batches
         from mfu_lab.core.engine.workload import build_model, build_train_step, eager
         from mfu_lab.core.job.schema import validate
@@ -36,14 +36,14 @@ def main() -> int:
         from mfu_lab.core.measure.timed import run_steps
         from mfu_lab.core.process.progress import GAP_S
 
-        job = eager(validate(spec["job"], "step 4 worker spec"))  # the trial compiles, not the job
+        job = validate(spec["job"], "step 4 worker spec")  # the trial compiles in its own mode, not the job's
+        job = eager(job) if spec["mode"] == "eager" else dataclasses.replace(job, compile_mode=spec["mode"])
+        if spec.get("loss_impl"):  # a loss_impl candidate of the race (core.engine.losses)
+            job = dataclasses.replace(job, loss_impl=spec["loss_impl"])
         device = resolve_device(job.device)
         tdev = device.torch_device
         model = build_model(job).to(tdev).train()
-        if spec["mode"] != "eager":
-            model = torch.compile(model, **mode_kwargs(spec["mode"], job.compile_backend, job.compile_dynamic,
-                                                       job.compile_options))
-        step = build_train_step(job, model, device.type)
+        step = build_train_step(job, model, device.type)  # compiles the model, or its forward and loss as one
         warm, steps = spec["warmup"], spec["steps"]
         t0 = time.perf_counter()
 

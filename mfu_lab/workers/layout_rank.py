@@ -121,24 +121,25 @@ def gap(a: list[float], b: list[float]) -> float:
 
 
 def timed_steps(par: Parallelized, batches: list, device: torch.device, beat) -> tuple[list[float], list]:
-    """Seconds and local loss of each step. CPU: every rank leaves a barrier, then perf_counter brackets the step
+    """Seconds and local loss of each optimizer step, ``batches`` holding each step's micro-batches. CPU: every
+    rank leaves a barrier, then perf_counter brackets the step
     (it runs synchronously). GPU: CUDA events around each step, no synchronisation inside the loop."""
     cuda = device.type == "cuda"
     times, losses, events = [], [], []
     if cuda:  # pragma: no cover - GPU only
         torch.cuda.synchronize(device)
         dist.barrier()
-    for i, (x, y) in enumerate(batches):
+    for i, parts in enumerate(batches):
         if cuda:  # pragma: no cover - GPU only
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            losses.append(par.step(x, y))
+            losses.append(par.accumulate(parts))
             b.record()
             events.append((a, b))
         else:
             dist.barrier()  # the ranks start the step together; the barrier is outside the timed span
             t0 = time.perf_counter()
-            losses.append(par.step(x, y))
+            losses.append(par.accumulate(parts))
             times.append(time.perf_counter() - t0)
         beat(i + 1, len(batches))
     if cuda:  # pragma: no cover - GPU only
@@ -266,7 +267,8 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
     warm, steps = spec["warmup"], spec["steps"]
     extra = 2 + bool(spec.get("profile"))  # counted step, memory step, profiled step
     checks = int(spec.get("check_steps") or CHECK_STEPS)  # the spec may ask for fewer (step 6: 2)
-    batches = global_batches(job, layout.dp, checks + warm + steps + extra, device.type)
+    k = job.grad_accum  # the timed steps are optimizer steps of k micro-batches; the loss check compares micro-batches
+    batches = global_batches(job, layout.dp, checks + (warm + steps) * k + extra, device.type)
     mine = [rows(b, dp_rank, job.micro_batch, device) for b in batches]
     check = reference_check(job, layout, item, base, batches[:checks], ctx, notes)
     par = parallelize(build_model(job).to(device).train(), job, layout, mesh, device)
@@ -282,18 +284,19 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
         check["max_rel_gap"] = gap(check["layout_losses"], check["reference_losses"])
         check["passed"] = check["max_rel_gap"] <= check["tolerance"]
     record = {"index": index, "layout": layout.to_dict() | {"name": layout.name}, "loss_check": check,
-              "notes": notes, "tokens_per_step": int(sum(int((b[1] != IGNORE).sum()) for b in batches) / len(batches))}
+              "notes": notes,
+              "tokens_per_step": int(k * sum(int((b[1] != IGNORE).sum()) for b in batches) / len(batches))}
     if check["passed"] is False:
         return record | {"status": "refused", "reason": f"loss differs from the reference ({check['reference']}) by "
                          f"{check['max_rel_gap']:.2e} relative, above the tolerance {check['tolerance']:g}"}
     clock = StageClock(par, device.type == "cuda") if par.schedule is not None else None
     if device.type == "cuda":  # pragma: no cover - GPU only
         torch.cuda.reset_peak_memory_stats(device)
-    run = mine[checks:checks + warm + steps]
-    times, losses = timed_steps(par, run, device, beat)
+    run = mine[checks:checks + (warm + steps) * k]
+    times, losses = timed_steps(par, [run[i:i + k] for i in range(0, len(run), k)], device, beat)
     times, losses = times[warm:], losses[warm:]
     stages = clock.rows(skip=warm) if clock else []
-    rest = mine[checks + warm + steps:]
+    rest = mine[checks + (warm + steps) * k:]
     mine_rank = {"rank": rank, "step_times_s": times, "stages": stages}
     mine_rank["shard_bytes"] = par.shard_bytes()  # after a step: its gradients are still held
     mine_rank["collectives"] = counted_step(par, *rest[0])

@@ -350,11 +350,12 @@ def build_dataset(job: Job, n_samples: int, rank: int = 0) -> Dataset:
 
 def build_loader(job: Job, n_batches: int, device_type: str, n_samples: int | None = None, rank: int = 0,
                  world: int = 1) -> Any:
-    """The job's batches: ``n_batches`` full batches (or exactly ``n_samples`` samples), through a DataLoader with
-    the job's knobs. Synthetic data gives a DataLoader of (x, y) pairs; every other kind a :class:`Feed` of
-    :class:`Batch` es (``rank`` of ``world`` data-parallel ranks: module docstring)."""
+    """The job's batches: ``n_batches`` optimizer steps' worth of full micro-batches (``grad_accum`` each), or
+    exactly ``n_samples`` samples, through a DataLoader with the job's knobs. Synthetic data gives a DataLoader of
+    (x, y) pairs; every other kind a :class:`Feed` of :class:`Batch` es (``rank`` of ``world`` data-parallel ranks:
+    module docstring)."""
     kind = data_kind(job)
-    want = n_samples if n_samples is not None else n_batches * job.micro_batch
+    want = n_samples if n_samples is not None else n_batches * getattr(job, "grad_accum", 1) * job.micro_batch
     if kind == "factory":
         return _checked(_user_feed(job, math.ceil(want / job.micro_batch), device_type, rank, world), job)
     collate = None

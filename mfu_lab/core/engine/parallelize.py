@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mfu_lab.core.engine.batches import input_embedding
 from mfu_lab.core.engine.layout import Layout
+from mfu_lab.core.engine.losses import accumulation_weights, compiled_cross_entropy, cross_entropy
 from mfu_lab.core.engine.workload import GPT, compile_kwargs, logits_of
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job.factories import load_factory
@@ -204,6 +204,7 @@ class Parallelized:
     ddp: nn.Module | None = None  # the DDP wrapper, when the layout is plain DDP
     dp_grad_sync: bool = False  # DDP mode beside TP/PP: gradients all-reduced over "dp" after backward
     loss_fn: Any = None  # the job's own loss of (output, batch) (key 'loss'), else cross-entropy of the logits
+    loss_impl: str = "eager"  # the cross-entropy: eager, or compiled (core.engine.losses)
 
     @property
     def first_stage(self) -> bool:
@@ -222,26 +223,52 @@ class Parallelized:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """One optimizer step on this rank's batch; the loss where this rank computes it, else None."""
+        return self.accumulate([(x, y)])
+
+    def accumulate(self, parts: list[tuple[Any, Any]]) -> torch.Tensor | None:
+        """One optimizer step over this rank's micro-batches ``parts`` (``grad_accum`` of them; a pipeline takes
+        one: its schedule splits it into pp_microbatches): each forward and backward, its loss weighted by its
+        share of the step's useful tokens; DDP (``no_sync``) and FSDP2 (``set_requires_gradient_sync``) reduce
+        gradients on the last micro-batch only. The step's loss where this rank computes it, else None."""
         self.optimizer.zero_grad(set_to_none=True)  # at the start: a step's gradients stay for shard_bytes()
+        if self.schedule is not None and len(parts) > 1:
+            raise StepError(f"job key 'grad_accum' = {len(parts)}: a pipeline (pp > 1) accumulates over its own "
+                            "pp_microbatches; set grad_accum to 1 and raise pp_microbatches instead")
         loss = None
-        with self.autocast():
-            if self.schedule is not None:
-                losses: list[torch.Tensor] = []
-                args = (x,) if self.first_stage else ()
-                kw = {"target": y, "losses": losses} if self.last_stage else {}
-                self.schedule.step(*args, **kw)
-                loss = torch.stack([v.detach().float() for v in losses]).mean() if self.last_stage else None
-            else:
-                model = self.ddp or self.modules[0]
-                loss = job_loss(model, self.modules[0], x, y, self.loss_fn, self.vocab_size)
-        if self.schedule is None:
-            loss.backward()
+        weights = accumulation_weights([y for _, y in parts])
+        for i, ((x, y), w) in enumerate(zip(parts, weights)):
+            last = i == len(parts) - 1
+            with self._grad_sync(last), self.autocast():
+                if self.schedule is not None:
+                    losses: list[torch.Tensor] = []
+                    args = (x,) if self.first_stage else ()
+                    kw = {"target": y, "losses": losses} if self.last_stage else {}
+                    self.schedule.step(*args, **kw)
+                    part = torch.stack([v.detach().float() for v in losses]).mean() if self.last_stage else None
+                else:
+                    model = self.ddp or self.modules[0]
+                    part = job_loss(model, self.modules[0], x, y, self.loss_fn, self.vocab_size, self.loss_impl)
+                    part = part if len(parts) == 1 else part * w
+                if self.schedule is None:
+                    part.backward()
+            if part is not None:
+                loss = part.detach() if loss is None else loss + part.detach()
         if self.layout.sp and not self.layout.fsdp:
             self._reduce_partial_grads()
         if self.dp_grad_sync:
             self._sync_grads()
         self.optimizer.step()
-        return None if loss is None else loss.detach()
+        return loss
+
+    def _grad_sync(self, last: bool):
+        """Gradient reduction on (``last``) or off for the next backward: DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync`` (its all-gathers stay, its reduce-scatters wait for the last micro-batch)."""
+        if self.ddp is not None:
+            return contextlib.nullcontext() if last else self.ddp.no_sync()
+        if self.layout.fsdp:
+            for m in self.modules:
+                m.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
 
     def _reduce_partial_grads(self) -> None:
         """SP leaves the norms' gradients partial (each rank summed its sequence shard): all-reduce each once, here,
@@ -282,25 +309,26 @@ class Parallelized:
                 "grads": sum(local(p.grad) for p in params if p.grad is not None), "optimizer": opt}
 
 
-def job_loss(forward: nn.Module, model: nn.Module, x: Any, y: Any, loss_fn: Any, vocab_size: int) -> torch.Tensor:
+def job_loss(forward: nn.Module, model: nn.Module, x: Any, y: Any, loss_fn: Any, vocab_size: int,
+             loss_impl: str = "eager") -> torch.Tensor:
     """The loss of one batch in a layout, as the single-process step has it (core.engine.workload.TrainStep): the
     job's own loss of ``(output, batch)`` when it names one, the batch as the data gave it (a dict's keys go into
-    the forward that takes them); else cross-entropy of the logits against the targets."""
+    the forward that takes them); else cross-entropy of the logits against the targets, compiled on its own with
+    ``loss_impl: compiled`` (the layouts compile per block, so the loss cannot join a block's region)."""
     from mfu_lab.core.engine.batches import call_model, loss_problem, loss_view
 
     if loss_fn is None:
-        return cross_entropy(logits_of(forward(x)), y, vocab_size)
+        logits = logits_of(forward(x))
+        if loss_impl == "compiled":
+            if vocab_size and logits.size(-1) != vocab_size:
+                return cross_entropy(logits, y, vocab_size)  # raises, naming the classes
+            return compiled_cross_entropy()(logits, y)
+        return cross_entropy(logits, y, vocab_size)
     loss = loss_fn(call_model(forward, x, model), loss_view(x, y, {}))
     why = loss_problem(loss, loss_fn)
     if why:
         raise StepError(why)
     return loss
-
-
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    if vocab_size and logits.size(-1) != vocab_size:
-        raise StepError(f"the model's logits have {logits.size(-1)} classes; expected vocab_size={vocab_size}")
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
 # ------------------------------------------------------------------ the one place the order is fixed
@@ -358,8 +386,13 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
         notes.append("float16 runs without loss scaling in a layout (the single-process reference uses GradScaler)")
     loss_fn = load_factory(job.loss, None, job.factory_paths, job.trust, key="loss") if job.loss else None
     vocab = job.vocab_size or (emb.num_embeddings if (emb := input_embedding(model)[0]) is not None else 0)
+    loss_impl = job.loss_impl
+    if loss_impl == "chunked":
+        loss_impl = "eager"
+        notes.append("loss_impl chunked: a layout computes the cross-entropy from the logits (eager); the chunked "
+                     "loss runs in the single-process step only")
     par = Parallelized(layout, mesh, modules, optimizer, autocast_dtype, vocab, notes,
-                       [i for i, _ in parts], None, ddp, sync, loss_fn)
+                       [i for i, _ in parts], None, ddp, sync, loss_fn, loss_impl)
     if layout.pp > 1:
         par.schedule = _schedule(parts, layout, mesh["pp"].get_group(), device, vocab)
     return par

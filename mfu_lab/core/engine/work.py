@@ -79,7 +79,7 @@ def same_batches(job: Job, n_batches: int, device_type: str, rank: int = 0, worl
 
     key = hashlib.sha256(json.dumps([job.data, source_digest(job.data, job.factory_paths, job.trust),
                                      job.factory_paths, job.trust, job.micro_batch, job.seq_len, job.seed, n_batches,
-                                     rank, world]).encode()).hexdigest()[:16]
+                                     job.grad_accum, rank, world]).encode()).hexdigest()[:16]
     path = job.output_root() / ".batches" / f"{key}.pt"
     if path.is_file():
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ from mfu_lab.core.engine.data import (  # noqa: F401  (re-exported: the steps im
     bucket_lengths,
     build_dataset,
     build_loader,
+)
+from mfu_lab.core.engine.losses import (
+    accumulation_weights,
+    chunked_cross_entropy,
+    chunked_problem,
+    compiled_cross_entropy,
+    cross_entropy,
+    head_set_aside,
 )
 from mfu_lab.core.errors import JobError, JobProblem, StepError
 from mfu_lab.core.job.compile_options import options_problem
@@ -207,7 +216,8 @@ def build_model(job: Job) -> nn.Module:
 # ------------------------------------------------------------------ training step
 @dataclass
 class TrainStep:
-    """One optimiser step: forward, loss, backward, AdamW update (autocast for bf16/fp16).
+    """One optimiser step: forward, loss, backward (``grad_accum`` micro-batches: :meth:`accumulate`), AdamW update
+    (autocast for bf16/fp16).
 
     The loss: the job's ``loss`` function of ``(output, batch)`` when it names one; else the output's ``.loss`` when
     the batch brings ``labels`` and the model's forward takes them (Hugging Face: the model shifts them); else
@@ -224,6 +234,9 @@ class TrainStep:
     loss_fn: Any = None  # the job's own loss of (output, batch), or None
     data: str = "synthetic"  # the job's data key, named in the vocabulary check's message
     reference: bool = True  # the reference GPT (its vocabulary is a job key)
+    loss_impl: str = "eager"  # core.engine.losses: eager | compiled | chunked
+    grad_accum: int = 1  # micro-batches per optimizer step (core.measure.timed feeds them; accumulate() steps once)
+    region: Any = None  # loss_impl compiled under compile_mode: torch.compile of the forward and the loss together
 
     def __post_init__(self):
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
@@ -240,18 +253,30 @@ class TrainStep:
         return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype))
 
     def loss(self, x: Any, y: Any, eager: bool = False, **kw: torch.Tensor) -> torch.Tensor:
-        """The step's loss; ``eager`` runs the uncompiled model (FLOP counting traces eager operators). ``kw``: the
-        batch's keyword tensors (``labels``, ``attention_mask``); those the forward takes go into it. ``x`` and ``y``
-        may be a batch that is not token ids (core.engine.batches: any other batch), which the job's loss reads."""
+        """The step's loss; ``eager`` runs the uncompiled model and the eager loss formula (FLOP counting traces
+        eager operators). ``kw``: the batch's keyword tensors (``labels``, ``attention_mask``); those the forward
+        takes go into it. ``x`` and ``y`` may be a batch that is not token ids (core.engine.batches: any other
+        batch), which the job's loss reads. ``loss_impl`` (core.engine.losses) says how the default loss runs."""
         ids = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
         if not self.vocab_checked and ids and x.device.type != "meta":
             why = vocab_problem(self.model, x, self.vocab_size, self.data, self.reference)
             if why:
                 raise StepError(why)
             self.vocab_checked = True
+        if not eager and self.region is not None:  # loss_impl compiled: the forward and the loss, one region
+            return self.region(x, y, kw)
         forward = self.model if eager or self.compiled is None else self.compiled
+        return self._forward_loss(forward, x, y, kw, "eager" if eager else self.loss_impl)
+
+    def _forward_loss(self, forward: Any, x: Any, y: Any, kw: dict, impl: str) -> torch.Tensor:
+        ids = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
         fkw = {k: v for k, v in kw.items() if k in self.takes}
+        chunked = impl == "chunked" and self.loss_fn is None and "labels" not in fkw and ids
         with self.autocast():
+            if chunked:
+                with head_set_aside(self.model) as head:
+                    hidden = logits_of(forward(x, **fkw))
+                    return chunked_cross_entropy(hidden, head, y)
             out = call_model(forward, x, self.model) if isinstance(x, Mapping) else forward(x, **fkw)
         if self.loss_fn is not None:
             loss = self.loss_fn(out, loss_view(x, y, kw))
@@ -272,15 +297,31 @@ class TrainStep:
             raise StepError(f"the model's logits have shape {tuple(logits.shape)}; expected "
                             f"({x.size(0)}, {x.size(1)}, vocab_size={self.vocab_size}). "
                             "Set vocab_size in the job to the model's vocabulary (0: its input embedding's)")
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        if impl == "compiled" and self.region is None:  # compile_mode off: the loss alone compiled
+            return compiled_cross_entropy()(logits, y)
+        return cross_entropy(logits, y)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, **kw: torch.Tensor) -> torch.Tensor:
-        loss = self.loss(x, y, **kw)
-        self.scaler.scale(loss).backward()
+        return self.accumulate([(x, y, kw)])
+
+    def accumulate(self, parts: list[tuple[Any, Any, dict]]) -> torch.Tensor:
+        """One optimizer step over ``parts``, its micro-batches ``(x, y, kwargs)`` (``grad_accum`` of them): each
+        forward and backward, its loss weighted by its share of the step's useful tokens (core.engine.losses:
+        the step's loss is the mean over them all); a DDP model skips its all-reduce on all but the last
+        (``no_sync``); the scaler and the optimizer step once. Returns the step's loss."""
+        weights = accumulation_weights([y for _, y, _ in parts])
+        total, last = None, len(parts) - 1
+        for i, ((x, y, kw), w) in enumerate(zip(parts, weights)):
+            local = i < last and hasattr(self.model, "no_sync")
+            with self.model.no_sync() if local else contextlib.nullcontext():
+                loss = self.loss(x, y, **kw)
+                part = loss if last == 0 else loss * w
+                self.scaler.scale(part).backward()
+            total = part.detach() if total is None else total + part.detach()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
 
 
 DYNAMIC = {"auto": None, "static": False, "dynamic": True}
@@ -311,15 +352,27 @@ def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
 
     ``matmul_precision`` is process-wide in torch (``torch.set_float32_matmul_precision``): the process
     that builds the step trains with it. A job with ``compile_mode`` other than ``off`` runs its forward
-    through ``torch.compile(model, ...)``; the first steps compile (the warm-up steps absorb that).
+    through ``torch.compile(model, ...)``, or its forward and loss as one compiled region with ``loss_impl:
+    compiled`` (core.engine.losses); the first steps compile (the warm-up steps absorb that).
     """
     torch.set_float32_matmul_precision(job.matmul_precision)
     impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(job.adamw_impl, {})
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, **impl)
     compiled = None
-    if job.compile_mode != "off":
-        compiled = torch.compile(model, **compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic,
-                                                         job.compile_options))
+    kw = (compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic, job.compile_options)
+          if job.compile_mode != "off" else None)
+    if kw is not None and job.loss_impl != "compiled":
+        compiled = torch.compile(model, **kw)
+    if job.loss_impl == "chunked" and (why := chunked_problem(model)):
+        raise StepError(why)
     loss_fn = load_factory(job.loss, None, job.factory_paths, job.trust, key="loss") if job.loss else None
-    return TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled, loss_fn, job.data,
-                     job.uses_reference_model)
+    step = TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled, loss_fn, job.data,
+                     job.uses_reference_model, job.loss_impl, grad_accum=job.grad_accum)
+    if kw is not None and job.loss_impl == "compiled":  # one region: the forward, the loss and their casts
+        step.region = torch.compile(functools.partial(_region_body, step), **kw)
+    return step
+
+
+def _region_body(step: TrainStep, x: Any, y: Any, kw: dict) -> torch.Tensor:
+    """What ``loss_impl: compiled`` compiles under ``compile_mode``: the eager model's forward and the loss."""
+    return step._forward_loss(step.model, x, y, kw, "eager")

@@ -25,8 +25,8 @@ OVERRIDES_ENV = "MFU_LAB_OVERRIDES"
 WORKLOAD_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "attention",
                  "activation_checkpointing", "data", "min_seq_len", "seq_policy", "seq_buckets", "last_batch",
                  "dataset_samples", "num_workers", "prefetch_factor", "pin_memory", "synthetic_load_ms", "micro_batch",
-                 "dtype", "matmul_precision", "compile_mode", "lr", "adamw_impl", "device", "peak_flops", "seed",
-                 "fp8_layers", "fp8_recipe", "ddp_bucket_mb", "ddp_hook", "ddp_grad_as_bucket_view")
+                 "dtype", "matmul_precision", "compile_mode", "lr", "adamw_impl", "loss_impl", "device", "peak_flops",
+                 "seed", "fp8_layers", "fp8_recipe", "ddp_bucket_mb", "ddp_hook", "ddp_grad_as_bucket_view")
 # the job's layout: steps 1, 3 and 7 run the job in it, so an override of one changes what they measure
 LAYOUT_KEYS = ("nproc_per_node", "nnodes", "dp_mode", "fsdp_reshard_after_forward", "fsdp_prefetch", "fsdp_param_dtype",
                "fsdp_reduce_dtype", "tp", "sp", "pp", "pp_schedule", "pp_microbatches", "pp_virtual_stages", "tp_plan")

@@ -37,6 +37,7 @@ COMM_SCREENS = ("factors", "product")  # step 2's first round: knobs one at a ti
 COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
 MATMUL_PRECISIONS = ("highest", "high")
 ADAMW_IMPLS = ("default", "foreach", "fused")
+LOSS_IMPLS = ("eager", "compiled", "chunked")
 PRECISION_RUNGS = ("tf32", "bfloat16", "float16")
 DP_MODES = ("ddp", "fsdp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -256,6 +257,14 @@ def cross_key_problems(job: Any, bad: set[str]) -> list[JobProblem]:
     if not bad & {"min_marginal_efficiency"} and job.min_marginal_efficiency > 1:
         problems.append(JobProblem("min_marginal_efficiency", job.min_marginal_efficiency, "must be <= 1 (1 is "
                                    "perfect scaling)"))
+    if not bad & {"loss_impl", "loss"} and job.loss_impl == "chunked" and job.loss:
+        problems.append(JobProblem("loss_impl", job.loss_impl, f"chunked computes cross-entropy from the hidden "
+                                   f"states and the head's weight, and cannot run the job's own loss ({job.loss}); "
+                                   "use eager or compiled"))
+    if not bad & {"loss_impl", "compile_mode"} and job.loss_impl == "chunked" and job.compile_mode != "off":
+        problems.append(JobProblem("loss_impl", job.loss_impl, f"chunked does not combine with a compiled region "
+                                   f"(compile_mode is {job.compile_mode}; torch.compile falls back to eager at the "
+                                   "chunked operator); use compiled, or compile_mode: off"))
     if not bad & {"assumed_mfu"} and job.assumed_mfu > 1:
         problems.append(JobProblem("assumed_mfu", job.assumed_mfu, "must be <= 1 (a fraction of peak)"))
     return problems + fsdp_candidate_problems(job, bad) + layout_problems(job, bad)
@@ -301,6 +310,9 @@ def layout_problems(job: Any, bad: set[str]) -> list[JobProblem]:
                                    job.pp_virtual_stages,
                                    f"pp x pp_virtual_stages ({job.pp} x {job.pp_virtual_stages} = {stages}) must "
                                    f"divide n_layers ({job.n_layers}): each model chunk holds whole blocks"))
+    if ok("pp", "grad_accum") and job.pp > 1 and getattr(job, "grad_accum", 1) > 1:
+        problems.append(JobProblem("grad_accum", job.grad_accum, f"must be 1 when pp is {job.pp}: a pipeline "
+                                   "accumulates over its own pp_microbatches; raise pp_microbatches instead"))
     if ok("pp", "pp_microbatches") and job.pp > 1 and job.pp_microbatches < job.pp:
         problems.append(JobProblem("pp_microbatches", job.pp_microbatches, f"must be >= pp ({job.pp}): every "
                                    "stage needs a micro-batch in flight (torch's Schedule1F1B refuses fewer)"))

@@ -36,6 +36,7 @@ from mfu_lab.core.job.rules import (
     FP8_RECIPES,
     JOB_NAME_RE,
     LAST_BATCH,
+    LOSS_IMPLS,
     MATMUL_PRECISIONS,
     MODEL_RE,
     PP_SCHEDULES,
@@ -52,7 +53,7 @@ from mfu_lab.core.job.rules import (
 
 __all__ = ["ADAMW_IMPLS", "ATTENTIONS", "COMM_HOOKS", "COMPILE_CHOICES", "COMPILE_DYNAMIC", "COMPILE_MODES",
            "DATA_DTYPES", "DATA_SOURCES", "DEVICES", "DP_MODES", "DTYPES", "FIELDS", "FP8_RECIPES", "JOB_NAME_RE",
-           "KEY_GROUPS", "LAST_BATCH", "MATMUL_PRECISIONS", "MODEL_RE", "PP_SCHEDULES", "PRECISION_RUNGS",
+           "KEY_GROUPS", "LAST_BATCH", "LOSS_IMPLS", "MATMUL_PRECISIONS", "MODEL_RE", "PP_SCHEDULES", "PRECISION_RUNGS",
            "SEQ_POLICIES", "TP_STYLES", "Job", "JobError", "JobProblem", "find_workbook_root", "from_namespace",
            "load_job", "validate"]
 
@@ -136,7 +137,13 @@ class Job:
     synthetic_load_ms: float = _key(0.0, "simulated loading latency per batch, in ms, added to any data kind (a "
                                     "sleep standing in for storage or decoding)", min=0.0)
     # --- training ---
-    micro_batch: int = _key(8, "samples per training step", min=1)
+    micro_batch: int = _key(8, "samples per micro-batch: one forward and backward (an optimizer step is grad_accum "
+                            "of them)", min=1)
+    grad_accum: int = _key(1, "micro-batches per optimizer step (gradient accumulation): an optimizer step trains "
+                           "on micro_batch x grad_accum samples per data-parallel rank, its loss the mean over all "
+                           "their useful tokens; DDP and FSDP2 reduce gradients on the last micro-batch only. steps, "
+                           "warmup_steps, verify_steps and fp8_steps count optimizer steps; a step's time and FLOPs "
+                           "are those of grad_accum micro-batches", min=1)
     steps: int = _key(20, "measured training steps (at least 2, so a spread exists)", min=2)
     warmup_steps: int = _key(3, "training steps run first and discarded", min=0)
     dtype: str = _key("float32", "float32 | bfloat16 | float16 (the latter two through autocast)", choices=DTYPES)
@@ -147,6 +154,12 @@ class Job:
     lr: float = _key(3e-4, "AdamW learning rate", min_exclusive=0.0)
     adamw_impl: str = _key("default", "AdamW's implementation: default (torch's choice) | foreach (multi-tensor "
                            "kernels) | fused (a few fused kernels; CUDA, and CPU since torch 2.4)", choices=ADAMW_IMPLS)
+    loss_impl: str = _key("eager", "how the default cross-entropy runs: eager (from the logits, cast to float32, "
+                          "outside any compiled region) | compiled (inside torch.compile: with the forward as one "
+                          "region under compile_mode, alone when compile_mode is off) | chunked "
+                          "(F.linear_cross_entropy from the hidden states and the head's weight, never writing "
+                          "the logits; torch 2.13+, a model with an lm_head Linear, no loss: factory, compile_mode "
+                          "off)", choices=LOSS_IMPLS)
     loss_tolerance: float = _key(0.02, "relative final-loss gap to the original job that a lossy change (lower "
                                  "precision, gradient compression) may reach and still be adopted",
                                  min_exclusive=0.0)
@@ -254,7 +267,8 @@ class Job:
     cluster_interleave: int = _key(1, "step 6: interleaved pipeline chunks per stage on the cluster (Megatron-LM's "
                                    "virtual stages)", min=1)
     global_batch: int = _key(512, "samples per optimizer step on the cluster (data parallel x micro-batches x "
-                             "micro_batch); a multiple of micro_batch", min=1)
+                             "micro_batch); a multiple of micro_batch (the job's own step holds micro_batch x "
+                             "grad_accum x its data-parallel ranks)", min=1)
     assumed_mfu: float = _key(0.4, "single-GPU MFU the model assumes when no earlier step measured the cluster's "
                               "GPU", min_exclusive=0.0)
     min_marginal_efficiency: float = _key(0.8, "the efficient size is the largest whose added GPUs still bring this "

@@ -16,6 +16,7 @@ Conventions (``convention=``):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -190,6 +191,27 @@ def count_step_flops(model: torch.nn.Module, train_step, x, y, cache_dir: Path |
         report = count_step_flops(model, train_step, x, y)
         write_json_atomic(path, report)
         return report
+    return per_optimizer_step(_count_micro_batch(model, train_step, x, y),
+                              max(1, int(getattr(train_step, "grad_accum", 1) or 1)))
+
+
+def per_optimizer_step(report: FlopReport, k: int) -> FlopReport:
+    """One micro-batch's FLOPs as an optimizer step's of ``k`` micro-batches (``grad_accum``): every figure x k
+    (each micro-batch runs the same forward and backward; the optimizer's own FLOPs are not model FLOPs)."""
+    if k == 1:
+        return report
+    return dataclasses.replace(
+        report, model_flops_per_step=report.model_flops_per_step * k,
+        hardware_flops_per_step=report.hardware_flops_per_step * k,
+        analytic_flops_per_step=None if report.analytic_flops_per_step is None else report.analytic_flops_per_step * k,
+        counted_flops_per_step=report.counted_flops_per_step * k,
+        counted_hardware_flops_per_step=report.counted_hardware_flops_per_step * k,
+        flash_recompute_flops_per_step=report.flash_recompute_flops_per_step * k,
+        formula=f"{report.formula}; x grad_accum ({k} micro-batches per optimizer step)")
+
+
+def _count_micro_batch(model: torch.nn.Module, train_step, x, y) -> FlopReport:
+    """The FLOPs of one micro-batch's forward and backward (``x``, ``y``)."""
 
     def fwd_bwd():
         train_step.loss(x, y, eager=True).backward()
@@ -248,6 +270,7 @@ def count_key(model: torch.nn.Module, train_step, x, y, key_extra: str = "") -> 
         source = b""
     for part in (key_extra, repr(model), "|".join(atts), hashlib.sha256(source).hexdigest(), shape_key(x),
                  shape_key(y), getattr(model, "activation_checkpointing", None),
-                 getattr(train_step, "dtype", None), getattr(train_step, "device_type", None), torch.__version__):
+                 getattr(train_step, "dtype", None), getattr(train_step, "device_type", None), torch.__version__,
+                 getattr(train_step, "grad_accum", 1), getattr(train_step, "loss_impl", "eager")):
         h.update(repr(part).encode() + b"\0")
     return h.hexdigest()[:16]

@@ -128,7 +128,9 @@ def _kwargs(batch, device, non_blocking: bool = False) -> dict:
 
 def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: int, steps: int,
               progress: Progress | None = None) -> Timings:
-    """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor."""
+    """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor. A step with
+    ``grad_accum`` k > 1 (core.engine.workload.TrainStep) takes k micro-batches per optimizer step
+    (``step.accumulate``): a time, a loss and the counted tokens and samples are an optimizer step's."""
     from mfu_lab.core.process.faults import check_losses
 
     run = _run_cuda if device.type == "cuda" else _run_cpu
@@ -139,20 +141,44 @@ def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: i
     return t
 
 
+def _take(it, step, device, non_blocking: bool, useful, padded, samples) -> list[tuple]:
+    """One optimizer step's micro-batches from ``it`` (``step.grad_accum`` of them, 1 for a plain callable), each
+    counted on the host and copied to ``device``: ``[(x, y, kwargs), ...]``."""
+    parts = []
+    for _ in range(max(1, int(getattr(step, "grad_accum", 1) or 1))):
+        batch = next(it)
+        x, y = batch
+        _count(batch, useful, padded, samples)
+        parts.append((to_device(x, device, non_blocking), to_device(y, device, non_blocking),
+                      _kwargs(batch, device, non_blocking)))
+    return parts
+
+
+def _call(step, parts: list[tuple]):
+    """One optimizer step: ``step(x, y, **kwargs)`` for one micro-batch, ``step.accumulate(parts)`` for several."""
+    if len(parts) == 1:
+        x, y, kw = parts[0]
+        return step(x, y, **kw)
+    return step.accumulate(parts)
+
+
+def _per_step(values: list[int], k: int) -> list[int]:
+    """Per-micro-batch counts summed per optimizer step of ``k`` micro-batches."""
+    return [sum(values[i:i + k]) for i in range(0, len(values), k)] if k > 1 else values
+
+
 def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
     n = warmup + steps
+    k = max(1, int(getattr(step, "grad_accum", 1) or 1))
     wall, data, compute, losses = [], [], [], []
     it = iter(batches)
     useful, padded, samples = [], [], []
     start = prev_end = time.perf_counter()
     for i in range(n):
         t0 = time.perf_counter()
-        batch = next(it)
-        x, y = batch
-        _count(batch, useful, padded, samples)
-        x, y, kw = to_device(x, device), to_device(y, device), _kwargs(batch, device)
+        parts = _take(it, step, device, False, useful, padded, samples)
         t1 = time.perf_counter()
-        losses.append(step(x, y, **kw))
+        losses.append(_call(step, parts))
         end = time.perf_counter()
         wall.append(end - prev_end)
         data.append(t1 - t0)
@@ -161,8 +187,9 @@ def _run_cpu(step, batches, device, warmup, steps, progress) -> Timings:
         if progress:
             progress(i + 1, n, end - start)
     return Timings(wall, data, compute, [float(v) for v in losses], warmup,
-                   "time.perf_counter around each phase (CPU runs synchronously)", tokens=useful or None,
-                   padded_tokens=padded or None, samples=samples or None)
+                   "time.perf_counter around each phase (CPU runs synchronously)",
+                   tokens=_per_step(useful, k) or None, padded_tokens=_per_step(padded, k) or None,
+                   samples=_per_step(samples, k) or None)
 
 
 def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pragma: no cover - GPU only
@@ -178,16 +205,13 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     origin.record()
     fetch = []  # host seconds spent getting each batch and issuing its copy: the only part that is data wait
     useful, padded, samples = [], [], []
+    k = max(1, int(getattr(step, "grad_accum", 1) or 1))
     for i in range(n):
         t0 = time.perf_counter()
-        batch = next(it)
-        x, y = batch
-        _count(batch, useful, padded, samples)
-        x, y = to_device(x, device, True), to_device(y, device, True)
-        kw = _kwargs(batch, device, True)
+        parts = _take(it, step, device, True, useful, padded, samples)
         fetch.append(time.perf_counter() - t0)
         ready[i].record()
-        losses.append(step(x, y, **kw))
+        losses.append(_call(step, parts))
         done[i].record()
         if progress:
             progress(i + 1, n, time.perf_counter() - start)
@@ -206,8 +230,9 @@ def _run_cuda(step, batches, device, warmup, steps, progress) -> Timings:  # pra
     return Timings(wall, data, compute, torch.stack(losses).float().cpu().tolist(), warmup,
                    "CUDA events on the device timeline (no synchronisation inside the loop); data wait: the "
                    "device's idle time before each batch was ready, up to the host's time fetching it",
-                   torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated", tokens=useful or None,
-                   padded_tokens=padded or None, samples=samples or None)
+                   torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated",
+                   tokens=_per_step(useful, k) or None, padded_tokens=_per_step(padded, k) or None,
+                   samples=_per_step(samples, k) or None)
 
 
 def interleaved(timers: dict[str, Callable[[int], list[float]]], rounds: int, steps: int) -> dict[str, list[float]]:
@@ -245,8 +270,8 @@ def profile_steps(step, batches, device: torch.device, warmup: int, active: int,
                                         on_trace_ready=ready.append) as prof:
         calls = {"n": 0}
 
-        def stepped(x, y, **kw):
-            loss = step(x, y, **kw)
+        def stepped(*args, **kw):  # (x, y, **kw), or one optimizer step's micro-batches (grad_accum)
+            loss = step(*args, **kw) if len(args) == 2 else step.accumulate(*args)
             calls["n"] += 1
             if calls["n"] == warmup and device.type == "cuda":  # pragma: no cover - GPU only
                 # sync point: the warm-up's kernels finish before the recorded window opens at prof.step()
@@ -255,6 +280,8 @@ def profile_steps(step, batches, device: torch.device, warmup: int, active: int,
                 prof.step()  # the profiler's step boundary: ProfilerStep#N spans in the trace
             return loss
 
+        stepped.grad_accum = getattr(step, "grad_accum", 1)
+        stepped.accumulate = stepped
         timings = run_steps(stepped, batches, device, warmup, active, progress)
         prof.step()  # the last boundary stops the recording: outside the timed steps, so none pays for it
     if ready:

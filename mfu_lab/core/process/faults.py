@@ -89,8 +89,10 @@ def oom_advice(job) -> list[str]:
     """What to change, from the job's own values."""
     out = []
     if job.micro_batch > 1:
-        out.append(f"micro_batch: {max(1, job.micro_batch // 2)} (now {job.micro_batch}; activations scale with "
-                   "it; keep the global batch with more accumulation steps)")
+        half = max(1, job.micro_batch // 2)
+        out.append(f"micro_batch: {half} with grad_accum: {job.grad_accum * job.micro_batch // half} (now "
+                   f"{job.micro_batch} x {job.grad_accum}; activations scale with micro_batch, and the samples per "
+                   "optimizer step stay as they are)")
     if not job.activation_checkpointing:
         out.append("activation_checkpointing: true (recomputes each block's forward in the backward: far less "
                    "activation memory for about a third more compute)")

@@ -28,6 +28,11 @@ def trials_table(r) -> Markup:
     return macros(TEMPLATE).trials_table(r)
 
 
+def loss_race_table(r) -> Markup:
+    """loss_impl raced side by side (steps.compile.loss_race): each implementation's step and final loss."""
+    return macros(TEMPLATE).loss_race_table(r.loss_race)
+
+
 def step3_table(r) -> Markup:
     """Kernels (or operators) per step after compiling, against step 3's eager trace."""
     return macros(TEMPLATE).step3_table(r.step3)

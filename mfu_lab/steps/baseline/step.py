@@ -366,7 +366,11 @@ def advise(r: BaselineResult) -> list[Advice]:
             levers.append("train in bfloat16 (dtype: bfloat16) so matmuls use tensor cores")
         if job["attention"] == "unfused":
             levers.append("use fused attention (attention: sdpa; step 2 measures it)")
-        levers.append(f"raise micro_batch (now {job['micro_batch']}) while memory allows, for larger matmuls")
+        ga = job.get("grad_accum", 1)
+        levers.append(f"larger micro-batches for larger matmuls (micro_batch {job['micro_batch']}): "
+                      + (f"step 3 races them against grad_accum {ga}, samples per optimizer step held" if ga > 1 else
+                         "with grad_accum 1 that adds samples to each optimizer step, a change of the optimization "
+                         "the workbook never adopts; split the step with grad_accum to let step 3 trade"))
         levers.append("fuse memory-bound ops (step 3 finds them, step 4 compiles them)")
         out.append(Advice("act", "Most of the peak is lost while the device is busy: " + "; ".join(levers) + ".",
                           f"compute efficiency loss is {hw:.1%} of peak at MFU {mfu_v:.1%}"))

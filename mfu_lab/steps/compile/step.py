@@ -46,6 +46,7 @@ from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.results import Metric, StepResult, jsonable
 from mfu_lab.steps.baseline.step import reference_peak
 from mfu_lab.steps.compile.confirm import confirm_mode
+from mfu_lab.steps.compile.loss_race import race_loss
 from mfu_lab.steps.compile.worker import run_worker
 from mfu_lab.steps.fit import one_process_note
 
@@ -103,6 +104,7 @@ class CompileResult(StepResult):
     # mode -> the MFU ledger of its profiled steps (eager included): the index's "after" waterfall
     ledgers: dict[str, Any] = field(default_factory=dict)
     confirmation: racing.Confirmation | None = None  # the leading mode measured again beside eager
+    loss_race: dict[str, Any] = field(default_factory=dict)  # steps.compile.loss_race: loss_impl raced side by side
 
 
 Result = CompileResult  # the step contract: every step module names its result class Result
@@ -212,6 +214,12 @@ def advise(r: CompileResult) -> list[Advice]:
     sev = "act" if r.recommendation.get("compile") else "info"
     out.append(Advice(sev, r.recommendation["text"], "eager and each mode run side by side, each in a fresh process, "
                       "same seed and data"))
+    lr = r.loss_race or {}
+    if lr.get("ran"):
+        out.append(Advice("act" if lr.get("adopted") else "info", f"The loss (mode {lr['mode']}): {lr['verdict']}",
+                          lr.get("method", "")))
+    elif lr.get("note"):
+        out.append(Advice("info", f"The loss's implementations were not raced: {lr['note']}", "recorded"))
     for t in r.trials:
         if t.status == "ok" and t.drift_ok is False:
             out.append(Advice("look", f"Mode '{t.mode}' is not recommended: its loss drifts from eager's",
@@ -273,7 +281,6 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                               key_extra=fl.job_key_extra(job))
     flops, hw = report.model_flops_per_step, hardware_flops(report)
     peak, *peak_label, _ = reference_peak(job, device)
-    del model
 
     # ---- 3. trials, each in a fresh process
     work, caches = out_dir / "trials", out_dir / "cache"
@@ -362,6 +369,8 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         rec = _confirmed(rec, confirmation)
     best = next((t for t in trials if t.mode == rec.get("mode")), None)
     chosen = best or eager
+    loss_race = _race_loss(job, rec, best, eager, trials, model, tokens, clock, skipped, say)
+    del model
     # the figures of the recommended mode, or of the fastest mode that ran when none is recommended
     shown = best or min((t for t in trials if t.status == "ok"), key=lambda t: t.step_median_s, default=None)
     which = ("" if shown is None else f"mode {shown.mode}" + ("" if best else " (fastest, not recommended)") + ": ")
@@ -393,13 +402,33 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         "peak_flops_per_s": Metric(peak, "FLOP/s", peak_label[0], peak_label[1]),
     }
     result = CompileResult("compile", job.to_dict(), environment(device.name, device.type), metrics, audit,
-                           [real, *demo], breaks, eager, trials, step3, rec, [], ledgers, confirmation, skipped=skipped)
+                           [real, *demo], breaks, eager, trials, step3, rec, [], ledgers, confirmation, loss_race,
+                           skipped=skipped)
     result.budget = clock.record()
     result.advice = advise(result)
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
     return result
+
+
+def _race_loss(job: Job, rec: dict[str, Any], best: Trial | None, eager: Trial, trials: list[Trial], model, tokens,
+               clock: Clock, skipped: list[dict[str, str]], say) -> dict[str, Any]:
+    """loss_impl raced in the mode the job trains in after this step (steps.compile.loss_race); its record."""
+    mode = rec["mode"] if rec.get("compile") else job.compile_mode
+    ran = best or next((t for t in trials if t.mode == mode and t.status == "ok"), None)
+    step_s = (ran or eager).step_median_s or 0.0
+    compile_s = max([t.compile_cold_s or 0.0 for t in trials if t.status == "ok"] or [0.0])
+    say(f"racing the loss's implementations side by side (mode {mode})")
+    r = race_loss(job, mode, next(model.parameters()).device, model, tokens, clock.left_s(), step_s, compile_s,
+                  say)
+    if r.get("ran"):
+        say(f"loss race: {r['verdict']}")
+    else:
+        skipped.append({"what": "loss race", "reason": r["note"]})
+        if r["note"].startswith("budget"):
+            clock.shorten("loss race", r["note"])
+    return r
 
 
 def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str,

@@ -25,12 +25,14 @@ from mfu_lab.core.measure import flops as fl
 from mfu_lab.core.measure.flops import count_step_flops
 from mfu_lab.core.measure.timed import interleaved, run_steps, stats
 from mfu_lab.core.store.results import Metric
+from mfu_lab.steps.fp8 import group_speed
 
 
 def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[str, Any]:  # pragma: no cover
-    """On FP8 hardware: the chosen policy through torchao float8 training under torch.compile, against the same
-    compiled model without it, timed in interleaved rounds (:func:`mfu_lab.core.measure.timed.interleaved`). The
-    config pads the inner dimension (``pad_inner_dim``): the grad-weight ``_scaled_mm`` has micro_batch x seq
+    """On FP8 hardware: first each group of the policy probed on its own shapes (:mod:`.group_speed`), the groups
+    not faster in FP8 dropped; then the kept groups through torchao float8 training under torch.compile, against
+    the same compiled model without it, timed in interleaved rounds (:func:`mfu_lab.core.measure.timed.interleaved`).
+    The config pads the inner dimension (``pad_inner_dim``): the grad-weight ``_scaled_mm`` has micro_batch x seq
     (which variable-length or odd batches leave unaligned) as its inner dimension. GPU only."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -39,6 +41,14 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(job.fp8_recipe), pad_inner_dim=True)
     out: dict[str, Any] = {"status": "ok", "recipe": job.fp8_recipe, "pad_inner_dim": True}
     bf16 = dataclasses.replace(job, dtype="bfloat16")
+    rows = group_speed.probe(build_model(bf16), groups, job.micro_batch * job.seq_len, job.fp8_recipe, device, say)
+    kept, dropped = group_speed.gate(rows)
+    out.update(group_probe=rows, groups_asked=list(groups), groups_kept=kept, groups_dropped=dropped)
+    if not kept:
+        return out | {"status": "slower", "speedup": None,
+                      "reason": "no group of the policy is faster in FP8 than in bf16 beyond the noise: "
+                                + "; ".join(f"{g}: {w}" for g, w in dropped.items())}
+    groups = kept
     timers = {}
     for label, use in (("bf16", False), ("fp8", True)):
         model = build_model(bf16).to(device).train()

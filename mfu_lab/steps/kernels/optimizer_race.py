@@ -5,26 +5,22 @@ implementations are timed side by side on the job itself, and a pick proven fast
 The candidates: the job's own ``adamw_impl`` first (the reference), then ``foreach`` (multi-tensor kernels) and
 ``fused`` (one fused kernel per parameter group) where this device and torch run them. Whether ``fused`` runs is
 probed with one real step on a one-element parameter, not assumed from a version table (CUDA has it; CPU since
-torch 2.4). Each candidate trains its own copy of the model from the job's seed on the same batches, eager (the
-optimizer step lies outside a compiled forward either way), in interleaved rounds (ABBA order); the speedup is
-median(reference) / median(candidate) with a 95% bootstrap interval, adopted only when the interval lies above 1
-and the loss stays within ``loss_tolerance``.
+torch 2.4). They race eager (the optimizer step lies outside a compiled forward either way) by
+:func:`mfu_lab.steps.key_race.race_key`: interleaved rounds, a bootstrap interval, adopted only beyond the noise
+and with the loss kept.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
 from typing import Any
 
 import torch
 
-from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step, eager
+from mfu_lab.core.engine.workload import eager
 from mfu_lab.core.job.schema import Job
-from mfu_lab.core.measure.sidebyside import bootstrap_speedup, interleave
-from mfu_lab.core.measure.timed import run_steps
+from mfu_lab.steps import key_race
+from mfu_lab.steps.key_race import ROUNDS, STEPS_PER_ROUND, race_key
 
-ROUNDS, STEPS_PER_ROUND = 3, 3
 IMPLS = ("foreach", "fused")
 
 
@@ -57,8 +53,8 @@ def candidates(job: Job, device: torch.device) -> tuple[list[str], dict[str, str
 
 
 def cost_s(n_candidates: int, step_s: float) -> float:
-    """The race's time at ``step_s`` a step: each candidate's rounds plus one warm-up step per round."""
-    return n_candidates * ROUNDS * (STEPS_PER_ROUND + 1) * step_s
+    """The race's time at ``step_s`` a step (:func:`mfu_lab.steps.key_race.cost_s`)."""
+    return key_race.cost_s(n_candidates, step_s)
 
 
 def race_optimizer(job: Job, device: torch.device, share: float, left_s: float | None, step_s: float,
@@ -78,42 +74,4 @@ def race_optimizer(job: Job, device: torch.device, share: float, left_s: float |
                        f"implementations, {ROUNDS} rounds of {STEPS_PER_ROUND} steps at about {step_s:.2g} s a step), "
                        f"{max(left_s, 0):.0f} s of step 3's share left; set adamw_impl by hand, or give a larger "
                        "--budget"}
-    plain = eager(job)
-    steps: dict[str, Any] = {}
-    for impl in names:
-        j = dataclasses.replace(plain, adamw_impl=impl)
-        model = build_model(j).to(device).train()
-        steps[impl] = build_train_step(j, model, device.type)
-    quiet = dataclasses.replace(plain, num_workers=0, synthetic_load_ms=0.0)
-
-    def runner(impl):
-        def run(n):
-            t = run_steps(steps[impl], build_loader(quiet, 1 + n, device.type), device, 1, n)
-            return {"wall_s": t.measured("wall_s"), "loss": t.loss[1:]}
-        return run
-
-    say = (lambda m: progress(f"optimizer race {m}")) if callable(progress) else None
-    inter = interleave({n: runner(n) for n in names}, ROUNDS, STEPS_PER_ROUND, say, abba=True)
-    rows = [{"adamw_impl": n, "steps": len(inter.series[n].wall_s),
-             "median_step_s": statistics.median(inter.series[n].wall_s), "final_loss": inter.series[n].loss[-1]}
-            for n in names]
-    best = min(rows, key=lambda r: r["median_step_s"])
-    ref = rows[0]
-    sp = bootstrap_speedup(inter.series[names[0]].wall_s, inter.series[best["adamw_impl"]].wall_s)
-    gap = abs(best["final_loss"] - ref["final_loss"]) / max(abs(ref["final_loss"]), 1e-12)
-    adopted = best["adamw_impl"] != names[0] and sp.low > 1.0 and gap <= job.loss_tolerance
-    if best["adamw_impl"] == names[0]:
-        verdict = f"the job's own adamw_impl ({names[0]}) was the fastest"
-    elif sp.low <= 1.0:
-        verdict = f"{best['adamw_impl']} led, {sp.text()}, but its interval includes 1.0: not proven, not adopted"
-    elif not adopted:
-        verdict = f"{best['adamw_impl']} is faster but its final loss is {gap:.2%} from the job's: not adopted"
-    else:
-        verdict = f"{best['adamw_impl']} is {sp.text()} faster, side by side: adopted (adamw_impl)"
-    return base | {"ran": True, "rows": rows, "pick": best["adamw_impl"],
-                   "speedup": {"value": sp.value, "low": sp.low, "high": sp.high}, "final_gap": gap,
-                   "adopted": adopted, "verdict": verdict,
-                   "method": f"{len(names)} implementations, each its own model from the job's seed on the same "
-                             f"batches, eager, in {ROUNDS} interleaved rounds (ABBA order) of {STEPS_PER_ROUND} timed "
-                             "steps after one warm-up; speedup = median(the job's own) / median(pick), 95% "
-                             "bootstrap interval; adopted only beyond the noise and within loss_tolerance"}
+    return base | race_key(eager(job), "adamw_impl", names, device, "optimizer race", progress)

@@ -51,6 +51,7 @@ from mfu_lab.core.thresholds import (
 )
 from mfu_lab.steps.baseline.step import reference_peak, step1_reference
 from mfu_lab.steps.kernels import layout as kl
+from mfu_lab.steps.kernels.batch_race import race_batch
 from mfu_lab.steps.kernels.figures import compare_with_step1, trace_metrics
 from mfu_lab.steps.kernels.optimizer_race import race_optimizer
 from mfu_lab.workers.launch import error_lines, launch, world_layout
@@ -89,6 +90,7 @@ class KernelsResult(StepResult):
     layout: dict[str, Any] = field(default_factory=dict)
     fit: dict[str, Any] = field(default_factory=dict)  # the layout's memory per rank against what is available
     optimizer_race: dict[str, Any] = field(default_factory=dict)  # steps.kernels.optimizer_race, when AdamW costs
+    batch_race: dict[str, Any] = field(default_factory=dict)  # steps.kernels.batch_race: micro_batch x grad_accum
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelsResult:
@@ -242,7 +244,7 @@ def advise(r: KernelsResult) -> list[Advice]:
                               f"{c.time_per_step_s * 1e3:.2f} ms "
                               f"({c.share_of_step:.1%} of the step){saving}"))
     opt, race = a.optimizer, r.optimizer_race or {}
-    if opt.get("found") and opt["share_of_step"] > OPTIMIZER_LIMIT:
+    if opt.get("found") and (opt["share_of_step"] > OPTIMIZER_LIMIT or race.get("ran")):
         seen = (f"optimizer step {opt['share_of_step']:.1%} of the step, {opt['ops_per_step']:.0f} {opt['what']} per "
                 "step")
         if race.get("ran"):  # raced side by side: adopted into tuned.yaml, or said why not
@@ -254,6 +256,14 @@ def advise(r: KernelsResult) -> list[Advice]:
             out.append(Advice("act", "The optimiser updates one parameter at a time: torch.optim.AdamW(..., "
                               "fused=True) or foreach=True does it in a few multi-tensor kernels. Not raced here ("
                               + race.get("note", "no race ran") + "): set adamw_impl in the job file by hand", seen))
+    br = r.batch_race or {}
+    if br.get("ran"):
+        out.append(Advice("act" if br.get("adopted") else "info",
+                          f"Micro-batch against accumulation, {br['samples_per_step']} samples per optimizer step "
+                          f"held: {br['verdict']}" + (" (tuned.yaml carries it; step 7 verifies it)"
+                                                      if br.get("adopted") else ""), br.get("method", "")))
+    elif br.get("note"):
+        out.append(Advice("info", f"A larger micro_batch: {br['note']}", "the batch race's rule"))
     mem = sum(a.category_share[c] for c in tr.MEMORY_BOUND)
     if mem > MEMORY_BOUND_LIMIT:
         out.append(Advice("look", "Memory-bound operations take a large share: their cost is bytes moved, not "
@@ -349,12 +359,15 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     del trace
 
     opt_race = {}
-    if a.optimizer.get("found") and a.optimizer["share_of_step"] > OPTIMIZER_LIMIT:
-        say("racing AdamW's implementations side by side (the optimizer's share is above "
-            f"{OPTIMIZER_LIMIT:.0%})")
+    if a.optimizer.get("found") and (a.optimizer["share_of_step"] > OPTIMIZER_LIMIT or job.thorough):
+        say("racing AdamW's implementations side by side (" + (f"the optimizer's share is above {OPTIMIZER_LIMIT:.0%}"
+            if a.optimizer["share_of_step"] > OPTIMIZER_LIMIT else "--thorough races it at any share") + ")")
         opt_race = race_optimizer(job, torch_device, a.optimizer["share_of_step"], clock.left_s(), plain.median, say)
         if not opt_race.get("ran"):
             skipped.append({"what": "optimizer race", "reason": opt_race["note"]})
+    batch = race_batch(job, torch_device, clock.left_s(), plain.median, say)
+    if not batch.get("ran"):
+        skipped.append({"what": "batch race", "reason": batch["note"]})
     overhead = prof.median / plain.median - 1
     compare = compare_with_step1(ref, plain.median, prof.median)
     n = len(unprofiled.measured("wall_s"))
@@ -390,7 +403,7 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
                                             "profiled window / steps, slowest rank")
     result = KernelsResult("kernels", job.to_dict(), environment(device.name, device.type), metrics, a, ledger,
                            unprofiled, profiled, compare, TRACE_FILE, [], ddp, skipped=skipped + clock.shortened,
-                           optimizer_race=opt_race)
+                           optimizer_race=opt_race, batch_race=batch)
     result.budget = clock.record()
     if ranks:  # advice sizes DDP's buckets against the gradients
         ddp["gradient_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

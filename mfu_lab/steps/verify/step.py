@@ -109,9 +109,12 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
                    f"{r.name}: {r.reason}" for r in rungs[1:]) + ")")
         skipped.append({"what": "the staircase", "reason": why})
     staircase.speedups(rungs)
-    if withdraw_unproven(job, stairs, rungs, chosen) and write:
+    withdrawn = withdraw_unproven(job, stairs, rungs, chosen)
+    if withdrawn and write:
         save_tuned(job, chosen)
     measured = [r for r in rungs if r.wall_s]
+    while len(measured) > 1 and measured[-1].name in withdrawn:  # the tuned job stops below a withdrawn top rung
+        measured.pop()
     before = measured[0] if measured and measured[0].name == "original" else None
     after = measured[-1] if measured else None
     if after is not None and after.challenger:
@@ -164,13 +167,13 @@ def untimed_proposals(job: Job, chosen: list, clock: Clock, step4: dict | None) 
 WITHDRAWN_RUNGS = ("fp8",)  # rungs step 7 withdraws unless it measures them faster (beside every proposed change)
 
 
-def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -> bool:
+def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -> set[str]:
     """A proposed change (step 4's unconfirmed leader, a guessed loader setting) or an FP8 rung that step 7 did not
     measure faster than the rung below beyond the noise is withdrawn: each of its keys back to the job's value
     (analysis.tuning reads step 7's own changes last, and a change back to the job's value leaves tuned.yaml).
-    Returns whether any was withdrawn."""
+    Returns the names of the rungs withdrawn (the headline and metrics then describe the highest rung kept)."""
     by_name = {name: changes for name, _, changes in stairs}
-    done = False
+    done: set[str] = set()
     for rung in rungs[1:]:
         mine = by_name.get(rung.name) or []
         if rung.challenger or rung.status != "ok" or rung.gain is None or not mine:
@@ -185,7 +188,7 @@ def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -
             chosen.append(tuning.Change(rung.name, "verify", c.key, c.new, getattr(job, c.key), why, "measured",
                                         reason="withdrawn: not verified faster (the staircase's later rungs were "
                                         "measured with it)"))
-        done = True
+        done.add(rung.name)
     return done
 
 

@@ -1,0 +1,142 @@
+"""grad_accum (issue 46): an optimizer step of k micro-batches, defined once: the loss the mean over the step's
+useful tokens, one optimizer and scaler step, a step's time, samples, tokens and FLOPs those of k micro-batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mfu_lab.core.engine.losses import IGNORE_INDEX, accumulation_weights
+from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
+from mfu_lab.core.errors import JobError
+from mfu_lab.core.job.schema import validate
+from mfu_lab.core.measure.flops import count_step_flops
+from mfu_lab.core.measure.timed import run_steps
+
+
+def _pair(job, n, seed=3, pad=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(job.vocab_size, (n, job.seq_len), generator=g)
+    y = torch.randint(job.vocab_size, (n, job.seq_len), generator=g)
+    if pad:
+        y[: n // 2, -pad:] = IGNORE_INDEX  # the first half padded more: unequal useful tokens per micro-batch
+    return x, y
+
+
+def test_weights_are_each_micro_batchs_share_of_the_useful_tokens():
+    a = torch.zeros(2, 10, dtype=torch.long)
+    b = torch.zeros(2, 10, dtype=torch.long)
+    b[:, 5:] = IGNORE_INDEX
+    w = accumulation_weights([a, b])
+    assert [float(v) for v in w] == pytest.approx([20 / 30, 10 / 30])
+    assert accumulation_weights([a]) == [1.0]
+    assert accumulation_weights([torch.zeros(3), torch.zeros(3)]) == [0.5, 0.5]  # not token ids: equal shares
+
+
+def test_two_micro_batches_train_as_one_batch_of_both(tiny_job):
+    """The same samples as one batch of 2m or as two micro-batches of m (padding unequal between them): the same
+    loss and the same parameters after the optimizer step."""
+    whole = dataclasses.replace(tiny_job, micro_batch=8, grad_accum=1)
+    split = dataclasses.replace(tiny_job, micro_batch=4, grad_accum=2)
+    x, y = _pair(whole, 8, pad=9)
+    m1, m2 = build_model(whole).train(), build_model(split).train()
+    s1, s2 = build_train_step(whole, m1, "cpu"), build_train_step(split, m2, "cpu")
+    assert s2.grad_accum == 2
+    l1 = s1(x, y)
+    l2 = s2.accumulate([(x[:4], y[:4], {}), (x[4:], y[4:], {})])
+    assert float(l2) == pytest.approx(float(l1), rel=1e-5)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-6)
+    # one optimizer step, not two: AdamW's step counter
+    assert all(int(st["step"]) == 1 for st in s2.optimizer.state.values())
+
+
+def test_a_timed_step_takes_k_micro_batches_and_counts_their_samples_and_tokens(tiny_job):
+    job = dataclasses.replace(tiny_job, grad_accum=3)
+    step = build_train_step(job, build_model(job).train(), "cpu")
+    loader = build_loader(job, 4, "cpu")  # 4 optimizer steps' worth: 12 micro-batches
+    t = run_steps(step, loader, torch.device("cpu"), 1, 3)
+    assert len(t.wall_s) == 4 and len(t.loss) == 4
+    assert t.samples == [3 * job.micro_batch] * 4
+    assert t.tokens == [3 * job.micro_batch * job.seq_len] * 4
+    with pytest.raises(StopIteration):  # the loader held exactly the steps' micro-batches
+        run_steps(step, build_loader(job, 1, "cpu"), torch.device("cpu"), 0, 2)
+
+
+def test_flops_are_those_of_k_micro_batches_and_keyed_by_k(tiny_job, tmp_path):
+    x, y = _pair(tiny_job, tiny_job.micro_batch)
+    one = build_train_step(tiny_job, m := build_model(tiny_job), "cpu")
+    r1 = count_step_flops(m, one, x, y, cache_dir=tmp_path)
+    four = dataclasses.replace(tiny_job, grad_accum=4)
+    r4 = count_step_flops(m, build_train_step(four, m, "cpu"), x, y, cache_dir=tmp_path)  # not r1 from the cache
+    assert r4.model_flops_per_step == 4 * r1.model_flops_per_step
+    assert r4.hardware_flops_per_step == 4 * r1.hardware_flops_per_step
+    assert r4.analytic_flops_per_step == 4 * r1.analytic_flops_per_step
+    assert "grad_accum" in r4.formula and len(list((tmp_path / ".flops").glob("*.json"))) == 2
+
+
+def test_grad_accum_below_one_is_refused_naming_the_key():
+    with pytest.raises(JobError) as e:
+        validate({"grad_accum": 0}, "job.yaml")
+    assert "grad_accum" in str(e.value) and "job.yaml" in str(e.value)
+
+
+# ------------------------------------------------------------------ step 3's batch race
+from mfu_lab.analysis import tuning  # noqa: E402
+from mfu_lab.analysis.result_keys import refusal  # noqa: E402
+from mfu_lab.steps.kernels import batch_race  # noqa: E402
+
+
+def test_without_accumulation_a_larger_batch_is_said_to_change_the_optimization(tiny_job):
+    r = batch_race.race_batch(tiny_job, torch.device("cpu"), None, 0.01)
+    assert r["ran"] is False and "changes the optimization" in r["note"] and "not adopted" in r["note"]
+    assert tuning.changes(tiny_job, {"kernels": {"batch_race": r}}) == []
+
+
+def test_the_splits_hold_the_samples_per_optimizer_step(tiny_job):
+    job = dataclasses.replace(tiny_job, micro_batch=4, grad_accum=8)
+    assert batch_race.splits(job) == [(4, 8), (8, 4), (16, 2)]
+    assert {mb * ga for mb, ga in batch_race.splits(job)} == {32}
+    assert batch_race.splits(dataclasses.replace(job, grad_accum=3)) == [(4, 3)]
+
+
+def test_a_split_that_does_not_fit_is_tried_with_checkpointing_then_left_out(tiny_job):
+    job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
+    seen = []
+
+    def probe(j, device):  # micro_batch 8 fits only with checkpointing; 4 fits as it is
+        seen.append((j.micro_batch, j.activation_checkpointing))
+        ok = j.micro_batch <= 4 or j.activation_checkpointing
+        return ok, f"probed {j.micro_batch}"
+
+    r = batch_race.race_batch(job, torch.device("cuda"), left_s=0.0, step_s=0.1, probe=probe)
+    assert (8, True) in seen
+    fit = {c["split"]: c for c in r["fit"]}
+    assert fit["8x1"]["fits"] and fit["8x1"]["activation_checkpointing"] is True
+    assert r["ran"] is False and r["note"].startswith("budget")  # nothing raced beyond the share
+
+
+def test_the_race_holds_the_samples_and_the_loss(tiny_job):
+    job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
+    said = []
+    r = batch_race.race_batch(job, torch.device("cpu"), None, 0.01, said.append)
+    assert r["ran"] is True and [x["split"] for x in r["rows"]] == ["2x4", "4x2", "8x1"]
+    assert all(x["micro_batch"] * x["grad_accum"] == 8 for x in r["rows"])
+    finals = [x["final_loss"] for x in r["rows"]]
+    assert max(finals) - min(finals) < 1e-3 * abs(finals[0])  # the same samples per step: the same training
+    assert any("batch race round" in m for m in said)
+
+
+def test_an_adopted_split_reaches_the_tuned_job_on_its_own_rung(tiny_job):
+    job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
+    race = {"ran": True, "adopted": True, "pick": "8x1", "reference": "2x4", "samples_per_step": 8,
+            "pick_keys": {"micro_batch": 8, "grad_accum": 1}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
+    chosen = tuning.changes(job, {"kernels": {"batch_race": race}})
+    assert [(c.rung, c.key, c.new) for c in chosen] == [("batch", "micro_batch", 8), ("batch", "grad_accum", 1)]
+    stairs = tuning.staircase(job, chosen)
+    tuned = stairs[-1][1]
+    assert [n for n, _, _ in stairs] == ["original", "batch"]
+    assert tuned.micro_batch * tuned.grad_accum == job.micro_batch * job.grad_accum
+    assert refusal("batch", "lr", 0.1) is not None  # its row owns the split (and checkpointing) only

@@ -1,0 +1,146 @@
+"""loss_impl (issue 46): the default cross-entropy eager, compiled (alone, or with the forward as one region) or
+chunked (F.linear_cross_entropy); the same loss each way, -100 padding kept, refusals that name the key, step 4's
+race of them and the pick carried into tuned.yaml on its own rung."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from mfu_lab.analysis import tuning
+from mfu_lab.analysis.result_keys import refusal
+from mfu_lab.core.engine import losses
+from mfu_lab.core.engine.workload import build_model, build_train_step
+from mfu_lab.core.errors import JobError, StepError
+from mfu_lab.core.job.schema import validate
+from mfu_lab.steps.compile import loss_race
+
+
+def _batch(job, pad: int = 0):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(job.vocab_size, (job.micro_batch, job.seq_len), generator=g)
+    y = torch.randint(job.vocab_size, (job.micro_batch, job.seq_len), generator=g)
+    if pad:
+        y[:, -pad:] = losses.IGNORE_INDEX
+    return x, y
+
+
+def _losses(job, impl: str, mode: str = "off", steps: int = 3, pad: int = 0) -> list[float]:
+    j = dataclasses.replace(job, loss_impl=impl, compile_mode=mode)
+    step = build_train_step(j, build_model(j).train(), "cpu")
+    x, y = _batch(j, pad)
+    return [float(step(x, y)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("impl", ["compiled", "chunked"])
+def test_each_impl_trains_the_same_loss_with_padding_ignored(tiny_job, impl):
+    ref = _losses(tiny_job, "eager", pad=7)
+    got = _losses(tiny_job, impl, pad=7)
+    assert got == pytest.approx(ref, rel=1e-4)
+    # the padded targets count for nothing: the loss of the first step is the mean over the others alone
+    j = tiny_job
+    x, y = _batch(j, 7)
+    model = build_model(j)
+    with torch.no_grad():
+        logits = model(x)
+    keep = y[:, :-7]
+    manual = torch.nn.functional.cross_entropy(logits[:, :-7].reshape(-1, j.vocab_size), keep.reshape(-1))
+    assert ref[0] == pytest.approx(float(manual), rel=1e-5)
+
+
+def test_compiled_under_a_mode_is_one_region_with_the_forward(tiny_job):
+    j = dataclasses.replace(tiny_job, loss_impl="compiled", compile_mode="default")
+    step = build_train_step(j, build_model(j).train(), "cpu")
+    assert step.compiled is None and step.region is not None  # not the model alone: forward and loss together
+    eager_j = dataclasses.replace(tiny_job, loss_impl="eager", compile_mode="default")
+    plain = build_train_step(eager_j, build_model(eager_j).train(), "cpu")
+    assert plain.compiled is not None and plain.region is None
+    assert _losses(tiny_job, "compiled", "default", 2) == pytest.approx(_losses(tiny_job, "eager", "default", 2),
+                                                                         rel=1e-4)
+
+
+def test_chunked_refuses_a_loss_factory_and_a_compiled_region_naming_the_key():
+    with pytest.raises(JobError) as e:
+        validate({"loss_impl": "chunked", "loss": "mymod:my_loss"}, "job.yaml")
+    assert "loss_impl" in str(e.value) and "mymod:my_loss" in str(e.value)
+    with pytest.raises(JobError) as e:
+        validate({"loss_impl": "chunked", "compile_mode": "default"}, "job.yaml")
+    assert "loss_impl" in str(e.value) and "compiled region" in str(e.value)
+    with pytest.raises(JobError) as e:
+        validate({"loss_impl": "fused"}, "job.yaml")
+    assert "eager" in str(e.value) and "chunked" in str(e.value)
+
+
+def test_chunked_on_a_model_without_an_lm_head_is_refused_by_name(tiny_job):
+    class NoHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(4, 4)
+
+    assert "lm_head" in losses.chunked_problem(NoHead())
+    assert losses.chunked_problem(build_model(tiny_job)) is None
+    j = dataclasses.replace(tiny_job, loss_impl="chunked")
+    with pytest.raises(StepError, match="loss_impl"):
+        build_train_step(j, NoHead(), "cpu")
+
+
+def test_the_head_comes_back_after_a_chunked_step(tiny_job):
+    j = dataclasses.replace(tiny_job, loss_impl="chunked")
+    model = build_model(j).train()
+    head = model.lm_head
+    step = build_train_step(j, model, "cpu")
+    step(*_batch(j))
+    assert model.lm_head is head and head.weight is model.wte.weight  # tied, and trained through the loss
+
+
+def test_the_race_candidates_follow_the_mode(tiny_job):
+    names, missing = loss_race.candidates(tiny_job, "off", None)
+    assert names == ["eager", "compiled", "chunked"] and missing == {}
+    names, missing = loss_race.candidates(tiny_job, "default", None)
+    assert names == ["eager", "compiled"] and "compiled region" in missing["chunked"]
+    names, missing = loss_race.candidates(tiny_job, "off", "no lm_head here")
+    assert names == ["eager", "compiled"] and missing == {"chunked": "no lm_head here"}
+
+
+def test_nothing_to_race_is_said_not_raced(tiny_job):
+    model = build_model(tiny_job)
+    r = loss_race.race_loss(dataclasses.replace(tiny_job, loss="mymod:f"), "off", torch.device("cpu"), model, True,
+                            None, 0.01, 1.0)
+    assert r["ran"] is False and "own loss" in r["note"]
+    r = loss_race.race_loss(tiny_job, "off", torch.device("cpu"), model, False, None, 0.01, 1.0)
+    assert r["ran"] is False and "not token ids" in r["note"]
+    r = loss_race.race_loss(tiny_job, "off", torch.device("cpu"), model, True, left_s=2.0, step_s=0.1, compile_s=5.0)
+    assert r["ran"] is False and "set loss_impl by hand" in r["note"] and "1 compile(s)" in r["note"]
+
+
+def test_the_race_times_each_impl_and_keeps_the_loss(tiny_job):
+    said = []
+    r = loss_race.race_loss(tiny_job, "off", torch.device("cpu"), build_model(tiny_job), True, None, 0.01, 1.0,
+                            said.append)
+    assert r["ran"] is True and [x["loss_impl"] for x in r["rows"]] == ["eager", "compiled", "chunked"]
+    sp = r["speedup"]
+    assert sp["low"] <= sp["value"] <= sp["high"]
+    assert r["adopted"] == (r["pick"] != "eager" and sp["low"] > 1.0 and r["final_gap"] <= tiny_job.loss_tolerance)
+    finals = [x["final_loss"] for x in r["rows"]]
+    assert max(finals) - min(finals) < 1e-3 * abs(finals[0])  # the same loss, trained three ways
+    assert any("loss race round" in m for m in said)
+
+
+def _race(adopted: bool, low: float) -> dict:
+    return {"loss_race": {"ran": True, "adopted": adopted, "pick": "compiled", "reference": "eager", "mode": "off",
+                          "speedup": {"value": 1.2, "low": low, "high": 1.3}, "final_gap": 0.0001}}
+
+
+def test_an_adopted_pick_reaches_the_tuned_job_on_its_own_rung(tiny_job):
+    chosen = tuning.changes(tiny_job, {"compile": _race(True, 1.05)})
+    assert [(c.rung, c.key, c.new, c.label) for c in chosen] == [("loss", "loss_impl", "compiled", "measured")]
+    assert "1.20x [1.05, 1.30]" in chosen[0].evidence
+    stairs = tuning.staircase(tiny_job, chosen)
+    assert [name for name, _, _ in stairs] == ["original", "loss"] and stairs[1][1].loss_impl == "compiled"
+    assert tuning.changes(tiny_job, {"compile": _race(False, 0.95)}) == []
+    assert refusal("loss", "loss_impl", "chunked") is None
+    assert refusal("loss", "compile_mode", "default") is not None  # its row owns loss_impl only
+    assert refusal("loss", "loss_impl", "fused") is not None  # not one of the allowed values
