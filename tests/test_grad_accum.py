@@ -140,3 +140,25 @@ def test_an_adopted_split_reaches_the_tuned_job_on_its_own_rung(tiny_job):
     assert [n for n, _, _ in stairs] == ["original", "batch"]
     assert tuned.micro_batch * tuned.grad_accum == job.micro_batch * job.grad_accum
     assert refusal("batch", "lr", 0.1) is not None  # its row owns the split (and checkpointing) only
+
+
+def test_step_3s_page_shows_both_races(tiny_job):
+    import json
+
+    from mfu_lab.report.tables.kernels import kernels_section
+
+    from .conftest import ROOT
+
+    d = json.loads((ROOT / "tests" / "data" / "h200" / "03_kernels_result.json").read_text())
+    d["batch_race"] = batch_race.race_batch(tiny_job, torch.device("cpu"), None, 0.01)  # grad_accum 1: said
+    d["optimizer_race"] = {"ran": True, "reference": "foreach", "pick": "fused", "adopted": True,
+                           "verdict": "fused is 1.10x [1.04, 1.15] faster, side by side: adopted (adamw_impl)",
+                           "method": "3 values of adamw_impl", "final_gap": 0.0,
+                           "speedup": {"value": 1.1, "low": 1.04, "high": 1.15},
+                           "rows": [{"adamw_impl": "foreach", "steps": 9, "median_step_s": 0.0488,
+                                     "final_loss": 10.9},
+                                    {"adamw_impl": "fused", "steps": 9, "median_step_s": 0.0444, "final_loss": 10.9}]}
+    html = str(kernels_section(d))
+    assert "Raced on the job itself" in html and "foreach (the job’s own)" in html
+    assert "1.10x [1.04, 1.15]" in html
+    assert "changes the optimization" in html  # the batch race's reason at grad_accum 1

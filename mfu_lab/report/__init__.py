@@ -33,7 +33,14 @@ from mfu_lab.report.index import (
 from mfu_lab.report.tables.attention_comm import attention_table, comm_table
 from mfu_lab.report.tables.compile import audit_table, loss_race_table, recompile_table, step3_table, trials_table
 from mfu_lab.report.tables.fp8 import policies_table, precision_table, sensitivity_table
-from mfu_lab.report.tables.kernels import breakdown_table, compare_line, fusion_table, ranks_table, top_table
+from mfu_lab.report.tables.kernels import (
+    breakdown_table,
+    compare_line,
+    fusion_table,
+    races_table,
+    ranks_table,
+    top_table,
+)
 from mfu_lab.report.tables.placement import (
     calibration_table,
     check_table,
@@ -68,6 +75,7 @@ from mfu_lab.report.views import (
     metrics_view,
     policies_view,
     precision_view,
+    races_view,
     ranks_view,
     recompile_view,
     sensitivity_view,
@@ -86,7 +94,8 @@ __all__ = [
     "SECTIONS", "TEMPLATES", "Html", "advice_view", "attention_table", "attention_view", "audit_table", "audit_view",
     "badge", "breakdown_table", "breakdown_view", "calibration_table", "calibration_view", "changes_table",
     "check_table", "check_view", "comm_table", "comm_view", "compare_line", "environment_html", "export_html", "fmt",
-    "fusion_table", "fusion_view", "gang_table", "gang_view", "hints_html", "hints_view", "history_html",
+    "fusion_table", "fusion_view", "races_table", "races_view", "gang_table", "gang_view", "hints_html",
+    "hints_view", "history_html",
     "layout_view", "ledger_view", "loader_race_view", "load_results", "loss_race_table", "loss_race_view",
     "metrics_view", "policies_table",
     "policies_view", "ranks_table", "ranks_view",

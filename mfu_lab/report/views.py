@@ -17,7 +17,7 @@ from mfu_lab.report.format import badge, fmt
 from mfu_lab.report.tables.attention_comm import attention_table, comm_table
 from mfu_lab.report.tables.compile import audit_table, loss_race_table, recompile_table, step3_table, trials_table
 from mfu_lab.report.tables.fp8 import policies_table, precision_table, sensitivity_table
-from mfu_lab.report.tables.kernels import breakdown_table, fusion_table, ranks_table, top_table
+from mfu_lab.report.tables.kernels import breakdown_table, fusion_table, races_table, ranks_table, top_table
 from mfu_lab.report.tables.layout import layout_table
 from mfu_lab.report.tables.placement import (
     calibration_table,
@@ -133,6 +133,11 @@ def top_view(result) -> Html:
 def breakdown_view(result) -> Html:
     """Step 3: where the profiled step's time goes (:func:`breakdown_table`)."""
     return _part(breakdown_table(result.analysis))
+
+
+def races_view(result) -> Html:
+    """Step 3: the optimizer and batch races on the job itself (:func:`races_table`)."""
+    return _part(races_table(result))
 
 
 def fusion_view(result) -> Html:

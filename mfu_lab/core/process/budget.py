@@ -5,8 +5,12 @@ steps' notebook (its kernel's start, the imports, the report and its export), ti
 of the weights. The weights are the step functions' own seconds (``elapsed_s`` in each ``result.json``) in the
 default run of the default job on a 2-core AMD EPYC without native bf16 (2026-12-03: step 1 16 s, step 2 121 s,
 step 3 37 s, step 4 133 s, step 5 61 s, step 6 136 s; step 7 118 s, the 127 s it took in the run of 2026-12-02
-where it verified a proposed layout under torchrun, less its notebook's 9 s), so a budget cuts every step in the
-same proportion. A step run alone gets the same share it would get in a whole run.
+where it verified a proposed layout under torchrun, less its notebook's 9 s), with one move: step 5 weighs 105 s,
+44 s taken from step 6 (112 s) and step 7 (98 s). Under a budget step 5 times the job's own precision beside each
+rung it keeps (2026-12-05), and the default job's float32 and bfloat16 side by side need about 30 s of its share
+on a 2-core AMD EPYC with native bf16; at 61 s the 4.5-minute budget gave it 23 s, and the bf16 gain (1.76x) was
+never timed. So a budget cuts every step in the same proportion. A step run alone gets the same share it would
+get in a whole run.
 
 Within a run of several steps the shares roll: before each step the runner sets :data:`LEFT_ENV` to the seconds
 left (the planned seconds of the steps selected, with their notebooks, less the time the run has taken so far) and
@@ -41,8 +45,8 @@ from dataclasses import dataclass, field
 
 from mfu_lab.core.store import fixed_costs
 
-WEIGHTS = {"baseline": 16, "attention_comm": 121, "kernels": 37, "compile": 133, "fp8": 61, "placement": 136,
-           "verify": 118}
+WEIGHTS = {"baseline": 16, "attention_comm": 121, "kernels": 37, "compile": 133, "fp8": 105, "placement": 112,
+           "verify": 98}
 # A step's notebook beside the step's own work: its wall time less its elapsed_s, 9-19 s a step in the run above
 # (median 11 s): the kernel's start and imports, the report, the HTML export, the index.
 STEP_OVERHEAD_S = 11.0

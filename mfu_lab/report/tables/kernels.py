@@ -33,6 +33,11 @@ def ranks_table(result, prefix: str = "") -> Markup:
     return macros(TEMPLATE).ranks_table(result.ddp, prefix)
 
 
+def races_table(r) -> Markup:
+    """Step 3's races on the job itself: AdamW's implementations and the micro-batch against accumulation."""
+    return macros(TEMPLATE).races_table(r)
+
+
 def fusion_table(a) -> Markup:
     """Runs of adjacent memory-bound operations worth fusing, with the traffic and time a fusion would save."""
     return macros(TEMPLATE).fusion_table(a)

@@ -424,10 +424,10 @@ def _race_loss(job: Job, rec: dict[str, Any], best: Trial | None, eager: Trial, 
                   say)
     if r.get("ran"):
         say(f"loss race: {r['verdict']}")
+    elif r["note"].startswith("budget: "):
+        clock.shorten("loss race", r["note"][len("budget: "):])
     else:
         skipped.append({"what": "loss race", "reason": r["note"]})
-        if r["note"].startswith("budget"):
-            clock.shorten("loss race", r["note"])
     return r
 
 
