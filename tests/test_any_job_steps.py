@@ -28,7 +28,7 @@ def small_vision(tmp_path, **kw):
 def test_step_2s_fsdp2_candidates_train_with_the_jobs_loss(tmp_path):
     from mfu_lab.core.process.budget import Clock
     from mfu_lab.steps.attention_comm import comm_race
-    from mfu_lab.steps.attention_comm.step import _comm_rows
+    from mfu_lab.steps.attention_comm.comm_rows import comm_rows_of
 
     job = small_vision(tmp_path, comm_hooks=["none"], comm_bucket_mb=[25], comm_grad_as_bucket_view=[False],
                        comm_steps=2, comm_warmup_steps=1, comm_fsdp_reshard=[True], comm_fsdp_prefetch=[0],
@@ -36,7 +36,7 @@ def test_step_2s_fsdp2_candidates_train_with_the_jobs_loss(tmp_path):
     sweep, _, configs = comm_race.race_ddp(job, "cpu", None, tmp_path, lambda ev: None, grad_bytes=1 << 16,
                                            reference=("none", 25.0, False), clock=Clock(None))
     assert sum(is_fsdp(c) for c in configs) == 1
-    rows = _comm_rows(configs, sweep, 1.0, 1.0, 2)
+    rows = comm_rows_of(configs, sweep, 1.0, 1.0, 2)
     fsdp = [r for r in rows if r.kind == "fsdp"]
     assert fsdp and all(r.status == "ok" and r.loss is not None for r in fsdp), [vars(r) for r in rows]
     ddp = next(r for r in rows if r.kind != "fsdp")

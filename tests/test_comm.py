@@ -87,7 +87,7 @@ def test_two_nodes_rendezvous_through_an_endpoint(tiny_job, tmp_path):
 
 
 def test_one_rank_skips_the_sweep_and_the_benchmark_without_a_launch(tiny_job, tmp_path):
-    from mfu_lab.steps.attention_comm.step import _comm_rows
+    from mfu_lab.steps.attention_comm.comm_rows import comm_rows_of
 
     job = small(tiny_job, nproc_per_node=1)
     seen = []
@@ -95,7 +95,7 @@ def test_one_rank_skips_the_sweep_and_the_benchmark_without_a_launch(tiny_job, t
     assert r.launches == [] and r.allreduce == [] and "one rank" in r.layout["skipped"]
     assert all(r.outcomes[config_key(c)]["event"] == "skipped" for c in sweep_configs(job))
     assert len(seen) == len(sweep_configs(job))  # the progress lines still say what happened to each
-    rows = _comm_rows(sweep_configs(job), r, 1e9, 1e12, 1)
+    rows = comm_rows_of(sweep_configs(job), r, 1e9, 1e12, 1)
     assert {row.status for row in rows} == {"skipped"} and "nproc_per_node" in rows[0].error
 
 

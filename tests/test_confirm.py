@@ -141,7 +141,7 @@ def test_a_thorough_sweep_confirms_in_its_own_launch_what_the_steps_rule_picks(t
     """A real two-rank launch: the worker's decision is the step's rule on the same figures, and the pick it
     confirms alternates with the reference in that launch."""
     from mfu_lab.steps.attention_comm.attention_race import _pick
-    from mfu_lab.steps.attention_comm.step import _cfg, _comm_rows
+    from mfu_lab.steps.attention_comm.comm_rows import comm_rows_of, config_of
     from mfu_lab.workers.comm_configs import config_name, sweep_configs
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none", "allreduce"],
@@ -153,10 +153,10 @@ def test_a_thorough_sweep_confirms_in_its_own_launch_what_the_steps_rule_picks(t
                       fault={"kind": "slow", "name": "none/25MB/copy", "ms": 40})
     assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
     # the step's own rule on the step's own rows (status, sync check and all), from the same events
-    rows = _comm_rows(sweep_configs(job), sweep, 1.0, 1.0, 2)
+    rows = comm_rows_of(sweep_configs(job), sweep, 1.0, 1.0, 2)
     good = [r for r in rows if r.status == "ok"]
     default = next(r for r in good if (r.hook, float(r.bucket_mb)) == ("none", 25.0))
-    pick = config_name(_cfg(_pick(good, default)))
+    pick = config_name(config_of(_pick(good, default)))
     assert pick != "none/25MB/copy" and sweep.confirm["candidate"] == pick and sweep.confirm["done"]
     names = [config_name(ev["config"]) for ev in sweep.turns]
     assert names == ["none/25MB/copy", pick, pick, "none/25MB/copy"] and all(len(ev["wall_s"]) == 3

@@ -31,7 +31,11 @@ def test_non_finite_loss_names_the_first_bad_step():
 
 def test_oom_advice_comes_from_the_job():
     advice = faults.oom_advice(Job(micro_batch=8, seq_len=1024, dtype="float32"))
-    assert advice[0].startswith("micro_batch: 4 (now 8")
+    assert advice[0].startswith("micro_batch: 4 with grad_accum: 2 (now 8 x 1;")  # samples per optimizer step held
+    for mb, accum, want in ((8, 3, "micro_batch: 4 with grad_accum: 6 (now 8 x 3;"),
+                            (6, 1, "micro_batch: 3 with grad_accum: 2 (now 6 x 1;"),
+                            (5, 2, "micro_batch: 1 with grad_accum: 10 (now 5 x 2;")):  # 5 has no half: 1 x 5
+        assert faults.oom_advice(Job(micro_batch=mb, grad_accum=accum))[0].startswith(want)
     assert any(a.startswith("activation_checkpointing: true") for a in advice)
     assert any(a.startswith("dtype: bfloat16") for a in advice)
     assert any(a.startswith("seq_len: 512") for a in advice)
@@ -47,7 +51,7 @@ def test_guarded_turns_an_oom_into_figures_and_advice():
         run(Job(micro_batch=8))
     msg = str(e.value)
     assert "step demo ran out of memory" in msg and "Tried to allocate 2.00 GiB" in msg
-    assert "host: total" in msg and "micro_batch: 4 (now 8" in msg
+    assert "host: total" in msg and "micro_batch: 4 with grad_accum: 2 (now 8 x 1" in msg
     assert e.value.figures["host"]["total_gib"] > 0
 
     @faults.guarded("demo")
@@ -97,7 +101,8 @@ def test_a_running_marker_without_its_process_reads_as_interrupted(tmp_path):
 # ------------------------------------------------------------------ end to end, on the tiny job
 @pytest.mark.e2e
 @pytest.mark.parametrize("kind,expect", [
-    ("oom", ["baseline ran out of memory", "Memory at the time: host: total", "micro_batch: 2 (now 4"]),
+    ("oom", ["baseline ran out of memory", "Memory at the time: host: total",
+             "micro_batch: 2 with grad_accum: 2 (now 4 x 1"]),
     ("nan", ["the loss became nan at training step 2"]),
 ])
 def test_device_faults_in_a_step_are_recorded_with_advice(tmp_path, kind, expect):

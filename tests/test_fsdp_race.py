@@ -50,7 +50,7 @@ def test_a_lossy_reduce_dtype_is_adopted_only_within_loss_tolerance():
 
 def test_the_step_does_not_pick_a_faster_bfloat16_candidate_outside_loss_tolerance():
     from mfu_lab.steps.attention_comm.attention_race import _pick
-    from mfu_lab.steps.attention_comm.step import CommRow, _loss_check
+    from mfu_lab.steps.attention_comm.comm_rows import CommRow, loss_check
 
     default = CommRow("none", 25.0, False, "ok", step_median_s=1.0, step_p10_s=0.98, step_p90_s=1.02, loss=5.0)
     fast = CommRow("fsdp reshard=true prefetch=0 reduce=bfloat16", 0.0, False, "ok", step_median_s=0.5,
@@ -59,20 +59,20 @@ def test_the_step_does_not_pick_a_faster_bfloat16_candidate_outside_loss_toleran
     ok = CommRow("fsdp reshard=true prefetch=0 reduce=float32", 0.0, False, "ok", step_median_s=0.8,
                  step_p10_s=0.79, step_p90_s=0.81, kind="fsdp", loss=5.0,
                  fsdp={"reshard": True, "prefetch": 0, "reduce_dtype": "float32"})
-    pick = _pick(_loss_check([default, fast, ok], default, 0.02), default)
+    pick = _pick(loss_check([default, fast, ok], default, 0.02), default)
     assert pick is ok and fast.loss_note and fast.loss_gap == pytest.approx(0.1)
     fast.loss = 5.01  # within the tolerance: the fastest is taken
-    assert _pick(_loss_check([default, fast, ok], default, 0.02), default) is fast
+    assert _pick(loss_check([default, fast, ok], default, 0.02), default) is fast
 
 
 @pytest.mark.e2e
-def test_step_2_races_fsdp2_candidates_at_world_2_with_confirmation_and_loss_check(tmp_path):
+def test_step_2_races_fsdp2_candidates_at_world_2_with_confirmation_andloss_check(tmp_path):
     """A real two-rank race: DDP's default (made 150 ms slower per step, a test fault) against FSDP2 candidates;
     the pick is one whose loss is within tolerance, confirmed beside the default in the same launch."""
     from mfu_lab.core.process.budget import Clock
     from mfu_lab.steps.attention_comm import comm_race
     from mfu_lab.steps.attention_comm.attention_race import _pick
-    from mfu_lab.steps.attention_comm.step import _cfg, _comm_rows, _loss_check
+    from mfu_lab.steps.attention_comm.comm_rows import comm_rows_of, config_of, loss_check
 
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), comm_hooks=["none"], comm_bucket_mb=[25],
                               comm_grad_as_bucket_view=[False], comm_steps=2, comm_warmup_steps=1,
@@ -85,15 +85,15 @@ def test_step_2_races_fsdp2_candidates_at_world_2_with_confirmation_and_loss_che
     assert len(sweep.launches) == 1 and sweep.launches[0]["finished"]
     screened = log.rounds[0]
     assert set(screened.medians) == {config_name(c) for c in configs}  # every FSDP2 candidate raced
-    rows = _comm_rows(configs, sweep, 1.0, 1.0, 2)
+    rows = comm_rows_of(configs, sweep, 1.0, 1.0, 2)
     fsdp_done = [r for r in rows if r.kind == "fsdp" and r.status == "ok"]
     assert fsdp_done and all(r.loss is not None and r.comm_s > 0 and r.no_sync_step_s for r in fsdp_done)
     default = next(r for r in rows if r.hook == "none")
-    good = _loss_check([r for r in rows if r.status == "ok"], default, job.loss_tolerance)
+    good = loss_check([r for r in rows if r.status == "ok"], default, job.loss_tolerance)
     pick = _pick(good, default)
     assert pick.kind == "fsdp" and pick.loss_gap <= job.loss_tolerance
-    assert sweep.confirm["candidate"] == config_name(_cfg(pick)) and sweep.confirm["done"]
-    assert [config_name(ev["config"]) for ev in sweep.turns].count(config_name(_cfg(pick))) == 3
+    assert sweep.confirm["candidate"] == config_name(config_of(pick)) and sweep.confirm["done"]
+    assert [config_name(ev["config"]) for ev in sweep.turns].count(config_name(config_of(pick))) == 3
 
 
 def test_an_fsdp_pick_is_not_taken_for_a_ddp_configuration_by_steps_3_and_6(tmp_path):

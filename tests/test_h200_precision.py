@@ -90,3 +90,22 @@ def test_the_tuned_job_adopts_neither_tf32_nor_the_slower_float8_policy():
     fp8 = [c for c in found if c.key == "fp8_layers"]
     assert fp8 and not fp8[0].adopted and "measured 0.70x of bf16" in fp8[0].reason
     assert not any(c.key in ("dtype", "matmul_precision") for c in found)  # bf16 is the job's own: no change
+
+
+def test_figures_name_the_reference_the_ladder_timed_against():
+    """Under a budget the ladder's reference is the job's own precision: a float32 job whose bf16 rung was timed
+    against float32 says float32, and a bf16 job's tf32 rung timed against bf16 says bf16 (the tuned job's
+    evidence and the index's gain), never float32 by default."""
+    from mfu_lab.analysis import tuning
+
+    job = Job(dtype="bfloat16")
+    choice = {"adopted": True, "rung": "tf32", "dtype": "float32", "matmul_precision": "high", "speedup": 1.3,
+              "speedup_low": 1.2, "speedup_high": 1.4, "final_gap": 0.001, "text": "Train in TF32 matmuls: 1.30x"}
+    d = {"precision": {"reference": "bfloat16", "choice": choice, "rungs": [{"name": "bfloat16", "own": True}]}}
+    found = [c for c in tuning.changes(job, {"fp8": d}) if c.key == "dtype"]
+    assert found and "over bfloat16" in found[0].evidence and "from bfloat16" in found[0].evidence
+    assert "float32" not in found[0].evidence
+    g = estimate("fp8", d, {"message": choice["text"]})
+    assert "tf32 against bfloat16" in g.evidence
+    del d["precision"]["reference"]  # a result from before the budgeted ladder: float32 was its reference
+    assert "tf32 against float32" in estimate("fp8", d, {"message": choice["text"]}).evidence

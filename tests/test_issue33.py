@@ -163,12 +163,12 @@ def test_step7s_ddp_check_records_the_warmup_of_each_configuration(tiny_job, mon
 
 # ------------------------------------------------------------------ item 8: exposed communication from medians
 def test_the_ddp_ledger_takes_medians_so_a_slow_first_no_sync_step_does_not_hide_communication():
-    from mfu_lab.steps.attention_comm.step import CommRow, _ddp_ledger
+    from mfu_lab.steps.attention_comm.comm_rows import CommRow, ddp_ledger_of
 
     # with communication: 100 ms steps; under no_sync 80 ms, but the first no_sync step started the loader (400 ms)
     ev = {"wall_s": [0.100, 0.101, 0.099, 0.100, 0.300], "data_s": [0.010, 0.010, 0.011, 0.010, 0.200],
           "no_sync_wall_s": [0.400, 0.080, 0.080, 0.081, 0.079]}
-    ledger = _ddp_ledger(CommRow("none", 25.0, False, "ok", mfu=0.3), ev, 2, None, "test")
+    ledger = ddp_ledger_of(CommRow("none", 25.0, False, "ok", mfu=0.3), ev, 2, None, "test")
     parts = {i.name: i.fraction for i in ledger.items}
     assert parts["structure"] == pytest.approx((0.100 - 0.080) / 0.100)  # medians: 20% exposed
     assert parts["software"] == pytest.approx(0.010 / 0.100)
@@ -370,6 +370,7 @@ def test_real_fp8_speed_pads_the_inner_dimension(monkeypatch):
     assert seen["config"].pad_inner_dim is True and seen["config"].recipe == job.fp8_recipe
     assert seen["kept"] and all("mlp" in n for n in seen["kept"])  # only the chosen group converts
     assert out["pad_inner_dim"] is True and out["speedup"] == pytest.approx(2.0)
+    assert out["group_probe"] == [] and "CUDA events" in out["group_probe_skipped"]  # the per-group probe: GPU only
 
 
 def test_nvml_pids_from_another_pid_namespace_cannot_mark_the_gpu_shared(tmp_path):

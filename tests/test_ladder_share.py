@@ -14,8 +14,11 @@ from mfu_lab.core.engine.workload import build_loader
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.process.budget import Clock
+from mfu_lab.steps.fp8 import ladder_share as ls
+from mfu_lab.steps.fp8 import ladder_timing as lt
 from mfu_lab.steps.fp8 import policies
 from mfu_lab.steps.fp8 import precision_ladder as pl
+from mfu_lab.steps.fp8 import rungs as rg
 from mfu_lab.steps.fp8 import step as fp8
 
 from .conftest import TINY
@@ -37,17 +40,17 @@ def _job(tmp_path, **changes):
 def spy(monkeypatch):
     """Every rung's matmul probe equal (none ruled out by it), each rung's one-step probe as the test sets it, and
     which rungs were built for timing."""
-    monkeypatch.setattr(pl, "probe", lambda rung, device: 100e9)
+    monkeypatch.setattr(rg, "probe", lambda rung, device: 100e9)
     steps: dict[str, float] = {}
-    monkeypatch.setattr(pl, "probe_step", lambda runner: steps[runner.rung.name])
+    monkeypatch.setattr(ls, "probe_step", lambda runner: steps[runner.rung.name])
     built: list[str] = []
-    real = pl._Runner.__init__
+    real = lt.Runner.__init__
 
     def init(self, job, rung, *a, **k):
         built.append(rung.name)
         real(self, job, rung, *a, **k)
 
-    monkeypatch.setattr(pl._Runner, "__init__", init)
+    monkeypatch.setattr(lt.Runner, "__init__", init)
     return steps, built
 
 
@@ -115,7 +118,7 @@ def test_the_share_kept_for_the_fp8_trials_is_not_the_ladders(spy, tmp_path):
 
 
 def test_without_a_budget_float32_stays_the_reference_and_nothing_is_probed(spy, tmp_path, monkeypatch):
-    monkeypatch.setattr(pl, "probe_step", lambda runner: pytest.fail("probed a step without a budget"))
+    monkeypatch.setattr(ls, "probe_step", lambda runner: pytest.fail("probed a step without a budget"))
     job = _job(tmp_path, dtype="bfloat16")
     for clock in (None, Clock(None)):
         out, by = _ladder(job, clock)
@@ -130,11 +133,11 @@ def test_a_proven_faster_rung_whose_loss_curve_does_not_fit_is_skipped_not_adopt
     job = dataclasses.replace(load_job(TINY), fp8_steps=30)
     clock = FrozenClock(5.0)
     costs = {"bfloat16": (0.5, 0.1), "float16": (0.5, 0.1)}  # 30 steps at 0.1 s and a build: 3.5 s each curve
-    kept = pl._curves_fit(job, [ref, fast], clock, 0.0, costs, ref_curve=True)
+    kept = ls.curves_fit(job, [ref, fast], clock, 0.0, costs, ref_curve=True)
     assert kept == [ref] and fast.status == pr.SKIPPED
     assert fast.reason.startswith("budget: proven faster than bfloat16 (1.30x [1.20, 1.40] against bfloat16)")
     assert "cannot be adopted" in fast.reason and clock.shortened[-1]["what"] == "precision float16 loss curve"
-    assert pl._curves_fit(job, [ref, fast], FrozenClock(10.0), 0.0, costs, ref_curve=True) == [ref, fast]
+    assert ls.curves_fit(job, [ref, fast], FrozenClock(10.0), 0.0, costs, ref_curve=True) == [ref, fast]
 
 
 def test_step5_says_each_budget_cut_once_and_the_fp8_reference_reuses_the_jobs_own_curve(spy, tmp_path):

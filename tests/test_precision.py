@@ -10,7 +10,9 @@ from mfu_lab.analysis import precision as pr
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.store.results import jsonable
+from mfu_lab.steps.fp8 import ladder_timing as lt
 from mfu_lab.steps.fp8 import precision_ladder as pl
+from mfu_lab.steps.fp8 import rungs as rg
 from mfu_lab.steps.fp8 import step as fp8
 
 from .conftest import TINY
@@ -101,7 +103,7 @@ def test_the_jobs_own_precision_is_a_rung_and_float32_stays_the_reference():
 
 
 def rung(name, speedup=None, low=None, high=None, gap=None, status="", own=False):
-    dtype, mp = pl.SETTINGS[name]
+    dtype, mp = rg.SETTINGS[name]
     return pl.Rung(name, dtype, mp, own=own, status=status, speedup=speedup, speedup_low=low, speedup_high=high,
                    final_gap=gap)
 
@@ -145,7 +147,7 @@ def broken(tmp_path_factory):
     """Step 5 on the tiny job with float16 failing to build and bfloat16 failing in its second timed round."""
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path_factory.mktemp("p")), fp8_steps=6,
                               precision_rounds=3, steps=4, thorough=True)  # loss curves first, as exhaustively
-    real_build, real_steps = pl.build_model, pl._Runner.steps
+    real_build, real_steps = pl.build_model, lt.Runner.steps
     calls = {"bfloat16": 0}
 
     def build(j):
@@ -161,8 +163,9 @@ def broken(tmp_path_factory):
         return real_steps(self, k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pl, "build_model", build)
-        mp.setattr(pl._Runner, "steps", steps)
+        mp.setattr(pl, "build_model", build)  # the loss curves'
+        mp.setattr(lt, "build_model", build)  # the timed rounds'
+        mp.setattr(lt.Runner, "steps", steps)
         return job, fp8.run(job, progress=lambda m: None)
 
 
@@ -232,7 +235,7 @@ def fake_probe(monkeypatch, rates):
         wobble[rung.name] = wobble.get(rung.name, -1) + 1
         return rates[rung.name] * 1e9 * (1 + 0.01 * (wobble[rung.name] % 3 - 1))
 
-    monkeypatch.setattr(pl, "probe", probe)
+    monkeypatch.setattr(rg, "probe", probe)
 
 
 def spy_ladder(monkeypatch, tmp_path, rates, **changes):
@@ -244,14 +247,15 @@ def spy_ladder(monkeypatch, tmp_path, rates, **changes):
 
     fake_probe(monkeypatch, rates)
     built, timed = [], []
-    real_build, real_init = pl.build_model, pl._Runner.__init__
-    monkeypatch.setattr(pl, "build_model", lambda j: built.append(j.dtype) or real_build(j))
+    real_build, real_init = pl.build_model, lt.Runner.__init__
+    monkeypatch.setattr(pl, "build_model", lambda j: built.append(j.dtype) or real_build(j))  # loss curves
+    monkeypatch.setattr(lt, "build_model", lambda j: built.append(j.dtype) or real_build(j))  # timed rounds
 
     def init(self, job, rung, *a, **k):
         timed.append(rung.name)
         real_init(self, job, rung, *a, **k)
 
-    monkeypatch.setattr(pl._Runner, "__init__", init)
+    monkeypatch.setattr(lt.Runner, "__init__", init)
     job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), fp8_steps=4, precision_rounds=2,
                               precision_rungs=["bfloat16", "float16"], **changes)
     device = dev.resolve_device("cpu")

@@ -78,6 +78,10 @@ def test_world_size_1_result_round_trips_and_reports(one_rank):
 
     html = str(attention_comm_section(d))
     assert ONE_RANK in html and "How the ddp sweep ran" not in html
+    from mfu_lab import plots
+
+    drawn = plots.comm_sweep(back)  # the notebook's cell: no empty axes, the reason instead
+    assert not drawn and repr(drawn) == "Not drawn: No communication to draw: " + back.comm_layout["skipped"]
 
 
 def test_two_ranks_keep_the_ddp_half():

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from mfu_lab.analysis.dp_family import LOSSY_HOOKS
 from mfu_lab.analysis.layouts.proposal import faster_layout
 from mfu_lab.analysis.result_keys import admitted
 from mfu_lab.core.job import overrides as ov
@@ -42,7 +43,6 @@ RUNGS = ("attention", "communication", "layout", "data", "optimizer", "batch", "
 # keys that change what a step measured: a result taken with other values is evidence about another job
 SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "micro_batch",
               "data", "seq_policy", "device", "dtype", "attention", "compile_mode", "loss_impl", "grad_accum")
-LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
 TUNED_SUFFIX = "-tuned"
 JOB_NAME_MAX = 64  # job_name's length limit (core.job.rules.JOB_NAME_RE)
 
@@ -239,8 +239,9 @@ def _precision(job: Job, r: dict) -> list[Change]:
     ci = ""
     if choice.get("speedup_low") is not None:
         ci = f" [{choice['speedup_low']:.2f}, {choice['speedup_high']:.2f}]"
-    gap = f", final loss {choice['final_gap']:+.2%} from float32" if choice.get("final_gap") is not None else ""
-    evidence = (f"step 5: {choice.get('rung')} {_speed(choice.get('speedup'))}{ci} over float32, side by side{gap} "
+    ref = (r.get("precision") or {}).get("reference") or "float32"  # under a budget: the job's own precision
+    gap = f", final loss {choice['final_gap']:+.2%} from {ref}" if choice.get("final_gap") is not None else ""
+    evidence = (f"step 5: {choice.get('rung')} {_speed(choice.get('speedup'))}{ci} over {ref}, side by side{gap} "
                 f"(within loss_tolerance {job.loss_tolerance:.0%}; measured)")
     out = []
     for key in ("dtype", "matmul_precision"):

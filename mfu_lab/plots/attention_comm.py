@@ -36,8 +36,13 @@ def attention_times(result) -> ReportFigure:
     return fig
 
 
-def comm_sweep(result) -> ReportFigure:
-    """Step time and exposed-communication share against bucket size, one line per hook."""
+def comm_sweep(result) -> ReportFigure | Unavailable:
+    """Step time and exposed-communication share against bucket size, one line per hook; no plot (and why) when no
+    DDP configuration completed, such as at world size 1, where the DDP half does not run."""
+    if result.comm_layout.get("skipped"):
+        return Unavailable("No communication to draw: " + result.comm_layout["skipped"])
+    if not any(getattr(r, "kind", "ddp") == "ddp" and r.status == "ok" for r in result.comm):
+        return Unavailable("No communication to draw: no DDP configuration completed (the table says why for each).")
     fig = ReportFigure(figsize=(11, 3.8))
     ax, ax2 = fig.subplots(1, 2)
     for hook in dict.fromkeys(r.hook for r in result.comm if getattr(r, "kind", "ddp") == "ddp"):  # FSDP2: no buckets

@@ -80,9 +80,11 @@ RUNG_COLORS = {"tf32": "#e8912d", "bfloat16": "#3b6fb6", "float16": "#7048e8"}
 
 
 def precision(result) -> ReportFigure:
-    """The precision ladder: each rung's step time (median, p10-p90 whiskers) with its speedup over float32
-    and 95% interval, and each rung's loss relative to float32's over the same steps (both measured)."""
+    """The precision ladder: each rung's step time (median, p10-p90 whiskers) with its speedup over the reference
+    (float32, or the job's own precision under a budget) and 95% interval, and each rung's loss relative to the
+    reference's over the same steps (both measured)."""
     rungs = result.precision.get("rungs", [])
+    ref_name = result.precision.get("reference") or "float32"  # older results: float32 was always the reference
     fig = ReportFigure(figsize=(11, 4.2))
     ax, ax2 = fig.subplots(1, 2)
     timed = [r for r in rungs if r.get("step_median_s") is not None]
@@ -94,7 +96,7 @@ def precision(result) -> ReportFigure:
             pb = r.get("probe") or {}
             note = r["status"].replace("cannot be faster here", "cannot be\nfaster here")
             if pb.get("cannot_be_faster"):  # both probe rates: why it was not timed
-                note += (f"\nmatmul {pb['flops_per_s'] / 1e9:.3g}\nvs float32 "
+                note += (f"\nmatmul {pb['flops_per_s'] / 1e9:.3g}\nvs {pb.get('reference') or ref_name} "
                          f"{pb['float32_flops_per_s'] / 1e9:.3g}\nGFLOP/s")
             ax.text(i, top * 0.07, note, ha="center", va="bottom", fontsize=7 if "\n" in note else 8)
             continue
@@ -125,7 +127,7 @@ def precision(result) -> ReportFigure:
     ax2.axhline(0, color="#495057", lw=0.8)
     ax2.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax2.set_xlabel("step")
-    ax2.set_title("Loss relative to float32, same seed and batches")
+    ax2.set_title(f"Loss relative to {ref_name}, same seed and batches")
     if ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=7)
     fig.tight_layout()

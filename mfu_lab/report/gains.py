@@ -191,7 +191,8 @@ def _fp8(d: dict, msg: str) -> Gain | None:
         own = next((r.get("name") for r in (d.get("precision") or {}).get("rungs") or [] if r.get("own")), None)
         if pc.get("rung") == own:  # keeping what the job already trains in gives nothing back
             return Gain(0.0, "none", "measured", f"step 5: {own} is the job's own precision, kept")
-        return _speedup(pc.get("speedup"), "5", f"{pc.get('rung') or pc.get('dtype')} against float32, interleaved")
+        ref = (d.get("precision") or {}).get("reference") or "float32"  # older results: always float32
+        return _speedup(pc.get("speedup"), "5", f"{pc.get('rung') or pc.get('dtype')} against {ref}, interleaved")
     if msg == (d.get("choice") or {}).get("text"):
         sp = d.get("speed") or {}
         if sp.get("status") == "ok":

@@ -89,7 +89,8 @@ def oom_advice(job) -> list[str]:
     """What to change, from the job's own values."""
     out = []
     if job.micro_batch > 1:
-        half = max(1, job.micro_batch // 2)
+        # the largest divisor of micro_batch up to its half, so that micro_batch x grad_accum stays exactly as it is
+        half = max(d for d in range(1, job.micro_batch // 2 + 1) if job.micro_batch % d == 0)
         out.append(f"micro_batch: {half} with grad_accum: {job.grad_accum * job.micro_batch // half} (now "
                    f"{job.micro_batch} x {job.grad_accum}; activations scale with micro_batch, and the samples per "
                    "optimizer step stay as they are)")

@@ -29,7 +29,7 @@ def attention_comm_section(d: dict[str, Any]) -> Markup:
     uris = {
         "attention": plots.to_data_uri(plots.attention_times(r)) if any(a.status == "ok" for a in r.attention)
         else None,
-        "comm": plots.to_data_uri(plots.comm_sweep(r)) if any(c.status == "ok" for c in r.comm) else None,
+        "comm": plots.to_data_uri(comm) if (comm := plots.comm_sweep(r)) else None,
         "bandwidth": plots.to_data_uri(plots.allreduce_bandwidth(r)) if r.allreduce else None,
         "race": plots.to_data_uri(race) if (race := plots.race(r)) else None,
         "ledger": plots.to_data_uri(plots.ledger_waterfall(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mfu_lab.analysis import racing
-from mfu_lab.analysis.dp_family import loss_gap, loss_verdict
+from mfu_lab.analysis.dp_family import LOSSY_HOOKS
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.workload import GPT, build_loader, build_model, build_train_step
@@ -33,8 +33,7 @@ from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure import flops as fl
 from mfu_lab.core.measure.environment import environment
 from mfu_lab.core.measure.flops import count_step_flops
-from mfu_lab.core.measure.ledger import HardwareFlops, Ledger, ddp_ledger, hardware_flops
-from mfu_lab.core.measure.timed import stats
+from mfu_lab.core.measure.ledger import Ledger, hardware_flops
 from mfu_lab.core.process.budget import Clock
 from mfu_lab.core.process.faults import guarded
 from mfu_lab.core.process.progress import as_progress
@@ -42,7 +41,6 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.nodes import launcher_folder
 from mfu_lab.core.store.results import Metric, StepResult
-from mfu_lab.core.thresholds import DDP_SYNC_TOLERANCE
 from mfu_lab.steps.attention_comm.attention_race import (
     IMPOSSIBLE_SHARE,
     JOB_IMPL,
@@ -51,38 +49,19 @@ from mfu_lab.steps.attention_comm.attention_race import (
     attention_section,
 )
 from mfu_lab.steps.attention_comm.comm_race import confirm_pick, ddp_half_runs, job_config, race_ddp, skipped_sweep
-from mfu_lab.steps.baseline.step import step1_reference
+from mfu_lab.steps.attention_comm.comm_rows import (
+    DDP_DEFAULT,
+    CommRow,
+    comm_rows_of,
+    config_of,
+    ddp_ledger_of,
+    loss_check,
+)
+from mfu_lab.steps.baseline.reference import step1_reference
 from mfu_lab.workers.comm_configs import config_key, config_name, fsdp_job_keys, is_fsdp, screened_configs
 from mfu_lab.workers.launch import world_layout
 
 INFO = BY_KEY["attention_comm"]
-DDP_DEFAULT = ("none", 25.0, False)  # DDP's own defaults: built-in all-reduce, 25 MB buckets
-LOSSY_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
-
-
-@dataclass
-class CommRow:
-    hook: str
-    bucket_mb: float
-    grad_as_bucket_view: bool
-    status: str  # ok | unsupported | failed | hung | skipped | out of sync
-    error: str = ""
-    stderr: str = ""
-    step_median_s: float | None = None
-    step_p10_s: float | None = None
-    step_p90_s: float | None = None
-    comm_s: float | None = None  # all-reduce time in one profiled step (union of bucket spans, slowest rank)
-    no_sync_step_s: float | None = None  # median of the same steps under no_sync, measured right after
-    exposed_s: float | None = None  # step time with communication - without (no_sync)
-    comm_share: float | None = None
-    exposed_share: float | None = None
-    param_diff: float | None = None
-    mfu: float | None = None
-    kind: str = "ddp"  # ddp | fsdp (an FSDP2 candidate: hook holds its name, bucket_mb 0; see fsdp)
-    fsdp: dict | None = None  # FSDP2: {reshard, prefetch, reduce_dtype}
-    loss: float | None = None  # rank 0's last timed step, same batches and steps as every candidate
-    loss_gap: float | None = None  # relative to DDP's defaults' loss (analysis.dp_family)
-    loss_note: str = ""  # why the loss check refused it
 
 
 @dataclass
@@ -111,63 +90,6 @@ def _baseline_reference(job: Job, device_name: str) -> dict | None:
     ref = step1_reference(job, device_name)
     keys = ("source", "mfu", "step_mean_s", "step_median_s", "peak", "peak_source", "peak_note")
     return {k: ref[k] for k in keys} if ref else None
-
-
-def _comm_rows(configs: list[dict], sweep, flops_per_step: float, peak_total: float, world: int) -> list[CommRow]:
-    rows = []
-    for cfg in configs:
-        ev = sweep.outcomes.get(config_key(cfg))
-        if ev is None:
-            continue
-        row = _row(cfg, ev)
-        if ev["event"] == "dropped" and ev.get("wall_s"):  # the race's first round only, said in the table
-            s = stats(ev["wall_s"])
-            row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
-        if ev["event"] == "done":
-            s = stats(ev["wall_s"])
-            local = statistics.median(ev["no_sync_wall_s"])
-            exposed = max(0.0, s.median - local)
-            diff = ev["param_checksum_max_diff"]  # None under FSDP2: one sharded copy, nothing to drift
-            row.status = "ok" if (diff or 0.0) <= DDP_SYNC_TOLERANCE else "out of sync"
-            row.loss = ev.get("loss")
-            row.step_median_s, row.step_p10_s, row.step_p90_s = s.median, s.p10, s.p90
-            row.comm_s, row.no_sync_step_s, row.exposed_s, row.param_diff = ev["comm_s"], local, exposed, diff
-            row.comm_share = min(1.0, ev["comm_s"] / ev["profiled_step_s"])  # both from the profiled step
-            row.exposed_share = exposed / s.median
-            row.mfu = fl.mfu(world * flops_per_step, len(ev["wall_s"]) / sum(ev["wall_s"]), peak_total)
-        rows.append(row)
-    return rows
-
-
-def _row(cfg: dict, ev: dict) -> CommRow:
-    if is_fsdp(cfg):
-        return CommRow(config_name(cfg), 0.0, False, ev["event"], ev.get("error", ""), ev.get("stderr", ""),
-                       kind="fsdp", fsdp={k: cfg[k] for k in ("reshard", "prefetch", "reduce_dtype")})
-    return CommRow(cfg["hook"], cfg["bucket_mb"], cfg["grad_as_bucket_view"], ev["event"], ev.get("error", ""),
-                   ev.get("stderr", ""))
-
-
-def _loss_check(rows: list[CommRow], reference: CommRow | None, tolerance: float) -> list[CommRow]:
-    """The rows step 2 may pick: each row's loss compared with DDP's defaults' (analysis.dp_family's rule, which the
-    worker's own pick obeys too); a refused row keeps its figures and says why."""
-    ok = []
-    for r in rows:
-        r.loss_gap = loss_gap(r.loss, reference.loss) if reference else None
-        fine, why = loss_verdict(_cfg(r), r.loss, reference.loss if reference else None, tolerance)
-        if fine:
-            ok.append(r)
-        else:
-            r.loss_note = why
-    return ok
-
-
-def _ddp_ledger(row: CommRow, ev: dict, world: int, hw: HardwareFlops | None, why_not: str) -> Ledger:
-    """Shares of the median step (medians, as the table's: one slow step, a loader starting, moves no bar):
-    data waits, and exposed communication as the step with communication less the same step under no_sync."""
-    wall = statistics.median(ev["wall_s"])
-    data = statistics.median(ev["data_s"]) / wall
-    exposed = max(0.0, wall - statistics.median(ev["no_sync_wall_s"])) / wall
-    return ddp_ledger(row.mfu, exposed, data, world, hw, why_not)
 
 
 @guarded("attention_comm")
@@ -295,36 +217,31 @@ def _communication(job: Job, device_type: str, grad_bytes: int, flops, peak: flo
     say(f"communication: {race.text()}")
     world = sweep.layout["world_size"]
     peak_total = peak * world if device_type == "cuda" else peak  # CPU ranks share one CPU's cores
-    comm_rows = _comm_rows(configs, sweep, fps, peak_total, world)
+    comm_rows = comm_rows_of(configs, sweep, fps, peak_total, world)
     good = [r for r in comm_rows if r.status == "ok"]
     ddp_default = next((r for r in good if (r.hook, float(r.bucket_mb), r.grad_as_bucket_view) == DDP_DEFAULT), None)
-    best_comm = _pick(_loss_check(good, ddp_default, job.loss_tolerance), ddp_default)
+    best_comm = _pick(loss_check(good, ddp_default, job.loss_tolerance), ddp_default)
     decided = sweep.confirm  # the worker's pick, by the same rule on rank 0's figures, the same on every node
     if decided is not None and "error" not in decided and ddp_default is not None:
-        best_comm = next((r for r in good if config_name(_cfg(r)) == decided.get("candidate")), ddp_default)
+        best_comm = next((r for r in good if config_name(config_of(r)) == decided.get("candidate")), ddp_default)
     if best_comm is not None and ddp_default is not None and best_comm is not ddp_default:
-        say(f"communication: {config_name(_cfg(best_comm))} led; measured again beside DDP's defaults, alternating")
+        say(f"communication: {config_name(config_of(best_comm))} led; measured again beside DDP's defaults, "
+            "alternating")
         race.confirmation = confirm_pick(job, device_type, best_att.name if best_att else None, sweep,
-                                         _cfg(ddp_default), _cfg(best_comm), work, clock,
+                                         config_of(ddp_default), config_of(best_comm), work, clock,
                                          max(ddp_default.step_median_s, best_comm.step_median_s), say)
         say(f"communication: {race.confirmation.text()}")
         if not race.confirmation.proven:
             best_comm = ddp_default
     ledger = None
     if best_comm:
-        ev = sweep.outcomes[config_key(_cfg(best_comm))]
+        ev = sweep.outcomes[config_key(config_of(best_comm))]
         # the FLOP count is the job's own attention's: its recompute share holds when the ranks ran that kernel
         own = best_att is None or best_att is job_impl
-        ledger = _ddp_ledger(best_comm, ev, world, hardware_flops(flops) if own else None,
+        ledger = ddp_ledger_of(best_comm, ev, world, hardware_flops(flops) if own else None,
                              "" if own else f"the ranks ran {best_att.name}, the FLOPs were counted with the job's "
                              "own attention")
     return sweep, comm_rows, best_comm, ledger, race
-
-
-def _cfg(row: CommRow) -> dict:
-    if row.kind == "fsdp":
-        return {"kind": "fsdp", **(row.fsdp or {})}
-    return {"hook": row.hook, "bucket_mb": row.bucket_mb, "grad_as_bucket_view": row.grad_as_bucket_view}
 
 
 def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | None, ref: dict,
@@ -344,7 +261,7 @@ def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | Non
         rec["job_fragment"] = {"attention": "unfused" if best_att.name == "unfused" else "sdpa"}
     if best_comm and best_comm.kind == "fsdp":  # a layout change: dp_mode fsdp and its keys (tuned.yaml, step 7)
         rec["comm"] = {"kind": "fsdp", "hook": best_comm.hook, "bucket_cap_mb": 0.0, "gradient_as_bucket_view": False,
-                       "job_keys": fsdp_job_keys(_cfg(best_comm))}
+                       "job_keys": fsdp_job_keys(config_of(best_comm))}
         gap = f", final loss {best_comm.loss_gap:.2%} from DDP's defaults'" if best_comm.loss_gap is not None else ""
         confirmed = f"; {confirmation.text()}" if confirmation is not None else ""
         rec["comm_text"] = (f"Train with FSDP2 instead of DDP ({best_comm.hook}; job keys "

@@ -20,6 +20,7 @@ import torch
 from mfu_lab.core.engine.losses import chunked_problem
 from mfu_lab.core.job.rules import LOSS_IMPLS
 from mfu_lab.core.job.schema import Job
+from mfu_lab.core.process.budget import Clock
 from mfu_lab.steps.key_race import ROUNDS, STEPS_PER_ROUND, cost_s, race_key
 
 
@@ -63,3 +64,25 @@ def race_loss(job: Job, mode: str, device: torch.device, model: torch.nn.Module,
                        "left; set loss_impl by hand, or give a larger --budget"}
     raced = dataclasses.replace(job, compile_mode=mode)
     return base | race_key(raced, "loss_impl", names, device, "loss race", progress)
+
+
+def race_in_step(job: Job, rec: dict[str, Any], best, eager, trials: list, model, tokens: bool, clock: Clock,
+                 skipped: list[dict[str, str]], say) -> dict[str, Any]:
+    """Step 4's call: loss_impl raced (:func:`race_loss`) in the mode the job trains in after step 4 (``rec``, the
+    step's recommendation), at the step time of that mode's trial (``best``, else the trial of that mode, else
+    ``eager``: each a :class:`mfu_lab.steps.compile.step.Trial`) and the longest cold compile; a budget's cut goes
+    to ``clock``, any other reason not to race to ``skipped``. Its record."""
+    mode = rec["mode"] if rec.get("compile") else job.compile_mode
+    ran = best or next((t for t in trials if t.mode == mode and t.status == "ok"), None)
+    step_s = (ran or eager).step_median_s or 0.0
+    compile_s = max([t.compile_cold_s or 0.0 for t in trials if t.status == "ok"] or [0.0])
+    say(f"racing the loss's implementations side by side (mode {mode})")
+    r = race_loss(job, mode, next(model.parameters()).device, model, tokens, clock.left_s(), step_s, compile_s,
+                  say)
+    if r.get("ran"):
+        say(f"loss race: {r['verdict']}")
+    elif r["note"].startswith("budget: "):
+        clock.shorten("loss race", r["note"][len("budget: "):])
+    else:
+        skipped.append({"what": "loss race", "reason": r["note"]})
+    return r

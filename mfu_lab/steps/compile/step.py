@@ -44,9 +44,9 @@ from mfu_lab.core.process.progress import as_progress
 from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.results import Metric, StepResult, jsonable
-from mfu_lab.steps.baseline.step import reference_peak
+from mfu_lab.steps.baseline.reference import reference_peak
 from mfu_lab.steps.compile.confirm import confirm_mode
-from mfu_lab.steps.compile.loss_race import race_loss
+from mfu_lab.steps.compile.loss_race import race_in_step
 from mfu_lab.steps.compile.worker import run_worker
 from mfu_lab.steps.fit import one_process_note
 
@@ -369,7 +369,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
         rec = _confirmed(rec, confirmation)
     best = next((t for t in trials if t.mode == rec.get("mode")), None)
     chosen = best or eager
-    loss_race = _race_loss(job, rec, best, eager, trials, model, tokens, clock, skipped, say)
+    loss_race = race_in_step(job, rec, best, eager, trials, model, tokens, clock, skipped, say)
     del model
     # the figures of the recommended mode, or of the fastest mode that ran when none is recommended
     shown = best or min((t for t in trials if t.status == "ok"), key=lambda t: t.step_median_s, default=None)
@@ -410,25 +410,6 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     if write:
         save(job, result)
     return result
-
-
-def _race_loss(job: Job, rec: dict[str, Any], best: Trial | None, eager: Trial, trials: list[Trial], model, tokens,
-               clock: Clock, skipped: list[dict[str, str]], say) -> dict[str, Any]:
-    """loss_impl raced in the mode the job trains in after this step (steps.compile.loss_race); its record."""
-    mode = rec["mode"] if rec.get("compile") else job.compile_mode
-    ran = best or next((t for t in trials if t.mode == mode and t.status == "ok"), None)
-    step_s = (ran or eager).step_median_s or 0.0
-    compile_s = max([t.compile_cold_s or 0.0 for t in trials if t.status == "ok"] or [0.0])
-    say(f"racing the loss's implementations side by side (mode {mode})")
-    r = race_loss(job, mode, next(model.parameters()).device, model, tokens, clock.left_s(), step_s, compile_s,
-                  say)
-    if r.get("ran"):
-        say(f"loss race: {r['verdict']}")
-    elif r["note"].startswith("budget: "):
-        clock.shorten("loss race", r["note"][len("budget: "):])
-    else:
-        skipped.append({"what": "loss race", "reason": r["note"]})
-    return r
 
 
 def _trace_ledger(a: tr.TraceAnalysis, flops: float, peak: float, device_type: str,

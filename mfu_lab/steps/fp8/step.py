@@ -185,7 +185,7 @@ def run(job: Job, progress=None, write: bool = True) -> Fp8Result:
     del model
     no_fp8 = why_no_trial_fits(job, clock)
     # the ladder's share: what is left, less the FP8 trials' minimum when they fit and FP8 runs here
-    # (precision_ladder._fit). Without FP8 units the trials are numerics only (emulated: nothing step 7 can time),
+    # (ladder_share.fit). Without FP8 units the trials are numerics only (emulated: nothing step 7 can time),
     # so the ladder's rungs, real speed, come first and the trials take what they leave
     reserve = 0.0 if no_fp8 or no_hw or clock.left_s() is None else trials_minimum_s(job)[0]
     precision = _precision(job, batches, device, say, skipped, no_fp8, clock, reserve)

@@ -39,7 +39,7 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.store.results import Metric
 from mfu_lab.core.thresholds import COMM_LIMIT
 from mfu_lab.steps.baseline import layout as bl
-from mfu_lab.steps.baseline.step import step1_on
+from mfu_lab.steps.baseline.reference import step1_on
 from mfu_lab.steps.fit import check_fit
 
 GLOO_NOTE = "gloo's collective times on a CPU do not transfer to GPUs; counts and bytes do"

@@ -49,7 +49,7 @@ from mfu_lab.core.thresholds import (
     OPTIMIZER_LIMIT,
     PROFILER_OVERHEAD_LIMIT,
 )
-from mfu_lab.steps.baseline.step import reference_peak, step1_reference
+from mfu_lab.steps.baseline.reference import reference_peak, step1_reference
 from mfu_lab.steps.kernels import layout as kl
 from mfu_lab.steps.kernels.batch_race import race_batch
 from mfu_lab.steps.kernels.figures import compare_with_step1, trace_metrics

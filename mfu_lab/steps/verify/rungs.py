@@ -98,7 +98,7 @@ def _peaks(job: Job, device: dev.DeviceInfo, wanted: set[tuple[str, str]], say) 
     """(FLOP/s or None, source, row) per (dtype, matmul precision): step 1's peak for the job's own; else the job's
     peak_flops for that dtype only, the datasheet row (a TF32 rung gets TF32's) or measured (CPU). A GPU with
     neither for a dtype gets no peak (no MFU), and the source says what it needs."""
-    from mfu_lab.steps.baseline.step import reference_peak
+    from mfu_lab.steps.baseline.reference import reference_peak
 
     out: dict[tuple, tuple] = {}
     for dtype, mp in sorted(wanted):
