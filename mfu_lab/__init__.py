@@ -15,7 +15,8 @@ from pathlib import Path
 
 from mfu_lab.core import __version__
 from mfu_lab.core.errors import DeviceError, JobError, MfuLabError, StepError
-from mfu_lab.core.job.schema import Job, from_namespace, load_job
+from mfu_lab.core.job.notebook import from_namespace
+from mfu_lab.core.job.schema import Job, load_job
 from mfu_lab.core.measure.flops import hardware_flops_per_token, mfu, transformer_flops_per_token
 from mfu_lab.core.store import step_results as store
 

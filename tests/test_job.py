@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job.schema import FIELDS, Job, from_namespace, load_job, validate
+from mfu_lab.core.job.notebook import from_namespace
+from mfu_lab.core.job.schema import FIELDS, Job, load_job, validate
 
 from .conftest import ROOT
 

@@ -61,7 +61,7 @@ def check_fit(job: Job, device_type: str, world: int, node_world: int | None = N
                 "device: memory not checked before the run", "params": shape.params}
     ms = layout_terms.memory_shape(shape.params, shape.n_layers, shape.n_heads, shape.d_model, job.seq_len,
                                    job.micro_batch, act, job.activation_checkpointing, job.attention == "unfused",
-                                   job.ddp_grad_as_bucket_view)
+                                   job.ddp_grad_as_bucket_view, job.checkpoint_policy)
     layout = Layout.from_job(job, world)
     mem = layout_terms.memory_per_rank(ms, layout)
     per_rank, where = available if available is not None else available_bytes(device_type, world)
@@ -81,7 +81,8 @@ def check_fit(job: Job, device_type: str, world: int, node_world: int | None = N
         + (f"Layouts of {node_world or world} ranks that would fit: {names}. Set dp_mode, tp and pp in the job "
            "to one of them." if fit else
            f"No layout of {node_world or world} ranks fits: use more nodes (nnodes), a smaller micro_batch, "
-           "activation_checkpointing: true, or a smaller model."), record)
+           "activation_checkpointing: true (checkpoint_policy: selective keeps more for less recompute), or a smaller "
+           "model."), record)
 
 
 def one_process_note(job: Job, what: str, in_layout_instead: str) -> dict[str, str] | None:

@@ -88,7 +88,8 @@ def fits_one_process(job: Job, dp: int, device: torch.device, local_world: int) 
         return True, f"not estimated ({type(e).__name__} on the meta device)"
     ms = memory_shape(shape.params, shape.n_layers or job.n_layers, shape.n_heads or job.n_heads,
                       shape.d_model or job.d_model, job.seq_len, dp * job.micro_batch,
-                      4 if job.dtype == "float32" else 2, job.activation_checkpointing, job.attention == "unfused")
+                      4 if job.dtype == "float32" else 2, job.activation_checkpointing, job.attention == "unfused",
+                      checkpoint_policy=job.checkpoint_policy)
     need = memory_per_rank(ms, Layout(world=1, dp=1))["total"].value
     if device.type == "cuda":  # pragma: no cover - GPU only
         free = torch.cuda.mem_get_info(device)[0]

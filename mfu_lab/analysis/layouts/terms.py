@@ -100,12 +100,12 @@ def p2p_send_bytes(micro_batch: int, s: int, h: int, act_bytes: int, tp: int = 1
 # ------------------------------------------------------------------ memory per rank
 def memory_shape(params: float, n_layers: int, n_heads: int, d_model: int, seq_len: int, micro_batch: int,
                  act_bytes: int = 4, checkpointing: bool = False, unfused_attention: bool = False,
-                 grad_as_bucket_view: bool = False) -> pl.Shape:
+                 grad_as_bucket_view: bool = False, checkpoint_policy: str = "full") -> pl.Shape:
     """The placement model's Shape for the memory formulas (its FLOPs unused: 0). ``micro_batch``: one
     data-parallel rank's samples per optimizer step (the job's ``micro_batch``)."""
     return pl.Shape(n_layers, n_heads, d_model, seq_len, micro_batch, float(params), 0.0, act_bytes,
                     unfused_attention=unfused_attention, checkpointing=checkpointing,
-                    grad_as_bucket_view=grad_as_bucket_view)
+                    grad_as_bucket_view=grad_as_bucket_view, checkpoint_policy=checkpoint_policy)
 
 
 def _placement_layout(layout) -> tuple[pl.Layout, bool]:

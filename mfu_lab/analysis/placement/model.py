@@ -43,6 +43,7 @@ class Shape:
     grad_bytes: int = 4  # DDP all-reduces gradients in the parameters' dtype (float32 master weights)
     unfused_attention: bool = False
     checkpointing: bool = False
+    checkpoint_policy: str = "full"  # with checkpointing: full | selective (core.engine.checkpointing)
     dropout: bool = False  # the reference model has no dropout: no dropout masks are stored
     residual_bytes: int = 4  # the residual stream (a checkpointed layer's input) stays in the parameters' dtype
     grad_as_bucket_view: bool = False  # DDP's gradient_as_bucket_view: no second copy of the gradients
@@ -113,18 +114,34 @@ def activation_bytes_per_layer(s: Shape, tp: int) -> float:
     return per_layer
 
 
+def selective_saved_bytes(s: Shape, tp: int) -> float:
+    """Bytes a selectively checkpointed layer keeps per micro-batch (:mod:`mfu_lab.core.engine.checkpointing`: the
+    outputs of ``mm``/``addmm`` and fused attention): q, k and v (3), the MLP's up-projection (4) and the attention
+    output (1), each sharded over the t tensor-parallel ranks, and the two row-parallel projections' outputs (the
+    attention's and the MLP's down-projection, 2), whole: s*b*h*(8/t + 2) elements at the activation dtype. An
+    unfused attention's scores are recomputed (its bmm is not kept), so they add nothing here."""
+    sbh = s.seq_len * s.micro_batch * s.d_model
+    return sbh * (8 / tp + 2) * s.act_bytes
+
+
 def activation_bytes(s: Shape, lay: Layout) -> float:
     """The first pipeline stage's activations in flight, per GPU.
 
     With checkpointing each layer keeps its input at the residual stream's dtype (1/t of it under sequence
-    parallel) and one layer is live at a time. 1F1B keeps min(p, m) micro-batches in flight on stage one, GPipe
-    all m (Narayanan et al. 2021, section 2.2).
+    parallel) and one layer is live at a time. A selective checkpoint (``checkpoint_policy: selective``) keeps,
+    besides, the linear layers' and fused attention's outputs (:func:`selective_saved_bytes`), and the one layer
+    recomputed at a time holds only the rest of its activations. 1F1B keeps min(p, m) micro-batches in flight on
+    stage one, GPipe all m (Narayanan et al. 2021, section 2.2).
     """
     sbh = s.seq_len * s.micro_batch * s.d_model
     per_layer = activation_bytes_per_layer(s, lay.tp)
     layers = s.n_layers / lay.pp
     kept = s.residual_bytes * sbh / (lay.tp if s.sequence_parallel else 1)
-    acts = (layers * kept + per_layer) if s.checkpointing else layers * per_layer
+    if s.checkpointing and s.checkpoint_policy == "selective":
+        saved = min(selective_saved_bytes(s, lay.tp), per_layer)
+        acts = layers * (kept + saved) + (per_layer - saved)
+    else:
+        acts = (layers * kept + per_layer) if s.checkpointing else layers * per_layer
     return acts * (lay.m if lay.gpipe else min(lay.pp, lay.m))
 
 

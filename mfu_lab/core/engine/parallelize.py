@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mfu_lab.core.engine.batches import input_embedding
+from mfu_lab.core.engine.checkpointing import run_block
 from mfu_lab.core.engine.layout import Layout
 from mfu_lab.core.engine.losses import accumulation_weights, compiled_cross_entropy, cross_entropy
 from mfu_lab.core.engine.workload import GPT, compile_kwargs, logits_of
@@ -57,6 +57,7 @@ class GPTStage(nn.Module):
     def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
         self.activation_checkpointing = gpt.activation_checkpointing
+        self.checkpoint_policy = getattr(gpt, "checkpoint_policy", "full")
         if first:
             self.wte, self.wpe = gpt.wte, gpt.wpe
         self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
@@ -67,7 +68,7 @@ class GPTStage(nn.Module):
         if hasattr(self, "wte"):  # token ids in
             x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training \
+            x = run_block(block, x, self.checkpoint_policy) if self.activation_checkpointing and self.training \
                 else block(x)
         return self.lm_head(self.ln_f(x)) if hasattr(self, "lm_head") else x
 

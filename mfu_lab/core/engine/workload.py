@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mfu_lab.core.engine.batches import (
     FORWARD_KEYS,
@@ -34,6 +33,7 @@ from mfu_lab.core.engine.batches import (
     loss_view,
     vocab_problem,
 )
+from mfu_lab.core.engine.checkpointing import run_block
 from mfu_lab.core.engine.data import (  # noqa: F401  (re-exported: the steps import the data from here too)
     IGNORE,
     PAD_ID,
@@ -117,10 +117,11 @@ class GPT(nn.Module):
     """Decoder-only transformer; ``forward(idx) -> logits`` of shape (batch, seq, vocab)."""
 
     def __init__(self, n_layers: int, n_heads: int, d_model: int, vocab_size: int, seq_len: int,
-                 attention: str = "sdpa", activation_checkpointing: bool = False):
+                 attention: str = "sdpa", activation_checkpointing: bool = False, checkpoint_policy: str = "full"):
         super().__init__()
         self.n_layers, self.d_model, self.seq_len = n_layers, d_model, seq_len
         self.activation_checkpointing = activation_checkpointing
+        self.checkpoint_policy = checkpoint_policy  # core.engine.checkpointing: full | selective
         self.wte = nn.Embedding(vocab_size, d_model)
         self.wpe = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, attention) for _ in range(n_layers))
@@ -147,7 +148,7 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = run_block(block, x, self.checkpoint_policy)
             else:
                 x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -204,7 +205,7 @@ def build_model(job: Job) -> nn.Module:
     torch.manual_seed(job.seed)
     if job.uses_reference_model:
         return GPT(job.n_layers, job.n_heads, job.d_model, job.vocab_size, job.seq_len,
-                   job.attention, job.activation_checkpointing)
+                   job.attention, job.activation_checkpointing, job.checkpoint_policy)
     model = load_user_model(job.model, job.model_kwargs, job.factory_paths, job.trust)
     if not any(p.requires_grad for p in model.parameters()):  # else torch's bare "empty parameter list"
         frozen = " (all of them frozen: requires_grad=False)" if any(True for _ in model.parameters()) else ""

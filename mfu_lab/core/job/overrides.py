@@ -23,7 +23,8 @@ OVERRIDES_ENV = "MFU_LAB_OVERRIDES"
 # different jobs, so a comparison between them is not like for like (report.index.job_differences, report.found).
 # Step-specific keys (sweeps, trial lengths) and bookkeeping are left out.
 WORKLOAD_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "attention",
-                 "activation_checkpointing", "data", "min_seq_len", "seq_policy", "seq_buckets", "last_batch",
+                 "activation_checkpointing", "checkpoint_policy",
+                 "data", "min_seq_len", "seq_policy", "seq_buckets", "last_batch",
                  "dataset_samples", "num_workers", "prefetch_factor", "pin_memory", "synthetic_load_ms", "micro_batch",
                  "dtype", "matmul_precision", "compile_mode", "lr", "adamw_impl", "loss_impl", "device", "peak_flops",
                  "seed", "fp8_layers", "fp8_recipe", "ddp_bucket_mb", "ddp_hook", "ddp_grad_as_bucket_view")

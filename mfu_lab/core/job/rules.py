@@ -38,6 +38,7 @@ COMPILE_CHOICES = ("off", *COMPILE_MODES, "options")
 MATMUL_PRECISIONS = ("highest", "high")
 ADAMW_IMPLS = ("default", "foreach", "fused")
 LOSS_IMPLS = ("eager", "compiled", "chunked")
+CHECKPOINT_POLICIES = ("full", "selective")  # core.engine.checkpointing
 PRECISION_RUNGS = ("tf32", "bfloat16", "float16")
 DP_MODES = ("ddp", "fsdp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -265,6 +266,14 @@ def cross_key_problems(job: Any, bad: set[str]) -> list[JobProblem]:
         problems.append(JobProblem("loss_impl", job.loss_impl, f"chunked does not combine with a compiled region "
                                    f"(compile_mode is {job.compile_mode}; torch.compile falls back to eager at the "
                                    "chunked operator); use compiled, or compile_mode: off"))
+    if not bad & {"activation_checkpointing", "model"} and job.activation_checkpointing and job.model != "gpt":
+        problems.append(JobProblem("activation_checkpointing", True, f"checkpoints the reference gpt's blocks only; a "
+                                   f"model factory ({job.model}) checkpoints inside its own forward "
+                                   "(torch.utils.checkpoint), which the workbook measures as it is: set it false"))
+    if not bad & {"checkpoint_policy", "activation_checkpointing"} and job.checkpoint_policy != "full" \
+            and not job.activation_checkpointing:
+        problems.append(JobProblem("checkpoint_policy", job.checkpoint_policy, "takes effect only with "
+                                   "activation_checkpointing: true; set both, or leave checkpoint_policy at full"))
     if not bad & {"assumed_mfu"} and job.assumed_mfu > 1:
         problems.append(JobProblem("assumed_mfu", job.assumed_mfu, "must be <= 1 (a fraction of peak)"))
     return problems + fsdp_candidate_problems(job, bad) + layout_problems(job, bad)

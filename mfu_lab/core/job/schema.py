@@ -23,6 +23,7 @@ from mfu_lab.core.job.paths import anchored_paths, find_workbook_root, input_pat
 from mfu_lab.core.job.rules import (
     ADAMW_IMPLS,
     ATTENTIONS,
+    CHECKPOINT_POLICIES,
     COMM_HOOKS,
     COMM_SCREENS,
     COMPILE_CHOICES,
@@ -51,10 +52,11 @@ from mfu_lab.core.job.rules import (
     unknown_key_problem,
 )
 
-__all__ = ["ADAMW_IMPLS", "ATTENTIONS", "COMM_HOOKS", "COMPILE_CHOICES", "COMPILE_DYNAMIC", "COMPILE_MODES",
+__all__ = ["ADAMW_IMPLS", "ATTENTIONS", "CHECKPOINT_POLICIES", "COMM_HOOKS", "COMPILE_CHOICES", "COMPILE_DYNAMIC",
+           "COMPILE_MODES",
            "DATA_DTYPES", "DATA_SOURCES", "DEVICES", "DP_MODES", "DTYPES", "FIELDS", "FP8_RECIPES", "JOB_NAME_RE",
            "KEY_GROUPS", "LAST_BATCH", "LOSS_IMPLS", "MATMUL_PRECISIONS", "MODEL_RE", "PP_SCHEDULES", "PRECISION_RUNGS",
-           "SEQ_POLICIES", "TP_STYLES", "Job", "JobError", "JobProblem", "find_workbook_root", "from_namespace",
+           "SEQ_POLICIES", "TP_STYLES", "Job", "JobError", "JobProblem", "find_workbook_root",
            "load_job", "validate"]
 
 
@@ -107,7 +109,13 @@ class Job:
     seq_len: int = _key(256, "tokens per sample (token ids only; other batches keep their own shapes)", min=1)
     attention: str = _key("sdpa", "sdpa (fused scaled_dot_product_attention) | unfused (explicit softmax(QK^T)V)",
                           choices=ATTENTIONS)
-    activation_checkpointing: bool = _key(False, "recompute each block's activations in backward (raises HFU, not MFU)")
+    activation_checkpointing: bool = _key(False, "recompute each block's activations in backward (raises HFU, not MFU; "
+                                          "the reference gpt's blocks)")
+    checkpoint_policy: str = _key("full", "what a checkpointed block recomputes (with activation_checkpointing: true): "
+                                  "full (its whole forward, matmuls included: about a third more compute) | selective "
+                                  "(keeps the matmul and fused-attention outputs, recomputes norms, GELU and the "
+                                  "other cheap ops: torch.utils.checkpoint.create_selective_checkpoint_contexts)",
+                                  choices=CHECKPOINT_POLICIES)
     # --- data ---
     data: str = _key("synthetic", "synthetic: seeded random token ids through a real DataLoader | synthetic_varlen: "
                      "the same with sample lengths varying in [min_seq_len, seq_len] | tokens:PATH: a flat token file "
@@ -411,23 +419,3 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None, anchor: 
     if factory_paths is not None:  # a factory beside the job file, relative factory_paths: from the file's folder
         anchored["factory_paths"] = factory_paths
     return dataclasses.replace(job, **anchored) if anchored else job
-
-
-_LITERALS = (str, int, float, bool, list, dict, type(None))  # what papermill can inject
-
-
-def from_namespace(namespace: dict[str, Any], before: set[str] | None = None,
-                   source: str = "notebook parameters") -> Job:
-    """Build a Job from a notebook's globals after its parameters cell ran.
-
-    ``before`` is the set of global names that existed before the parameters
-    cell: any other new, public name is a parameter papermill injected and is
-    checked, so a misspelt ``-p micro_bacth 4`` fails instead of being ignored.
-    """
-    values = {k: namespace[k] for k in FIELDS if k in namespace}
-    if before is not None:
-        for name in set(namespace) - set(before) - set(FIELDS):
-            if not name.startswith("_") and isinstance(namespace[name], _LITERALS):
-                values[name] = namespace[name]
-    return validate(values, source)
-

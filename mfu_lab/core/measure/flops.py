@@ -233,9 +233,13 @@ def _count_micro_batch(model: torch.nn.Module, train_step, x, y) -> FlopReport:
         n = model.matmul_params()
         analytic = transformer_flops_per_token(n, model.n_layers, model.d_model, x.size(1)) * tokens
         layers = model.n_layers if flash else 0
+        # selective (core.engine.checkpointing) keeps the linear layers' and fused attention's outputs: it
+        # recomputes no linear matmul, and the attention matmuls only when they are unfused (bmm)
+        selective = ckpt and getattr(model, "checkpoint_policy", "full") == "selective"
         hardware = hardware_flops_per_token(
-            n, model.n_layers, model.d_model, x.size(1), recomputed_params=model.recomputed_matmul_params() if ckpt
-            else 0, recomputed_layers=model.n_layers if ckpt else 0, flash_layers=layers) * tokens
+            n, model.n_layers, model.d_model, x.size(1),
+            recomputed_params=model.recomputed_matmul_params() if ckpt and not selective else 0,
+            recomputed_layers=model.n_layers if ckpt and not (selective and flash) else 0, flash_layers=layers) * tokens
         recompute = _attention_flops_per_token(layers, model.d_model, x.size(1), "palm") / 6 * tokens
         return FlopReport(analytic, "analytic", hardware, analytic, counted.total, counted_hw + recompute_counted,
                           abs(counted.total - analytic) / analytic, "palm",
@@ -271,6 +275,7 @@ def count_key(model: torch.nn.Module, train_step, x, y, key_extra: str = "") -> 
     for part in (key_extra, repr(model), "|".join(atts), hashlib.sha256(source).hexdigest(), shape_key(x),
                  shape_key(y), getattr(model, "activation_checkpointing", None),
                  getattr(train_step, "dtype", None), getattr(train_step, "device_type", None), torch.__version__,
-                 getattr(train_step, "grad_accum", 1), getattr(train_step, "loss_impl", "eager")):
+                 getattr(train_step, "grad_accum", 1), getattr(train_step, "loss_impl", "eager"),
+                 getattr(model, "checkpoint_policy", "full")):
         h.update(repr(part).encode() + b"\0")
     return h.hexdigest()[:16]

@@ -94,9 +94,11 @@ def oom_advice(job) -> list[str]:
         out.append(f"micro_batch: {half} with grad_accum: {job.grad_accum * job.micro_batch // half} (now "
                    f"{job.micro_batch} x {job.grad_accum}; activations scale with micro_batch, and the samples per "
                    "optimizer step stay as they are)")
-    if not job.activation_checkpointing:
-        out.append("activation_checkpointing: true (recomputes each block's forward in the backward: far less "
-                   "activation memory for about a third more compute)")
+    if not job.activation_checkpointing and getattr(job, "model", "gpt") == "gpt":  # a factory checkpoints itself
+        out.append("activation_checkpointing: true with checkpoint_policy: selective (keeps the matmul outputs and "
+                   "recomputes the cheap ops in the backward: less activation memory for little compute), or with "
+                   "checkpoint_policy: full (recomputes each block's whole forward: far less activation memory for "
+                   "about a third more compute)")
     if job.dtype == "float32":
         out.append("dtype: bfloat16 (halves activation memory)")
     if job.seq_len > 256:

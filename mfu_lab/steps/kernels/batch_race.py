@@ -5,9 +5,10 @@ proven faster goes into ``tuned.yaml`` (read by :mod:`mfu_lab.analysis.tuning`, 
 Larger micro-batches give larger matmuls and fewer launches per optimizer step, at the price of memory. Each
 candidate must fit first: on a GPU one probed optimizer step's ``torch.cuda.max_memory_allocated`` against the
 device's memory, elsewhere the analytic fit check of step 1 (:func:`mfu_lab.steps.fit.check_fit`). A candidate
-that does not fit is tried again with activation checkpointing (recompute is preferred over a smaller batch; it
-recomputes every block, all or nothing: selective checkpointing is not built yet), and left out, with the bytes,
-when it still does not.
+that does not fit is tried again with activation checkpointing (recompute is preferred over a smaller batch): first
+selective (``checkpoint_policy: selective``: the matmul and fused-attention outputs kept, only the cheap ops
+recomputed), then, when that still does not fit, full (each block's whole forward recomputed); it is left out, with
+the bytes of each try, when neither fits. A job already checkpointing keeps its own policy.
 
 A job with ``grad_accum: 1`` has no accumulation to trade: a larger micro_batch there puts more samples into each
 optimizer step, which changes the optimization (the gradient's noise, what the learning rate means). That is
@@ -99,11 +100,14 @@ def race_batch(job: Job, device: torch.device, left_s: float | None, step_s: flo
         name = f"{mb}x{ga}"
         keys: dict[str, Any] = {"micro_batch": mb, "grad_accum": ga}
         ok, how = fits(dataclasses.replace(job, **keys), device, probe)
-        if not ok and not job.activation_checkpointing and name != base["reference"]:
-            ok, how2 = fits(dataclasses.replace(job, **keys, activation_checkpointing=True), device, probe)
-            how = f"{how}; with activation checkpointing: {how2}"
-            if ok:
-                keys["activation_checkpointing"] = True
+        if not ok and not job.activation_checkpointing and job.uses_reference_model and name != base["reference"]:
+            for policy in ("selective", "full"):  # the least recompute that makes it fit
+                ckpt = {"activation_checkpointing": True, "checkpoint_policy": policy}
+                ok, how2 = fits(dataclasses.replace(job, **keys, **ckpt), device, probe)
+                how = f"{how}; with {policy} activation checkpointing: {how2}"
+                if ok:
+                    keys |= ckpt
+                    break
         checks.append({"split": name, "fits": ok, "how": how, **keys})
         if ok or name == base["reference"]:
             variants[name] = keys

@@ -110,7 +110,8 @@ def job_shape(job: Job, device: dev.DeviceInfo) -> tuple[pl.Shape, str]:
                      fl.model_flops_per_step / job.micro_batch, 4 if job.dtype == "float32" else 2, 4,
                      job.attention == "unfused", job.activation_checkpointing, dropout=False, residual_bytes=4,
                      grad_as_bucket_view=job.ddp_grad_as_bucket_view, sequence_parallel=job.sp and job.tp > 1,
-                     checkpoint_early_stop=True, fsdp_reshard=job.fsdp_reshard_after_forward)
+                     checkpoint_early_stop=True, fsdp_reshard=job.fsdp_reshard_after_forward,
+                     checkpoint_policy=job.checkpoint_policy)
     return shape, f"{fl.model_flops_source} model FLOPs of one micro-batch / micro_batch; {params:.4g} parameters"
 
 
