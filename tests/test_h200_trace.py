@@ -2,6 +2,7 @@
 profiler, fusion candidates that hold no matmul or attention, and ``mfu-lab trace`` on a trace the user brings."""
 
 import json
+import re
 
 import pytest
 
@@ -85,6 +86,10 @@ def test_mfu_lab_trace_reads_a_trace_the_user_brings():
     text = in_process("trace", TRACE, "--top", 5)
     assert text.returncode == 0 and "give --step-ms for the real one" in text.stdout
     assert "idle: 35.7% of the profiled step" in text.stdout and text.stdout.count("[matmul]") >= 1
+    # the candidates' order is the traffic fusing would save, and each line gives it: the loss chain first
+    gib = [float(m) for m in re.findall(r"([\d.]+) GiB/step of traffic to save", text.stdout)]
+    assert len(gib) == len(f["fusion"]) and gib == sorted(gib, reverse=True)
+    assert gib[0] == pytest.approx(f["fusion"][0]["saved_bytes_per_step"] / 2**30, abs=0.01)
     assert not TRACE.with_suffix("").exists() and TRACE.exists()  # read, never compressed, moved or removed
 
 

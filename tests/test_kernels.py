@@ -87,6 +87,9 @@ def test_run_writes_result_trace_and_index(ran):
     assert again.analysis.top[0] == r.analysis.top[0] and again.ledger.total == pytest.approx(1.0)
     index = (job.output_root() / "index.html").read_text()
     assert "Step 3 · kernels" in index and 'href="03_kernels/trace.json.gz"' in index
+    race = d["optimizer_race"]  # raced, or why not: never an empty record read as "an earlier version of the step"
+    assert race.get("ran") or race["note"].startswith(("the optimizer step takes", "the trace shows no optimizer"))
+    assert "optimizer race: not in this result" not in index.lower()
 
 
 def test_figures_agree_with_each_other(ran):

@@ -359,3 +359,22 @@ def test_a_rungs_mfu_is_taken_over_the_total_wall_time_of_its_measured_steps():
     rung.peak_flops_per_s = None
     rung_figures(rung, 1e9, 256)
     assert rung.mfu is None
+
+
+def test_the_staircase_header_names_no_unit_it_did_not_measure():
+    """A step 7 that timed nothing (the stored default run's: the original excluded with the only change) has no
+    throughput to show: its header says neither tokens/s nor samples/s (a vision job's page once said tokens/s)."""
+    import json
+
+    from mfu_lab.report.tables.verify import staircase_table
+    from mfu_lab.steps.verify.step import VerifyResult
+
+    from .conftest import ROOT
+
+    d = json.loads((ROOT / "tests" / "data" / "default_run_results.json").read_text())["results"]["verify"]
+    r = VerifyResult.from_dict(d)
+    assert r.rungs[0].tokens_per_s is None
+    html = str(staircase_table(r))
+    assert "tokens/s" not in html and "samples/s" not in html and "<th>throughput</th>" in html
+    r.rungs[0].tokens_per_s = 1000.0
+    assert "<th>tokens/s</th>" in str(staircase_table(r))

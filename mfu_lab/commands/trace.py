@@ -74,8 +74,11 @@ def text(f: dict[str, Any]) -> list[str]:
     out.append(f"top {len(f['top'])} {unit}, shares {of}:")
     out += [f"  {r['share_of_step']:6.1%}  {r['total_s'] / f['steps'] * 1e3:8.2f} ms/step  {r['calls']:>6} calls  "
             f"[{r['category']}] {r['name'][:90]}" for r in f["top"]]
-    out.append(f"fusion candidates ({len(f['fusion'])}; runs of adjacent memory-bound operations, shares {of}):")
-    out += [f"  {c['share_of_step']:6.1%}  {c['time_per_step_s'] * 1e3:8.2f} ms/step  {c['pattern'][:100]}\n"
+    out.append(f"fusion candidates ({len(f['fusion'])}; runs of adjacent memory-bound operations, shares {of}; "
+               "ordered by the traffic fusing would save, estimated from the bytes passed between them):")
+    out += [f"  {c['share_of_step']:6.1%}  {c['time_per_step_s'] * 1e3:8.2f} ms/step  "
+            + f"{c['saved_bytes_per_step'] / 2**30:6.2f} GiB/step of traffic to save (analytic)  "
+            + f"{c['pattern'][:100]}\n"
             f"          {c['remedy']}" for c in f["fusion"]]
     out += [f"note: {n}" for n in f["notes"]]
     return out

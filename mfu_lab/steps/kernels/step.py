@@ -358,7 +358,11 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
     a = tr.analyse(trace, job.top_n, bandwidth, step_s=plain.median)  # shares of the step without the profiler
     del trace
 
-    opt_race = {}
+    opt_race = {"ran": False, "note": "the trace shows no optimizer step to race (no Optimizer.step span)"}
+    if a.optimizer.get("found") and a.optimizer["share_of_step"] <= OPTIMIZER_LIMIT and not job.thorough:
+        opt_race["note"] = (f"the optimizer step takes {a.optimizer['share_of_step']:.1%} of the step, under the "
+                            f"{OPTIMIZER_LIMIT:.0%} that makes a race worth its time (--thorough races it at any "
+                            "share)")
     if a.optimizer.get("found") and (a.optimizer["share_of_step"] > OPTIMIZER_LIMIT or job.thorough):
         say("racing AdamW's implementations side by side (" + (f"the optimizer's share is above {OPTIMIZER_LIMIT:.0%}"
             if a.optimizer["share_of_step"] > OPTIMIZER_LIMIT else "--thorough races it at any share") + ")")
