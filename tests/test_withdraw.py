@@ -59,3 +59,30 @@ def test_a_proposed_compile_mode_step_7_cannot_time_within_its_share_is_not_adop
     chosen = tuning.changes(tiny_job, {"compile": step4})
     assert untimed_proposals(tiny_job, chosen, Clock(60.0), step4) == [] and chosen[0].adopted
     assert untimed_proposals(tiny_job, chosen, Clock(None), step4) == [] and chosen[0].adopted  # no budget: timed
+
+
+def test_what_step_7_withdrew_stays_withdrawn_when_tuned_yaml_is_written_again(tiny_job):
+    """The runner writes tuned.yaml again from the stored results after step 7. Step 7's withdrawals (a proposed
+    compile mode it could not time in its share, or one it timed and found not faster) are in its result and are
+    read last: the rewritten file holds what step 7 decided, not step 4's proposal (the default run's tuned.yaml
+    once kept an untimed compile_mode: default, '3 adopted of 3', while step 7 said '1 of 2')."""
+    from mfu_lab.core.process.budget import Clock
+    from mfu_lab.steps.verify.step import untimed_proposals, untimed_reverts
+
+    step4 = LEADER | {"trials": [{"mode": "default", "speedup": 1.12, "compile_cold_s": 20.0}]}
+    chosen = tuning.changes(tiny_job, {"compile": step4})
+    untimed_proposals(tiny_job, chosen, Clock(30.0), step4)
+    stairs = tuning.staircase(tiny_job, chosen)
+    chosen += untimed_reverts(tiny_job, chosen)
+    assert [s[0] for s in stairs] == ["original"]  # the revert makes no rung of its own
+    stored = {"compile": step4, "verify": {"changes": [c.to_dict() for c in chosen]}}
+    again = tuning.changes(tiny_job, stored)
+    assert [c for c in again if c.adopted and c.key == "compile_mode"] == []
+    assert tuning.tuned_job(tiny_job, again).compile_mode == tiny_job.compile_mode == "off"
+    # timed and withdrawn: the same on re-reading
+    chosen = tuning.changes(tiny_job, {"compile": LEADER})
+    stairs = tuning.staircase(tiny_job, chosen)
+    rungs = [Rung("original", {}, "ok", wall_s=[0.1]), rung("compile", 1.02, 0.97, 1.08)]
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) == {"compile"}
+    again = tuning.changes(tiny_job, {"compile": LEADER, "verify": {"changes": [c.to_dict() for c in chosen]}})
+    assert [c.key for c in again if c.adopted] == [] and not any(c.reason.startswith("refused") for c in again)

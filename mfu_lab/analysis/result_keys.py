@@ -45,6 +45,10 @@ MAY_SET: dict[str, Owns] = {
     "fp8": Owns("step 5's FP8 policy trials", {"fp8_layers": list, "fp8_recipe": str}),
     "rechecked": Owns("step 7's own re-checks", {"attention": str} | _FSDP_PICK | _LAYOUT),
 }
+# step 7 withdraws what it did not measure faster (or could not time): each key back to the job's own value, so it may
+# touch any key a rung sets (analysis.tuning._withdrawn; a withdrawal re-read from step 7's result must hold)
+MAY_SET["withdrawn"] = Owns("step 7's withdrawals",
+                            {k: t for o in MAY_SET.values() for k, t in o.keys.items()})
 _TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "text", list: "a list"}
 WITHHELD = "(withheld)"
 

@@ -284,15 +284,32 @@ def _fp8(job: Job, r: dict) -> list[Change]:
     return out
 
 
-def _rechecked(job: Job, r: dict) -> list[Change]:
-    """Changes step 7 itself adopted (an earlier choice timed again at the tuned precision, and faster, or a
-    proposed layout withdrawn); its fields as text where they are text, whatever the file holds."""
+WITHDRAWN = "withdrawn"  # how a reason begins when step 7 takes a key back to the job's value
+
+
+def _verify_rows(r: dict, withdrawals: bool) -> list[Change]:
+    """Changes step 7 itself adopted, its withdrawals or the others; fields as text where they are text, whatever
+    the file holds."""
     rows = r.get("changes")
     return [Change(str(c.get("rung", "")), "verify", c.get("key"), c.get("old"), c.get("new"),
                    str(c.get("evidence", "")), str(c.get("label", "")), c.get("lossy") is True,
                    reason=str(c.get("reason", "")))
             for c in (rows if isinstance(rows, list) else []) if isinstance(c, dict)
-            and c.get("step") == "verify" and c.get("adopted") is True]
+            and c.get("step") == "verify" and c.get("adopted") is True
+            and str(c.get("reason", "")).startswith(WITHDRAWN) == withdrawals]
+
+
+def _rechecked(job: Job, r: dict) -> list[Change]:
+    """Changes step 7 itself adopted: an earlier choice timed again at the tuned precision, and faster, or a
+    proposed layout withdrawn."""
+    return _verify_rows(r, False)
+
+
+def _withdrawn(job: Job, r: dict) -> list[Change]:
+    """Step 7's withdrawals: a proposed change or FP8 rung not measured faster, or one its share could not time,
+    back to the job's value (read last, they replace the change of their key: the runner's tuned.yaml after step 7
+    holds what step 7 decided)."""
+    return _verify_rows(r, True)
 
 
 # (the step whose result is read, the reader's row in result_keys.MAY_SET, the reader)
@@ -300,7 +317,8 @@ READERS = (("attention_comm", "attention", _attention), ("attention_comm", "comm
            ("placement", "layout", _layout), ("baseline", "data", _data), ("kernels", "optimizer", _optimizer),
            ("kernels", "batch", _batch),
            ("compile", "compile", _compile), ("compile", "loss", _loss),
-           ("fp8", "precision", _precision), ("fp8", "fp8", _fp8), ("verify", "rechecked", _rechecked))
+           ("fp8", "precision", _precision), ("fp8", "fp8", _fp8), ("verify", "rechecked", _rechecked),
+           ("verify", "withdrawn", _withdrawn))
 
 
 def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...] = ()) -> list[Change]:

@@ -86,6 +86,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     say(f"{sum(c.adopted for c in chosen)} change(s) adopted of {len(chosen)} recommended; tuned job: {tuned_path}")
 
     stairs = tuning.staircase(job, chosen)
+    chosen += untimed_reverts(job, chosen)  # after the staircase: recorded so that a re-read tuned.yaml holds it
     rungs, jobs = staircase_rungs(stairs, device)
     recheck = attention_recheck(job, results, stairs[-1][1])
     if recheck:
@@ -159,9 +160,21 @@ def untimed_proposals(job: Job, chosen: list, clock: Clock, step4: dict | None) 
             continue
         why = (f"budget: step 7's share ({left:.0f} s) cannot time a compiled rung, whose cold compile alone takes "
                f"about {cold:.0f} s ({where}); a larger --budget (or none) times it")
-        c.adopted, c.reason = False, "not timed, so not adopted: " + why
+        c.adopted, c.reason = False, UNTIMED + why
         out.append({"what": f"proposed change {c.key}: {c.new}", "reason": why})
     return out
+
+
+UNTIMED = "not timed, so not adopted: "
+
+
+def untimed_reverts(job: Job, chosen: list) -> list:
+    """Step 7's own record of each proposal :func:`untimed_proposals` left out: its key back to the job's value,
+    read last by :mod:`mfu_lab.analysis.tuning` (``_withdrawn``), so that ``tuned.yaml`` written again from the
+    stored results (the runner's, after step 7) does not adopt what step 7 never timed."""
+    return [tuning.Change(c.rung, "verify", c.key, c.new, getattr(job, c.key), c.reason, c.label,
+                          reason=f"{tuning.WITHDRAWN} untimed: {c.reason.removeprefix(UNTIMED)}")
+            for c in chosen if not c.adopted and c.reason.startswith(UNTIMED)]
 
 
 WITHDRAWN_RUNGS = ("fp8",)  # rungs step 7 withdraws unless it measures them faster (beside every proposed change)
@@ -186,8 +199,8 @@ def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -
                "rung below, side by side: not faster beyond the noise")
         for c in mine:
             chosen.append(tuning.Change(rung.name, "verify", c.key, c.new, getattr(job, c.key), why, "measured",
-                                        reason="withdrawn: not verified faster (the staircase's later rungs were "
-                                        "measured with it)"))
+                                        reason=f"{tuning.WITHDRAWN}: not verified faster (the staircase's later "
+                                        "rungs were measured with it)"))
         done.add(rung.name)
     return done
 
