@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mfu_lab.analysis import tuning
+from mfu_lab.analysis import tuned_file, tuning
 from mfu_lab.analysis.layouts.proposal import faster_layout, is_own_layout, layout_keys
 from mfu_lab.core.job.schema import load_job
 
@@ -51,7 +51,7 @@ def test_tuned_yaml_proposes_a_layout_faster_beyond_the_noise_with_its_evidence(
     mb = job.micro_batch  # world unknown here: the same data-parallel degree, compared per sample
     assert "fsdp2" in c.evidence and f"{80 / mb:.1f} ms per sample" in c.evidence
     assert f"ddp2 {100 / mb:.1f} ms" in c.evidence
-    text = tuning.tuned_yaml(job, chosen, "tests/data/tiny.yaml", overrides={})
+    text = tuned_file.tuned_yaml(job, chosen, "tests/data/tiny.yaml", overrides={})
     line = next(ln for ln in text.splitlines() if ln.startswith("dp_mode:"))
     assert line.startswith("dp_mode: fsdp  # layout, step 6: layout fsdp2") and "was ddp" in line
     stairs = [name for name, _, _ in tuning.staircase(job, chosen)]

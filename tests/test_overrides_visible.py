@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from mfu_lab.analysis import tuning
+from mfu_lab.analysis import tuned_file, tuning
 from mfu_lab.core.job import overrides as ov
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.measure.environment import environment
@@ -116,7 +116,7 @@ def test_every_steps_report_shows_the_overrides_in_what_this_step_found(tmp_path
 def _tuned(tmp_path, overrides):
     job = load_job(TINY, {**(overrides or {"micro_batch": 2}), "out_dir": str(tmp_path)})
     chosen = [tuning.Change("compile", "compile", "compile_mode", "off", "default", "1.3x measured", "measured")]
-    return job, tuning.tuned_yaml(job, chosen, str(TINY), "20261202-000000", overrides=overrides)
+    return job, tuned_file.tuned_yaml(job, chosen, str(TINY), "20261202-000000", overrides=overrides)
 
 
 def test_tuned_yaml_comments_every_value_that_came_from_the_command_line(tmp_path):
@@ -131,7 +131,7 @@ def test_tuned_yaml_comments_every_value_that_came_from_the_command_line(tmp_pat
     assert back["seq_len"] == job.seq_len
 
     job = load_job(TINY, {"micro_batch": 2, "budget_min": 5, "out_dir": str(tmp_path)})  # the same values, from a file
-    plain = tuning.tuned_yaml(job, [tuning.Change("compile", "compile", "compile_mode", "off", "default", "1.3x",
+    plain = tuned_file.tuned_yaml(job, [tuning.Change("compile", "compile", "compile_mode", "off", "default", "1.3x",
                                                   "measured")], str(TINY), overrides={})
     assert "command line" not in plain
     assert yaml.safe_load(plain) == back

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from mfu_lab.analysis import tuning
+from mfu_lab.analysis import tuned_file, tuning
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.measure.sidebyside import bootstrap_speedup, interleave
@@ -88,7 +88,7 @@ def test_keep_in_a_job_file_is_checked_with_a_suggestion(tmp_path):
 
 def test_tuned_yaml_round_trips_and_comments_each_change(tiny_job, tmp_path):
     chosen = tuning.changes(tiny_job, ALL | {"attention_comm": step2(hook="powersgd")})
-    text = tuning.tuned_yaml(tiny_job, chosen, "tests/data/tiny.yaml", "20261201-000000")
+    text = tuned_file.tuned_yaml(tiny_job, chosen, "tests/data/tiny.yaml", "20261201-000000")
     p = tmp_path / "tuned.yaml"
     p.write_text(text)
     assert load_job(p) == tuning.tuned_job(tiny_job, chosen)

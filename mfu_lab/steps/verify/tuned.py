@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mfu_lab.analysis import tuning
+from mfu_lab.analysis import tuned_file, tuning
 from mfu_lab.core.job.schema import Job, validate
 from mfu_lab.core.registry import STEPS
 from mfu_lab.core.store import step_results as store
@@ -48,7 +48,7 @@ def write_tuned(job: Job, keep: list[str] | tuple[str, ...] = (), source: str = 
 
 def save_tuned(job: Job, chosen: list[tuning.Change], source: str = "the job", run_id: str = "") -> Path:
     """Write the tuned job of these changes as ``<out>/<job>/tuned.yaml``, atomically."""
-    return write_atomic(job.output_root() / TUNED_FILE, tuning.tuned_yaml(job, chosen, source, run_id))
+    return write_atomic(job.output_root() / TUNED_FILE, tuned_file.tuned_yaml(job, chosen, source, run_id))
 
 
 def attention_recheck(job: Job, results: dict[str, dict], tuned: Job) -> tuple[Job, str] | None:
