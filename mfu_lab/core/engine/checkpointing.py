@@ -53,9 +53,4 @@ def run_block(block: torch.nn.Module, x: torch.Tensor, policy: str) -> torch.Ten
     return checkpoint(block, x, use_reentrant=False)
 
 
-def saved_names() -> list[str]:
-    """The ops a selective checkpoint keeps on this torch, by name (for the report)."""
-    return sorted(str(op) for op in SAVE_OPS)
-
-
-__all__ = ["SAVE_OPS", "run_block", "saved_names"]
+__all__ = ["SAVE_OPS", "run_block"]

@@ -57,7 +57,7 @@ class GPTStage(nn.Module):
     def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
         self.activation_checkpointing = gpt.activation_checkpointing
-        self.checkpoint_policy = getattr(gpt, "checkpoint_policy", "full")
+        self.checkpoint_policy = gpt.checkpoint_policy
         if first:
             self.wte, self.wpe = gpt.wte, gpt.wpe
         self.blocks = nn.ModuleList(gpt.blocks[lo:hi])

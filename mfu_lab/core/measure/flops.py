@@ -235,7 +235,7 @@ def _count_micro_batch(model: torch.nn.Module, train_step, x, y) -> FlopReport:
         layers = model.n_layers if flash else 0
         # selective (core.engine.checkpointing) keeps the linear layers' and fused attention's outputs: it
         # recomputes no linear matmul, and the attention matmuls only when they are unfused (bmm)
-        selective = ckpt and getattr(model, "checkpoint_policy", "full") == "selective"
+        selective = ckpt and model.checkpoint_policy == "selective"
         hardware = hardware_flops_per_token(
             n, model.n_layers, model.d_model, x.size(1),
             recomputed_params=model.recomputed_matmul_params() if ckpt and not selective else 0,
