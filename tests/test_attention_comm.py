@@ -5,6 +5,7 @@ import json
 import pytest
 
 from mfu_lab.steps.attention_comm.step import AttentionCommResult, _pick
+from mfu_lab.workers.launch import bf16_hook_allowed
 
 from .test_e2e import assert_offline
 
@@ -39,7 +40,8 @@ def test_step2_runs_after_step1_and_reports_everything(full_run):
     problems = [f"{c.hook} {c.bucket_mb}: {c.status}: {c.error}\n{c.stderr}" for c in r.comm
                 if c.status not in ("ok", "unsupported", "dropped")]
     assert not problems, "\n".join(problems)
-    assert statuses[("bf16_compress", 25)] == "unsupported"
+    # a CPU build of torch refuses the bf16 hook before any launch; a CUDA build runs it on gloo too
+    assert statuses[("bf16_compress", 25)] in (("ok", "dropped") if bf16_hook_allowed() else ("unsupported",))
     assert statuses[("none", 25)] == "ok"  # DDP's default, the job's own
     # the factor screen: each knob alone from the job's settings, no combination of two changed knobs
     assert statuses[("allreduce", 25)] in ("ok", "dropped") and statuses[("none", 0.05)] in ("ok", "dropped")

@@ -18,6 +18,9 @@ from mfu_lab.core.errors import JobError, StepError
 from mfu_lab.core.job.schema import validate
 from mfu_lab.steps.compile import loss_race
 
+# F.linear_cross_entropy (torch 2.13+) behind 'chunked'; torch 2.11 (the GPU machine's) lacks it and refuses by name
+NO_CHUNKED = losses.chunked_available()
+
 
 def _batch(job, pad: int = 0):
     g = torch.Generator().manual_seed(1)
@@ -37,6 +40,10 @@ def _losses(job, impl: str, mode: str = "off", steps: int = 3, pad: int = 0) -> 
 
 @pytest.mark.parametrize("impl", ["compiled", "chunked"])
 def test_each_impl_trains_the_same_loss_with_padding_ignored(tiny_job, impl):
+    if impl == "chunked" and NO_CHUNKED:  # this torch cannot: the step refuses it, naming the key and the function
+        with pytest.raises(StepError, match="loss_impl.*linear_cross_entropy"):
+            _losses(tiny_job, impl, pad=7)
+        return
     ref = _losses(tiny_job, "eager", pad=7)
     got = _losses(tiny_job, impl, pad=7)
     assert got == pytest.approx(ref, rel=1e-4)
@@ -80,13 +87,14 @@ def test_chunked_on_a_model_without_an_lm_head_is_refused_by_name(tiny_job):
             super().__init__()
             self.out = nn.Linear(4, 4)
 
-    assert "lm_head" in losses.chunked_problem(NoHead())
-    assert losses.chunked_problem(build_model(tiny_job)) is None
+    assert ("linear_cross_entropy" if NO_CHUNKED else "lm_head") in losses.chunked_problem(NoHead())
+    assert losses.chunked_problem(build_model(tiny_job)) == NO_CHUNKED  # None where this torch has the function
     j = dataclasses.replace(tiny_job, loss_impl="chunked")
     with pytest.raises(StepError, match="loss_impl"):
         build_train_step(j, NoHead(), "cpu")
 
 
+@pytest.mark.skipif(bool(NO_CHUNKED), reason=f"{NO_CHUNKED} (the refusal: the tests above)")
 def test_the_head_comes_back_after_a_chunked_step(tiny_job):
     j = dataclasses.replace(tiny_job, loss_impl="chunked")
     model = build_model(j).train()
@@ -120,7 +128,8 @@ def test_the_race_times_each_impl_and_keeps_the_loss(tiny_job):
     said = []
     r = loss_race.race_loss(tiny_job, "off", torch.device("cpu"), build_model(tiny_job), True, None, 0.01, 1.0,
                             said.append)
-    assert r["ran"] is True and [x["loss_impl"] for x in r["rows"]] == ["eager", "compiled", "chunked"]
+    impls = ["eager", "compiled"] + ([] if NO_CHUNKED else ["chunked"])  # chunked raced where this torch has it
+    assert r["ran"] is True and [x["loss_impl"] for x in r["rows"]] == impls
     sp = r["speedup"]
     assert sp["low"] <= sp["value"] <= sp["high"]
     assert r["adopted"] == (r["pick"] != "eager" and sp["low"] > 1.0 and r["final_gap"] <= tiny_job.loss_tolerance)
