@@ -53,6 +53,36 @@ def test_two_micro_batches_train_as_one_batch_of_both(tiny_job):
     assert all(int(st["step"]) == 1 for st in s2.optimizer.state.values())
 
 
+def test_under_cuda_graphs_the_micro_batches_add_into_gradient_buffers_of_their_own(tiny_job):
+    """A CUDA-graph compile mode with accumulation (pytorch/pytorch#169545: the first backward's graph output
+    kept as .grad is overwritten by the next replay) gets zero gradient buffers before the first micro-batch, which
+    backward adds into in place: the same training as without, buffers kept (zeroed) after the step. The CUDA
+    failure itself needs a GPU (benchmarks/gpu_check.py's small job, grad_accum 4, reduce-overhead); here the
+    mechanics are forced on CPU."""
+    job = dataclasses.replace(tiny_job, micro_batch=4, grad_accum=2)
+    x, y = _pair(job, 8, pad=9)
+    plain, graphs = build_model(job).train(), build_model(job).train()
+    s1, s2 = build_train_step(job, plain, "cpu"), build_train_step(job, graphs, "cpu")
+    assert not s1.cuda_graphs and not s2.cuda_graphs  # only on a CUDA device in a CUDA-graph mode
+    s2.cuda_graphs = True
+    seen = []
+    for p in graphs.parameters():  # the buffer each parameter trains with, before and during the step
+        p.register_hook(lambda g, p=p: seen.append(p.grad is not None))
+    parts = [(x[:4], y[:4], {}), (x[4:], y[4:], {})]
+    l1, l2 = s1.accumulate(parts), s2.accumulate(parts)
+    assert seen and all(seen)  # every backward found a buffer to add into (never grad=None)
+    assert float(l2) == pytest.approx(float(l1), rel=1e-6)
+    for p1, p2 in zip(plain.parameters(), graphs.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-7)
+        assert p1.grad is None and p2.grad is not None and not p2.grad.any()  # zeroed, not set to None
+    one = build_train_step(tiny_job, m := build_model(tiny_job).train(), "cpu")
+    one.cuda_graphs = True
+    xa, ya = _pair(tiny_job, tiny_job.micro_batch)
+    loss = one(xa, ya)
+    assert all(p.grad is None for p in m.parameters())  # one micro-batch: nothing accumulates, set to None
+    assert loss.grad_fn is None and not loss.requires_grad  # a copy of the step's loss, detached
+
+
 def test_a_timed_step_takes_k_micro_batches_and_counts_their_samples_and_tokens(tiny_job):
     job = dataclasses.replace(tiny_job, grad_accum=3)
     step = build_train_step(job, build_model(job).train(), "cpu")

@@ -56,6 +56,7 @@ from mfu_lab.core.engine.losses import (
 from mfu_lab.core.errors import JobError, JobProblem, StepError
 from mfu_lab.core.job.compile_options import options_problem
 from mfu_lab.core.job.factories import load_factory
+from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 
 
@@ -238,6 +239,7 @@ class TrainStep:
     loss_impl: str = "eager"  # core.engine.losses: eager | compiled | chunked
     grad_accum: int = 1  # micro-batches per optimizer step (core.measure.timed feeds them; accumulate() steps once)
     region: Any = None  # loss_impl compiled under compile_mode: torch.compile of the forward and the loss together
+    cuda_graphs: bool = False  # compiled in a CUDA-graph mode (reduce-overhead, max-autotune) on a CUDA device
 
     def __post_init__(self):
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
@@ -312,17 +314,33 @@ class TrainStep:
         (``no_sync``); the scaler and the optimizer step once. Returns the step's loss."""
         weights = accumulation_weights([y for _, y, _ in parts])
         total, last = None, len(parts) - 1
+        in_place = self.cuda_graphs and last > 0
+        if in_place:
+            grads_in_place(self.model)
         for i, ((x, y, kw), w) in enumerate(zip(parts, weights)):
             local = i < last and hasattr(self.model, "no_sync")
             with self.model.no_sync() if local else contextlib.nullcontext():
                 loss = self.loss(x, y, **kw)
                 part = loss if last == 0 else loss * w
                 self.scaler.scale(part).backward()
-            total = part.detach() if total is None else total + part.detach()
+            # a copy: under CUDA graphs the loss is the graph's output buffer, which the next step's replay
+            # overwrites (a scalar, so the copy costs one tiny kernel)
+            total = part.detach().clone() if total is None else total + part.detach()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not in_place)
         return total
+
+
+def grads_in_place(model: nn.Module) -> None:
+    """Give every trainable parameter a gradient buffer of its own (zeros) before the first micro-batch, so
+    that backward adds into it in place. Under a CUDA-graph compile mode with accumulation, a first backward into
+    ``grad=None`` keeps the backward graph's output buffer itself as ``p.grad``, and the next micro-batch's replay
+    overwrites it ("accessing tensor output of CUDAGraphs that has been overwritten": pytorch/pytorch#169545,
+    open; #184003 only words the error). The optimizer then zeroes with ``set_to_none=False``."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 DYNAMIC = {"auto": None, "static": False, "dynamic": True}
@@ -368,7 +386,8 @@ def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
         raise StepError(why)
     loss_fn = load_factory(job.loss, None, job.factory_paths, job.trust, key="loss") if job.loss else None
     step = TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled, loss_fn, job.data,
-                     job.uses_reference_model, job.loss_impl, grad_accum=job.grad_accum)
+                     job.uses_reference_model, job.loss_impl, grad_accum=job.grad_accum,
+                     cuda_graphs=kw is not None and device_type == "cuda" and job.compile_mode in CUDA_GRAPH_MODES)
     if kw is not None and job.loss_impl == "compiled":  # one region: the forward, the loss and their casts
         step.region = torch.compile(functools.partial(_region_body, step), **kw)
     return step
