@@ -62,6 +62,7 @@ from gpu_check_table import (  # noqa: E402
     figure_row,
     finite,
     format_table,
+    fp8_speed_row,
     ms,
     one_gpu,
     pace,
@@ -355,13 +356,8 @@ def step_fp8(ctx: Ctx, rows: list[Row]) -> None:
             f"{r['name']} {r['speedup']:.2f}x" if finite(r.get("speedup")) else r["name"] for r in timed) + ")",
         ok=len(timed) >= 2) if not failed else fail_row(
         p, "precision ladder (CUDA events)", f"{failed[0]['name']}: {failed[0]['reason']}"))
-    figure, sp = "torchao float8 real speed", f.speed
-    add(rows, p, figure, lambda: skip_row(p, figure, "SM < 8.9", f"capability {ctx.capability}")
-        if tuple(ctx.capability) < (8, 9) else figure_row(
-            p, figure, sp.get("speedup"), "{:.2f}x bf16", f"({(sp.get('bf16_step_s') or 0) * 1e3:.2f} -> "
-            f"{(sp.get('fp8_step_s') or 0) * 1e3:.2f} ms/step, compiled)") if sp.get("status") == "ok" else
-        skip_row(p, figure, sp.get("reason", "")) if sp.get("status") == "skipped" else
-        fail_row(p, figure, str(sp.get("reason", sp))))
+    figure = "torchao float8 real speed"
+    add(rows, p, figure, lambda: fp8_speed_row(p, figure, f.speed, ctx.capability))
     print(f"\nstep 5: path {f.path}, speed {f.speed}")
     for g in f.sensitivity.get("tensorwise", []):
         print(f"  {g.group:<10} SNR out {g.output_snr_db:.1f} gin {g.grad_input_snr_db:.1f} "

@@ -122,6 +122,27 @@ def skip_row(path: str, figure: str, reason: str, value: str = "-") -> Row:
     return Row(path, figure, value, "-", f"skip: {first_line(reason)}")
 
 
+def fp8_speed_row(path: str, figure: str, speed: dict[str, Any], capability: tuple[int, ...]) -> Row:
+    """Step 5's torchao float8 speed (``FP8Result.speed``): the whole model's speed-up when it was timed; a pass
+    that lists the per-group probe's figures when the probe found no group faster (``slower``: the step did what
+    it should, measured); a skip with the step's reason; a failure otherwise."""
+    status = speed.get("status")
+    if tuple(capability) < (8, 9):
+        return skip_row(path, figure, "SM < 8.9", f"capability {tuple(capability)}")
+    if status == "ok":
+        return figure_row(path, figure, speed.get("speedup"), "{:.2f}x bf16",
+                          f"({(speed.get('bf16_step_s') or 0) * 1e3:.2f} -> "
+                          f"{(speed.get('fp8_step_s') or 0) * 1e3:.2f} ms/step, compiled)")
+    if status == "slower":  # the per-group probe ran (CUDA events) and dropped every group: a measured outcome
+        probe = [r for r in speed.get("group_probe", []) if finite(r.get("speedup"))]
+        figs = ", ".join(f"{r['group']} {r['in']}x{r['out']} {r['speedup']:.2f}x" for r in probe)
+        return Row(path, figure, f"no group faster than bf16, not adopted ({figs or 'no probe figures'})",
+                   "measured", "pass" if probe else "fail")
+    if status == "skipped":
+        return skip_row(path, figure, speed.get("reason", ""))
+    return fail_row(path, figure, str(speed.get("reason", speed)))
+
+
 def fail_row(path: str, figure: str, err: BaseException | str) -> Row:
     text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
     return Row(path, figure, first_line(text), "-", "fail")

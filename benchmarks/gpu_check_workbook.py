@@ -81,13 +81,14 @@ class Costs:
     process_start_s: float = 10.0  # a fresh Python process with torch imported (a compile trial's, a rung's)
     cold_compile_s: float = 22.0  # step 4's default-mode cold compile of GPT-2 124M ("default cold: step 1/5 (22.2 s)")
     notebook_s: float = 10.0  # a step's notebook beside its own work (kernel start, report, export)
-    step_s: float = 0.049  # one training step of gpt2_124m_gpu.yaml in bf16 (step 1: 48.7 ms)
-    fp32_step_s: float = 0.30  # the same step in float32 (step 5's ladder: 299 ms)
+    step_s: float = 0.049  # one micro-batch of 16 x 1024 tokens of GPT-2 124M in bf16 (a72853b's step 1: 48.7 ms)
+    fp32_step_s: float = 0.30  # the same micro-batch in float32 (step 5's ladder: 299 ms)
     source: str = ("the first H200 run, 2026-12-04 (docs/gpu-check.md): a process start ~10 s, a cold compile ~22 s, "
                    "a notebook ~10 s, 48.7 ms a step in bf16 and 299 ms in float32")
 
 
 H200 = Costs()
+COSTS_MICRO_BATCH = 16  # the samples of the step that Costs.step_s timed (a72853b's job: 16 x 1024, no accumulation)
 
 # The parts of each step the first run measured under --budget 4 (its console): the step's own work less what the
 # formulas below add. Guesses where the first run did not go (no budget): each is printed beside the actual seconds
@@ -105,7 +106,10 @@ FP8_BUDGETED_S = 70.0  # step 5 under --budget 4: the sensitivity, the probes, t
 FP8_POLICIES = 6  # policies trained for fp8_steps each, in emulated float8 over float32 (a guess: 2x float32's step)
 FP8_EMULATION = 2.0
 PLACEMENT_S = 30.0  # step 6 on one GPU: 40 s with its notebook (co-location, the size sweep, the placements)
-VERIFY_RUNGS = 2  # step 7: the original and a compiled rung (step 4's leader), each a process of its own
+# step 7: a rung per adopting step, each a process of its own: the original, step 3's batch split (and AdamW), step
+# 4's compile (its leader, the loss in its region), step 5's precision; the rungs from step 4's on compile, the first
+# cold, the later ones on a warm cache (a guess: the first run timed two rungs)
+VERIFY_RUNGS, VERIFY_COMPILED = 4, 2
 VERIFY_SETUP_S = 5.0
 
 
@@ -117,8 +121,11 @@ class Estimate:
 
 
 def estimates(job: Any, costs: Costs = H200, world: int = 1) -> dict[str, Estimate]:
-    """Each step's seconds on one H200 for ``job`` (its counts: steps, modes, rounds), its notebook apart."""
-    s = costs.step_s
+    """Each step's seconds on one H200 for ``job`` (its counts: steps, modes, rounds), its notebook apart. The
+    costs are a72853b's, whose step was one micro-batch; an optimizer step of the job is ``grad_accum`` of them
+    (the first run had none; gpt2_124m_gpu.yaml now has 4), scaled by the job's micro_batch against their 16."""
+    scale = job.grad_accum * job.micro_batch / COSTS_MICRO_BATCH
+    s, fp32_s = costs.step_s * scale, costs.fp32_step_s * scale
     timed = job.warmup_steps + job.steps
     out: dict[str, Estimate] = {}
     out["baseline"] = Estimate(BASELINE_SETUP_S + timed * s, BASELINE_SETUP_S + 4 * s,
@@ -142,7 +149,7 @@ def estimates(job: Any, costs: Costs = H200, world: int = 1) -> dict[str, Estima
     out["compile"] = Estimate(RECOMPILES_S + eager + modes + CONFIRM_S, least,
                               f"recompile count ~{RECOMPILES_S:.0f} s, eager, {', '.join(parts) or 'no mode'} and a "
                               f"warm compile each, the confirmation ~{CONFIRM_S:.0f} s")
-    policies = FP8_POLICIES * job.fp8_steps * costs.fp32_step_s * FP8_EMULATION
+    policies = FP8_POLICIES * job.fp8_steps * fp32_s * FP8_EMULATION
     speed = 2 * costs.cold_compile_s + job.precision_rounds * 2 * job.steps * s
     out["fp8"] = Estimate(FP8_BUDGETED_S + policies + speed, FP8_BUDGETED_S,
                           f"the ladder ~{FP8_BUDGETED_S:.0f} s, {FP8_POLICIES} FP8 policies ~{policies:.0f} s, "
@@ -150,9 +157,10 @@ def estimates(job: Any, costs: Costs = H200, world: int = 1) -> dict[str, Estima
     out["placement"] = Estimate(PLACEMENT_S + (ddp / 2), 20.0, f"co-location and the size sweep ~{PLACEMENT_S:.0f} s")
     rungs = VERIFY_RUNGS * (costs.process_start_s + VERIFY_SETUP_S + job.verify_warmup_steps * s)
     rounds = VERIFY_RUNGS * job.verify_rounds * job.verify_steps * s
-    least = rungs + costs.cold_compile_s + VERIFY_RUNGS * 2 * job.verify_steps * s
-    out["verify"] = Estimate(rungs + costs.cold_compile_s + rounds, least,
-                             f"{VERIFY_RUNGS} rung processes (one compiled, ~{costs.cold_compile_s:.0f} s cold), "
+    compiles = costs.cold_compile_s * (1 + (VERIFY_COMPILED - 1) * WARM_COMPILE)
+    least = rungs + compiles + VERIFY_RUNGS * 2 * job.verify_steps * s
+    out["verify"] = Estimate(rungs + compiles + rounds, least,
+                             f"{VERIFY_RUNGS} rung processes ({VERIFY_COMPILED} compiled, ~{compiles:.0f} s), "
                              f"{job.verify_rounds} rounds of {job.verify_steps} steps")
     return out
 

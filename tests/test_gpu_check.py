@@ -110,6 +110,23 @@ def test_figure_rows():
     assert (r.status, r.value) == ("fail", "RuntimeError: first line")
 
 
+def test_step_5s_fp8_speed_row_passes_a_measured_slower_and_fails_only_what_went_wrong():
+    """The per-group gate (issue 46) makes 'slower' a measured outcome: at d_model 768 float8 measured 0.70x of
+    bf16 on the first H200 run, so the small job may well drop every group. That row passes with the probe's
+    figures; it used to fall through to a failure and the check's exit code 1."""
+    probe = [{"group": "mlp", "in": 768, "out": 3072, "speedup": 0.70}, {"group": "attn", "in": 768, "out": 2304}]
+    r = t.fp8_speed_row("step 5", "fp8", {"status": "slower", "group_probe": probe, "reason": "r"}, (9, 0))
+    assert r.status == "pass" and r.label == "measured" and "mlp 768x3072 0.70x" in r.value and "attn" not in r.value
+    assert t.fp8_speed_row("step 5", "fp8", {"status": "slower", "group_probe": []}, (9, 0)).status == "fail"
+    ok = t.fp8_speed_row("step 5", "fp8", {"status": "ok", "speedup": 1.21, "bf16_step_s": 0.05, "fp8_step_s": 0.04},
+                         (9, 0))
+    assert ok.status == "pass" and ok.value.startswith("1.21x bf16 (50.00 -> 40.00 ms/step")
+    assert t.fp8_speed_row("step 5", "fp8", {"status": "ok"}, (8, 0)).status.startswith("skip: SM < 8.9")
+    assert t.fp8_speed_row("step 5", "fp8", {"status": "skipped", "reason": "no torchao"}, (9, 0)).status == \
+        "skip: no torchao"
+    assert t.fp8_speed_row("step 5", "fp8", {"status": "failed", "reason": "boom"}, (9, 0)).status == "fail"
+
+
 def test_add_records_a_reading_error_as_that_rows_failure():
     rows = []
     t.add(rows, "step 4", "w", lambda: t.figure_row("step 4", "w", 1.0))

@@ -75,6 +75,21 @@ def test_plan_for_the_gpu_job_in_one_call():
     assert wb.make_plan(3600.0, 12.0, est).budget_min is None  # an hour: every step in full
 
 
+def test_the_estimates_count_an_optimizer_step_as_grad_accum_micro_batches():
+    """The H200 costs timed one micro-batch of 16 (a72853b's job had no accumulation); gpt2_124m_gpu.yaml's step is
+    4 of them, so its timed steps cost 4x: step 1's 24 steps of 196 ms, not of 49 ms."""
+    import dataclasses
+
+    job = load_job(gc.JOB_FILE)
+    assert job.grad_accum == 4 and job.micro_batch == wb.COSTS_MICRO_BATCH
+    timed = job.warmup_steps + job.steps
+    four, one = wb.estimates(job), wb.estimates(dataclasses.replace(job, grad_accum=1))
+    assert four["baseline"].full_s - one["baseline"].full_s == pytest.approx(3 * timed * wb.H200.step_s)
+    assert "steps of 196 ms" in four["baseline"].how and "steps of 49 ms" in one["baseline"].how
+    half = wb.estimates(dataclasses.replace(job, grad_accum=1, micro_batch=8))  # half the samples of one
+    assert one["baseline"].full_s - half["baseline"].full_s == pytest.approx(timed * wb.H200.step_s / 2)
+
+
 def test_plan_leaves_steps_out_in_order_when_their_minimums_do_not_fit():
     est = _est(compile=(400.0, 60.0), fp8=(250.0, 70.0), placement=(40.0, 30.0), verify=(50.0, 40.0))
     p = wb.make_plan(250.0, 12.0, est, overhead_s=OV)
