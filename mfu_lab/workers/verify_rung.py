@@ -9,8 +9,10 @@ steps (compilation happens there), then answers commands on stdin, one JSON obje
     {"run": K}   -> K more training steps, continuing the same training; replies their timings
     {"quit": 1}  -> exits
 
-On CUDA the spec's ``memory_fraction`` (1 / the rungs resident at once) bounds the process's caching allocator
-(``torch.cuda.set_per_process_memory_fraction``): every rung stays resident on the one GPU.
+On CUDA the spec's ``memory_fraction`` (the rung's share by its need: steps/verify/memory_share.py) bounds the
+process's caching allocator (``torch.cuda.set_per_process_memory_fraction``): every rung stays resident on the one
+GPU. Where the rungs do not fit together the spec says ``release``: no bound, the process frees its cached blocks
+after each turn and runs one untimed step at the start of the next (``turns`` of them: one more batch each).
 
 Replies are single stdout lines that start with ``@mfu-lab@`` followed by JSON, so a library printing to
 stdout cannot be mistaken for a reply. A fresh process per rung keeps one rung's compiled code, caches
@@ -159,13 +161,14 @@ def main() -> int:
             # every rung stays resident on the one GPU (allocator reserve, CUDA-graph pools): each gets its share,
             # so rung 2 of a job sized to fill the GPU fails on its own bound, not on the others' leftovers
             torch.cuda.set_per_process_memory_fraction(float(spec["memory_fraction"]), tdev)
+        release = device.type == "cuda" and bool(spec.get("release"))
         model = build_model(job).to(tdev).train()
         step = build_train_step(job, model, device.type)
         quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
         x0, y0 = next(iter(build_loader(quiet, 1, device.type)))
         report = fl.count_step_flops(model, step, to_device(x0, tdev), to_device(y0, tdev))
         torch.manual_seed(job.seed)  # every rung starts its steps from the same random state, whatever counting drew
-        total = job.verify_warmup_steps + spec["steps_total"]
+        total = job.verify_warmup_steps + spec["steps_total"] + (int(spec.get("turns", 0)) if release else 0)
         batches = iter(same_batches(job, total, device.type))
         t0 = time.perf_counter()
         warm = run_steps(step, batches, tdev, job.verify_warmup_steps, 0) if job.verify_warmup_steps else None
@@ -181,8 +184,11 @@ def main() -> int:
         if "quit" in cmd:
             break
         try:
-            t = run_steps(step, batches, tdev, 0, int(cmd["run"]))
-            reply({"wall_s": t.wall_s, "data_s": t.data_s, "compute_s": t.compute_s, "loss": t.loss})
+            t = run_steps(step, batches, tdev, 1 if release else 0, int(cmd["run"]))  # release: 1 untimed first
+            reply({"wall_s": t.measured("wall_s"), "data_s": t.measured("data_s"),
+                   "compute_s": t.measured("compute_s"), "loss": t.measured("loss")})
+            if release:  # pragma: no cover - GPU only: the next rung's turn gets the memory this one cached
+                torch.cuda.empty_cache()
         except Exception as exc:
             reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
             return 1

@@ -23,6 +23,7 @@ from mfu_lab.core.measure.sidebyside import interleave
 from mfu_lab.core.process.progress import as_progress
 from mfu_lab.steps.verify.ddp import UNDER_TORCHRUN
 from mfu_lab.steps.verify.layout import rung_figures
+from mfu_lab.steps.verify.memory_share import MemoryPlan
 from mfu_lab.workers.verify_rung import RungProcess
 
 
@@ -116,12 +117,14 @@ def _peaks(job: Job, device: dev.DeviceInfo, wanted: set[tuple[str, str]], say) 
     return out
 
 
-def measure_rungs(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say) -> list[list]:
-    """Start every measurable rung's process, warm them up, run the interleaved rounds; fill the rungs."""
+def measure_rungs(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say,
+                  memory: MemoryPlan | None = None) -> list[list]:
+    """Start every measurable rung's process, warm them up, run the interleaved rounds; fill the rungs. ``memory``
+    (on CUDA, memory_share.py): each rung's share of the GPU, or that the rungs free their caches between turns."""
     total = job.verify_rounds * job.verify_steps
     procs: dict[str, RungProcess] = {}
     flops: dict[str, float] = {}
-    resident = sum(r.status == "ok" for r in rungs)  # on CUDA each rung's process gets 1/resident of the GPU
+    memory = memory or MemoryPlan()
     try:
         for rung, rjob in zip(rungs, jobs):
             if rung.status != "ok":
@@ -129,7 +132,8 @@ def measure_rungs(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say)
             say(f"rung {rung.name}: starting its process, {job.verify_warmup_steps} warm-up steps")
             dev.release_device_memory("cuda")  # each rung's process gets the GPU the launcher let go of
             p = RungProcess({"rung": rung.name, "job": rjob.to_dict(), "steps_total": total,
-                             "memory_fraction": 1 / resident}, work, job.compile_timeout_s)
+                             "memory_fraction": memory.fractions.get(rung.name), "release": memory.release,
+                             "turns": job.verify_rounds}, work, job.compile_timeout_s)
             procs[rung.name] = p
             p.beat = lambda waited, name=rung.name: say(f"  rung {name}: still warming up ({waited:.0f} s so far; "
                                                         "a compiled rung compiles here)")

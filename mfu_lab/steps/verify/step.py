@@ -39,7 +39,7 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.nodes import launcher_folder
 from mfu_lab.core.store.results import Metric, StepResult
-from mfu_lab.steps.verify import staircase
+from mfu_lab.steps.verify import memory_share, staircase
 from mfu_lab.steps.verify.ddp import ddp_configs, torchrun_reason, verify_ddp
 from mfu_lab.steps.verify.layout import layout_change, measure_in_layout
 from mfu_lab.steps.verify.rungs import Rung, give_peaks, measure_rungs, staircase_rungs
@@ -103,7 +103,13 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     if beyond_ddp(job) and timed:
         order = measure_in_layout(run_job, rungs, jobs, work, say, device, nnodes * nproc)
     else:
-        order = measure_rungs(run_job, rungs, jobs, work, say) if timed else []
+        memory = memory_share.for_device(device, {r.name: j.micro_batch for r, j in zip(rungs, jobs)
+                                                  if r.status == "ok"}, job.micro_batch, results.get("baseline"))
+        if memory is not None and timed:
+            say(f"memory: {memory.note}")
+            if memory.release:
+                skipped.append({"what": "every rung bounded to its share of the GPU", "reason": memory.note})
+        order = measure_rungs(run_job, rungs, jobs, work, say, memory) if timed else []
     if not timed:
         why = ("no change was adopted: the tuned job is the original" if len(rungs) == 1 else
                "no adopted change can be timed in one process here (" + "; ".join(
