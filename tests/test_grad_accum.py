@@ -148,6 +148,21 @@ def test_a_split_that_does_not_fit_is_tried_with_checkpointing_then_left_out(tin
     assert r["ran"] is False and r["note"].startswith("budget")  # nothing raced beyond the share
 
 
+def test_a_race_out_of_memory_with_every_split_resident_is_not_raced_and_the_step_goes_on(tiny_job, monkeypatch):
+    """Each split is probed alone; the race holds them all at once. An OOM there is the race's note (the step's
+    other figures stand), never step 3's failure."""
+    job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    monkeypatch.setattr(batch_race, "race_variants", oom)
+    r = batch_race.race_batch(job, torch.device("cpu"), None, 0.01, probe=lambda j, d: (True, "fits"))
+    assert r["ran"] is False and "resident together" in r["note"] and "2x4, 4x2, 8x1" in r["note"]
+    assert "Tried to allocate 2.00 GiB)" in r["note"] and "more" not in r["note"]
+    assert tuning.changes(job, {"kernels": {"batch_race": r}}) == []
+
+
 def test_the_race_holds_the_samples_and_the_loss(tiny_job):
     job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
     said = []

@@ -82,11 +82,16 @@ def probe(model: nn.Module, groups: list[str], tokens: int, recipe: str, device:
             say(f"  FP8 probe {group}: {tokens} x {i} -> {o}, bf16 against float8 ({recipe})")
             x = torch.randn(tokens, i, device=device, dtype=torch.bfloat16, requires_grad=True)
             layers = {}
+            # every layer here compiles the same Sequential.forward: without a reset each shape and each arm
+            # would add a recompile of it (GPT-2: 5 shapes x 2 arms, past dynamo's recompile limit of 8, after
+            # which it runs eager unsaid), and automatic dynamic shapes would time later shapes with dynamic
+            # kernels; so a fresh cache per shape, static shapes
+            torch._dynamo.reset()
             for label in ("bf16", "fp8"):
                 lin = nn.Sequential(nn.Linear(i, o, bias=False)).to(device, torch.bfloat16)
                 if label == "fp8":
                     convert_to_float8_training(lin, config=config)
-                layers[label] = torch.compile(lin)
+                layers[label] = torch.compile(lin, dynamic=False)
                 _time_layer(layers[label], x, 3)  # compile and warm up
             times: dict[str, list[float]] = {"bf16": [], "fp8": []}
             for r in range(ROUNDS):

@@ -19,7 +19,8 @@ SETTINGS = {"float32": ("float32", "highest"), "tf32": ("float32", "high"),
             "bfloat16": ("bfloat16", "highest"), "float16": ("float16", "highest")}
 WORDS = {"float32": "float32", "tf32": "TF32 matmuls", "bfloat16": "bfloat16 autocast",
          "float16": "float16 autocast with a loss scaler"}
-PROBE_N = {"cpu": 256, "cuda": 2048}  # square matmul size of the probes: big enough to be compute-bound
+PROBE_N = {"cpu": 256, "cuda": 4096}  # square matmul size of the probes: compute-bound; on a GPU large enough that
+# the host clock and synchronize around each call stay small (2048 in bf16 on an H200: ~25 us, about the overhead)
 PROBE_S = 0.02  # seconds each probe times (after its warm-up call): PROBES x rungs probes stay well under 1 s
 NOT_RUN = (pr.SKIPPED, pr.FAILED, pr.CANNOT_BE_FASTER)  # statuses of a rung that is not (or no longer) trained
 NO_NATIVE_BF16 = ("this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag in /proc/cpuinfo), so bf16 autocast "

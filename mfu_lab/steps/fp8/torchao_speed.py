@@ -56,6 +56,9 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
                                 + "; ".join(f"{g}: {w}" for g, w in dropped.items())}
     groups = kept
     timers = {}
+    # each round draws its batches anew: in the loop's process (no DataLoader workers to start in a round's first
+    # timed step) and without the job's synthetic load delay; both arms alike, they compare compute
+    quiet = dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0)
     for label, use in (("bf16", False), ("fp8", True)):
         model = build_model(bf16).to(device).train()
         if use:
@@ -65,8 +68,9 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
             convert_to_float8_training(model, config=config, module_filter_fn=keep)
         ts = build_train_step(bf16, torch.compile(model), "cuda")
         say(f"  compiling and warming {label} (3 steps)")
-        run_steps(ts, same_batches(job, 3, "cuda"), device, 3, 0)
-        timers[label] = (lambda n, ts=ts: run_steps(ts, same_batches(job, n, "cuda"), device, 0, n).measured("wall_s"))
+        run_steps(ts, same_batches(quiet, 3, "cuda"), device, 3, 0)
+        timers[label] = (lambda n, ts=ts: run_steps(ts, same_batches(quiet, n, "cuda"), device, 0, n)
+                         .measured("wall_s"))
     rounds = min(3, job.steps)
     say(f"  timing bf16 and fp8 (compiled) in {rounds} interleaved rounds, {job.steps} steps each")
     walls = interleaved(timers, rounds, job.steps)
