@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mfu_lab.steps.attention_comm.step import AttentionCommResult, _pick
-from mfu_lab.workers.launch import bf16_hook_allowed
+from mfu_lab.workers.comm_configs import bf16_hook_allowed
 
 from .test_e2e import assert_offline
 

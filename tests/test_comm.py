@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from mfu_lab.workers.comm_configs import config_key, config_name, is_fsdp, sweep_configs
-from mfu_lab.workers.launch import bf16_hook_allowed, run_sweep
+from mfu_lab.workers.comm_configs import bf16_hook_allowed, config_key, config_name, is_fsdp, sweep_configs
+from mfu_lab.workers.launch import run_sweep
 
 pytestmark = pytest.mark.e2e
 

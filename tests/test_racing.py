@@ -14,9 +14,9 @@ from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.process import budget
 from mfu_lab.core.process.budget import Clock
 from mfu_lab.steps.attention_comm import comm_race
-from mfu_lab.workers import launch
-from mfu_lab.workers.comm_configs import config_key, factor_configs, is_fsdp, screened_configs
-from mfu_lab.workers.launch import SweepOutcome, known_refusal
+from mfu_lab.workers import comm_configs
+from mfu_lab.workers.comm_configs import config_key, factor_configs, is_fsdp, known_refusal, screened_configs
+from mfu_lab.workers.launch import SweepOutcome
 
 from .conftest import TINY
 
@@ -61,7 +61,7 @@ def test_known_refusals_are_recorded_without_a_launch(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(comm_race, "run_sweep", fake_sweep)
-    monkeypatch.setattr(launch, "bf16_hook_allowed", lambda: False)  # a CPU build of torch, as on CI
+    monkeypatch.setattr(comm_configs, "bf16_hook_allowed", lambda: False)  # a CPU build of torch, as on CI
     seen = []
     sweep, log, configs = comm_race.race_ddp(job, "cpu", None, tmp_path, seen.append, grad_bytes=8 << 20,
                                              reference=("none", 25.0, False), clock=Clock(None))
@@ -78,15 +78,15 @@ def test_known_refusals_are_recorded_without_a_launch(tmp_path, monkeypatch):
 
 def test_the_bf16_hook_is_refused_on_gloo_only_where_torchs_own_check_refuses_it(monkeypatch):
     bf16 = {"hook": "bf16_compress", "bucket_mb": 25, "grad_as_bucket_view": False}
-    monkeypatch.setattr(launch, "bf16_hook_allowed", lambda: True)  # a CUDA build (torch 2.11+cu130 runs it on gloo)
+    monkeypatch.setattr(comm_configs, "bf16_hook_allowed", lambda: True)  # a CUDA build (2.11+cu130 runs it on gloo)
     assert known_refusal(bf16, "gloo", 1) is None
-    monkeypatch.setattr(launch, "bf16_hook_allowed", lambda: False)
+    monkeypatch.setattr(comm_configs, "bf16_hook_allowed", lambda: False)
     assert "NCCL 2.10+" in known_refusal(bf16, "gloo", 1)
     monkeypatch.undo()
     import torch
     # this build's own answer follows torch's condition: a CPU build (no torch.version.cuda) never allows it
     if torch.version.cuda is None and torch.version.hip is None:
-        assert launch.bf16_hook_allowed() is False
+        assert comm_configs.bf16_hook_allowed() is False
 
 
 def _changed(a: dict, b: dict) -> set:

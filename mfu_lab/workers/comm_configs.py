@@ -105,3 +105,40 @@ def fsdp_job(job: Job, cfg: dict) -> Job:
     """``job`` as this FSDP2 candidate trains it (parameters computed in the job's dtype)."""
     return dataclasses.replace(job, **fsdp_job_keys(cfg))
 
+
+def bf16_hook_allowed() -> bool:
+    """Whether DDP's register_comm_hook accepts bf16_compress_hook in this torch build: torch's own condition
+    (torch/nn/parallel/distributed.py, 2.11 and 2.13 alike): a CUDA or ROCm build with NCCL 2.10+, or XPU with
+    XCCL. It is a property of the build, not of the backend the ranks use."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.version.cuda is not None or torch.version.hip is not None
+    try:
+        nccl = dist.is_available() and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    except (RuntimeError, AttributeError):  # a build whose NCCL cannot say its version
+        nccl = False
+    xccl = dist.is_available() and getattr(dist, "is_xccl_available", lambda: False)() and torch.xpu.is_available()
+    return bool((cuda and nccl) or xccl)
+
+
+def known_refusal(cfg: dict, backend: str, grad_bytes: int) -> str | None:
+    """Why ``backend`` refuses ``cfg`` before any launch, from its known limits; None when it may run.
+
+    - bf16_compress on gloo, where this torch build has no NCCL 2.10+ (a CPU build): DDP's register_comm_hook
+      raises "BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+" (torch/nn/parallel/
+      distributed.py). A CUDA build runs it on gloo too (seen with torch 2.11+cu130 on a CPU), so it is tried.
+    - powersgd on gloo with more than one gradient bucket: gloo aborts the whole launch with an enforce failure
+      (seen by this workbook's step 2 with torch 2.13 on CPU: 8 MB buckets of the default job's 14.3 MB of
+      gradients), which costs a relaunch; one bucket (bucket_cap_mb at least the gradients' size) runs.
+    Anything not listed here is tried.
+    """
+    if backend != "gloo" or is_fsdp(cfg):
+        return None
+    if cfg["hook"] == "bf16_compress" and not bf16_hook_allowed():
+        return ("gloo: bf16_compress_hook needs a torch build with CUDA 11+ and NCCL 2.10+, and this one has "
+                "none (torch raises a TypeError); not launched")
+    if cfg["hook"] == "powersgd" and grad_bytes > cfg["bucket_mb"] * 2**20:
+        return (f"gloo: PowerSGD with more than one gradient bucket ({grad_bytes / 2**20:.1f} MB of gradients in "
+                f"{cfg['bucket_mb']:g} MB buckets) aborts the launch with a gloo enforce failure; not launched")
+    return None

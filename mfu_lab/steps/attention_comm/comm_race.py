@@ -9,7 +9,7 @@ The references go first, in full, and DDP's default bounds the rest: when its st
 (no_sync) are within the race's noise band of its steps with it, no bucket size, hook or bucket view can be picked
 over it (:func:`mfu_lab.analysis.racing.exposure_bound`), and only the FSDP2 candidates are screened.
 
-Configurations the backend is known to refuse (:func:`mfu_lab.workers.launch.known_refusal`) are recorded as
+Configurations the backend is known to refuse (:func:`mfu_lab.workers.comm_configs.known_refusal`) are recorded as
 unsupported without a launch, in both modes. In both modes, a configuration the step would pick over DDP's default
 is then confirmed (:func:`confirm_pick`): the two alternate, in the sweep's own launch when the worker made the
 same pick (it applies the step's rule to the same figures), else in a launch of their own; the pick stands only
@@ -28,9 +28,9 @@ from mfu_lab.core.process.budget import Clock, fit_count, job_step_s
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.thresholds import RACE_CONFIRM_TURNS
 from mfu_lab.workers.alternate import alternate, turn_lines
-from mfu_lab.workers.comm_configs import config_key, config_name, hook_of, is_fsdp, screened_configs
+from mfu_lab.workers.comm_configs import config_key, config_name, hook_of, is_fsdp, known_refusal, screened_configs
 from mfu_lab.workers.ddp_rank import ddp_warmup
-from mfu_lab.workers.launch import SweepOutcome, full_factor, known_refusal, run_sweep, world_layout
+from mfu_lab.workers.launch import SweepOutcome, full_factor, run_sweep, world_layout
 
 name = config_name  # hook/bucketMB/view or copy, as the race and the report name a configuration
 
