@@ -12,7 +12,7 @@ so it overestimates a larger split). When the needs fit the device together, eac
 what is usable. When they do not, no rung is bounded: each frees its cached blocks after its turn
 (``torch.cuda.empty_cache``) and runs one untimed step at the start of the next, so the allocations a freed cache
 makes again are not timed; a CUDA-graph rung's private pool stays held (empty_cache does not free it), which the
-note says.
+note counts: when those pools and the largest other rung exceed the device, a rung may still fail, and it says so.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ class MemoryPlan:
 
 
 def plan(micro_batches: dict[str, int], job_micro_batch: int, peak_bytes: float | None,
-         capacity_bytes: float) -> MemoryPlan:
+         capacity_bytes: float, graphs: frozenset[str] = frozenset()) -> MemoryPlan:
     """The shares of the rungs ``micro_batches`` (rung -> its job's micro_batch, the rungs that run) on a device of
-    ``capacity_bytes``, from step 1's measured ``peak_bytes`` at ``job_micro_batch`` (None: not measured)."""
+    ``capacity_bytes``, from step 1's measured ``peak_bytes`` at ``job_micro_batch`` (None: not measured).
+    ``graphs``: the rungs compiled in a CUDA-graph mode, whose pools stay held when the others free their caches."""
     names = list(micro_batches)
     if not names:
         return MemoryPlan()
@@ -52,13 +53,21 @@ def plan(micro_batches: dict[str, int], job_micro_batch: int, peak_bytes: float 
         fractions = {n: USABLE * b / total for n, b in needs.items()}
         return MemoryPlan(fractions, needs=needs, note=(
             f"each rung may hold its need's share of {usable / GiB:.0f} GiB usable: {sizes}, by {basis}"))
+    held = sum(needs[n] for n in graphs if n in needs)
+    largest = max((b for n, b in needs.items() if n not in graphs), default=0.0)
+    risk = (f"; even so the CUDA-graph rungs' pools ({', '.join(n for n in needs if n in graphs)}: about "
+            f"{held / GiB:.0f} GiB, never freed) and the largest other rung ({largest / GiB:.0f} GiB) exceed what is "
+            "usable, so a rung may fail for memory: its failure is recorded and the others are measured"
+            if held + largest > usable else
+            "" if not held else f"; the CUDA-graph rungs' pools (about {held / GiB:.0f} GiB) stay held throughout")
     return MemoryPlan({}, release=True, needs=needs, note=(
         f"the rungs need about {total / GiB:.0f} GiB together ({sizes}, by {basis}), over the {usable / GiB:.0f} "
         "GiB usable: no rung is bounded; each frees its cached memory after its turn and runs one untimed step at "
-        "the start of the next (a CUDA-graph rung's pool stays held, so such a rung may still leave too little)"))
+        f"the start of the next{risk}"))
 
 
-def for_device(device, micro_batches: dict[str, int], job_micro_batch: int, baseline: dict | None) -> MemoryPlan | None:
+def for_device(device, micro_batches: dict[str, int], job_micro_batch: int, baseline: dict | None,
+               graphs: frozenset[str] = frozenset()) -> MemoryPlan | None:
     """:func:`plan` on a CUDA ``device`` (core.measure.device's), from step 1's stored result ``baseline``; None
     elsewhere (a CPU process needs no share of a device)."""
     if device.type != "cuda":
@@ -67,4 +76,4 @@ def for_device(device, micro_batches: dict[str, int], job_micro_batch: int, base
 
     peak = (((baseline or {}).get("metrics") or {}).get("peak_memory_bytes") or {}).get("value")
     capacity = torch.cuda.get_device_properties(device.torch_device).total_memory  # pragma: no cover - GPU only
-    return plan(micro_batches, job_micro_batch, peak, capacity)  # pragma: no cover - GPU only
+    return plan(micro_batches, job_micro_batch, peak, capacity, graphs)  # pragma: no cover - GPU only

@@ -28,6 +28,7 @@ from typing import Any
 from mfu_lab.analysis import tuning
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.layout import beyond_ddp
+from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure.environment import environment
@@ -103,8 +104,10 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     if beyond_ddp(job) and timed:
         order = measure_in_layout(run_job, rungs, jobs, work, say, device, nnodes * nproc)
     else:
-        memory = memory_share.for_device(device, {r.name: j.micro_batch for r, j in zip(rungs, jobs)
-                                                  if r.status == "ok"}, job.micro_batch, results.get("baseline"))
+        running = [(r, j) for r, j in zip(rungs, jobs) if r.status == "ok"]
+        memory = memory_share.for_device(device, {r.name: j.micro_batch for r, j in running}, job.micro_batch,
+                                         results.get("baseline"), frozenset(
+                                             r.name for r, j in running if j.compile_mode in CUDA_GRAPH_MODES))
         if memory is not None and timed:
             say(f"memory: {memory.note}")
             if memory.release:
