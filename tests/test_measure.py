@@ -65,3 +65,30 @@ def test_no_profiled_step_pays_for_the_trace_export(tmp_path, monkeypatch):
     t = profile_steps(lambda x, y: (x @ y).sum(), batches, torch.device("cpu"), 2, 3, tmp_path / "t.json")
     assert (tmp_path / "t.json").is_file() and len(t.wall_s) == 5
     assert max(t.wall_s) < 2.0  # the injected export time is in none of them
+
+
+def test_the_profiled_window_closes_before_the_contention_probe_ends(tmp_path, monkeypatch):
+    """The last ProfilerStep span ends right after the loop, before the contention probe's end (NVML and a walk of
+    the process tree: about 31 ms of the first H200 run's 5-step window, +16%). An injected 0.6 s in the probe's
+    end lies outside the window: the spans sum to about the steps' walls, not to them plus 0.6 s."""
+    import gzip
+    import json
+    import time
+
+    from mfu_lab.core.measure import contention
+    from mfu_lab.core.measure.timed import profile_steps
+
+    real_exit = contention.ContentionProbe.__exit__
+
+    def slow_exit(self, *exc):
+        time.sleep(0.6)
+        return real_exit(self, *exc)
+
+    monkeypatch.setattr(contention.ContentionProbe, "__exit__", slow_exit)
+    batches = ((torch.randn(8, 8), torch.randn(8, 8)) for _ in range(5))
+    t = profile_steps(lambda x, y: (x @ y).sum(), batches, torch.device("cpu"), 2, 3, tmp_path / "t.json.gz")
+    events = json.loads(gzip.open(tmp_path / "t.json.gz").read())["traceEvents"]
+    spans = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X"]
+    window_s = sum(e["dur"] for e in spans) / 1e6
+    assert len(spans) == 3
+    assert window_s < sum(t.measured("wall_s")) + 0.3  # not the injected 0.6 s

@@ -127,15 +127,19 @@ def _kwargs(batch, device, non_blocking: bool = False) -> dict:
 
 
 def run_steps(step: Callable, batches: Iterable, device: torch.device, warmup: int, steps: int,
-              progress: Progress | None = None) -> Timings:
+              progress: Progress | None = None, loop_end: Callable[[], None] | None = None) -> Timings:
     """Run ``warmup + steps`` training steps, timing each; ``step(x, y)`` returns the loss tensor. A step with
     ``grad_accum`` k > 1 (core.engine.workload.TrainStep) takes k micro-batches per optimizer step
-    (``step.accumulate``): a time, a loss and the counted tokens and samples are an optimizer step's."""
+    (``step.accumulate``): a time, a loss and the counted tokens and samples are an optimizer step's.
+    ``loop_end`` is called as soon as the loop has synchronised and read its timings, before the contention probe
+    ends (NVML, a walk of the process tree) and the losses are checked: where a profiler window closes."""
     from mfu_lab.core.process.faults import check_losses
 
     run = _run_cuda if device.type == "cuda" else _run_cpu
     with ContentionProbe(device.type, device.index) as probe:
         t = run(step, batches, device, warmup, steps, progress)
+        if loop_end is not None:
+            loop_end()
     t.contention = probe.result
     check_losses(t.loss)  # a NaN or infinite loss ends the measurement, naming the step
     return t
@@ -282,8 +286,10 @@ def profile_steps(step, batches, device: torch.device, warmup: int, active: int,
 
         stepped.grad_accum = getattr(step, "grad_accum", 1)
         stepped.accumulate = stepped
-        timings = run_steps(stepped, batches, device, warmup, active, progress)
-        prof.step()  # the last boundary stops the recording: outside the timed steps, so none pays for it
+        # the last boundary stops the recording: after the loop's own synchronisation (the window ends with the
+        # device's last kernel), outside the timed steps, so none pays for it, and before the contention probe's
+        # end (NVML, the process tree: about 31 ms in the first H200 run's window of 5 steps)
+        timings = run_steps(stepped, batches, device, warmup, active, progress, loop_end=prof.step)
     if ready:
         ready[0].export_chrome_trace(str(tmp))
     if not tmp.is_file():
