@@ -35,7 +35,8 @@ def test_step2_runs_after_step1_and_reports_everything(full_run):
         if a.status == "ok":
             assert a.rel_error <= a.tolerance and a.step_median_s > 0
             # n_layers x attention alone / whole step (both measured, so noise can push it past 1 on a busy box)
-            assert a.attention_share == pytest.approx(r.job["n_layers"] * a.attn_median_s / a.step_median_s)
+            assert a.attention_share == pytest.approx(r.job["n_layers"] * r.job["grad_accum"] * a.attn_median_s
+                                                      / a.step_median_s)
     statuses = {(c.hook, c.bucket_mb): c.status for c in r.comm}
     problems = [f"{c.hook} {c.bucket_mb}: {c.status}: {c.error}\n{c.stderr}" for c in r.comm
                 if c.status not in ("ok", "unsupported", "dropped")]

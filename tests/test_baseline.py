@@ -184,3 +184,29 @@ def test_a_recheck_above_the_cached_peak_after_the_steps_measures_it_again(tiny_
     wall = r.timings.measured("wall_s")
     assert r.metric("mfu") == pytest.approx(r.metric("model_flops_per_step") * len(wall) / (2e13 * sum(wall)))
     assert dev.resolve_peak(dev.resolve_device("cpu"), tiny_job.dtype, None).flops_per_s == 2e13  # the cache too
+
+
+def test_with_accumulation_every_rate_is_an_optimizer_steps(tiny_job):
+    """grad_accum 2 x micro_batch 2 against 1 x 4 (the same samples per optimizer step): the same model FLOPs per
+    step, and MFU, tokens/s and samples/s over the optimizer step's tokens and samples, from the stored series.
+    Before, MFU divided a step's FLOPs (both micro-batches) by one micro-batch's tokens: 2x too high (4x on the
+    GPU job's grad_accum 4)."""
+    from mfu_lab.core.measure import flops as fl
+    from mfu_lab.core.measure.device import resolve_device
+    from mfu_lab.steps.placement.step import job_shape
+
+    one = dataclasses.replace(tiny_job, steps=4, warmup_steps=1)
+    two = dataclasses.replace(one, micro_batch=2, grad_accum=2)
+    assert two.tokens_per_step == one.tokens_per_step == 4 * 32
+    r1 = baseline.run(one, progress=lambda *a: None, write=False)
+    r2 = baseline.run(two, progress=lambda *a: None, write=False)
+    assert r2.metric("model_flops_per_step") == pytest.approx(r1.metric("model_flops_per_step"), rel=1e-9)
+    wall = r2.timings.wall_s[r2.timings.warmup_steps:]
+    steps_per_s = len(wall) / sum(wall)
+    assert r2.metric("mfu") == pytest.approx(fl.mfu(r2.metric("model_flops_per_step"), steps_per_s,
+                                                    r2.metric("peak_flops_per_s")))
+    assert r2.metric("tokens_per_s") == pytest.approx(4 * 32 * steps_per_s)
+    assert r2.metric("samples_per_s") == pytest.approx(4 * steps_per_s)
+    # step 6's FLOPs per sample: an optimizer step's FLOPs over its samples, whatever the split
+    cpu = resolve_device("cpu")
+    assert job_shape(two, cpu)[0].flops_per_sample == pytest.approx(job_shape(one, cpu)[0].flops_per_sample)

@@ -207,3 +207,28 @@ def test_step_3s_page_shows_both_races(tiny_job):
     assert "Raced on the job itself" in html and "foreach (the job’s own)" in html
     assert "1.10x [1.04, 1.15]" in html
     assert "changes the optimization" in html  # the batch race's reason at grad_accum 1
+
+
+def test_step_2s_local_and_slowed_steps_take_an_optimizer_steps_micro_batches(tiny_job):
+    """Step 2's no_sync comparison (the same step with gradients kept local) and the tests' slowed configurations
+    take grad_accum micro-batches a step, as the synced steps they are compared with do: before, a plain wrapper
+    fed one micro-batch a step, so 'no communication' timed a quarter of the work on the GPU job (grad_accum 4)."""
+    import contextlib
+
+    from mfu_lab.workers.ddp_rank import kept_local, slowed
+
+    job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=2)
+    entered = []
+
+    class FakeDDP:  # counts the no_sync contexts: one per optimizer step, around all of its micro-batches
+        @contextlib.contextmanager
+        def no_sync(self):
+            entered.append(1)
+            yield
+
+    ts = build_train_step(job, build_model(job).train(), "cpu")
+    for step in (kept_local(FakeDDP(), ts), slowed(ts, 0.0), slowed(kept_local(FakeDDP(), ts), 0.0)):
+        assert step.grad_accum == 2
+        t = run_steps(step, build_loader(job, 2 * 3, "cpu"), torch.device("cpu"), 1, 2)
+        assert t.samples == [4, 4, 4]  # 2 micro-batches of 2 per optimizer step
+    assert len(entered) == 2 * 3  # the two local wrappers, 3 steps each

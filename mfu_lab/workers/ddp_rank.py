@@ -168,11 +168,31 @@ def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, 
     emit(out, {"event": "profiled", "config": cfg, "wall_s": timings.measured("wall_s"), "warmup_steps": warm})
 
 
+def kept_local(ddp, step):
+    """``step`` with its gradients kept local (DDP's ``no_sync`` around the whole optimizer step): the same step
+    with no communication at all, ``grad_accum`` micro-batches a step as ``step`` takes them."""
+    def run(x, y, **kw):
+        with ddp.no_sync():
+            return step(x, y, **kw)
+
+    def accumulate(parts):
+        with ddp.no_sync():
+            return step.accumulate(parts)
+    run.grad_accum, run.accumulate = getattr(step, "grad_accum", 1), accumulate
+    return run
+
+
 def slowed(step, seconds: float):
-    """``step`` with a sleep before each call (tests only: a configuration known to be slower)."""
-    def run(x, y):
+    """``step`` with a sleep before each optimizer step (tests only: a configuration known to be slower); it takes
+    ``grad_accum`` micro-batches a step as ``step`` does (core.measure.timed feeds them to ``accumulate``)."""
+    def run(x, y, **kw):
         time.sleep(seconds)
-        return step(x, y)
+        return step(x, y, **kw)
+
+    def accumulate(parts):
+        time.sleep(seconds)
+        return step.accumulate(parts)
+    run.grad_accum, run.accumulate = getattr(step, "grad_accum", 1), accumulate
     return run
 
 
@@ -316,9 +336,7 @@ def main() -> None:
                 prof, device.type), device)
             diff = None if is_fsdp(cfg) else in_sync(ddp.module, device)  # FSDP2 holds one copy, sharded
 
-            def local_step(x, y, ddp=ddp, ts=plain):  # bound now: the loop rebinds both names
-                with ddp.no_sync():  # the same step with gradients kept local: no communication at all
-                    return ts(x, y)
+            local_step = kept_local(ddp, plain)  # bound now: the loop rebinds both names
 
             local_step = slowed(local_step, slow["no_sync"]) if "no_sync" in slow else local_step
 

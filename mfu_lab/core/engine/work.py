@@ -45,11 +45,16 @@ def token_job(job: Job) -> bool:
 
 def work_rates(job: Job, steps_per_s: float | None, ranks: int = 1) -> tuple[float | None, float | None]:
     """(tokens/s, samples/s) at ``steps_per_s`` steps a second over ``ranks`` data-parallel ranks: tokens only for
-    a job on token ids (``tokens_per_step``), samples always (the first batch's, :func:`first_batch_facts`)."""
+    a job on token ids (``tokens_per_step``), samples always (:func:`samples_per_step`)."""
     if not steps_per_s:
         return None, None
-    tokens, samples = first_batch_facts(job)
-    return (job.tokens_per_step * ranks * steps_per_s if tokens else None), samples * ranks * steps_per_s
+    tokens = first_batch_facts(job)[0]
+    return (job.tokens_per_step * ranks * steps_per_s if tokens else None), samples_per_step(job) * ranks * steps_per_s
+
+
+def samples_per_step(job: Job) -> int:
+    """Samples of one optimizer step on one rank: the first batch's (:func:`first_batch_facts`) x ``grad_accum``."""
+    return first_batch_facts(job)[1] * job.grad_accum
 
 
 def rate_metrics(job: Job, steps_per_s: float | None, over: str, ranks: int = 1,

@@ -296,7 +296,9 @@ class Job:
     # ------------------------------------------------------------------ helpers
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Token positions of one optimizer step on one rank: ``grad_accum`` micro-batches of micro_batch x seq_len
+        (a step time, a step's FLOPs and its tokens are all an optimizer step's)."""
+        return self.micro_batch * self.grad_accum * self.seq_len
 
     @property
     def uses_reference_model(self) -> bool:

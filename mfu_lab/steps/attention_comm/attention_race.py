@@ -144,7 +144,8 @@ def attention_section(job, device, torch_device, flops_per_step, peak, progress,
             st = stats(walls[r.name])
             r.step_median_s, r.step_p10_s, r.step_p90_s = st.median, st.p10, st.p90
             r.mfu = fl.mfu(flops_per_step, len(walls[r.name]) / sum(walls[r.name]), peak)
-            r.attention_share = job.n_layers * r.attn_median_s / st.median
+            # attention runs n_layers times per micro-batch, grad_accum micro-batches per (timed) optimizer step
+            r.attention_share = job.n_layers * job.grad_accum * r.attn_median_s / st.median
             if r.attention_share > 1.0:  # impossible: flagged in the table, used for nothing
                 r.reason = "; ".join(x for x in (r.reason, IMPOSSIBLE_SHARE) if x)
     return rows, log

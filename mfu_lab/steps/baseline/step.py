@@ -131,8 +131,10 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     counted_tokens = timings.measured_tokens()
     if counted_tokens:  # MFU over useful tokens: padding does no model work, however many FLOPs it costs
         useful, padded = counted_tokens
-        per_token = report.model_flops_per_step / x0.numel()  # the FLOP-count batch's shape (formula or count)
-        hw_per_token = report.hardware_flops_per_step / x0.numel()
+        # the FLOPs of an optimizer step (grad_accum micro-batches of the FLOP-count batch's shape) over its positions
+        positions = x0.numel() * job.grad_accum
+        per_token = report.model_flops_per_step / positions
+        hw_per_token = report.hardware_flops_per_step / positions
         tokens_per_s, padding = useful / total_wall, 1 - useful / padded
         mfu_value = fl.mfu(per_token, tokens_per_s, peak.flops_per_s)
         hfu_value = fl.mfu(hw_per_token, tokens_per_s, peak.flops_per_s)

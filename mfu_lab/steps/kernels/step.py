@@ -330,7 +330,9 @@ def run(job: Job, progress=None, write: bool = True) -> KernelsResult:
         skipped.append({"what": "comparison with step 1", "reason": "step 1 has no result on this device yet"})
 
     clock = Clock.for_step(job, INFO.key)
-    timed, with_ddp = fit_kernels(job, clock, job_step_s(store.earlier(job, "baseline").data))
+    nnodes, nproc = world_layout(job, device.type)  # one rank (a single GPU): no per-rank traces to budget for
+    timed, with_ddp = fit_kernels(dataclasses.replace(job, profile_ddp=job.profile_ddp and nnodes * nproc > 1), clock,
+                                  job_step_s(store.earlier(job, "baseline").data))
     say(f"timing {timed.steps} steps without the profiler ({timed.warmup_steps} warm-up)")
     unprofiled = run_steps(train_step, build_loader(timed, timed.warmup_steps + timed.steps, device.type),
                            torch_device, timed.warmup_steps, timed.steps, say.items("unprofiled steps"))

@@ -107,12 +107,14 @@ def job_shape(job: Job, device: dev.DeviceInfo) -> tuple[pl.Shape, str]:
     params = float(sum(p.numel() for p in model.parameters()))
     dims = shaped(job)  # a factory model's layers, heads and width read from the model (core.engine.meta_shape)
     shape = pl.Shape(dims.n_layers, dims.n_heads, dims.d_model, job.seq_len, job.micro_batch, params,
-                     fl.model_flops_per_step / job.micro_batch, 4 if job.dtype == "float32" else 2, 4,
+                     fl.model_flops_per_step / (job.micro_batch * job.grad_accum),  # an optimizer step's samples
+                     4 if job.dtype == "float32" else 2, 4,
                      job.attention == "unfused", job.activation_checkpointing, dropout=False, residual_bytes=4,
                      grad_as_bucket_view=job.ddp_grad_as_bucket_view, sequence_parallel=job.sp and job.tp > 1,
                      checkpoint_early_stop=True, fsdp_reshard=job.fsdp_reshard_after_forward,
                      checkpoint_policy=job.checkpoint_policy)
-    return shape, f"{fl.model_flops_source} model FLOPs of one micro-batch / micro_batch; {params:.4g} parameters"
+    return shape, (f"{fl.model_flops_source} model FLOPs of one optimizer step (grad_accum {job.grad_accum} "
+                   f"micro-batches) / its samples; {params:.4g} parameters")
 
 
 def model_choices(shape: pl.Shape, job: Job) -> list[dict]:

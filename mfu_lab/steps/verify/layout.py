@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.engine.work import first_batch_facts, token_job
+from mfu_lab.core.engine.work import samples_per_step, token_job
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure.timed import stats
@@ -79,7 +79,7 @@ def measure_in_layout(job: Job, rungs: list, jobs: list[Job], work: Path, say, d
         if rung.peak_flops_per_s:
             rung.peak_flops_per_s *= scale
         rung_figures(rung, report.model_flops_per_step * p["dp"],
-                     job.tokens_per_step * p["dp"] if token_job(job) else 0, first_batch_facts(job)[1] * p["dp"])
+                     job.tokens_per_step * p["dp"] if token_job(job) else 0, samples_per_step(job) * p["dp"])
         rung.hardware_flops_ratio = report.hardware_flops_per_step / report.model_flops_per_step
         rung.flops_source = report.model_flops_source + " (meta device)"
         where = f"in the job's layout {p['name']} ({world} ranks, slowest rank per step, {len(rung.wall_s)} steps " \

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.engine.work import first_batch_facts, token_job
+from mfu_lab.core.engine.work import samples_per_step, token_job
 from mfu_lab.core.errors import DeviceError
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -181,5 +181,5 @@ def measure_rungs(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say,
         rung.wall_s, rung.data_s, rung.compute_s = s.wall_s, s.data_s, s.compute_s
         rung.loss += s.loss
         rung_figures(rung, flops[rung.name], job.tokens_per_step if token_job(job) else 0,
-                     first_batch_facts(job)[1])
+                     samples_per_step(job))
     return [[r, n] for r, n in done.order]
