@@ -78,6 +78,9 @@ JOB_FILE = ROOT / "parameters" / "gpt2_124m_gpu.yaml"
 # The check's small job over gpt2_124m_gpu.yaml: every GPU path, the fewest steps and trials (README, "Benchmark").
 SMALL_JOB = dict(
     job_name="gpu-check", n_layers=2, d_model=768, n_heads=12, vocab_size=8192, seq_len=512, micro_batch=8,
+    # 2 micro-batches a step (the job file has 4): accumulation under reduce-overhead's CUDA graphs, and every
+    # rate over an optimizer step's tokens, still run; the estimates below were timed with one a step
+    grad_accum=2,
     steps=20, warmup_steps=5, race_steps=2,
     comm_hooks=["none", "bf16_compress"], comm_bucket_mb=[25], comm_grad_as_bucket_view=[False], comm_steps=4,
     comm_warmup_steps=1, comm_timeout_s=60.0,
