@@ -32,8 +32,8 @@ class FrozenClock(Clock):
 
 
 def _job(tmp_path, **changes):
-    return dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), fp8_steps=4, precision_rounds=2, steps=4,
-                               precision_rungs=["bfloat16", "float16"], **changes)
+    return dataclasses.replace(load_job(TINY), **({"out_dir": str(tmp_path), "fp8_steps": 4, "precision_rounds": 2,
+                                                   "steps": 4, "precision_rungs": ["bfloat16", "float16"]} | changes))
 
 
 @pytest.fixture
@@ -74,6 +74,26 @@ def test_a_rung_whose_probed_cost_does_not_fit_the_share_is_skipped_with_the_sec
     assert by["bfloat16"]["step_median_s"] > 0 and by["bfloat16"]["speedup_low"] is not None
     assert {"what": "precision float16", "reason": f16["reason"]} in clock.shortened
     assert "float16 left out by step 5's share of the budget" in out["choice"]["text"]
+
+
+def test_the_ladder_shrinks_to_its_least_before_it_leaves_a_rung_out(spy, tmp_path):
+    """The demo on a slowed host (2026-12-06): 16.7 s of step 5's share left, float32's 3 rounds of 6 steps and
+    30-step curve at 360 ms (17.3 s) fit alone and bfloat16's beside them (9.6 s more) did not, so the 1.8x rung
+    was never timed. At 2 rounds of 2 steps and 10-step curves both fit (about 8 s): the ladder shrinks, says so,
+    and only a rung that fits not even then (float16 at 100 s a step) is left out."""
+    steps, built = spy
+    steps.update(float32=0.36, bfloat16=0.2, float16=100.0)
+    job = _job(tmp_path, fp8_steps=30, precision_rounds=3, steps=18)
+    clock = FrozenClock(16.7)
+    out, by = _ladder(job, clock, reference="no FP8 trial fits (test)")
+    assert [n for _, n in out["order"]] == ["float32", "bfloat16"] * 2  # 2 rounds, not 3
+    assert by["bfloat16"]["step_median_s"] > 0 and by["bfloat16"]["speedup_low"] is not None
+    cut = next(c for c in clock.shortened if c["what"] == "precision ladder")
+    assert "2 rounds of 2 steps and 10-step loss curves instead of 3 of 6 and 30" in cut["reason"]
+    assert by["float16"]["status"] == pr.SKIPPED and "a 10-step curve" in by["float16"]["reason"]
+    # the least is never more than the job's own counts, and a job already at it is not shrunk
+    assert ls.lean(_job(tmp_path), True) == _job(tmp_path)
+    assert ls.lean(job, False).fp8_steps == 30  # an FP8 trial reuses the reference's curve: its length stays
 
 
 def test_the_jobs_own_precision_is_the_reference_and_float32_is_not_retimed_when_it_does_not_fit(spy, tmp_path):

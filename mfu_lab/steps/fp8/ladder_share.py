@@ -5,6 +5,7 @@ does not fit is skipped with the seconds (:func:`curves_fit`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -24,8 +25,24 @@ def probe_step(runner: Runner) -> float:
     return float(runner.steps(1).wall_s[0])
 
 
+LEAN_ROUNDS, LEAN_ROUND_STEPS, LEAN_CURVE = 2, 2, 10  # the least ladder that still gives a spread and a curve
+
+
+def lean(job: Job, ref_curve: bool) -> Job:
+    """The job's ladder at its least: :data:`LEAN_ROUNDS` rounds of :data:`LEAN_ROUND_STEPS` steps and, where no FP8
+    trial reuses the reference's curve (``ref_curve``), :data:`LEAN_CURVE`-step loss curves; never more than the
+    job's own counts."""
+    rounds = min(job.precision_rounds, LEAN_ROUNDS)
+    k = min(round_steps(job), LEAN_ROUND_STEPS)
+    out = dataclasses.replace(job, precision_rounds=rounds, steps=rounds * k,
+                              fp8_steps=min(job.fp8_steps, LEAN_CURVE) if ref_curve else job.fp8_steps)
+    keys = ("precision_rounds", "fp8_steps")
+    return job if all(getattr(out, a) == getattr(job, a) for a in keys) and round_steps(out) == round_steps(job) \
+        else out
+
+
 def fit(job: Job, rungs: list[Rung], batches, device: torch.device, say, clock, reserve_s: float,
-         ref_curve: bool, tally: dict) -> tuple[dict[str, Runner], dict[str, tuple[float, float]]]:
+        ref_curve: bool, tally: dict) -> tuple[dict[str, Runner], dict[str, tuple[float, float]], Job]:
     """Under a budget: (the runners the share holds, warmed, the reference first; {rung: (build s, step s)} as
     probed). The reference (``rungs[0]``, the job's own) is built and probed first, then every other runnable rung
     while the share left holds a probe (about the reference's build and :data:`PROBE_STEPS` steps). Each rung's
@@ -33,10 +50,12 @@ def fit(job: Job, rungs: list[Rung], batches, device: torch.device, say, clock, 
     ``fp8_steps`` steps), since only a rung with a loss curve can be adopted; the reference's curve counts when
     only the ladder needs it (``ref_curve``). The other rungs are taken cheapest first while the reference's cost
     and theirs fit the share left less ``reserve_s`` (what step 5 keeps for what comes after); the rest are
-    skipped with the seconds. None fits: nothing is timed, the reference included."""
+    skipped with the seconds. When a rung does not fit but would at the ladder's least (:func:`lean`: fewer rounds,
+    steps and curve steps), the ladder shrinks to that, said in the clock's cuts. None fits: nothing is timed, the
+    reference included. The third value is the job whose counts the ladder then runs with."""
     ref, live = rungs[0], [r for r in rungs[1:] if r.status not in NOT_RUN]
     if not live:
-        return {}, {}
+        return {}, {}, job
     where = (f"step 5's {clock.planned_s:.0f} s share" + (f", less {reserve_s:.0f} s kept for the FP8 trials"
                                                           if reserve_s else ""))
 
@@ -51,7 +70,7 @@ def fit(job: Job, rungs: list[Rung], batches, device: torch.device, say, clock, 
         for r in live:
             skip(r, f"not probed or timed: {max(left(), 0.0):.1f} s left of {where}")
         ref.reason = f"not timed: no time left of {where} for another precision"
-        return {}, {}
+        return {}, {}, job
     runners: dict[str, Runner] = {}
     costs: dict[str, tuple[float, float]] = {}
     probe_s = 0.0  # the reference's build and probe: what one more probe costs, about
@@ -69,37 +88,53 @@ def fit(job: Job, rungs: list[Rung], batches, device: torch.device, say, clock, 
             r.fail("building and probing", err)
             say(f"  {r.name}: failed: {r.reason}")
             if r is ref:  # nothing to time the others against
-                return {}, {}
+                return {}, {}, job
             continue
         runners[r.name], costs[r.name] = runner, (build, r.step_probe_s)
         if r is ref:
             probe_s = time.perf_counter() - t0
-    k = round_steps(job)
-    rest = max(job.warmup_steps - PROBE_STEPS, 0) + job.precision_rounds * k  # steps after the probe
 
-    def cost(name: str, curve: bool) -> float:
-        build, step = costs[name]
-        return rest * step + (build + job.fp8_steps * step if curve else 0.0)
+    def take(j: Job) -> tuple[list[Rung], dict[str, str]]:  # the rungs whose cost at j's counts fits, cheapest first
+        rest = max(j.warmup_steps - PROBE_STEPS, 0) + j.precision_rounds * round_steps(j)  # steps after the probe
 
-    need = cost(ref.name, ref_curve) if ref.name in runners else 0.0
-    kept = []
-    for r in sorted((r for r in live if r.name in runners), key=lambda r: r.step_probe_s):
-        c = cost(r.name, True)
-        if need + c <= left():
-            kept.append(r)
-            need += c
-            continue
-        skip(r, f"not timed: its rounds and loss curve need about {c:.1f} s ({rest} steps and a {job.fp8_steps}-step "
-                f"curve at {r.step_probe_s * 1e3:.0f} ms a step, its one-step probe, measured), but {left():.1f} s of "
-                f"{where} are left and {', '.join([ref.name] + [x.name for x in kept])} take about {need:.1f} s of "
-                "them")
-        del runners[r.name]
+        def cost(name: str, curve: bool) -> float:
+            build, step = costs[name]
+            return rest * step + (build + j.fp8_steps * step if curve else 0.0)
+
+        need = cost(ref.name, ref_curve) if ref.name in runners else 0.0
+        kept, over = [], {}
+        for r in sorted((r for r in live if r.name in runners), key=lambda r: r.step_probe_s):
+            c = cost(r.name, True)
+            if need + c <= left():
+                kept.append(r)
+                need += c
+                continue
+            over[r.name] = (f"not timed: its rounds and loss curve need about {c:.1f} s ({rest} steps and a "
+                            f"{j.fp8_steps}-step curve at {r.step_probe_s * 1e3:.0f} ms a step, its one-step probe, "
+                            f"measured), but {left():.1f} s of {where} are left and "
+                            f"{', '.join([ref.name] + [x.name for x in kept])} take about {need:.1f} s of them")
+        return kept, over
+
+    kept, over = take(job)
+    small = lean(job, ref_curve)
+    if over and small != job:  # shrink the ladder to fit before leaving a rung out (the demo's bf16 on a slow host)
+        small_kept, small_over = take(small)
+        if len(small_kept) > len(kept):
+            clock.shorten("precision ladder", (
+                f"{small.precision_rounds} rounds of {round_steps(small)} steps and {small.fp8_steps}-step loss curves "
+                f"instead of {job.precision_rounds} of {round_steps(job)} and {job.fp8_steps}, so that "
+                f"{', '.join(r.name for r in small_kept)} fit {where}"))
+            job, kept, over = small, small_kept, small_over
+    for r in live:
+        if r.name in over:
+            skip(r, over[r.name])
+            del runners[r.name]
     say("precision ladder: one-step probes (measured): " + ", ".join(
         f"{r.name} {r.step_probe_s * 1e3:.0f} ms" for r in [ref] + live if r.step_probe_s is not None)
         + f"; {', '.join(x.name for x in kept) or 'none'} timed against {ref.name} within {where}")
     if not kept:
         ref.reason = f"not timed: no other precision's rounds and loss curve fit {where}"
-        return {}, costs
+        return {}, costs, job
     for r in [ref] + kept:
         try:
             runners[r.name].warm_rest(PROBE_STEPS)
@@ -107,7 +142,7 @@ def fit(job: Job, rungs: list[Rung], batches, device: torch.device, say, clock, 
             r.fail("warming up", err)
             say(f"  {r.name}: failed: {r.reason}")
             del runners[r.name]
-    return runners, costs
+    return runners, costs, job
 
 
 def curves_fit(job: Job, check: list[Rung], clock, reserve_s: float, costs: dict[str, tuple[float, float]],

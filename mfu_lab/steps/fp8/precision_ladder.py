@@ -144,7 +144,8 @@ def ladder(job: Job, batches: list, device: dev.DeviceInfo, say, reference: str 
         probe_all(job, rungs, device, say)
         runners, tally = None, tally_of(say)
         if budget:
-            runners, costs = fit(job, rungs, batches, torch_device, say, clock, reserve_s, bool(reference), tally)
+            runners, costs, job = fit(job, rungs, batches, torch_device, say, clock, reserve_s, bool(reference),
+                                      tally)  # job: with fewer rounds and curve steps where that lets a rung fit
         timed = any(r.status not in NOT_RUN for r in rungs[1:])
         if not timed and not ref.reason:  # nothing left to race the reference against: its loss curve only
             ref.reason = "not timed: no other precision can be faster here or run here"
