@@ -19,7 +19,6 @@ import torch
 
 from mfu_lab.core.engine.batches import call_model
 from mfu_lab.core.engine.workload import DYNAMIC, compile_kwargs
-from mfu_lab.core.job.rules import CUDA_GRAPH_MODES  # noqa: F401  (step 4 reads it here)
 
 DRIFT_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}  # relative, per step
 

@@ -48,8 +48,8 @@ def work_rates(job: Job, steps_per_s: float | None, ranks: int = 1) -> tuple[flo
     a job on token ids (``tokens_per_step``), samples always (:func:`samples_per_step`)."""
     if not steps_per_s:
         return None, None
-    tokens = first_batch_facts(job)[0]
-    return (job.tokens_per_step * ranks * steps_per_s if tokens else None), samples_per_step(job) * ranks * steps_per_s
+    tokens = job.tokens_per_step * ranks * steps_per_s if token_job(job) else None
+    return tokens, samples_per_step(job) * ranks * steps_per_s
 
 
 def samples_per_step(job: Job) -> int:

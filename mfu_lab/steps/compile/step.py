@@ -31,6 +31,7 @@ from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.data import job_vocab
 from mfu_lab.core.engine.work import rate_metrics
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
+from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure import flops as fl
@@ -147,7 +148,7 @@ def _warm_skip(job: Job, device_type: str, t: Trial, clock: Clock, cold_trial_s:
 
 
 def _skip_reason(mode: str, device_type: str, job: Job) -> str:
-    if mode in cp.CUDA_GRAPH_MODES and device_type != "cuda":
+    if mode in CUDA_GRAPH_MODES and device_type != "cuda":
         return f"'{mode}' captures CUDA graphs: it needs a CUDA device"
     if job.compile_backend != "inductor" and mode != "default":
         return f"modes are options of the inductor backend; backend is '{job.compile_backend}'"

@@ -34,11 +34,10 @@ def lean(job: Job, ref_curve: bool) -> Job:
     job's own counts."""
     rounds = min(job.precision_rounds, LEAN_ROUNDS)
     k = min(round_steps(job), LEAN_ROUND_STEPS)
-    out = dataclasses.replace(job, precision_rounds=rounds, steps=rounds * k,
-                              fp8_steps=min(job.fp8_steps, LEAN_CURVE) if ref_curve else job.fp8_steps)
-    keys = ("precision_rounds", "fp8_steps")
-    return job if all(getattr(out, a) == getattr(job, a) for a in keys) and round_steps(out) == round_steps(job) \
-        else out
+    curve = min(job.fp8_steps, LEAN_CURVE) if ref_curve else job.fp8_steps
+    if (rounds, k, curve) == (job.precision_rounds, round_steps(job), job.fp8_steps):
+        return job  # already at its least: the same job, not a copy
+    return dataclasses.replace(job, precision_rounds=rounds, steps=rounds * k, fp8_steps=curve)
 
 
 def fit(job: Job, rungs: list[Rung], batches, device: torch.device, say, clock, reserve_s: float,
@@ -117,7 +116,7 @@ def fit(job: Job, rungs: list[Rung], batches, device: torch.device, say, clock, 
 
     kept, over = take(job)
     small = lean(job, ref_curve)
-    if over and small != job:  # shrink the ladder to fit before leaving a rung out (the demo's bf16 on a slow host)
+    if over and small is not job:  # shrink the ladder to fit before leaving a rung out (the demo's bf16 on a slow host)
         small_kept, small_over = take(small)
         if len(small_kept) > len(kept):
             clock.shorten("precision ladder", (
