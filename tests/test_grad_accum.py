@@ -232,3 +232,62 @@ def test_step_2s_local_and_slowed_steps_take_an_optimizer_steps_micro_batches(ti
         t = run_steps(step, build_loader(job, 2 * 3, "cpu"), torch.device("cpu"), 1, 2)
         assert t.samples == [4, 4, 4]  # 2 micro-batches of 2 per optimizer step
     assert len(entered) == 2 * 3  # the two local wrappers, 3 steps each
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """An in-process gloo world of one rank: a layout's step (core.engine.parallelize) without a launch."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_layouts_step_under_cuda_graphs_adds_into_buffers_too_and_fsdp_is_refused_by_name(tiny_job, world_of_one):
+    """The layouts' step (FSDP2, TP, PP, DDP beside them) compiles per block: under a CUDA-graph mode with
+    accumulation each parameter gets its gradient buffer before the first micro-batch, as in the single-process
+    step, and trains the same. FSDP2 keeps the first micro-batch's unsharded gradient as the graph outputs it, which
+    no buffer given ahead can prevent: check_layout refuses that combination before any launch, by its key."""
+    from mfu_lab.core.engine.layout import Layout, build_mesh
+    from mfu_lab.core.engine.layout_check import check_layout
+    from mfu_lab.core.engine.parallelize import parallelize
+
+    job = dataclasses.replace(tiny_job, micro_batch=4, grad_accum=2, tp=1)
+    layout = Layout.from_job(job, 1)
+    mesh = build_mesh(layout, "cpu")
+    cpu = torch.device("cpu")
+    plain, graphs = (parallelize(build_model(job).train(), job, layout, mesh, cpu) for _ in range(2))
+    assert not graphs.cuda_graphs  # only on a CUDA device in a CUDA-graph mode
+    graphs.cuda_graphs = True
+    seen = []
+    for p in graphs.parameters():
+        p.register_hook(lambda g, p=p: seen.append(p.grad is not None))
+    x, y = _pair(job, 8, pad=9)
+    parts = [(x[:4], y[:4]), (x[4:], y[4:])]
+    l1, l2 = plain.accumulate(parts), graphs.accumulate(parts)
+    assert seen and all(seen)
+    assert float(l2) == pytest.approx(float(l1), rel=1e-6)
+    for p1, p2 in zip(plain.parameters(), graphs.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-7)
+    assert all(p.grad is not None for p in graphs.parameters())  # kept for the next step's backward to add into
+
+    fsdp = dataclasses.replace(job, dp_mode="fsdp", compile_mode="reduce-overhead")
+    with pytest.raises(JobError) as e:  # before any launch, naming the key, its value and the way out
+        check_layout(fsdp, 1, "cuda", source="job.yaml")
+    assert [(p.key, p.value) for p in e.value.problems] == [("compile_mode", "reduce-overhead")]
+    assert "job.yaml" in str(e.value) and "grad_accum 2" in str(e.value) and "'default'" in str(e.value)
+    check_layout(fsdp, 1, "cpu")  # no CUDA graphs on a CPU
+    check_layout(dataclasses.replace(fsdp, grad_accum=1), 1, "cuda")  # nothing accumulates
+    check_layout(dataclasses.replace(job, compile_mode="reduce-overhead"), 1, "cuda")  # DDP: buffers given ahead
+
+
+def test_step4_skips_the_cuda_graph_modes_an_fsdp_job_with_accumulation_would_refuse(tiny_job):
+    from mfu_lab.steps.compile.step import _skip_reason
+
+    fsdp = dataclasses.replace(tiny_job, dp_mode="fsdp", grad_accum=2)
+    why = _skip_reason("reduce-overhead", "cuda", fsdp)
+    assert why.startswith("'reduce-overhead' captures CUDA graphs, and with dp_mode 'fsdp' and grad_accum 2")
+    assert _skip_reason("max-autotune-no-cudagraphs", "cuda", fsdp) == ""
+    assert _skip_reason("reduce-overhead", "cuda", dataclasses.replace(fsdp, grad_accum=1)) == ""

@@ -20,6 +20,7 @@ from torch import nn
 
 from mfu_lab.core.engine.workload import load_user_model
 from mfu_lab.core.errors import JobError, JobProblem
+from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 
 LAYOUT_SOURCE = "job layout"
@@ -119,7 +120,7 @@ def check_layout(job: Job, world: int, device_type: str, source: str = LAYOUT_SO
     The reference GPT's heads and blocks are its keys (validate checked them; a Job built by hand is checked
     again here); a factory model is built on the meta device, and only when ``tp`` or ``pp`` is above 1 (building
     it imports and runs the user's code)."""
-    problems = [p for p in [_world_problem(job, world, device_type)] if p]
+    problems = [p for p in [_world_problem(job, world, device_type), graphs_problem(job, device_type)] if p]
     if job.tp > 1 or job.pp > 1:
         try:
             shape = model_shape(job)
@@ -128,6 +129,20 @@ def check_layout(job: Job, world: int, device_type: str, source: str = LAYOUT_SO
         problems += _model_problems(job, shape)
     if problems:
         raise JobError(source, problems)
+
+
+def graphs_problem(job: Job, device_type: str) -> JobProblem | None:
+    """FSDP2 under CUDA graphs with accumulation: FSDP2 keeps a block's first unsharded gradient as the graph
+    outputs it and adds the next micro-batches' to it, but the next replay overwrites that buffer first
+    (pytorch/pytorch#169545). The single-process step and the other layouts give each parameter a buffer ahead
+    (core.engine.workload.grads_in_place); FSDP2's unsharded parameter exists only between its all-gather and its
+    reshard, so none can be given."""
+    if not (device_type == "cuda" and job.dp_mode == "fsdp" and job.compile_mode in CUDA_GRAPH_MODES
+            and job.grad_accum > 1):
+        return None
+    return JobProblem("compile_mode", job.compile_mode, f"captures CUDA graphs, and with dp_mode 'fsdp' and "
+                      f"grad_accum {job.grad_accum} the next micro-batch's replay overwrites the gradient FSDP2 "
+                      "accumulates into: use compile_mode 'default' or 'max-autotune-no-cudagraphs', or grad_accum 1")
 
 
 def _model_problems(job: Job, shape: ModelShape) -> list[JobProblem]:

@@ -24,9 +24,10 @@ from mfu_lab.core.engine.batches import input_embedding
 from mfu_lab.core.engine.checkpointing import run_block
 from mfu_lab.core.engine.layout import Layout
 from mfu_lab.core.engine.losses import accumulation_weights, compiled_cross_entropy, cross_entropy
-from mfu_lab.core.engine.workload import GPT, compile_kwargs, logits_of
+from mfu_lab.core.engine.workload import GPT, compile_kwargs, grads_in_place, logits_of
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job.factories import load_factory
+from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 
 LLAMA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -206,6 +207,7 @@ class Parallelized:
     dp_grad_sync: bool = False  # DDP mode beside TP/PP: gradients all-reduced over "dp" after backward
     loss_fn: Any = None  # the job's own loss of (output, batch) (key 'loss'), else cross-entropy of the logits
     loss_impl: str = "eager"  # the cross-entropy: eager, or compiled (core.engine.losses)
+    cuda_graphs: bool = False  # blocks compiled in a CUDA-graph mode (reduce-overhead, max-autotune) on CUDA
 
     @property
     def first_stage(self) -> bool:
@@ -231,10 +233,16 @@ class Parallelized:
         one: its schedule splits it into pp_microbatches): each forward and backward, its loss weighted by its
         share of the step's useful tokens; DDP (``no_sync``) and FSDP2 (``set_requires_gradient_sync``) reduce
         gradients on the last micro-batch only. The step's loss where this rank computes it, else None."""
-        self.optimizer.zero_grad(set_to_none=True)  # at the start: a step's gradients stay for shard_bytes()
         if self.schedule is not None and len(parts) > 1:
             raise StepError(f"job key 'grad_accum' = {len(parts)}: a pipeline (pp > 1) accumulates over its own "
                             "pp_microbatches; set grad_accum to 1 and raise pp_microbatches instead")
+        # under CUDA graphs with accumulation, backward adds into buffers of the parameters' own (grads_in_place:
+        # the first micro-batch's gradient would otherwise be the graph's output, overwritten by the next replay)
+        in_place = self.cuda_graphs and len(parts) > 1
+        self.optimizer.zero_grad(set_to_none=not in_place)  # at the start: a step's gradients stay for shard_bytes()
+        if in_place:
+            for m in self.modules:
+                grads_in_place(m)
         loss = None
         weights = accumulation_weights([y for _, y in parts])
         for i, ((x, y), w) in enumerate(zip(parts, weights)):
@@ -360,6 +368,7 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
                      "optimizer.step() (left to AdamW, each would be reduced at every use)")
     modules = [m for _, m in parts]
     ddp, sync, autocast_dtype = None, False, job.dtype
+    cuda_graphs = job.compile_mode in CUDA_GRAPH_MODES and device.type == "cuda"
     if layout.fsdp:  # 5. FSDP2: per block, then the root
         _apply_fsdp(modules, layout, mesh["dp"], notes)
         autocast_dtype = "float32"
@@ -393,7 +402,7 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
         notes.append("loss_impl chunked: a layout computes the cross-entropy from the logits (eager); the chunked "
                      "loss runs in the single-process step only")
     par = Parallelized(layout, mesh, modules, optimizer, autocast_dtype, vocab, notes,
-                       [i for i, _ in parts], None, ddp, sync, loss_fn, loss_impl)
+                       [i for i, _ in parts], None, ddp, sync, loss_fn, loss_impl, cuda_graphs)
     if layout.pp > 1:
         par.schedule = _schedule(parts, layout, mesh["pp"].get_group(), device, vocab)
     return par

@@ -29,6 +29,7 @@ from mfu_lab.analysis.trace import breakdown as tr
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.data import job_vocab
+from mfu_lab.core.engine.layout_check import graphs_problem
 from mfu_lab.core.engine.work import rate_metrics
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step
 from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
@@ -150,6 +151,8 @@ def _warm_skip(job: Job, device_type: str, t: Trial, clock: Clock, cold_trial_s:
 def _skip_reason(mode: str, device_type: str, job: Job) -> str:
     if mode in CUDA_GRAPH_MODES and device_type != "cuda":
         return f"'{mode}' captures CUDA graphs: it needs a CUDA device"
+    if problem := graphs_problem(dataclasses.replace(job, compile_mode=mode), device_type):
+        return f"'{mode}' {problem.expected}"  # the job's layout would refuse it (FSDP2 with accumulation)
     if job.compile_backend != "inductor" and mode != "default":
         return f"modes are options of the inductor backend; backend is '{job.compile_backend}'"
     return ""
