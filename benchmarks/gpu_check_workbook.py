@@ -453,11 +453,19 @@ def withdrawn_rungs(verify: dict) -> list[str]:
                               if c.get("step") == "verify" and c.get("adopted", True) and c.get("rung")))
 
 
+SECOND_TURN = ("original again", "tuned as written")  # mfu_lab.steps.verify.retime's rungs
+
+
 def tuned_rung(rungs: list[dict], withdrawn: list[str] = ()) -> tuple[dict | None, dict | None]:
-    """(the original, the tuned job's rung): the first measured rung, and the highest measured rung that the tuned
-    job keeps, None when that is the original (a rung step 7 withdrew is not the tuned job, nor a challenger
-    (a re-check at the tuned precision) that step 7 did not adopt)."""
+    """(the original, the tuned job's rung): step 7's second turn (the tuned file as written, timed again beside the
+    original after a withdrawal below the top) where it ran; else the first measured rung, and the highest measured
+    rung that the tuned job keeps, None when that is the original (a rung step 7 withdrew is not the tuned job, nor
+    a challenger (a re-check at the tuned precision) that step 7 did not adopt)."""
     measured = [r for r in rungs if r.get("wall_s")]
+    pair = {r.get("name"): r for r in measured if r.get("name") in SECOND_TURN}
+    if len(pair) == 2:  # step 7 timed the tuned file as written again, beside the original: that pair is the proof
+        return pair[SECOND_TURN[0]], pair[SECOND_TURN[1]]
+    measured = [r for r in measured if r.get("name") not in SECOND_TURN]
     before = measured[0] if measured and measured[0].get("name") == "original" else None
     for r in reversed(measured[1:] if before is not None else measured):
         if r.get("challenger") and not str(r.get("reason", "")).startswith("adopted"):

@@ -203,6 +203,20 @@ def test_a_rung_step7_withdrew_is_never_the_tuned_job(tmp_path):
     assert wb.mfu_lines(t)[1].startswith("tuned MFU: the original's, 28.9%")
 
 
+def test_step7s_second_turn_is_the_proof_when_it_ran(tmp_path):
+    """A rung withdrawn below the top: step 7 timed the tuned file as written beside the original again, and the
+    table's pair is that turn's, not the top rung's (which held the withdrawn change)."""
+    v = _verify_fixture(tmp_path, withdraw=True)
+    again = dict(v["rungs"][0], name="original again")
+    written = dict(v["rungs"][1], name="tuned as written", mfu=0.341, step_median_s=0.0413)
+    v["rungs"] += [again, written]
+    t = wb.side_by_side(None, v)
+    pair = {r["figure"]: (r["original"], r["tuned"]) for r in t["pair"]}
+    assert t["tuned_rung"] == "tuned as written" and t["tuned_mfu"] == 0.341 and pair["MFU"][1] == "34.1%"
+    v["rungs"][-1] = dict(written, wall_s=[])  # the second turn failed: back to the staircase's reading
+    assert wb.side_by_side(None, v)["tuned_rung"] is None
+
+
 def test_no_staircase_says_why():
     """The H200 run under --budget 4 adopted nothing: no rung was timed, and the table says step 7's reason."""
     v = json.loads((DATA / "default_run_results.json").read_text())["results"]["verify"]

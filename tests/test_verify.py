@@ -378,3 +378,66 @@ def test_the_staircase_header_names_no_unit_it_did_not_measure():
     assert "tokens/s" not in html and "samples/s" not in html and "<th>throughput</th>" in html
     r.rungs[0].tokens_per_s = 1000.0
     assert "<th>tokens/s</th>" in str(staircase_table(r))
+
+
+def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_written(tiny_job, monkeypatch):
+    """A proposed num_workers withdrawn at 0.5x below a kept optimizer rung: every rung above it was measured
+    with it, so the top rung is not tuned.yaml. Step 7 times the file as written (num_workers back, AdamW fused)
+    beside the original again, and the headline, the loss check and the metrics are that pair's. A slower tuned job
+    is never advised for adoption. The rung processes are replaced by made-up medians (what is tested is what step 7
+    does with them; test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job runs real ones)."""
+    from mfu_lab.steps.verify import retime
+    from mfu_lab.steps.verify import step as verify
+
+    job = dataclasses.replace(tiny_job, verify_rounds=3, verify_steps=2, verify_warmup_steps=1)
+    _store(job, "baseline", step1(0.2))  # data waits 20% of the step: num_workers 2 proposed
+    _store(job, "kernels", {"optimizer_race": {"ran": True, "adopted": True, "pick": "fused", "reference": "default",
+                                               "speedup": {"value": 1.3, "low": 1.1, "high": 1.5}}})
+    ms = {"original": 10.0, "data": 20.0, "optimizer": 16.0, retime.AGAIN: 10.0, retime.AS_WRITTEN: 8.0}
+    timed = {}
+
+    def rungs_measured(run_job, rungs, jobs, work, say, memory=None):
+        for r, j in zip(rungs, jobs):
+            timed[r.name] = (j, run_job.verify_rounds)
+            n = run_job.verify_rounds * run_job.verify_steps
+            r.wall_s = [ms[r.name] / 1e3 * (1 + 0.01 * (i % 3)) for i in range(n)]
+            r.data_s, r.compute_s, r.loss = [0.0] * n, list(r.wall_s), [4.0] * (n + 1)
+            r.step_median_s = r.step_p10_s = r.step_p90_s = statistics.median(r.wall_s)
+            r.mfu = 0.01 * ms["original"] / ms[r.name]
+        return [[k + 1, r.name] for k in range(run_job.verify_rounds) for r in rungs]
+
+    monkeypatch.setattr(verify, "measure_rungs", rungs_measured)
+    monkeypatch.setattr(retime, "measure_rungs", rungs_measured)
+    r = verify.run(job)
+    assert [x.name for x in r.rungs] == ["original", "data", "optimizer", retime.AGAIN, retime.AS_WRITTEN]
+    assert timed["optimizer"][0].num_workers == 2  # the top rung held the change withdrawn below it
+    written, rounds = timed[retime.AS_WRITTEN]
+    assert (written.num_workers, written.adamw_impl, rounds) == (0, "fused", 3)  # tuned.yaml's job, all rounds
+    tuned = load_job(job.output_root() / "tuned.yaml")
+    assert (tuned.num_workers, tuned.adamw_impl) == (written.num_workers, written.adamw_impl)
+    again, last = r.rungs[-2:]
+    assert last.keys == {"adamw_impl": "fused"} and last.speedup == last.gain == pytest.approx(10.0 / 8.0, rel=0.02)
+    assert r.headline["speedup"] == last.speedup and r.headline["as_written"] is True
+    assert "held num_workers 2 (rung data), withdrawn since: the tuned file as written was timed again" in \
+        r.headline["text"]
+    assert r.loss["tuned_rung"] == retime.AS_WRITTEN and r.metrics["speedup"].value == last.speedup
+    assert r.advice[0].message.startswith("Adopt the tuned job (tuned.yaml)") and r.headline["carried"] == ["optimizer"]
+    assert not any(retime.AS_WRITTEN in a.message for a in r.advice)  # the pair is the headline, not a rung's line
+    assert [o for o in r.order if o[1] == retime.AGAIN] == [[1, retime.AGAIN], [2, retime.AGAIN], [3, retime.AGAIN]]
+
+    # the file as written slower than the original, beyond the noise: never "adopt"
+    ms[retime.AS_WRITTEN] = 14.0
+    r = verify.run(job)
+    assert r.headline["speedup"] < 1 and r.headline["proven"]
+    assert r.advice[0].severity == "act" and r.advice[0].message.startswith("Keep the original job: the tuned job "
+                                                                          "(tuned.yaml) measured slower")
+
+    # no share left for the second turn: the figure is the top rung's, and the headline says what it still holds
+    job = dataclasses.replace(job, budget_min=0.01)
+    timed.clear()
+    r = verify.run(job)
+    assert retime.AS_WRITTEN not in timed and r.headline["as_written"] is False
+    assert "measured with num_workers 2 (rung data), withdrawn since: tuned.yaml as written was not timed" in \
+        r.headline["text"]
+    assert any(s["what"].startswith("the tuned file as written") and s["reason"].startswith("budget:")
+               for s in r.skipped)

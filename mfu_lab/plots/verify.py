@@ -23,6 +23,8 @@ def staircase(result) -> ReportFigure | Unavailable:
     fig = ReportFigure(figsize=(11, 0.6 * len(rungs) + 1.9))
     ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1.3]})
     ys = list(range(len(rungs)))[::-1]
+    withdrawn = {c.get("rung") for c in result.changes if isinstance(c, dict) and c.get("step") == "verify"
+                 and str(c.get("reason", "")).startswith("withdrawn")}
     top = max(r.step_p90_s or 0 for r in rungs) * 1e3
     for y, r in zip(ys, rungs):
         color = RUNG_COLORS.get(r.name.split()[0], "#868e96")
@@ -33,26 +35,32 @@ def staircase(result) -> ReportFigure | Unavailable:
             continue
         err = [[max(0, (r.step_median_s - r.step_p10_s) * 1e3)], [max(0, (r.step_p90_s - r.step_median_s) * 1e3)]]
         ax.barh(y, r.step_median_s * 1e3, color=color, xerr=err)
-        if r.name != "original" and r.speedup is not None:
+        if not r.name.startswith("original") and r.speedup is not None:
             label = f"  {r.speedup:.2f}x [{r.speedup_low:.2f}, {r.speedup_high:.2f}]"
             if r.challenger:  # compared with the tuned job it would replace
                 label += (f"; {r.gain:.2f}x the tuned job: " + ("adopted" if r.proven and r.gain > 1 else
                                                                  "not proven, not adopted"))
+            elif r.name == "tuned as written":  # step 7's second turn, beside the original again
+                label += " over the original again" + ("" if r.proven else " (not proven)")
             elif not r.proven:
                 label += " (this rung's own gain not proven)"
+            if r.name in withdrawn:
+                label += "; withdrawn"
             ax.text(r.step_p90_s * 1e3, y, label, va="center", fontsize=8)
         if r.mfu is not None:
             ax2.barh(y, r.mfu, color=color)
             ax2.text(r.mfu, y, f" {r.mfu:.1%}", va="center", fontsize=8)
     ax.set_yticks(ys)
-    ax.set_yticklabels([("+ " if r.name != "original" else "") + r.name for r in rungs])
+    ax.set_yticklabels([("" if r.name.startswith(("original", "tuned")) else "+ ") + r.name for r in rungs])
     ax.set_xlim(0, top * 1.6)
     ax.set_ylim(-0.6, len(rungs) - 0.4)
     ax.set_xlabel("step time, ms (median, p10-p90); label: speedup over the original [95%]")
     ax2.set_xlabel("MFU (own precision's peak)")
     ax2.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
     ax2.set_xlim(0, max((r.mfu or 0) for r in rungs) * 1.35 or 1)
-    fig.suptitle("The staircase: each adopted change added in the workflow's order, measured side by side")
+    fig.suptitle("The staircase: each adopted change added in the workflow's order, measured side by side" + (
+        "\nlast two: the tuned file as written (without the withdrawn), timed again beside the original"
+        if any(r.name == "tuned as written" for r in rungs) else ""))
     fig.tight_layout()
     return fig
 

@@ -49,10 +49,11 @@ class RungProcess:
 
     def __init__(self, spec: dict, work: Path, timeout_s: float, env: dict[str, str] | None = None):
         work.mkdir(parents=True, exist_ok=True)
-        spec_path = work / f"rung_{spec['rung']}.json"
+        stem = "rung_" + spec["rung"].replace(" ", "_")  # "original again": step 7's second turn
+        spec_path = work / f"{stem}.json"
         spec_path.write_text(json.dumps(spec))
         self.name, self.timeout_s = spec["rung"], timeout_s
-        self.stderr_path = work / f"rung_{spec['rung']}.log"
+        self.stderr_path = work / f"{stem}.log"
         self._err = open(self.stderr_path, "w")
         env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}  # env: e.g. a compile cache to reuse
         # a session of its own, dies with this process (procs.popen); ended by close(), or at the latest when the

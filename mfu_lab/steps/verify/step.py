@@ -13,6 +13,10 @@ contains 1.0 is "not proven". The loss curves of the original and the tuned job 
 are compared at the end against ``loss_tolerance``. The ledgers before and after come from the same
 method on both (the single-process ledger of the interleaved steps).
 
+A proposed change (or an FP8 rung) not measured faster than the rung below beyond the noise is withdrawn; when a
+rung kept above it was measured with it, the tuned file as written is timed again beside the original
+(:mod:`mfu_lab.steps.verify.retime`), and the headline is that pair's.
+
 FP8 that is only emulated on this device is excluded from the speed staircase, and said to be. DDP
 changes are verified under DDP (the original and the tuned DDP configuration alternated in one torchrun
 launch) when the job runs data-parallel. Writes ``<out>/<job>/07_verify/result.json``.
@@ -40,7 +44,7 @@ from mfu_lab.core.registry import BY_KEY
 from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.nodes import launcher_folder
 from mfu_lab.core.store.results import Metric, StepResult
-from mfu_lab.steps.verify import memory_share, staircase
+from mfu_lab.steps.verify import memory_share, retime, staircase
 from mfu_lab.steps.verify.ddp import ddp_configs, torchrun_reason, verify_ddp
 from mfu_lab.steps.verify.layout import layout_change, measure_in_layout
 from mfu_lab.steps.verify.rungs import Rung, give_peaks, measure_rungs, staircase_rungs
@@ -136,13 +140,34 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         else:
             after.reason = "not adopted: not faster than the tuned job beyond the noise"
             after = measured[-2] if len(measured) > 1 else None
+    stairs_only = list(rungs)
+    gone = retime.stale(measured, after, withdrawn) if before is not None else None
+    if gone:
+        tuned = retime.as_written(job, jobs[rungs.index(after)], gone)
+        each = max(r.step_median_s for r in (before, after))
+        pair, extra, not_timed = (([], [], "the job runs in a layout of its own, where the staircase is not timed "
+                                   "twice") if beyond_ddp(job) else retime.retime(
+            job, run_job, tuned, gone, each, clock, device, work, say, results))
+        rungs, order = rungs + pair, order + extra
+        if not_timed:
+            skipped.append({"what": "the tuned file as written, timed again beside the original", "reason": not_timed})
+        else:
+            before, after = pair
     loss = (staircase.compare_losses(job, before, after) if before else
             {"status": "skipped", "reason": "the original did not run"})
     ledgers = staircase.ledgers(before, after) if before and after and after is not before else {}
     ddp = verify_ddp(run_job, device.type, chosen, work / "ddp", say)
     for r in rungs:
         r.reason = torchrun_reason(r, ddp)
-    headline = staircase.headline(before, after, rungs, loss)
+    headline = staircase.headline(before, after, stairs_only, loss)
+    if gone:
+        headline["text"] += (f"; the staircase's top rung held {gone.words()}, withdrawn since: the tuned file as "
+                             "written was timed again beside the original" if after.name == retime.AS_WRITTEN else
+                             f"; measured with {gone.words()}, withdrawn since: tuned.yaml as written was not timed "
+                             "(see skipped)")
+        headline["as_written"] = after.name == retime.AS_WRITTEN
+        if headline["as_written"] and after.proven and after.gain > 1:  # the kept rungs' changes, timed together
+            headline["carried"] = [r.name for r in stairs_only[1:] if r.wall_s and r.name not in withdrawn]
     metrics = staircase.metrics(before, after, loss)
     result = VerifyResult("verify", job.to_dict(), environment(device.name, device.type), metrics,
                           [c.to_dict() for c in chosen], str(tuned_path), rungs, order, loss, ledgers, ddp, headline,
@@ -217,11 +242,16 @@ def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -
 def advise(r: VerifyResult) -> list[Advice]:
     out: list[Advice] = []
     h = r.headline
-    if h.get("speedup") is not None:
+    if h.get("speedup") is not None and h.get("proven") and h["speedup"] < 1:
+        out.append(Advice("act", f"Keep the original job: the tuned job ({Path(r.tuned_file).name}) measured slower, "
+                          f"{h['text']}", "the speedup's whole interval lies below 1.0"))
+    elif h.get("speedup") is not None:
         sev = "act" if h.get("proven") and h["speedup"] > 1 and h.get("loss_ok") else "look"
         out.append(Advice(sev, f"Adopt the tuned job ({Path(r.tuned_file).name}): {h['text']}",
                           "changes carried the gain: " + (", ".join(h["carried"]) or "none beyond the noise")))
     for rung in r.rungs[1:]:
+        if rung.name in (retime.AGAIN, retime.AS_WRITTEN):  # the headline's pair: its figure is the headline
+            continue
         if rung.status == "ok" and rung.proven is False:
             out.append(Advice("look", f"The {rung.name} change is not proven on this job: its gain "
                               f"{rung.gain:.2f}x [{rung.gain_low:.2f}, {rung.gain_high:.2f}] includes 1.0",

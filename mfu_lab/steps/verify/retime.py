@@ -1,0 +1,101 @@
+"""Step 7's last turn: the tuned file as written, timed again beside the original, when the staircase's top rung
+is no longer it.
+
+The staircase adds the adopted changes one at a time, and a rung not measured faster than the rung below beyond
+the noise is withdrawn (:func:`mfu_lab.steps.verify.step.withdraw_unproven`): its keys go back to the job's values
+in ``tuned.yaml``. Every rung above it was measured *with* the withdrawn change, so the top rung kept is not the
+tuned file, and its figure would describe a job nobody runs (on the tiny test job, ``num_workers: 2`` was withdrawn
+at 0.57x, and the headline's 0.59x was that of a job still holding it). The original and the tuned job as written
+then run once more, each in a process of its own, in interleaved rounds like the staircase's, and the headline,
+the metrics, the loss check and the ledgers are theirs. Where step 7's share cannot hold that turn, or the job runs
+in a layout of its own, the headline says which withdrawn change its figure still includes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
+from mfu_lab.core.job.schema import Job
+from mfu_lab.core.measure.sidebyside import bootstrap_speedup
+from mfu_lab.core.process.budget import Clock, cold_compile
+from mfu_lab.steps.verify import memory_share
+from mfu_lab.steps.verify.rungs import Rung, give_peaks, measure_rungs
+
+AGAIN, AS_WRITTEN = "original again", "tuned as written"
+START_S = 5.0  # a rung process's start-up, as core.process.budget.fit_verify counts it
+
+
+@dataclasses.dataclass
+class Stale:
+    """The withdrawn rungs below the top rung kept, and their keys: what the top rung's figure still includes."""
+
+    rungs: list[str]
+    keys: dict[str, object]  # key -> the value the measured top rung had (tuned.yaml has the job's again)
+
+    def words(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in self.keys.items()) + f" (rung {', '.join(self.rungs)})"
+
+
+def stale(measured: list[Rung], after: Rung | None, withdrawn: set[str]) -> Stale | None:
+    """What ``after`` (the top rung kept) was measured with that ``tuned.yaml`` no longer holds; None when nothing."""
+    if after is None or not withdrawn or after not in measured:
+        return None
+    below = [r for r in measured[1:measured.index(after)] if r.name in withdrawn]
+    if not below:
+        return None
+    return Stale([r.name for r in below], {k: v for r in below for k, v in r.keys.items()})
+
+
+def as_written(job: Job, top: Job, gone: Stale) -> Job:
+    """The tuned job as ``tuned.yaml`` holds it: the top rung's job with the withdrawn keys back at the job's."""
+    return dataclasses.replace(top, **{k: getattr(job, k) for k in gone.keys})
+
+
+def need_s(job: Job, tuned: Job, each_s: float, rounds: int, compile_step: dict | None) -> float:
+    """Seconds the turn takes: two rung processes, each started, warmed up (a compiled one compiles cold) and timed
+    ``rounds`` x ``verify_steps`` steps of about ``each_s``."""
+    cold = cold_compile(job, compile_step)[0]
+    compiles = sum(j.compile_mode != "off" for j in (job, tuned))
+    return 2 * (START_S + (job.verify_warmup_steps + rounds * job.verify_steps) * each_s) + compiles * cold
+
+
+def retime(job: Job, run_job: Job, tuned: Job, gone: Stale, each_s: float, clock: Clock, device, work: Path,
+           say, results: dict) -> tuple[list[Rung], list, str]:
+    """Time ``tuned`` (the file as written) beside the original in rounds of their own, with as many of
+    ``run_job``'s rounds as step 7's share holds (at least 2; ``each_s``: the staircase's slower median step): (the
+    two rungs, the order they ran in, "") or ([], [], why not)."""
+    rounds, left, step4 = run_job.verify_rounds, clock.left_s(), results.get("compile")
+    if left is not None:
+        rounds = next((n for n in range(rounds, 1, -1) if need_s(run_job, tuned, each_s, n, step4) <= left), 0)
+        if not rounds:
+            return [], [], (f"budget: {left:.0f} s of step 7's share left, and timing the tuned file as written "
+                            f"beside the original takes about {need_s(run_job, tuned, each_s, 2, step4):.0f} s (two "
+                            "processes, 2 rounds)")
+    pair = [Rung(AGAIN, {}, "ok", dtype=job.dtype), Rung(AS_WRITTEN, changed(job, tuned), "ok", dtype=tuned.dtype)]
+    jobs = [job, tuned]
+    give_peaks(job, device, pair, jobs, say)
+    graphs = frozenset(r.name for r, j in zip(pair, jobs) if j.compile_mode in CUDA_GRAPH_MODES)
+    memory = memory_share.for_device(device, {AGAIN: job.micro_batch, AS_WRITTEN: tuned.micro_batch},
+                                     job.micro_batch, results.get("baseline"), graphs)
+    say(f"the tuned file as written (without {gone.words()}): timing it beside the original, {rounds} rounds")
+    order = measure_rungs(dataclasses.replace(run_job, verify_rounds=rounds), pair, jobs, work, say, memory)
+    if not all(r.wall_s for r in pair):
+        return pair, order, "; ".join(f"{r.name} {r.status}: {r.reason}" for r in pair if not r.wall_s)
+    compare(pair[0], pair[1])
+    return pair, order, ""
+
+
+def changed(job: Job, tuned: Job) -> dict[str, object]:
+    """The keys ``tuned`` holds at other values than ``job`` (the rung's "adds": over the original)."""
+    return {f.name: getattr(tuned, f.name) for f in dataclasses.fields(job)
+            if f.name != "job_name" and getattr(tuned, f.name) != getattr(job, f.name)}
+
+
+def compare(base: Rung, rung: Rung) -> None:
+    """``rung``'s speedup over ``base``, which here is also its gain (the rung below it is the original)."""
+    s = bootstrap_speedup(base.wall_s, rung.wall_s)
+    rung.speedup, rung.speedup_low, rung.speedup_high = s.value, s.low, s.high
+    rung.gain, rung.gain_low, rung.gain_high, rung.proven = s.value, s.low, s.high, s.proven
+    base.speedup = base.speedup_low = base.speedup_high = 1.0
