@@ -441,3 +441,21 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
         r.headline["text"]
     assert any(s["what"].startswith("the tuned file as written") and s["reason"].startswith("budget:")
                for s in r.skipped)
+
+
+def test_the_index_reads_the_second_turns_pair_and_keeps_its_note():
+    """The index's verified line, across precisions' peaks, takes the original of the pair the headline is
+    (step 7's second turn), not the staircase's first original, and keeps what the headline says of the turn."""
+    from mfu_lab.report.summary import verified_text
+
+    peak32, peak16 = dict(peak_flops_per_s=1e11, peak_precision="fp32"), dict(peak_flops_per_s=4e11,
+                                                                              peak_precision="bf16")
+    rungs = [dict(name="original", mfu=0.30, tokens_per_s=900.0, **peak32),
+             dict(name="data", mfu=0.10, tokens_per_s=500.0, **peak16),
+             dict(name="original again", mfu=0.40, tokens_per_s=1000.0, **peak32),
+             dict(name="tuned as written", mfu=0.20, tokens_per_s=2000.0, **peak16)]
+    h = {"text": "MFU ...", "mfu_after": 0.20, "speedup": 2.0, "speedup_low": 1.8, "speedup_high": 2.2,
+         "note": "the staircase's top rung held num_workers 2 (rung data), withdrawn since: ..."}
+    text = verified_text({"headline": h, "rungs": rungs})
+    assert text.startswith("tokens/s 2.00x (speedup 2.00x [1.80, 2.20]") and "the original's 40.0%" in text
+    assert text.endswith("; the staircase's top rung held num_workers 2 (rung data), withdrawn since: ...")

@@ -202,7 +202,7 @@ def verified_text(v: dict[str, Any]) -> str:
              else f"speedup {sp:.2f}x{ci} (measured side by side)")
     return (f"{speed}; MFU {after['mfu']:.1%} against {b}'s peak, the original's {before['mfu']:.1%} against {a}'s: "
             f"{b}'s peak is {after['peak_flops_per_s'] / before['peak_flops_per_s']:.2g}x {a}'s here, so compare the "
-            "speed, not the MFU")
+            "speed, not the MFU" + (f"; {h['note']}" if h.get("note") else ""))
 
 
 def _states_line(states: dict[str, str]) -> list[str]:

@@ -161,10 +161,11 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         r.reason = torchrun_reason(r, ddp)
     headline = staircase.headline(before, after, stairs_only, loss)
     if gone:
-        headline["text"] += (f"; the staircase's top rung held {gone.words()}, withdrawn since: the tuned file as "
-                             "written was timed again beside the original" if after.name == retime.AS_WRITTEN else
-                             f"; measured with {gone.words()}, withdrawn since: tuned.yaml as written was not timed "
-                             "(see skipped)")
+        headline["note"] = (f"the staircase's top rung held {gone.words()}, withdrawn since: the tuned file as "
+                            "written was timed again beside the original" if after.name == retime.AS_WRITTEN else
+                            f"measured with {gone.words()}, withdrawn since: tuned.yaml as written was not timed "
+                            "(see skipped)")
+        headline["text"] += "; " + headline["note"]
         headline["as_written"] = after.name == retime.AS_WRITTEN
         if headline["as_written"] and after.proven and after.gain > 1:  # the kept rungs' changes, timed together
             headline["carried"] = [r.name for r in stairs_only[1:] if r.wall_s and r.name not in withdrawn]
