@@ -381,15 +381,17 @@ def _monitor_step(job: Job, quiet: bool) -> None:
 
 def _tuned(job: Job, source: str, run_id: str) -> None:
     """Write ``tuned.yaml`` from the results as they now stand, and say how many changes it adopts."""
-    from mfu_lab.steps.verify.tuned import write_tuned
+    from mfu_lab.steps.verify.tuned import withdrawn_keys, write_tuned
 
     try:
         path, chosen = write_tuned(job, (), source, run_id)
     except OSError as e:
         print(f"mfu-lab: tuned job not written: {filesystem_problem(e)}", file=sys.stderr)
         return
-    adopted = sum(c.adopted for c in chosen)
-    print(f"mfu-lab: tuned job: {path} ({adopted} change(s) adopted of {len(chosen)} recommended; "
+    adopted, gone = sum(c.adopted for c in chosen), withdrawn_keys(job)
+    took = f"; step 7 took back {', '.join(gone)}: not verified faster, or not timed (its changes say which)" if gone \
+        else ""
+    print(f"mfu-lab: tuned job: {path} ({adopted} change(s) adopted of {len(chosen)} recommended{took}; "
           f"mfu-lab run {path} runs it)")
 
 

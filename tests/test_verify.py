@@ -424,6 +424,8 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     assert r.advice[0].message.startswith("Adopt the tuned job (tuned.yaml)") and r.headline["carried"] == ["optimizer"]
     assert not any(retime.AS_WRITTEN in a.message for a in r.advice)  # the pair is the headline, not a rung's line
     assert [o for o in r.order if o[1] == retime.AGAIN] == [[1, retime.AGAIN], [2, retime.AGAIN], [3, retime.AGAIN]]
+    from mfu_lab.steps.verify.tuned import withdrawn_keys
+    assert withdrawn_keys(job) == ["num_workers"]  # the runner's last line names what step 7 took back
 
     # the file as written slower than the original, beyond the noise: never "adopt"
     ms[retime.AS_WRITTEN] = 14.0

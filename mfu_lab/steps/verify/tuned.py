@@ -46,6 +46,14 @@ def write_tuned(job: Job, keep: list[str] | tuple[str, ...] = (), source: str = 
     return save_tuned(job, chosen, source, run_id), chosen
 
 
+def withdrawn_keys(job: Job) -> list[str]:
+    """The keys step 7's stored result took back to the job's values (not measured faster, or not timed)."""
+    mine = store.earlier(job, "verify")
+    rows = (mine.data.get("changes") if mine else None) or []
+    return list(dict.fromkeys(str(c.get("key")) for c in rows if isinstance(c, dict) and c.get("step") == "verify"
+                              and str(c.get("reason", "")).startswith(tuning.WITHDRAWN)))
+
+
 def save_tuned(job: Job, chosen: list[tuning.Change], source: str = "the job", run_id: str = "") -> Path:
     """Write the tuned job of these changes as ``<out>/<job>/tuned.yaml``, atomically."""
     return write_atomic(job.output_root() / TUNED_FILE, tuned_file.tuned_yaml(job, chosen, source, run_id))
