@@ -10,7 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from mfu_lab.core.engine.parallelize import Parallelized, blocks_of
+from mfu_lab.core.engine.parallelize import Parallelized
+from mfu_lab.core.engine.tp_plan import blocks_of
 
 
 class StageClock:

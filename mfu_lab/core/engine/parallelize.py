@@ -3,16 +3,13 @@
     pipeline split (apart, first: each rank keeps its stages) -> tensor parallel (+ sequence parallel)
     -> activation checkpointing -> torch.compile (per block) -> FSDP2 (per block, then the root) or DDP
 
-Tensor-parallel plans: the reference GPT (its fused ``qkv`` split into q, k, v Linears, each sharded per head:
-same FLOPs, same results), Hugging Face Llama-style models found by their module names, or the job's own
-``tp_plan`` (fnmatch patterns on module names -> colwise | rowwise | sequence). Every choice that changes how
-the job runs is said in ``notes``. The training step over the result is :meth:`Parallelized.step`.
+The tensor-parallel plans live in :mod:`mfu_lab.core.engine.tp_plan`. Every choice that changes how the job runs
+is said in ``notes``. The training step over the result is :meth:`Parallelized.step`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +21,13 @@ from mfu_lab.core.engine.batches import input_embedding
 from mfu_lab.core.engine.checkpointing import run_block
 from mfu_lab.core.engine.layout import Layout
 from mfu_lab.core.engine.losses import accumulation_weights, compiled_cross_entropy, cross_entropy
+from mfu_lab.core.engine.tp_plan import apply_tp, blocks_of, model_kind
 from mfu_lab.core.engine.workload import GPT, compile_kwargs, grads_in_place, logits_of
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job.factories import load_factory
 from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 
-LLAMA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NOTE_MP = "MixedPrecisionPolicy replaces autocast"
 NOTE_UNTIED = "lm_head untied under PP"
 
@@ -83,112 +80,6 @@ def split_stages(model: nn.Module, layout: Layout, pp_rank: int) -> list[tuple[i
     n, per = layout.stages, len(model.blocks) // layout.stages
     return [(s, GPTStage(model, s * per, (s + 1) * per, s == 0, s == n - 1))
             for s in range(pp_rank, n, layout.pp)]
-
-
-# ------------------------------------------------------------------ tensor-parallel plans
-def blocks_of(model: nn.Module) -> nn.ModuleList | None:
-    """The repeated transformer blocks: the ModuleList holding the most parameters (GPT.blocks, model.layers)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
-
-
-def _styles(sp: bool) -> dict[str, Any]:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-            "sequence": SequenceParallel(),
-            # a sub-block's input becomes one DTensor before its colwise Linears, so their input gradients add up
-            # as one partial sum and are all-reduced once in backward (q, k, v each from_local'd: three times)
-            "replicate": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "replicate_hidden": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
-                                                   desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            # SP: the residual stream stays local (b, s/tp, h) tensors, as RowwiseParallel(Shard(1)) returns them
-            "gather": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "gather_local": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),
-            "split_local": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)}
-
-
-def gpt_patterns(sp: bool) -> dict[str, str]:
-    """The reference GPT: q, k, v and the MLP's up-projection colwise, the two down-projections rowwise; with SP
-    the norms are sequence parallel and each sub-block all-gathers its input and reduce-scatters its output."""
-    plan = {"*blocks.*.attn.q": "colwise", "*blocks.*.attn.k": "colwise", "*blocks.*.attn.v": "colwise",
-            "*blocks.*.attn.proj": "rowwise", "*blocks.*.mlp.0": "colwise", "*blocks.*.mlp.2": "rowwise"}
-    if sp:
-        return plan | {"*blocks.*.ln1": "sequence", "*blocks.*.ln2": "sequence", "*blocks.*.attn": "gather",
-                       "*blocks.*.mlp": "gather"}
-    return plan | {"*blocks.*.attn": "replicate", "*blocks.*.mlp": "replicate"}
-
-
-def llama_patterns(sp: bool) -> dict[str, str]:
-    if sp:
-        raise StepError("job key 'sp' = true: sequence parallel is built for the reference GPT only; a Llama-style "
-                        "model runs tp without sp here (its decoder layers take keyword inputs the plan does not "
-                        "prepare yet)")
-    plan = {f"*.{n}": ("rowwise" if n in ("o_proj", "down_proj") else "colwise") for n in LLAMA_NAMES}
-    return plan | {"*.self_attn": "replicate_hidden", "*.mlp": "replicate"}  # decoder layers pass hidden_states=
-
-
-def resolve_plan(module: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
-    """Module name -> style, each module taking the first pattern (in the plan's order) its name matches."""
-    out = {}
-    for name, _ in module.named_modules():
-        hit = next((style for pat, style in patterns.items() if name and fnmatch.fnmatchcase(name, pat)), None)
-        if hit:
-            out[name] = hit
-    return out
-
-
-def apply_tp(module: nn.Module, model_kind: str, job: Job, layout: Layout, tp_mesh, first: bool, last: bool,
-             notes: list[str]) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    if job.tp_plan:
-        if layout.sp:
-            raise StepError("job keys 'sp' = true and 'tp_plan': a user's plan cannot say yet where the residual "
-                            "stream is split and gathered; run tp without sp")
-        patterns = dict(job.tp_plan)
-    elif model_kind == "gpt":
-        for m in module.modules():
-            if hasattr(m, "qkv") and hasattr(m, "split_qkv"):
-                m.split_qkv()
-        patterns = gpt_patterns(layout.sp)
-    elif model_kind == "llama":
-        patterns = llama_patterns(layout.sp)
-    else:
-        raise StepError(f"job key 'tp' = {layout.tp}: the model has no built-in tensor-parallel plan (neither the "
-                        f"reference GPT nor Llama-style {', '.join(LLAMA_NAMES)}); give the job a tp_plan")
-    plan = resolve_plan(module, patterns)
-    if not plan:
-        raise StepError(f"job key 'tp_plan': no module name matches any of {sorted(patterns)}")
-    styles = _styles(layout.sp)
-    bad = sorted({s for s in plan.values() if s not in styles})
-    if bad:
-        raise StepError(f"job key 'tp_plan': unknown style(s) {bad}; expected colwise | rowwise | sequence")
-    _check_heads(module, plan, layout.tp)
-    full = {name: styles[s] for name, s in plan.items()}
-    if layout.sp and model_kind == "gpt" and not job.tp_plan:
-        if first:
-            full["blocks.0"] = styles["split_local"]  # the embeddings' sum enters the residual stream split
-        if last:
-            full["ln_f"] = styles["gather_local"]  # gathered once before the final norm and the head
-    parallelize_module(module, tp_mesh, full, src_data_rank=None)  # every rank built the same weights: no copy
-
-
-def _check_heads(module: nn.Module, plan: dict[str, str], tp: int) -> None:
-    for name, style in plan.items():
-        m = module.get_submodule(name)
-        if style == "colwise" and isinstance(m, nn.Linear) and m.out_features % tp:
-            raise StepError(f"tp = {tp}: module '{name}' has {m.out_features} output features, not divisible by tp")
-
-
-def model_kind(model: nn.Module) -> str:
-    if isinstance(model, GPT):
-        return "gpt"
-    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    return "llama" if set(LLAMA_NAMES) <= leaves else "other"
 
 
 # ------------------------------------------------------------------ the result

@@ -33,7 +33,8 @@ def job_facts(job: Job, shape: pl.Shape) -> Facts:
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from mfu_lab.core.engine.parallelize import blocks_of, tied_head
+    from mfu_lab.core.engine.parallelize import tied_head
+    from mfu_lab.core.engine.tp_plan import blocks_of
     from mfu_lab.core.engine.workload import build_model
 
     with torch.device("meta"):  # parameter counts only: no memory, no weights
