@@ -127,6 +127,31 @@ def test_step7_rounds_fit_the_share_never_below_two():
     assert fit_verify(job, Clock(1.0), STEP, 3, False, False).verify_rounds == 2
     assert fit_verify(job, Clock(1.0), STEP, 1, True, False).verify_rounds == 1  # the layout check alone
     assert fit_verify(job, Clock(need(10, layout=True) + 1), STEP, 3, True, False) is job
+    # step 7's second turn kept back: the rounds fit what is left after it, and the shortening says so
+    clock = Clock(need(6) + 30.5)
+    assert fit_verify(job, clock, STEP, 3, False, False, (30.0, "about 30 s kept for the second turn")) \
+        .verify_rounds == 6
+    assert clock.shortened[0]["reason"].endswith("; about 30 s kept for the second turn)")
+
+
+def test_step7_keeps_room_for_its_second_turn_only_when_a_rung_it_may_withdraw_has_a_timed_rung_above(tiny_job):
+    from mfu_lab.analysis import tuning
+    from mfu_lab.steps.verify import retime
+    from mfu_lab.steps.verify.rungs import Rung
+    from mfu_lab.steps.verify.step import withdrawable
+
+    data = tuning.Change("data", "baseline", "num_workers", 0, 2, "step 1", "proposed")
+    fused = tuning.Change("optimizer", "kernels", "adamw_impl", "default", "fused", "step 3", "measured")
+    stairs = [("original", tiny_job, []), ("data", tiny_job, [data]), ("optimizer", tiny_job, [fused])]
+    rungs = [Rung(n, {}, "ok") for n, _, _ in stairs]
+    jobs = [j for _, j, _ in stairs]
+    s, why = retime.reserve(tiny_job, stairs, rungs, jobs, withdrawable, 0.5, None)
+    assert s == retime.need_s(tiny_job, tiny_job, 0.5, 2, None) > 0 and "should rung data be withdrawn" in why
+    # the proposed rung on top: its withdrawal leaves the rung below as the tuned job, nothing to time again
+    assert retime.reserve(tiny_job, stairs[::2] + stairs[1:2], rungs[::2] + rungs[1:2], jobs, withdrawable, 0.5,
+                          None) == (0.0, "")
+    rungs[2].status = "excluded"  # nothing timed above it
+    assert retime.reserve(tiny_job, stairs, rungs, jobs, withdrawable, 0.5, None) == (0.0, "")
 
 
 def test_step2_screens_the_references_then_as_many_as_fit_half_the_time_left(tmp_path: Path):

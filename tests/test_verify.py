@@ -393,7 +393,7 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     _store(job, "baseline", step1(0.2))  # data waits 20% of the step: num_workers 2 proposed
     _store(job, "kernels", {"optimizer_race": {"ran": True, "adopted": True, "pick": "fused", "reference": "default",
                                                "speedup": {"value": 1.3, "low": 1.1, "high": 1.5}}})
-    ms = {"original": 10.0, "data": 20.0, "optimizer": 16.0, retime.AGAIN: 10.0, retime.AS_WRITTEN: 8.0}
+    ms = {"original": 10.0, "data": 20.0, "optimizer": 16.0, retime.AGAIN: 11.0, retime.AS_WRITTEN: 8.0}
     timed = {}
 
     def rungs_measured(run_job, rungs, jobs, work, say, memory=None):
@@ -416,12 +416,16 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     tuned = load_job(job.output_root() / "tuned.yaml")
     assert (tuned.num_workers, tuned.adamw_impl) == (written.num_workers, written.adamw_impl)
     again, last = r.rungs[-2:]
-    assert last.keys == {"adamw_impl": "fused"} and last.speedup == last.gain == pytest.approx(10.0 / 8.0, rel=0.02)
+    assert last.keys == {"adamw_impl": "fused"} and last.speedup == last.gain == pytest.approx(11.0 / 8.0, rel=0.02)
     assert r.headline["speedup"] == last.speedup and r.headline["as_written"] is True
+    # the headline's original is the one timed in the same rounds, not the staircase's
+    assert r.headline["mfu_before"] == again.mfu == r.metrics["mfu_before"].value != r.rungs[0].mfu
+    assert r.ledgers["before"].get("mfu").fraction == pytest.approx(again.mfu)
     assert "held num_workers 2 (rung data), withdrawn since: the tuned file as written was timed again" in \
         r.headline["text"]
     assert r.loss["tuned_rung"] == retime.AS_WRITTEN and r.metrics["speedup"].value == last.speedup
-    assert r.advice[0].message.startswith("Adopt the tuned job (tuned.yaml)") and r.headline["carried"] == ["optimizer"]
+    assert r.advice[0].message.startswith("Adopt the tuned job (tuned.yaml)")
+    assert r.headline["carried"] == ["the tuned file as written (adamw_impl: fused)"]
     assert not any(retime.AS_WRITTEN in a.message for a in r.advice)  # the pair is the headline, not a rung's line
     assert [o for o in r.order if o[1] == retime.AGAIN] == [[1, retime.AGAIN], [2, retime.AGAIN], [3, retime.AGAIN]]
     from mfu_lab.steps.verify.tuned import withdrawn_keys
@@ -457,7 +461,11 @@ def test_the_index_reads_the_second_turns_pair_and_keeps_its_note():
              dict(name="original again", mfu=0.40, tokens_per_s=1000.0, **peak32),
              dict(name="tuned as written", mfu=0.20, tokens_per_s=2000.0, **peak16)]
     h = {"text": "MFU ...", "mfu_after": 0.20, "speedup": 2.0, "speedup_low": 1.8, "speedup_high": 2.2,
-         "note": "the staircase's top rung held num_workers 2 (rung data), withdrawn since: ..."}
+         "note": "the staircase's top rung held num_workers 2 (rung data), withdrawn since: ...", "as_written": True}
     text = verified_text({"headline": h, "rungs": rungs})
     assert text.startswith("tokens/s 2.00x (speedup 2.00x [1.80, 2.20]") and "the original's 40.0%" in text
     assert text.endswith("; the staircase's top rung held num_workers 2 (rung data), withdrawn since: ...")
+    # the second turn did not make the headline (it failed, or the share could not hold it): the staircase's original
+    rungs[3]["mfu"], rungs[1]["mfu"] = None, 0.20
+    text = verified_text({"headline": h | {"as_written": False}, "rungs": rungs})
+    assert "the original's 30.0%" in text and text.startswith("tokens/s 0.56x")

@@ -86,3 +86,36 @@ def test_what_step_7_withdrew_stays_withdrawn_when_tuned_yaml_is_written_again(t
     assert withdraw_unproven(tiny_job, stairs, rungs, chosen) == {"compile"}
     again = tuning.changes(tiny_job, {"compile": LEADER, "verify": {"changes": [c.to_dict() for c in chosen]}})
     assert [c.key for c in again if c.adopted] == [] and not any(c.reason.startswith("refused") for c in again)
+
+
+def test_a_proposed_rung_that_failed_in_step_7_is_withdrawn_untimed(tiny_job):
+    """A proposal is adopted once step 7 times it faster; a rung whose process failed was not timed, so its
+    change goes back to the job's value (the tuned file as written would otherwise hold an untimed guess)."""
+    chosen = tuning.changes(tiny_job, {"compile": LEADER})
+    stairs = tuning.staircase(tiny_job, chosen)
+    rungs = [Rung("original", {}, "ok", wall_s=[0.1]), Rung("compile", {}, "failed", "inductor: out of memory")]
+    assert withdraw_unproven(tiny_job, stairs, rungs, chosen) == {"compile"}
+    assert "rung compile failed (inductor: out of memory): not timed" in chosen[-1].evidence
+    assert tuning.tuned_job(tiny_job, chosen).compile_mode == tiny_job.compile_mode
+
+
+def test_a_cuda_graph_mode_beside_fsdp2_with_accumulation_from_another_step_is_not_adopted(tiny_job):
+    """Step 4 may pick reduce-overhead on a DDP job, and step 2 or 6 FSDP2: together, with accumulation, the tuned
+    job's layout check would refuse them on CUDA. Step 7 leaves the compile mode out and says why."""
+    import dataclasses
+
+    from mfu_lab.steps.verify.step import graphs_clash, untimed_reverts
+
+    job = dataclasses.replace(tiny_job, grad_accum=2)
+    leader = {"recommendation": {"compile": True, "mode": "reduce-overhead"},
+              "trials": [{"mode": "reduce-overhead", "speedup": 1.3}]}
+    chosen = tuning.changes(job, {"compile": leader}) + [
+        tuning.Change("layout", "placement", "dp_mode", "ddp", "fsdp", "step 6", "measured")]
+    assert graphs_clash(job, chosen, "cpu") == []  # no CUDA graphs on a CPU
+    said = graphs_clash(job, chosen, "cuda")
+    (mode,) = [c for c in chosen if c.key == "compile_mode"]
+    assert not mode.adopted and said[0]["reason"].startswith("'reduce-overhead' captures CUDA graphs, and with "
+                                                             "dp_mode 'fsdp' and grad_accum 2")
+    reverts = untimed_reverts(job, chosen)  # recorded, so that tuned.yaml written again from the results holds it
+    assert [(c.key, c.new) for c in reverts] == [("compile_mode", job.compile_mode)]
+    assert graphs_clash(job, tuning.changes(job, {"compile": leader}), "cuda") == []  # without FSDP2: nothing refused

@@ -74,9 +74,11 @@ def verify_loss(result) -> ReportFigure | Unavailable:
     fig = ReportFigure(figsize=(11, 3.6))
     ax, ax2 = fig.subplots(1, 2)
     a, b = loss["original"], loss["tuned"]
-    ax.plot(range(len(a)), a, color="#222", lw=2, label="original")
+    ax.plot(range(len(a)), a, color="#222", lw=2, label="original" + (
+        " (again)" if loss["tuned_rung"] == "tuned as written" else ""))
     ax.plot(range(len(b)), b, color=RUNG_COLORS.get(loss["tuned_rung"], "#c2255c"), lw=1.4,
-            label=f"tuned (up to + {loss['tuned_rung']})")
+            label="tuned, as written" if loss["tuned_rung"] == "tuned as written" else
+            f"tuned (up to + {loss['tuned_rung']})")
     ax.set_xlabel("step (warm-up first)")
     ax.set_ylabel("training loss")
     ax.set_title("Loss, same seed and batches")

@@ -188,7 +188,8 @@ def verified_text(v: dict[str, Any]) -> str:
     h = v.get("headline") or {}
     rungs = [r for r in v.get("rungs") or [] if isinstance(r, dict)]
     # the headline's original: step 7's second turn ("original again", beside the tuned file as written) if it ran
-    before = next((r for r in rungs if r.get("name") == "original again"), rungs[0] if rungs else {})
+    before = next((r for r in rungs if r.get("name") == "original again" and h.get("as_written")),
+                  rungs[0] if rungs else {})
     after = next((r for r in rungs[1:] if r.get("mfu") is not None and r.get("mfu") == h.get("mfu_after")), None)
     sp = h.get("speedup")
     if not (after and sp and before.get("peak_flops_per_s") and after.get("peak_flops_per_s")

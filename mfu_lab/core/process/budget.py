@@ -208,17 +208,20 @@ def fit_kernels(job, clock: Clock, step_s: tuple[float, str]) -> tuple[object, b
     return dataclasses.replace(job, steps=n, warmup_steps=min(job.warmup_steps, 1)) if n < job.steps else job, with_ddp
 
 
-def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout: bool, ddp: bool):
+def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout: bool, ddp: bool,
+               reserve: tuple[float, str] = (0.0, "")):
     """The job as step 7 times it within its share: ``verify_rounds`` lowered to the most rounds whose estimate
     fits, never below 2 (a spread of the ratio; 1 without a staircase). A round times each of the ``rungs``
     processes for ``verify_steps`` (after a start-up of about 5 s and its warm-up each); the layout check
     (``layout``) runs min(rounds, 3) turns of both sides, each about 15 + ``verify_steps`` steps (the check's
     steps in the layout and in one process, the rebuild, the warm-up) on ranks of one thread (2 x ``step_s``);
     the DDP check (``ddp``) min(rounds, 5) turns of both sides, each 2 + ``comm_warmup_steps`` + ``verify_steps``
-    such steps; each check's launch about 10 s."""
+    such steps; each check's launch about 10 s. ``reserve``: (seconds, what for) kept back from the rounds (step
+    7's second turn, steps.verify.retime)."""
     left = clock.left_s()
     if left is None:
         return job
+    left -= reserve[0]
     each = step_s[0]
 
     def need(r: int) -> float:
@@ -233,7 +236,8 @@ def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout:
         return job
     clock.shorten("verify rounds", f"{rounds} of verify_rounds {job.verify_rounds} (about {need(rounds):.0f} s of the "
                   f"{left:.0f} s of step 7's share left; {rungs} rung(s)" + (", the layout check" if layout else "")
-                  + (", the DDP check" if ddp else "") + f"; about {each:.2f} s a step: {step_s[1]})")
+                  + (", the DDP check" if ddp else "") + f"; about {each:.2f} s a step: {step_s[1]}"
+                  + (f"; {reserve[1]}" if reserve[0] else "") + ")")
     return dataclasses.replace(job, verify_rounds=rounds)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from mfu_lab.analysis import tuning
+from mfu_lab.core.engine.layout import beyond_ddp
 from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure.sidebyside import bootstrap_speedup
@@ -48,9 +50,48 @@ def stale(measured: list[Rung], after: Rung | None, withdrawn: set[str]) -> Stal
     return Stale([r.name for r in below], {k: v for r in below for k, v in r.keys.items()})
 
 
-def as_written(job: Job, top: Job, gone: Stale) -> Job:
-    """The tuned job as ``tuned.yaml`` holds it: the top rung's job with the withdrawn keys back at the job's."""
-    return dataclasses.replace(top, **{k: getattr(job, k) for k in gone.keys})
+def as_written(job: Job, chosen: list) -> Job:
+    """The tuned job as ``tuned.yaml`` holds it (every change in effect: step 7's withdrawals and re-checks
+    included), under the job's own name (a rung's process writes nothing of its own name)."""
+    return dataclasses.replace(tuning.tuned_job(job, chosen), job_name=job.job_name)
+
+
+@dataclasses.dataclass
+class SecondTurn:
+    gone: Stale
+    pair: list[Rung]
+    order: list
+    not_timed: str  # why the pair is not the headline ("" when it is)
+
+    def say_in(self, headline: dict, after: Rung, stairs: list[Rung]) -> None:
+        """The headline's note on the turn; when the pair is the headline, the changes it carried are the tuned
+        file's (timed together, against the original), less those not timed here (excluded rungs' keys)."""
+        written = after.name == AS_WRITTEN
+        headline["note"] = (f"the staircase's top rung held {self.gone.words()}, withdrawn since: the tuned file as "
+                            "written was timed again beside the original" if written else
+                            f"measured with {self.gone.words()}, withdrawn since: tuned.yaml as written was not "
+                            "timed (see skipped)")
+        headline["text"] += "; " + headline["note"]
+        headline["as_written"] = written
+        if written:
+            untimed = {k for r in stairs if r.status == "excluded" for k in r.keys}
+            keys = ", ".join(f"{k}: {v}" for k, v in after.keys.items() if k not in untimed)
+            headline["carried"] = [f"the tuned file as written ({keys})"] if after.proven and after.gain > 1 else []
+
+
+def second_turn(job: Job, run_job: Job, chosen: list, measured: list[Rung], before: Rung | None,
+                after: Rung | None, withdrawn: set[str], clock: Clock, device, work: Path, say,
+                results: dict) -> SecondTurn | None:
+    """Step 7's second turn where the top rung kept holds a withdrawn change (None elsewhere): the tuned file as
+    written timed beside the original, or why not (a layout's staircase is not timed twice; the share)."""
+    gone = stale(measured, after, withdrawn) if before is not None else None
+    if not gone:
+        return None
+    if beyond_ddp(job):
+        return SecondTurn(gone, [], [], "the job runs in a layout of its own, where the staircase is not timed twice")
+    each = max(r.step_median_s for r in (before, after))
+    pair, order, why = retime(job, run_job, as_written(job, chosen), gone, each, clock, device, work, say, results)
+    return SecondTurn(gone, pair, order, why)
 
 
 def need_s(job: Job, tuned: Job, each_s: float, rounds: int, compile_step: dict | None) -> float:
@@ -59,6 +100,19 @@ def need_s(job: Job, tuned: Job, each_s: float, rounds: int, compile_step: dict 
     cold = cold_compile(job, compile_step)[0]
     compiles = sum(j.compile_mode != "off" for j in (job, tuned))
     return 2 * (START_S + (job.verify_warmup_steps + rounds * job.verify_steps) * each_s) + compiles * cold
+
+
+def reserve(job: Job, stairs: list, rungs: list[Rung], jobs: list[Job], withdrawable, each_s: float,
+            compile_step: dict | None) -> tuple[float, str]:
+    """(seconds, what for) step 7 keeps back from the staircase's rounds for the second turn: its least (2 rounds)
+    when a rung it may withdraw (``withdrawable(name, changes)``) is timed below another timed rung, else 0."""
+    changes = {name: mine for name, _, mine in stairs}
+    timed = [(r, j) for r, j in zip(rungs, jobs) if r.status == "ok" and not r.challenger]
+    for r, _ in timed[1:-1]:
+        if withdrawable(r.name, changes.get(r.name) or []):
+            s = need_s(job, timed[-1][1], each_s, 2, compile_step)
+            return s, f"about {s:.0f} s kept for the tuned file's second turn, should rung {r.name} be withdrawn"
+    return 0.0, ""
 
 
 def retime(job: Job, run_job: Job, tuned: Job, gone: Stale, each_s: float, clock: Clock, device, work: Path,

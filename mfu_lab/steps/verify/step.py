@@ -32,6 +32,7 @@ from typing import Any
 from mfu_lab.analysis import tuning
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.layout import beyond_ddp
+from mfu_lab.core.engine.layout_check import graphs_problem
 from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -85,6 +86,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     chosen = tuning.changes(job, results, keep)
     clock = Clock.for_step(job, INFO.key)
     skipped += untimed_proposals(job, chosen, clock, results.get("compile"))
+    skipped += graphs_clash(job, chosen, device.type)
     tuned_path = job.output_root() / TUNED_FILE
     if write:
         save_tuned(job, chosen)
@@ -103,8 +105,11 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     work = launcher_folder(job.step_dir(INFO.folder) / "work")  # one per node: nodes share no progress file
     timed = (ok := sum(r.status == "ok" for r in rungs)) > 1  # the original and at least one rung to time against it
     nnodes, nproc = world_layout(job, device.type)
-    run_job = fit_verify(job, clock, job_step_s(results.get("baseline")), ok, bool(layout_change(job, chosen)),
-                         ddp_configs(job, chosen) is not None)
+    step_s = job_step_s(results.get("baseline"))
+    reserve = ((0.0, "") if beyond_ddp(job) else  # a layout's staircase is not timed twice
+               retime.reserve(job, stairs, rungs, jobs, withdrawable, step_s[0], results.get("compile")))
+    run_job = fit_verify(job, clock, step_s, ok, bool(layout_change(job, chosen)), ddp_configs(job, chosen) is not None,
+                         reserve)
     if beyond_ddp(job) and timed:
         order = measure_in_layout(run_job, rungs, jobs, work, say, device, nnodes * nproc)
     else:
@@ -139,36 +144,26 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
                 save_tuned(job, chosen)
         else:
             after.reason = "not adopted: not faster than the tuned job beyond the noise"
-            after = measured[-2] if len(measured) > 1 else None
+            after = next((r for r in reversed(measured[:-1]) if r.name not in withdrawn), None)
+    ddp = verify_ddp(run_job, device.type, chosen, work / "ddp", say)  # before the second turn: the share's checks
+    for r in rungs:
+        r.reason = torchrun_reason(r, ddp)
     stairs_only = list(rungs)
-    gone = retime.stale(measured, after, withdrawn) if before is not None else None
-    if gone:
-        tuned = retime.as_written(job, jobs[rungs.index(after)], gone)
-        each = max(r.step_median_s for r in (before, after))
-        pair, extra, not_timed = (([], [], "the job runs in a layout of its own, where the staircase is not timed "
-                                   "twice") if beyond_ddp(job) else retime.retime(
-            job, run_job, tuned, gone, each, clock, device, work, say, results))
-        rungs, order = rungs + pair, order + extra
-        if not_timed:
-            skipped.append({"what": "the tuned file as written, timed again beside the original", "reason": not_timed})
+    turn = retime.second_turn(job, run_job, chosen, measured, before, after, withdrawn, clock, device, work, say,
+                              results)
+    if turn:
+        rungs, order = rungs + turn.pair, order + turn.order
+        if turn.not_timed:
+            skipped.append({"what": "the tuned file as written, timed again beside the original",
+                            "reason": turn.not_timed})
         else:
-            before, after = pair
+            before, after = turn.pair
     loss = (staircase.compare_losses(job, before, after) if before else
             {"status": "skipped", "reason": "the original did not run"})
     ledgers = staircase.ledgers(before, after) if before and after and after is not before else {}
-    ddp = verify_ddp(run_job, device.type, chosen, work / "ddp", say)
-    for r in rungs:
-        r.reason = torchrun_reason(r, ddp)
     headline = staircase.headline(before, after, stairs_only, loss)
-    if gone:
-        headline["note"] = (f"the staircase's top rung held {gone.words()}, withdrawn since: the tuned file as "
-                            "written was timed again beside the original" if after.name == retime.AS_WRITTEN else
-                            f"measured with {gone.words()}, withdrawn since: tuned.yaml as written was not timed "
-                            "(see skipped)")
-        headline["text"] += "; " + headline["note"]
-        headline["as_written"] = after.name == retime.AS_WRITTEN
-        if headline["as_written"] and after.proven and after.gain > 1:  # the kept rungs' changes, timed together
-            headline["carried"] = [r.name for r in stairs_only[1:] if r.wall_s and r.name not in withdrawn]
+    if turn:
+        turn.say_in(headline, after, stairs_only)
     metrics = staircase.metrics(before, after, loss)
     result = VerifyResult("verify", job.to_dict(), environment(device.name, device.type), metrics,
                           [c.to_dict() for c in chosen], str(tuned_path), rungs, order, loss, ledgers, ddp, headline,
@@ -203,6 +198,19 @@ def untimed_proposals(job: Job, chosen: list, clock: Clock, step4: dict | None) 
 UNTIMED = "not timed, so not adopted: "
 
 
+def graphs_clash(job: Job, chosen: list, device_type: str) -> list[dict[str, str]]:
+    """A CUDA-graph compile mode (step 4) adopted beside FSDP2 (step 2 or 6) with accumulation: the tuned job's
+    layout check would refuse the pair (core.engine.layout_check.graphs_problem), so the compile mode is not
+    adopted, and said. Returns the skipped entries."""
+    problem = graphs_problem(tuning.tuned_job(job, chosen), device_type)
+    out = []
+    for c in chosen if problem else []:
+        if c.adopted and c.key == "compile_mode" and c.new in CUDA_GRAPH_MODES:
+            c.adopted, c.reason = False, f"{UNTIMED}'{c.new}' {problem.expected}"
+            out.append({"what": f"change compile_mode: {c.new}", "reason": c.reason.removeprefix(UNTIMED)})
+    return out
+
+
 def untimed_reverts(job: Job, chosen: list) -> list:
     """Step 7's own record of each proposal :func:`untimed_proposals` left out: its key back to the job's value,
     read last by :mod:`mfu_lab.analysis.tuning` (``_withdrawn``), so that ``tuned.yaml`` written again from the
@@ -215,6 +223,11 @@ def untimed_reverts(job: Job, chosen: list) -> list:
 WITHDRAWN_RUNGS = ("fp8",)  # rungs step 7 withdraws unless it measures them faster (beside every proposed change)
 
 
+def withdrawable(name: str, mine: list) -> bool:
+    """Whether step 7 withdraws rung ``name`` (its changes ``mine``) unless it measures it faster."""
+    return name in WITHDRAWN_RUNGS or any(c.label == "proposed" for c in mine)
+
+
 def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -> set[str]:
     """A proposed change (step 4's unconfirmed leader, a guessed loader setting) or an FP8 rung that step 7 did not
     measure faster than the rung below beyond the noise is withdrawn: each of its keys back to the job's value
@@ -224,14 +237,15 @@ def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -
     done: set[str] = set()
     for rung in rungs[1:]:
         mine = by_name.get(rung.name) or []
-        if rung.challenger or rung.status != "ok" or rung.gain is None or not mine:
+        if rung.challenger or not mine or not withdrawable(rung.name, mine):
             continue
-        if not (rung.name in WITHDRAWN_RUNGS or any(c.label == "proposed" for c in mine)):
+        if rung.status == "failed":  # a proposal is adopted once timed faster: a rung that failed was not timed
+            why = f"step 7: rung {rung.name} failed ({rung.reason[:200]}): not timed"
+        elif rung.status != "ok" or rung.gain is None or (rung.proven and rung.gain > 1):
             continue
-        if rung.proven and rung.gain > 1:
-            continue
-        why = (f"step 7: rung {rung.name} gave {rung.gain:.2f}x [{rung.gain_low:.2f}, {rung.gain_high:.2f}] over the "
-               "rung below, side by side: not faster beyond the noise")
+        else:
+            why = (f"step 7: rung {rung.name} gave {rung.gain:.2f}x [{rung.gain_low:.2f}, {rung.gain_high:.2f}] "
+                   "over the rung below, side by side: not faster beyond the noise")
         for c in mine:
             chosen.append(tuning.Change(rung.name, "verify", c.key, c.new, getattr(job, c.key), why, "measured",
                                         reason=f"{tuning.WITHDRAWN}: not verified faster (the staircase's later "
