@@ -279,6 +279,10 @@ def test_a_layouts_step_under_cuda_graphs_adds_into_buffers_too_and_fsdp_is_refu
     assert [(p.key, p.value) for p in e.value.problems] == [("compile_mode", "reduce-overhead")]
     assert "job.yaml" in str(e.value) and "grad_accum 2" in str(e.value) and "'default'" in str(e.value)
     check_layout(fsdp, 1, "cpu")  # no CUDA graphs on a CPU
+    graphs = dataclasses.replace(fsdp, compile_mode="options", compile_options={"triton.cudagraphs": True})
+    with pytest.raises(JobError, match="captures CUDA graphs"):  # inductor's own switch: the same capture
+        check_layout(graphs, 1, "cuda")
+    check_layout(dataclasses.replace(graphs, compile_options={"triton.cudagraphs": False}), 1, "cuda")
     check_layout(dataclasses.replace(fsdp, grad_accum=1), 1, "cuda")  # nothing accumulates
     check_layout(dataclasses.replace(job, compile_mode="reduce-overhead"), 1, "cuda")  # DDP: buffers given ahead
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from mfu_lab.core.engine.workload import load_user_model
 from mfu_lab.core.errors import JobError, JobProblem
-from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
+from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 
 LAYOUT_SOURCE = "job layout"
@@ -137,8 +137,8 @@ def graphs_problem(job: Job, device_type: str) -> JobProblem | None:
     (pytorch/pytorch#169545). The single-process step and the other layouts give each parameter a buffer ahead
     (core.engine.workload.grads_in_place); FSDP2's unsharded parameter exists only between its all-gather and its
     reshard, so none can be given."""
-    if not (device_type == "cuda" and job.dp_mode == "fsdp" and job.compile_mode in CUDA_GRAPH_MODES
-            and job.grad_accum > 1):
+    if not (device_type == "cuda" and job.dp_mode == "fsdp" and job.grad_accum > 1
+            and captures_cuda_graphs(job.compile_mode, job.compile_options)):
         return None
     return JobProblem("compile_mode", job.compile_mode, f"captures CUDA graphs, and with dp_mode 'fsdp' and "
                       f"grad_accum {job.grad_accum} the next micro-batch's replay overwrites the gradient FSDP2 "

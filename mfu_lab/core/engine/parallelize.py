@@ -25,7 +25,7 @@ from mfu_lab.core.engine.tp_plan import apply_tp, blocks_of, model_kind
 from mfu_lab.core.engine.workload import GPT, compile_kwargs, grads_in_place, logits_of
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job.factories import load_factory
-from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
+from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 
 NOTE_MP = "MixedPrecisionPolicy replaces autocast"
@@ -259,7 +259,7 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
                      "optimizer.step() (left to AdamW, each would be reduced at every use)")
     modules = [m for _, m in parts]
     ddp, sync, autocast_dtype = None, False, job.dtype
-    cuda_graphs = job.compile_mode in CUDA_GRAPH_MODES and device.type == "cuda"
+    cuda_graphs = captures_cuda_graphs(job.compile_mode, job.compile_options) and device.type == "cuda"
     if layout.fsdp:  # 5. FSDP2: per block, then the root
         _apply_fsdp(modules, layout, mesh["dp"], notes)
         autocast_dtype = "float32"

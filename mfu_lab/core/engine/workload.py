@@ -56,7 +56,7 @@ from mfu_lab.core.engine.losses import (
 from mfu_lab.core.errors import JobError, JobProblem, StepError
 from mfu_lab.core.job.compile_options import options_problem
 from mfu_lab.core.job.factories import load_factory
-from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
+from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 
 
@@ -387,7 +387,8 @@ def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
     loss_fn = load_factory(job.loss, None, job.factory_paths, job.trust, key="loss") if job.loss else None
     step = TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled, loss_fn, job.data,
                      job.uses_reference_model, job.loss_impl, grad_accum=job.grad_accum,
-                     cuda_graphs=kw is not None and device_type == "cuda" and job.compile_mode in CUDA_GRAPH_MODES)
+                     cuda_graphs=kw is not None and device_type == "cuda"
+                     and captures_cuda_graphs(job.compile_mode, job.compile_options))
     if kw is not None and job.loss_impl == "compiled":  # one region: the forward, the loss and their casts
         step.region = torch.compile(functools.partial(_region_body, step), **kw)
     return step

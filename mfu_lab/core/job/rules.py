@@ -31,6 +31,13 @@ SEQ_POLICIES = ("longest", "pad", "bucket", "pack")
 LAST_BATCH = ("drop", "keep", "pad")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs (on CUDA only)
+
+
+def captures_cuda_graphs(mode: str, options: Any = None) -> bool:
+    """Whether torch.compile as a job's ``compile_mode`` (and ``compile_options``) runs it captures CUDA graphs on a
+    CUDA device: reduce-overhead and max-autotune, or ``options`` with inductor's ``triton.cudagraphs`` on."""
+    return mode in CUDA_GRAPH_MODES or (mode == "options" and isinstance(options, dict)
+                                        and bool(options.get("triton.cudagraphs")))
 COMPILE_DYNAMIC = ("auto", "static", "dynamic")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 COMM_HOOKS = ("none", "allreduce", "fp16_compress", "bf16_compress", "powersgd")

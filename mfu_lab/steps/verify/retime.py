@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mfu_lab.analysis import tuning
 from mfu_lab.core.engine.layout import beyond_ddp
-from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
+from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure.sidebyside import bootstrap_speedup
 from mfu_lab.core.process.budget import Clock, cold_compile
@@ -130,7 +130,7 @@ def retime(job: Job, run_job: Job, tuned: Job, gone: Stale, each_s: float, clock
     pair = [Rung(AGAIN, {}, "ok", dtype=job.dtype), Rung(AS_WRITTEN, changed(job, tuned), "ok", dtype=tuned.dtype)]
     jobs = [job, tuned]
     give_peaks(job, device, pair, jobs, say)
-    graphs = frozenset(r.name for r, j in zip(pair, jobs) if j.compile_mode in CUDA_GRAPH_MODES)
+    graphs = frozenset(r.name for r, j in zip(pair, jobs) if captures_cuda_graphs(j.compile_mode, j.compile_options))
     memory = memory_share.for_device(device, {AGAIN: job.micro_batch, AS_WRITTEN: tuned.micro_batch},
                                      job.micro_batch, results.get("baseline"), graphs)
     say(f"the tuned file as written (without {gone.words()}): timing it beside the original, {rounds} rounds")

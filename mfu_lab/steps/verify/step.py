@@ -33,7 +33,7 @@ from mfu_lab.analysis import tuning
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.layout import beyond_ddp
 from mfu_lab.core.engine.layout_check import graphs_problem
-from mfu_lab.core.job.rules import CUDA_GRAPH_MODES
+from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure.environment import environment
@@ -114,9 +114,9 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         order = measure_in_layout(run_job, rungs, jobs, work, say, device, nnodes * nproc)
     else:
         running = [(r, j) for r, j in zip(rungs, jobs) if r.status == "ok"]
+        graphs = frozenset(r.name for r, j in running if captures_cuda_graphs(j.compile_mode, j.compile_options))
         memory = memory_share.for_device(device, {r.name: j.micro_batch for r, j in running}, job.micro_batch,
-                                         results.get("baseline"), frozenset(
-                                             r.name for r, j in running if j.compile_mode in CUDA_GRAPH_MODES))
+                                         results.get("baseline"), graphs)
         if memory is not None and timed:
             say(f"memory: {memory.note}")
             if memory.release:
@@ -205,7 +205,7 @@ def graphs_clash(job: Job, chosen: list, device_type: str) -> list[dict[str, str
     problem = graphs_problem(tuning.tuned_job(job, chosen), device_type)
     out = []
     for c in chosen if problem else []:
-        if c.adopted and c.key == "compile_mode" and c.new in CUDA_GRAPH_MODES:
+        if c.adopted and c.key in ("compile_mode", "compile_options"):
             c.adopted, c.reason = False, f"{UNTIMED}'{c.new}' {problem.expected}"
             out.append({"what": f"change compile_mode: {c.new}", "reason": c.reason.removeprefix(UNTIMED)})
     return out
