@@ -408,7 +408,11 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
 
     monkeypatch.setattr(verify, "measure_rungs", rungs_measured)
     monkeypatch.setattr(retime, "measure_rungs", rungs_measured)
+    from mfu_lab.steps.verify import memory_share  # as on a GPU: each rung's share, kept in the result
+    monkeypatch.setattr(memory_share, "for_device", lambda device, mbs, mb, base, graphs=frozenset():
+                        memory_share.MemoryPlan({n: 0.3 for n in mbs}, note="each rung bounded to 30%"))
     r = verify.run(job)
+    assert r.memory["fractions"] == {"original": 0.3, "data": 0.3, "optimizer": 0.3} and not r.memory["release"]
     assert [x.name for x in r.rungs] == ["original", "data", "optimizer", retime.AGAIN, retime.AS_WRITTEN]
     assert timed["optimizer"][0].num_workers == 2  # the top rung held the change withdrawn below it
     written, rounds = timed[retime.AS_WRITTEN]

@@ -25,7 +25,7 @@ launch) when the job runs data-parallel. Writes ``<out>/<job>/07_verify/result.j
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,7 @@ class VerifyResult(StepResult):
     ddp: dict[str, Any]
     headline: dict[str, Any]
     advice: list[Advice]
+    memory: dict[str, Any] = field(default_factory=dict)  # on CUDA: each rung's share of the GPU (memory_share)
 
 
 Result = VerifyResult  # the step contract: every step module names its result class Result
@@ -95,6 +96,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     stairs = tuning.staircase(job, chosen)
     chosen += untimed_reverts(job, chosen)  # after the staircase: recorded so that a re-read tuned.yaml holds it
     rungs, jobs = staircase_rungs(stairs, device)
+    plan: dict[str, Any] = {}
     recheck = attention_recheck(job, results, stairs[-1][1])
     if recheck:
         rjob, why = recheck
@@ -119,6 +121,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
                                          results.get("baseline"), graphs)
         if memory is not None and timed:
             say(f"memory: {memory.note}")
+            plan = asdict(memory)
             if memory.release:
                 skipped.append({"what": "every rung bounded to its share of the GPU", "reason": memory.note})
         order = measure_rungs(run_job, rungs, jobs, work, say, memory) if timed else []
@@ -168,7 +171,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     result = VerifyResult("verify", job.to_dict(), environment(device.name, device.type), metrics,
                           [c.to_dict() for c in chosen], str(tuned_path), rungs, order, loss, ledgers, ddp, headline,
                           [], skipped=skipped + clock.shortened)
-    result.budget, result.advice = clock.record(), advise(result)
+    result.budget, result.advice, result.memory = clock.record(), advise(result), plan
     result.elapsed_s = time.perf_counter() - t_start
     if write:
         save(job, result)
