@@ -431,6 +431,11 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     assert r.advice[0].message.startswith("Adopt the tuned job (tuned.yaml)")
     assert r.headline["carried"] == ["the tuned file as written (adamw_impl: fused)"]
     assert not any(retime.AS_WRITTEN in a.message for a in r.advice)  # the pair is the headline, not a rung's line
+    opt = r.rungs[2]  # had the optimizer's own gain been within the noise: measured over the withdrawn rung, said
+    opt.gain, opt.gain_low, opt.gain_high, opt.proven = 0.98, 0.90, 1.05, False
+    (line,) = [a for a in verify.advise(r) if a.message.startswith("The optimizer change is not proven")]
+    assert line.because.endswith("; measured over rung data, which step 7 withdrew: the tuned file as written, "
+                                 "timed again, is the headline's figure")
     assert [o for o in r.order if o[1] == retime.AGAIN] == [[1, retime.AGAIN], [2, retime.AGAIN], [3, retime.AGAIN]]
     from mfu_lab.steps.verify.tuned import withdrawn_keys
     assert withdrawn_keys(job) == ["num_workers"]  # the runner's last line names what step 7 took back

@@ -267,16 +267,24 @@ def advise(r: VerifyResult) -> list[Advice]:
         sev = "act" if h.get("proven") and h["speedup"] > 1 and h.get("loss_ok") else "look"
         out.append(Advice(sev, f"Adopt the tuned job ({Path(r.tuned_file).name}): {h['text']}",
                           "changes carried the gain: " + (", ".join(h["carried"]) or "none beyond the noise")))
+    gone = [c["rung"] for c in r.changes if c.get("step") == "verify" and c.get("adopted")
+            and str(c.get("reason", "")).startswith(tuning.WITHDRAWN)]
+    below: list[str] = []  # withdrawn rungs under the one at hand: its gain was measured over their change
     for rung in r.rungs[1:]:
         if rung.name in (retime.AGAIN, retime.AS_WRITTEN):  # the headline's pair: its figure is the headline
             continue
         if rung.status == "ok" and rung.proven is False:
+            over = (f"; measured over rung {', '.join(below)}, which step 7 withdrew" + (
+                ": the tuned file as written, timed again, is the headline's figure" if h.get("as_written") else "")
+                    if below else "")
             out.append(Advice("look", f"The {rung.name} change is not proven on this job: its gain "
                               f"{rung.gain:.2f}x [{rung.gain_low:.2f}, {rung.gain_high:.2f}] includes 1.0",
-                              "interleaved rounds, bootstrap interval of the ratio of medians"))
+                              "interleaved rounds, bootstrap interval of the ratio of medians" + over))
         elif rung.status in ("failed", "excluded"):
             out.append(Advice("info" if rung.status == "excluded" else "look",
                               f"Rung {rung.name} {rung.status}: {rung.reason}", "recorded; the other rungs ran"))
+        if rung.name in gone and rung.wall_s:
+            below.append(rung.name)
     if r.loss.get("status") == "off":
         out.append(Advice("act", "The tuned job's loss ends above the original's beyond loss_tolerance: refuse the "
                           "lossy changes (keep: [dtype, fp8_layers]) and verify again",
