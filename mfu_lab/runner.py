@@ -389,8 +389,7 @@ def _tuned(job: Job, source: str, run_id: str) -> None:
         print(f"mfu-lab: tuned job not written: {filesystem_problem(e)}", file=sys.stderr)
         return
     adopted, gone = sum(c.adopted for c in chosen), withdrawn_keys(job)
-    took = f"; step 7 took back {', '.join(gone)}: not verified faster, or not timed (its changes say which)" if gone \
-        else ""
+    took = f"; step 7 took back {', '.join(gone)} (its changes say why)" if gone else ""
     print(f"mfu-lab: tuned job: {path} ({adopted} change(s) adopted of {len(chosen)} recommended{took}; "
           f"mfu-lab run {path} runs it)")
 

@@ -152,6 +152,9 @@ def test_step7_keeps_room_for_its_second_turn_only_when_a_rung_it_may_withdraw_h
                           None) == (0.0, "")
     rungs[2].status = "excluded"  # nothing timed above it
     assert retime.reserve(tiny_job, stairs, rungs, jobs, withdrawable, 0.5, None) == (0.0, "")
+    # but an attention re-check above it holds it too: room kept
+    rungs.append(Rung("attention at bfloat16", {}, "ok", challenger=True))
+    assert retime.reserve(tiny_job, stairs, rungs, jobs + [tiny_job], withdrawable, 0.5, None)[0] > 0
 
 
 def test_step2_screens_the_references_then_as_many_as_fit_half_the_time_left(tmp_path: Path):

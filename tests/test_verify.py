@@ -214,10 +214,14 @@ def test_a_rung_that_fails_is_recorded_and_the_others_run(tiny_job, monkeypatch)
 
     monkeypatch.setattr(rungs, "RungProcess", broken)
     r = verify.run(job, write=False)
-    comp = r.rungs[-1]
+    comp = r.rungs[2]
     assert comp.name == "compile" and comp.status == "failed" and "no_such_module" in comp.reason
     assert [x.status for x in r.rungs[:2]] == ["ok", "ok"] and r.rungs[1].speedup is not None
-    assert [n for _, n in r.order] == ["original", "attention"] * 2
+    assert [n for _, n in r.order][:4] == ["original", "attention"] * 2
+    # tuned.yaml keeps the measured compile change, which the staircase could not time: the file as written is
+    # timed again beside the original (here its compile works: only the rung named compile was broken)
+    assert [x.name for x in r.rungs[3:]] == ["original again", "tuned as written"]
+    assert "ran compile_mode off where tuned.yaml has default (rung compile)" in r.headline["text"]
 
 
 @pytest.mark.e2e
@@ -425,8 +429,8 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     # the headline's original is the one timed in the same rounds, not the staircase's
     assert r.headline["mfu_before"] == again.mfu == r.metrics["mfu_before"].value != r.rungs[0].mfu
     assert r.ledgers["before"].get("mfu").fraction == pytest.approx(again.mfu)
-    assert "held num_workers 2 (rung data), withdrawn since: the tuned file as written was timed again" in \
-        r.headline["text"]
+    assert ("top rung ran num_workers 2 where tuned.yaml has 0 (rung data): the tuned file as written was timed "
+            "again") in r.headline["text"]
     assert r.loss["tuned_rung"] == retime.AS_WRITTEN and r.metrics["speedup"].value == last.speedup
     assert r.advice[0].message.startswith("Adopt the tuned job (tuned.yaml)")
     assert r.headline["carried"] == ["the tuned file as written (adamw_impl: fused)"]
@@ -452,7 +456,7 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     timed.clear()
     r = verify.run(job)
     assert retime.AS_WRITTEN not in timed and r.headline["as_written"] is False
-    assert "measured with num_workers 2 (rung data), withdrawn since: tuned.yaml as written was not timed" in \
+    assert "ran num_workers 2 where tuned.yaml has 0 (rung data): the tuned file as written was not timed" in \
         r.headline["text"]
     assert any(s["what"].startswith("the tuned file as written") and s["reason"].startswith("budget:")
                for s in r.skipped)
@@ -478,3 +482,38 @@ def test_the_index_reads_the_second_turns_pair_and_keeps_its_note():
     rungs[3]["mfu"], rungs[1]["mfu"] = None, 0.20
     text = verified_text({"headline": h | {"as_written": False}, "rungs": rungs})
     assert "the original's 30.0%" in text and text.startswith("tokens/s 0.56x")
+
+
+def test_a_proposed_rung_that_failed_below_a_timed_one_gets_the_second_turn_too(tiny_job, monkeypatch):
+    """The data rung's process fails: its proposal is withdrawn untimed, but the optimizer rung above ran with it.
+    The top rung's job and tuned.yaml differ in num_workers, so the file as written is timed again."""
+    from mfu_lab.steps.verify import retime
+    from mfu_lab.steps.verify import step as verify
+
+    job = dataclasses.replace(tiny_job, verify_rounds=2, verify_steps=2, verify_warmup_steps=1)
+    _store(job, "baseline", step1(0.2))
+    _store(job, "kernels", {"optimizer_race": {"ran": True, "adopted": True, "pick": "fused", "reference": "default",
+                                               "speedup": {"value": 1.3, "low": 1.1, "high": 1.5}}})
+    ms = {"original": 10.0, "optimizer": 16.0, retime.AGAIN: 10.0, retime.AS_WRITTEN: 8.0}
+    timed = {}
+
+    def rungs_measured(run_job, rungs, jobs, work, say, memory=None):
+        for r, j in zip(rungs, jobs):
+            timed[r.name] = j
+            if r.name == "data":
+                r.status, r.reason = "failed", "worker 1 exited"
+                continue
+            n = run_job.verify_rounds * run_job.verify_steps
+            r.wall_s = [ms[r.name] / 1e3 * (1 + 0.01 * (i % 3)) for i in range(n)]
+            r.data_s, r.compute_s, r.loss = [0.0] * n, list(r.wall_s), [4.0] * (n + 1)
+            r.step_median_s = r.step_p10_s = r.step_p90_s = statistics.median(r.wall_s)
+        return [[k + 1, r.name] for k in range(run_job.verify_rounds) for r in rungs if r.wall_s]
+
+    monkeypatch.setattr(verify, "measure_rungs", rungs_measured)
+    monkeypatch.setattr(retime, "measure_rungs", rungs_measured)
+    r = verify.run(job)
+    assert any(c["key"] == "num_workers" and "rung data failed (worker 1 exited): not timed" in c["evidence"]
+               for c in r.changes)
+    assert timed["optimizer"].num_workers == 2 and timed[retime.AS_WRITTEN].num_workers == 0
+    assert r.headline["as_written"] and "ran num_workers 2 where tuned.yaml has 0 (rung data)" in r.headline["text"]
+    assert r.headline["speedup"] == pytest.approx(10.0 / 8.0, rel=0.02)

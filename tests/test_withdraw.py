@@ -119,3 +119,11 @@ def test_a_cuda_graph_mode_beside_fsdp2_with_accumulation_from_another_step_is_n
     reverts = untimed_reverts(job, chosen)  # recorded, so that tuned.yaml written again from the results holds it
     assert [(c.key, c.new) for c in reverts] == [("compile_mode", job.compile_mode)]
     assert graphs_clash(job, tuning.changes(job, {"compile": leader}), "cuda") == []  # without FSDP2: nothing refused
+    # the job's own mode captures graphs too: taking step 4's back does not help, and the entry says so
+    own = dataclasses.replace(job, compile_mode="reduce-overhead")
+    other = {"recommendation": {"compile": True, "mode": "max-autotune"}, "trials": [{"mode": "max-autotune",
+                                                                                     "speedup": 1.4}]}
+    chosen = tuning.changes(own, {"compile": other}) + [
+        tuning.Change("layout", "placement", "dp_mode", "ddp", "fsdp", "step 6", "measured")]
+    said = graphs_clash(own, chosen, "cuda")
+    assert said[-1]["what"] == "the tuned file on CUDA" and "will refuse it" in said[-1]["reason"]

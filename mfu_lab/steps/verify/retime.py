@@ -17,7 +17,9 @@ import dataclasses
 from pathlib import Path
 
 from mfu_lab.analysis import tuning
+from mfu_lab.analysis.result_keys import MAY_SET
 from mfu_lab.core.engine.layout import beyond_ddp
+from mfu_lab.core.errors import JobError
 from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure.sidebyside import bootstrap_speedup
@@ -29,25 +31,38 @@ AGAIN, AS_WRITTEN = "original again", "tuned as written"
 START_S = 5.0  # a rung process's start-up, as core.process.budget.fit_verify counts it
 
 
+# keys a rung's single process does not apply: DDP and FSDP2 settings, the layout's degrees (verified under torchrun)
+# and FP8 (the training loop applies none); a layout's micro_batch it does apply
+NOT_IN_ONE_PROCESS = frozenset(k for rung in ("communication", "layout", "fp8") for k in MAY_SET[rung].keys) - {
+    "micro_batch"}
+
+
 @dataclasses.dataclass
 class Stale:
-    """The withdrawn rungs below the top rung kept, and their keys: what the top rung's figure still includes."""
+    """What the top rung kept was measured with that the tuned file does not hold: key -> the top rung's value, and
+    the rungs below it that set those keys (withdrawn by step 7, or by its torchrun checks)."""
 
     rungs: list[str]
-    keys: dict[str, object]  # key -> the value the measured top rung had (tuned.yaml has the job's again)
+    keys: dict[str, tuple]  # key -> (the top rung's value, the tuned file's)
 
     def words(self) -> str:
-        return ", ".join(f"{k} {v}" for k, v in self.keys.items()) + f" (rung {', '.join(self.rungs)})"
+        if not self.keys:
+            return "another job than the tuned file"
+        return ", ".join(f"{k} {a} where tuned.yaml has {b}" for k, (a, b) in self.keys.items()) + (
+            f" (rung {', '.join(self.rungs)})" if self.rungs else "")
 
 
-def stale(measured: list[Rung], after: Rung | None, withdrawn: set[str]) -> Stale | None:
-    """What ``after`` (the top rung kept) was measured with that ``tuned.yaml`` no longer holds; None when nothing."""
-    if after is None or not withdrawn or after not in measured:
+def stale(rungs: list[Rung], jobs: list[Job], after: Rung | None, tuned: Job) -> Stale | None:
+    """Where the job ``after`` (the top rung kept) ran differs from ``tuned`` (the file as written) in a key its
+    process applies: a change withdrawn below it, timed or not (a rung that failed), or a layout's micro_batch the
+    torchrun check withdrew. None when they are the same job there."""
+    if after is None or after not in rungs:
         return None
-    below = [r for r in measured[1:measured.index(after)] if r.name in withdrawn]
-    if not below:
+    top = jobs[rungs.index(after)]
+    keys = {k: (v, getattr(tuned, k)) for k, v in changed(tuned, top).items() if k not in NOT_IN_ONE_PROCESS}
+    if not keys:
         return None
-    return Stale([r.name for r in below], {k: v for r in below for k, v in r.keys.items()})
+    return Stale([r.name for r in rungs[1:] if r is not after and set(r.keys) & set(keys)], keys)
 
 
 def as_written(job: Job, chosen: list) -> Job:
@@ -67,10 +82,9 @@ class SecondTurn:
         """The headline's note on the turn; when the pair is the headline, the changes it carried are the tuned
         file's (timed together, against the original), less those not timed here (excluded rungs' keys)."""
         written = after.name == AS_WRITTEN
-        headline["note"] = (f"the staircase's top rung held {self.gone.words()}, withdrawn since: the tuned file as "
-                            "written was timed again beside the original" if written else
-                            f"measured with {self.gone.words()}, withdrawn since: tuned.yaml as written was not "
-                            "timed (see skipped)")
+        headline["note"] = f"the staircase's top rung ran {self.gone.words()}: " + (
+            "the tuned file as written was timed again beside the original" if written else
+            "the tuned file as written was not timed (see skipped)")
         headline["text"] += "; " + headline["note"]
         headline["as_written"] = written
         if written:
@@ -79,18 +93,24 @@ class SecondTurn:
             headline["carried"] = [f"the tuned file as written ({keys})"] if after.proven and after.gain > 1 else []
 
 
-def second_turn(job: Job, run_job: Job, chosen: list, measured: list[Rung], before: Rung | None,
-                after: Rung | None, withdrawn: set[str], clock: Clock, device, work: Path, say,
-                results: dict) -> SecondTurn | None:
-    """Step 7's second turn where the top rung kept holds a withdrawn change (None elsewhere): the tuned file as
-    written timed beside the original, or why not (a layout's staircase is not timed twice; the share)."""
-    gone = stale(measured, after, withdrawn) if before is not None else None
+def second_turn(job: Job, run_job: Job, chosen: list, rungs: list[Rung], jobs: list[Job], before: Rung | None,
+                after: Rung | None, clock: Clock, device, work: Path, say, results: dict) -> SecondTurn | None:
+    """Step 7's second turn where the top rung kept ran another job than the tuned file as written (None
+    elsewhere): the file timed beside the original, or why not (a layout's staircase is not timed twice; the
+    share; a tuned file that does not validate)."""
+    if before is None or after is None or after is before:
+        return None
+    try:
+        tuned = as_written(job, chosen)
+    except JobError as e:  # recorded; the staircase's figures stand
+        return SecondTurn(Stale([], {}), [], [], f"the tuned file as written does not validate: {e}")
+    gone = stale(rungs, jobs, after, tuned)
     if not gone:
         return None
     if beyond_ddp(job):
         return SecondTurn(gone, [], [], "the job runs in a layout of its own, where the staircase is not timed twice")
     each = max(r.step_median_s for r in (before, after))
-    pair, order, why = retime(job, run_job, as_written(job, chosen), gone, each, clock, device, work, say, results)
+    pair, order, why = retime(job, run_job, tuned, gone, each, clock, device, work, say, results)
     return SecondTurn(gone, pair, order, why)
 
 
@@ -107,9 +127,9 @@ def reserve(job: Job, stairs: list, rungs: list[Rung], jobs: list[Job], withdraw
     """(seconds, what for) step 7 keeps back from the staircase's rounds for the second turn: its least (2 rounds)
     when a rung it may withdraw (``withdrawable(name, changes)``) is timed below another timed rung, else 0."""
     changes = {name: mine for name, _, mine in stairs}
-    timed = [(r, j) for r, j in zip(rungs, jobs) if r.status == "ok" and not r.challenger]
+    timed = [(r, j) for r, j in zip(rungs, jobs) if r.status == "ok"]  # a re-check above counts: it holds them too
     for r, _ in timed[1:-1]:
-        if withdrawable(r.name, changes.get(r.name) or []):
+        if not r.challenger and withdrawable(r.name, changes.get(r.name) or []):
             s = need_s(job, timed[-1][1], each_s, 2, compile_step)
             return s, f"about {s:.0f} s kept for the tuned file's second turn, should rung {r.name} be withdrawn"
     return 0.0, ""
@@ -133,7 +153,8 @@ def retime(job: Job, run_job: Job, tuned: Job, gone: Stale, each_s: float, clock
     graphs = frozenset(r.name for r, j in zip(pair, jobs) if captures_cuda_graphs(j.compile_mode, j.compile_options))
     memory = memory_share.for_device(device, {AGAIN: job.micro_batch, AS_WRITTEN: tuned.micro_batch},
                                      job.micro_batch, results.get("baseline"), graphs)
-    say(f"the tuned file as written (without {gone.words()}): timing it beside the original, {rounds} rounds")
+    say(f"the tuned file as written (the staircase's top rung ran {gone.words()}): timing it beside the original, "
+        f"{rounds} rounds")
     order = measure_rungs(dataclasses.replace(run_job, verify_rounds=rounds), pair, jobs, work, say, memory)
     if not all(r.wall_s for r in pair):
         return pair, order, "; ".join(f"{r.name} {r.status}: {r.reason}" for r in pair if not r.wall_s)

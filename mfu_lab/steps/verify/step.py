@@ -148,11 +148,14 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         else:
             after.reason = "not adopted: not faster than the tuned job beyond the noise"
             after = next((r for r in reversed(measured[:-1]) if r.name not in withdrawn), None)
+    adopted_n = len(chosen)
     ddp = verify_ddp(run_job, device.type, chosen, work / "ddp", say)  # before the second turn: the share's checks
+    if write and len(chosen) > adopted_n:  # the layout check withdrew its proposal: tuned.yaml says so now
+        save_tuned(job, chosen)
     for r in rungs:
         r.reason = torchrun_reason(r, ddp)
     stairs_only = list(rungs)
-    turn = retime.second_turn(job, run_job, chosen, measured, before, after, withdrawn, clock, device, work, say,
+    turn = retime.second_turn(job, run_job, chosen, stairs_only, jobs, before, after, clock, device, work, say,
                               results)
     if turn:
         rungs, order = rungs + turn.pair, order + turn.order
@@ -199,28 +202,35 @@ def untimed_proposals(job: Job, chosen: list, clock: Clock, step4: dict | None) 
 
 
 UNTIMED = "not timed, so not adopted: "
+CLASH = "not adopted beside the tuned layout: "
+_REVERTS = ((UNTIMED, "untimed"), (CLASH, "clash"))  # a reason step 7 left a change out for -> its revert's word
 
 
 def graphs_clash(job: Job, chosen: list, device_type: str) -> list[dict[str, str]]:
     """A CUDA-graph compile mode (step 4) adopted beside FSDP2 (step 2 or 6) with accumulation: the tuned job's
     layout check would refuse the pair (core.engine.layout_check.graphs_problem), so the compile mode is not
-    adopted, and said. Returns the skipped entries."""
+    adopted, and said; where the job's own compile mode clashes too (or the change is pinned by keep), the entry
+    says that the tuned file will be refused on CUDA. Returns the skipped entries."""
     problem = graphs_problem(tuning.tuned_job(job, chosen), device_type)
     out = []
     for c in chosen if problem else []:
-        if c.adopted and c.key in ("compile_mode", "compile_options"):
-            c.adopted, c.reason = False, f"{UNTIMED}'{c.new}' {problem.expected}"
-            out.append({"what": f"change compile_mode: {c.new}", "reason": c.reason.removeprefix(UNTIMED)})
+        if c.adopted and c.key == "compile_mode":
+            c.adopted, c.reason = False, f"{CLASH}'{c.new}' {problem.expected}"
+            out.append({"what": f"change compile_mode: {c.new}", "reason": c.reason.removeprefix(CLASH)})
+    if problem and (still := graphs_problem(tuning.tuned_job(job, chosen), device_type)):
+        out.append({"what": "the tuned file on CUDA", "reason": f"its layout check will refuse it: {still}; set "
+                    "compile_mode in the job, or keep: [dp_mode]"})
     return out
 
 
 def untimed_reverts(job: Job, chosen: list) -> list:
-    """Step 7's own record of each proposal :func:`untimed_proposals` left out: its key back to the job's value,
-    read last by :mod:`mfu_lab.analysis.tuning` (``_withdrawn``), so that ``tuned.yaml`` written again from the
-    stored results (the runner's, after step 7) does not adopt what step 7 never timed."""
+    """Step 7's own record of each change it left out before timing (:func:`untimed_proposals`,
+    :func:`graphs_clash`): its key back to the job's value, read last by :mod:`mfu_lab.analysis.tuning`
+    (``_withdrawn``), so that ``tuned.yaml`` written again from the stored results (the runner's, after step 7)
+    does not adopt it."""
     return [tuning.Change(c.rung, "verify", c.key, c.new, getattr(job, c.key), c.reason, c.label,
-                          reason=f"{tuning.WITHDRAWN} untimed: {c.reason.removeprefix(UNTIMED)}")
-            for c in chosen if not c.adopted and c.reason.startswith(UNTIMED)]
+                          reason=f"{tuning.WITHDRAWN} {word}: {c.reason.removeprefix(prefix)}")
+            for c in chosen if not c.adopted for prefix, word in _REVERTS if c.reason.startswith(prefix)]
 
 
 WITHDRAWN_RUNGS = ("fp8",)  # rungs step 7 withdraws unless it measures them faster (beside every proposed change)
@@ -283,7 +293,7 @@ def advise(r: VerifyResult) -> list[Advice]:
         elif rung.status in ("failed", "excluded"):
             out.append(Advice("info" if rung.status == "excluded" else "look",
                               f"Rung {rung.name} {rung.status}: {rung.reason}", "recorded; the other rungs ran"))
-        if rung.name in gone and rung.wall_s:
+        if rung.name in gone:  # timed or not (a rung that failed): the rungs above held its change
             below.append(rung.name)
     if r.loss.get("status") == "off":
         out.append(Advice("act", "The tuned job's loss ends above the original's beyond loss_tolerance: refuse the "
