@@ -302,11 +302,16 @@ def _rechecked(job: Job, r: dict) -> list[Change]:
     return _verify_rows(r, False)
 
 
-def _withdrawn(job: Job, r: dict) -> list[Change]:
-    """Step 7's withdrawals: a proposed change or FP8 rung not measured faster, or one its share could not time,
-    back to the job's value (read last, they replace the change of their key: the runner's tuned.yaml after step 7
-    holds what step 7 decided)."""
+def withdrawals(r: dict) -> list[Change]:
+    """Step 7's withdrawals in its result ``r`` (a dict as stored): a proposed change or FP8 rung not measured
+    faster, or one it could not time or adopt, back to the job's value."""
     return _verify_rows(r, True)
+
+
+def _withdrawn(job: Job, r: dict) -> list[Change]:
+    """Step 7's withdrawals (read last, they replace the change of their key: the runner's tuned.yaml after step 7
+    holds what step 7 decided)."""
+    return withdrawals(r)
 
 
 # (the step whose result is read, the reader's row in result_keys.MAY_SET, the reader)

@@ -6,6 +6,7 @@ import textwrap
 
 import matplotlib.ticker
 
+from mfu_lab.analysis import tuning
 from mfu_lab.plots.base import ReportFigure
 from mfu_lab.plots.monitor import Unavailable
 
@@ -23,8 +24,7 @@ def staircase(result) -> ReportFigure | Unavailable:
     fig = ReportFigure(figsize=(11, 0.6 * len(rungs) + 1.9))
     ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1.3]})
     ys = list(range(len(rungs)))[::-1]
-    withdrawn = {c.get("rung") for c in result.changes if isinstance(c, dict) and c.get("step") == "verify"
-                 and str(c.get("reason", "")).startswith("withdrawn")}
+    withdrawn = {c.rung for c in tuning.withdrawals({"changes": result.changes})}
     top = max(r.step_p90_s or 0 for r in rungs) * 1e3
     for y, r in zip(ys, rungs):
         color = RUNG_COLORS.get(r.name.split()[0], "#868e96")
@@ -59,7 +59,7 @@ def staircase(result) -> ReportFigure | Unavailable:
     ax2.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
     ax2.set_xlim(0, max((r.mfu or 0) for r in rungs) * 1.35 or 1)
     fig.suptitle("The staircase: each adopted change added in the workflow's order, measured side by side" + (
-        "\nlast two: the tuned file as written (without the withdrawn), timed again beside the original"
+        "\nlast two: the tuned file as written, timed again beside the original"
         if any(r.name == "tuned as written" for r in rungs) else ""))
     fig.tight_layout()
     return fig

@@ -208,6 +208,15 @@ def fit_kernels(job, clock: Clock, step_s: tuple[float, str]) -> tuple[object, b
     return dataclasses.replace(job, steps=n, warmup_steps=min(job.warmup_steps, 1)) if n < job.steps else job, with_ddp
 
 
+RUNG_START_S = 5.0  # a step-7 rung process's start-up
+
+
+def rung_turns_s(job, rungs: int, rounds: int, each_s: float) -> float:
+    """Seconds of ``rungs`` step-7 rung processes, each started, warmed up and timed ``rounds`` x ``verify_steps``
+    steps of about ``each_s``."""
+    return rungs * (RUNG_START_S + (job.verify_warmup_steps + rounds * job.verify_steps) * each_s)
+
+
 def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout: bool, ddp: bool,
                reserve: tuple[float, str] = (0.0, "")):
     """The job as step 7 times it within its share: ``verify_rounds`` lowered to the most rounds whose estimate
@@ -225,7 +234,7 @@ def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout:
     each = step_s[0]
 
     def need(r: int) -> float:
-        stairs = rungs * (5.0 + job.verify_warmup_steps * each + r * job.verify_steps * each) if rungs > 1 else 0.0
+        stairs = rung_turns_s(job, rungs, r, each) if rungs > 1 else 0.0
         lay = 10.0 + min(r, 3) * 2 * (15 + job.verify_steps) * 2 * each if layout else 0.0
         dp = 10.0 + min(r, 5) * 2 * (2 + job.comm_warmup_steps + job.verify_steps) * 2 * each if ddp else 0.0
         return stairs + lay + dp

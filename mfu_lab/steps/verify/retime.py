@@ -7,8 +7,10 @@ in ``tuned.yaml``. Every rung above it was measured *with* the withdrawn change,
 tuned file, and its figure would describe a job nobody runs (on the tiny test job, ``num_workers: 2`` was withdrawn
 at 0.57x, and the headline's 0.59x was that of a job still holding it). The original and the tuned job as written
 then run once more, each in a process of its own, in interleaved rounds like the staircase's, and the headline,
-the metrics, the loss check and the ledgers are theirs. Where step 7's share cannot hold that turn, or the job runs
-in a layout of its own, the headline says which withdrawn change its figure still includes.
+the metrics, the loss check and the ledgers are theirs. The same holds wherever the top rung ran another job than the
+file in a key its process applies (a change above it that failed, a layout's micro_batch withdrawn). Where step 7's
+share cannot hold that turn, or the job runs in a layout of its own, the headline says in which keys its figure
+differs from the file.
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ from mfu_lab.core.engine.layout import beyond_ddp
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
-from mfu_lab.core.measure.sidebyside import bootstrap_speedup
-from mfu_lab.core.process.budget import Clock, cold_compile
+from mfu_lab.core.process.budget import Clock, cold_compile, rung_turns_s
 from mfu_lab.steps.verify import memory_share
 from mfu_lab.steps.verify.rungs import Rung, give_peaks, measure_rungs
+from mfu_lab.steps.verify.staircase import speedups
 
 AGAIN, AS_WRITTEN = "original again", "tuned as written"
-START_S = 5.0  # a rung process's start-up, as core.process.budget.fit_verify counts it
 
 
 # keys a rung's single process does not apply: DDP and FSDP2 settings, the layout's degrees (verified under torchrun)
@@ -117,9 +118,8 @@ def second_turn(job: Job, run_job: Job, chosen: list, rungs: list[Rung], jobs: l
 def need_s(job: Job, tuned: Job, each_s: float, rounds: int, compile_step: dict | None) -> float:
     """Seconds the turn takes: two rung processes, each started, warmed up (a compiled one compiles cold) and timed
     ``rounds`` x ``verify_steps`` steps of about ``each_s``."""
-    cold = cold_compile(job, compile_step)[0]
     compiles = sum(j.compile_mode != "off" for j in (job, tuned))
-    return 2 * (START_S + (job.verify_warmup_steps + rounds * job.verify_steps) * each_s) + compiles * cold
+    return rung_turns_s(job, 2, rounds, each_s) + compiles * cold_compile(job, compile_step)[0]
 
 
 def reserve(job: Job, stairs: list, rungs: list[Rung], jobs: list[Job], withdrawable, each_s: float,
@@ -158,7 +158,7 @@ def retime(job: Job, run_job: Job, tuned: Job, gone: Stale, each_s: float, clock
     order = measure_rungs(dataclasses.replace(run_job, verify_rounds=rounds), pair, jobs, work, say, memory)
     if not all(r.wall_s for r in pair):
         return pair, order, "; ".join(f"{r.name} {r.status}: {r.reason}" for r in pair if not r.wall_s)
-    compare(pair[0], pair[1])
+    speedups(pair, AGAIN)  # the speedup over the original again, which is also the gain: the rung below
     return pair, order, ""
 
 
@@ -166,11 +166,3 @@ def changed(job: Job, tuned: Job) -> dict[str, object]:
     """The keys ``tuned`` holds at other values than ``job`` (the rung's "adds": over the original)."""
     return {f.name: getattr(tuned, f.name) for f in dataclasses.fields(job)
             if f.name != "job_name" and getattr(tuned, f.name) != getattr(job, f.name)}
-
-
-def compare(base: Rung, rung: Rung) -> None:
-    """``rung``'s speedup over ``base``, which here is also its gain (the rung below it is the original)."""
-    s = bootstrap_speedup(base.wall_s, rung.wall_s)
-    rung.speedup, rung.speedup_low, rung.speedup_high = s.value, s.low, s.high
-    rung.gain, rung.gain_low, rung.gain_high, rung.proven = s.value, s.low, s.high, s.proven
-    base.speedup = base.speedup_low = base.speedup_high = 1.0

@@ -27,10 +27,11 @@ WALL = "over the total wall time of the measured steps"  # MFU and tokens/s, as 
 LOSS_WINDOW = 5  # steps averaged at the end of each loss curve
 
 
-def speedups(rungs: list[Rung]) -> None:
-    """Each measured rung's speedup over the original and gain over the rung below, with their intervals."""
+def speedups(rungs: list[Rung], base_name: str = "original") -> None:
+    """Each measured rung's speedup over the original (the first rung, named ``base_name``) and gain over the rung
+    below, with their intervals."""
     measured = [r for r in rungs if r.wall_s]
-    if not measured or measured[0].name != "original":
+    if not measured or measured[0].name != base_name:
         return
     base = measured[0]
     for below, rung in zip(measured, measured[1:]):

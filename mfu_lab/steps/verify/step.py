@@ -277,8 +277,7 @@ def advise(r: VerifyResult) -> list[Advice]:
         sev = "act" if h.get("proven") and h["speedup"] > 1 and h.get("loss_ok") else "look"
         out.append(Advice(sev, f"Adopt the tuned job ({Path(r.tuned_file).name}): {h['text']}",
                           "changes carried the gain: " + (", ".join(h["carried"]) or "none beyond the noise")))
-    gone = [c["rung"] for c in r.changes if c.get("step") == "verify" and c.get("adopted")
-            and str(c.get("reason", "")).startswith(tuning.WITHDRAWN)]
+    gone = {c.rung for c in tuning.withdrawals({"changes": r.changes})}
     below: list[str] = []  # withdrawn rungs under the one at hand: its gain was measured over their change
     for rung in r.rungs[1:]:
         if rung.name in (retime.AGAIN, retime.AS_WRITTEN):  # the headline's pair: its figure is the headline

@@ -49,9 +49,7 @@ def write_tuned(job: Job, keep: list[str] | tuple[str, ...] = (), source: str = 
 def withdrawn_keys(job: Job) -> list[str]:
     """The keys step 7's stored result took back to the job's values (not measured faster, or not timed)."""
     mine = store.earlier(job, "verify")
-    rows = (mine.data.get("changes") if mine else None) or []
-    return list(dict.fromkeys(str(c.get("key")) for c in rows if isinstance(c, dict) and c.get("step") == "verify"
-                              and str(c.get("reason", "")).startswith(tuning.WITHDRAWN)))
+    return list(dict.fromkeys(str(c.key) for c in tuning.withdrawals(mine.data))) if mine else []
 
 
 def save_tuned(job: Job, chosen: list[tuning.Change], source: str = "the job", run_id: str = "") -> Path:
