@@ -13,6 +13,7 @@ configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -168,32 +169,35 @@ def profile_ranks(p: dict, fresh_model, loader, device, local, cuda, job, rank, 
     emit(out, {"event": "profiled", "config": cfg, "wall_s": timings.measured("wall_s"), "warmup_steps": warm})
 
 
-def kept_local(ddp, step):
-    """``step`` with its gradients kept local (DDP's ``no_sync`` around the whole optimizer step): the same step
-    with no communication at all, ``grad_accum`` micro-batches a step as ``step`` takes them."""
+def _inside(step, context):
+    """``step`` with each optimizer step run inside ``context()``; it takes ``grad_accum`` micro-batches a step as
+    ``step`` does (core.measure.timed feeds them to ``accumulate``)."""
     def run(x, y, **kw):
-        with ddp.no_sync():
+        with context():
             return step(x, y, **kw)
 
     def accumulate(parts):
-        with ddp.no_sync():
+        with context():
             return step.accumulate(parts)
     run.grad_accum, run.accumulate = getattr(step, "grad_accum", 1), accumulate
     return run
 
 
-def slowed(step, seconds: float):
-    """``step`` with a sleep before each optimizer step (tests only: a configuration known to be slower); it takes
-    ``grad_accum`` micro-batches a step as ``step`` does (core.measure.timed feeds them to ``accumulate``)."""
-    def run(x, y, **kw):
-        time.sleep(seconds)
-        return step(x, y, **kw)
+def kept_local(ddp, step):
+    """``step`` with its gradients kept local (DDP's ``no_sync`` around the whole optimizer step): the same step
+    with no communication at all."""
+    return _inside(step, ddp.no_sync)
 
-    def accumulate(parts):
-        time.sleep(seconds)
-        return step.accumulate(parts)
-    run.grad_accum, run.accumulate = getattr(step, "grad_accum", 1), accumulate
-    return run
+
+@contextlib.contextmanager
+def _sleep_first(seconds: float):
+    time.sleep(seconds)
+    yield
+
+
+def slowed(step, seconds: float):
+    """``step`` with a sleep before each optimizer step (tests only: a configuration known to be slower)."""
+    return _inside(step, lambda: _sleep_first(seconds))
 
 
 def pick_to_confirm(full: dict[str, dict | None], confirm: dict, steps_per_turn: int) -> dict | None:
