@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from mfu_lab.report.format import flagged, impossible
 from mfu_lab.report.templating import macros
 
@@ -38,6 +40,26 @@ def test_a_plot_that_cannot_be_drawn_says_why_in_one_sentence():
     assert not stairs and "No staircase" in stairs._repr_markdown_()
     loss = plots.verify_loss(SimpleNamespace(loss={"status": "skipped", "reason": "the original did not run"}))
     assert not loss and "the original did not run" in loss._repr_markdown_()
+
+
+def test_mfu_axes_keep_distinct_tick_labels_when_every_mfu_is_a_few_percent():
+    """The staircase's and the run trend's MFU axes at 1-2% MFU: no repeated labels ("0% 0% 1% 1%")."""
+    from mfu_lab import plots
+    from mfu_lab.steps.verify.rungs import Rung
+
+    def labels(ax):
+        ax.figure.canvas.draw()
+        axis = ax.xaxis if ax.get_xlabel().startswith("MFU") else ax.yaxis
+        return [t.get_text() for t in axis.get_ticklabels() if t.get_text()]
+
+    rungs = [Rung("original", {}, "ok", step_median_s=0.3, step_p10_s=0.29, step_p90_s=0.31, mfu=0.012),
+             Rung("data", {"num_workers": 2}, "ok", step_median_s=0.25, step_p10_s=0.24, step_p90_s=0.26,
+                  mfu=0.0165, speedup=1.2, speedup_low=1.1, speedup_high=1.3, proven=True)]
+    fig = plots.staircase(SimpleNamespace(rungs=rungs, changes=[]))
+    trend = [("20261207-010000", {"01_baseline": 0.012}), ("20261207-020000", {"01_baseline": 0.017})]
+    for ax in (fig.axes[1], plots.mfu_trend(trend).axes[0]):
+        shown = labels(ax)
+        assert len(shown) >= 3 and len(set(shown)) == len(shown), shown
 
 
 def test_the_index_never_links_an_earlier_runs_report_to_a_newer_result(tmp_path):

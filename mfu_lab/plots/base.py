@@ -86,7 +86,7 @@ def mfu_trend(trend: list[tuple[str, dict[str, float]]]) -> Figure:
     ax.set_xticks(range(len(trend)), [rid[4:8] + "\n" + rid[9:15] for rid, _ in trend], fontsize=7)
     ax.set_xlim(-0.5, len(trend) - 0.5)
     ax.set_xlabel("run (MMDD, HHMMSS UTC)")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_ylim(0, max([v for _, pts in trend for v in pts.values()] + [0.01]) * 1.25)
     ax.set_ylabel("MFU (measured)")
     ax.set_title(f"MFU across this job's runs ({len(trend)} run{'s' if len(trend) != 1 else ''})")

@@ -56,7 +56,7 @@ def staircase(result) -> ReportFigure | Unavailable:
     ax.set_ylim(-0.6, len(rungs) - 0.4)
     ax.set_xlabel("step time, ms (median, p10-p90); label: speedup over the original [95%]")
     ax2.set_xlabel("MFU (own precision's peak)")
-    ax2.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+    ax2.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax2.set_xlim(0, max((r.mfu or 0) for r in rungs) * 1.35 or 1)
     fig.suptitle("The staircase: each adopted change added in the workflow's order, measured side by side" + (
         "\nlast two: the tuned file as written, timed again beside the original"
