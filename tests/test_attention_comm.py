@@ -101,3 +101,27 @@ def test_one_training_step_is_timed_per_kernel_and_the_jobs_own_row_speaks_for_i
     assert flash.status == "same kernel" and "sdpa (torch's choice)" in flash.reason
     again, other = AttentionRow("sdpa flash", "ok", kernel="flash"), AttentionRow("flash 2", "ok", kernel="flash")
     assert _one_per_kernel([again, other], None) == [again] and other.status == "same kernel"  # no job row: the first
+
+
+def test_keeping_the_jobs_own_attention_or_ddps_defaults_is_info_and_a_switch_is_act():
+    """'Keep ...' asks nothing of the user, so it is never listed as an action; a switch is."""
+    from types import SimpleNamespace
+
+    from mfu_lab.core.job.schema import Job
+    from mfu_lab.steps.attention_comm.attention_race import AttentionRow
+    from mfu_lab.steps.attention_comm.step import CommRow, _recommend, advise
+
+    def severities(att, comm):
+        rec = _recommend(Job(), att, comm, {"source": "measured here"})
+        r = SimpleNamespace(recommendation=rec, job={"attention": Job().attention}, attention=[], comm=[],
+                            comm_layout={}, baseline={"source": "measured here"}, metric=lambda _: None)
+        return [(a.message.split(" (", 1)[0].split(":")[0], a.severity) for a in advise(r)]
+
+    own = AttentionRow("sdpa (torch's choice)", "ok", step_median_s=1.0, speedup=1.0, mfu=0.4)
+    other = AttentionRow("unfused", "ok", step_median_s=0.8, speedup=1.25, mfu=0.5)
+    default = CommRow("none", 25, False, "ok", step_median_s=1.0, step_p10_s=0.9, step_p90_s=1.1, exposed_share=0.1,
+                      mfu=0.5)
+    bigger = CommRow("none", 100, False, "ok", step_median_s=0.8, step_p10_s=0.75, step_p90_s=0.85,
+                     exposed_share=0.05, mfu=0.6)
+    assert severities(own, default) == [("Keep the job's attention", "info"), ("Keep DDP's defaults", "info")]
+    assert [s for _, s in severities(other, bigger)] == ["act", "act"]

@@ -323,16 +323,24 @@ def _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label
 
 def advise(r: AttentionCommResult) -> list[Advice]:
     out = []
-    if r.recommendation.get("attention_text"):
-        out.append(Advice("act", r.recommendation["attention_text"], "correct implementations timed side by side"))
+    rec = r.recommendation
+    if rec.get("attention_text"):  # keeping the job's own attention is nothing to do: info, not act
+        keep = rec.get("attention") == JOB_IMPL[r.job["attention"]]
+        out.append(Advice("info" if keep else "act", rec["attention_text"],
+                          "correct implementations timed side by side"))
     wrong = [a.name for a in r.attention if a.status == "wrong"]
     if wrong:
         out.append(Advice("look", f"Wrong results from: {', '.join(wrong)}; they are never recommended.",
                           "relative error above tolerance against unfused float32"))
-    if r.recommendation.get("comm_text"):
-        out.append(Advice("act", r.recommendation["comm_text"], "DDP configurations and FSDP2 candidates timed in "
-                          "one launch, DDP's ranks in sync; a change is recommended only when its p10-p90 range clears "
-                          "the default's and its final loss stays within loss_tolerance of the default's"))
+    if rec.get("comm_text"):
+        comm = rec.get("comm") or {}
+        keep = (comm.get("kind") != "fsdp"
+                and (comm.get("hook"), float(comm.get("bucket_cap_mb") or 0), comm.get("gradient_as_bucket_view"))
+                == DDP_DEFAULT)
+        out.append(Advice("info" if keep else "act", rec["comm_text"],
+                          "DDP configurations and FSDP2 candidates timed in one launch, DDP's ranks in sync; a change "
+                          "is recommended only when its p10-p90 range clears the default's and its final loss stays "
+                          "within loss_tolerance of the default's"))
     best = r.metric("exposed_comm_share")
     if best is not None and best > 0.15:
         out.append(Advice("look", "Exposed communication stays above 15% of the step even at the best setting: "
