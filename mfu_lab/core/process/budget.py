@@ -305,10 +305,15 @@ def minimums(job, earlier: dict[str, dict | None]) -> dict[str, tuple[float, str
     }
 
 
+ABSORBED = 0.5  # the share of their plan that later steps without a floor (2, 5, 6) give up to a step's minimum
+
+
 def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead_s: float = STEP_OVERHEAD_S) -> str:
     """What a run prints before its first step when the budget's plan gives a step less than its minimum
-    (:func:`minimums`): the step runs its minimum anyway, so the run ends about that much past the budget, said
-    with the figures ('' when every share holds its step's minimum, or without a budget)."""
+    (:func:`minimums`): the step runs its minimum anyway. Where the later steps without a floor (:func:`minimums`
+    lists the floors) can give up the overrun within :data:`ABSORBED` of their plan, the run's re-spread before each
+    step takes it from them and the line says so; otherwise the run may end about that much past the budget, said
+    with the figures. '' when every share holds its step's minimum, or without a budget."""
     p = plan(getattr(job, "budget_min", 0.0) or 0.0, keys, overhead_s)
     if not p:
         return ""
@@ -319,9 +324,16 @@ def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead
     over = sum(need - share for _, share, need, _ in short)
     parts = "; ".join(f"step {numbers[k]} gets {share:.0f} s but needs about {need:.0f} s ({how})"
                       for k, share, need, how in short)
+    bigger = max(budget_for(k, need, overhead_s) for k, _, need, _ in short)
+    first = min(list(WEIGHTS).index(k) for k, *_ in short)
+    later = [k for k in list(WEIGHTS)[first + 1:] if k in p and k not in minimums(job, earlier)]
+    if over <= ABSORBED * sum(p[k] for k in later):  # the run's re-spread takes it from the steps after them
+        return (f"the budget of {job.budget_min:g} min gives a step less than its minimum: {parts}. It runs its "
+                f"minimum and the steps after it get about {over:.0f} s less between them, so the run can still keep "
+                f"to the budget; --budget {bigger:g} gives every step its minimum")
     return (f"the budget of {job.budget_min:g} min cannot hold every step's minimum: {parts}. Those steps run their "
             f"minimum, so the run may end about {over:.0f} s past the budget (the steps after them get less); "
-            f"--budget {max(budget_for(k, need, overhead_s) for k, _, need, _ in short):g} holds them")
+            f"--budget {bigger:g} holds them")
 
 
 def budget_for(key: str, seconds: float, overhead_s: float = STEP_OVERHEAD_S) -> float:
