@@ -77,7 +77,7 @@ def verify_loss(result) -> ReportFigure | Unavailable:
     # the original as a broad grey band under the tuned line: where the two agree, both stay visible
     ax.plot(range(len(a)), a, color="#adb5bd", lw=4.5, label="original" + (
         " (again)" if loss["tuned_rung"] == "tuned as written" else ""))
-    ax.plot(range(len(b)), b, color=RUNG_COLORS.get(loss["tuned_rung"], "#c2255c"), lw=1.4,
+    ax.plot(range(len(b)), b, color=RUNG_COLORS.get(loss["tuned_rung"].split()[0], "#c2255c"), lw=1.4,
             label="tuned, as written" if loss["tuned_rung"] == "tuned as written" else
             f"tuned (up to + {loss['tuned_rung']})")
     ax.set_xlabel("step (warm-up first)")
