@@ -48,6 +48,8 @@ def test_printer_prints_each_quarter_with_time_left():
 def test_live_bar_html_is_a_progress_element_with_the_same_text():
     h = pg.LiveBar("DDP <configs>", enabled=False).html(3, 12, 20.0)
     assert '<progress value="3" max="12"' in h and "DDP &lt;configs&gt;: 3/12 (20.0 s, about 60 s left)" in h
+    done = pg.LiveBar("FP8 policy trials", enabled=False).html(4, 4, 0.0, "3 of them not run: budget")
+    assert "FP8 policy trials: 4/4 (0.0 s; 3 of them not run: budget)" in done  # skipped items are not 'done' work
 
 
 def test_a_silent_neighbour_leaves_the_uplink_to_this_job():

@@ -68,12 +68,12 @@ class LiveBar:
         self.enabled = in_kernel() if enabled is None else enabled
         self.last = 0.0
 
-    def html(self, done: int, total: int, elapsed: float) -> str:
+    def html(self, done: int, total: int, elapsed: float, note: str = "") -> str:
+        said = eta_text(done, total, elapsed) + (f"; {note}" if note else "")
         return (f'<div class="mfu-progress"><progress value="{done}" max="{max(total, 1)}" style="width:18em">'
-                f"</progress> {html.escape(self.label)}: {done}/{total} ({html.escape(eta_text(done, total, elapsed))})"
-                "</div>")
+                f"</progress> {html.escape(self.label)}: {done}/{total} ({html.escape(said)})</div>")
 
-    def update(self, done: int, total: int, elapsed: float) -> None:
+    def update(self, done: int, total: int, elapsed: float, note: str = "") -> None:
         if not self.enabled:
             return
         now = time.monotonic()
@@ -83,9 +83,9 @@ class LiveBar:
         from IPython.display import HTML, display
 
         if self.handle is None:
-            self.handle = display(HTML(self.html(done, total, elapsed)), display_id=True)
+            self.handle = display(HTML(self.html(done, total, elapsed, note)), display_id=True)
         else:
-            self.handle.update(HTML(self.html(done, total, elapsed)))
+            self.handle.update(HTML(self.html(done, total, elapsed, note)))
 
 
 def printer(label: str, every: float = 0.25, stream=None, bar: bool | None = None, emit=None,
@@ -175,8 +175,10 @@ class Eta:
         self.live.update(finished, self.total, e)
         return f" ({finished}/{self.total} done, {eta_text(finished, self.total, e)})" if finished else ""
 
-    def finish(self) -> None:
-        self.live.update(self.total, self.total, self.elapsed())
+    def finish(self, skipped: int = 0, why: str = "") -> None:
+        """The whole marked done; ``skipped`` of the items were not run (``why``), which the bar says."""
+        note = f"{skipped} of them not run" + (f": {why}" if why else "") if skipped else ""
+        self.live.update(self.total, self.total, self.elapsed(), note)
 
 
 class Progress:
