@@ -20,7 +20,7 @@ class ReportFigure(Figure):
 
     def _repr_png_(self) -> bytes:
         buf = io.BytesIO()
-        self.savefig(buf, format="png", dpi=110)
+        self.savefig(buf, format="png", dpi=110, bbox_inches="tight")  # a legend set outside the axes is kept
         return buf.getvalue()
 
 

@@ -133,7 +133,7 @@ def model_check(result) -> ReportFigure:
     ax.invert_yaxis()
     ax.set_xlabel("step time (ms)")
     ax.set_title(f"The model against step 2: {ch.world} ranks over {ch.backend}")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=4, frameon=False)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, frameon=False)
     fig.tight_layout()
     return fig
 
