@@ -389,8 +389,9 @@ def _tuned(job: Job, source: str, run_id: str) -> None:
         print(f"mfu-lab: tuned job not written: {filesystem_problem(e)}", file=sys.stderr)
         return
     adopted, gone = sum(c.adopted for c in chosen), withdrawn_keys(job)
+    back = [k for k in gone if k not in {str(c.key) for c in chosen}]  # taken back: no longer a change in the file
     took = f"; step 7 took back {', '.join(gone)} (its changes say why)" if gone else ""
-    print(f"mfu-lab: tuned job: {path} ({adopted} change(s) adopted of {len(chosen)} recommended{took}; "
+    print(f"mfu-lab: tuned job: {path} ({adopted} change(s) adopted of {len(chosen) + len(back)} recommended{took}; "
           f"mfu-lab run {path} runs it)")
 
 

@@ -385,7 +385,7 @@ def test_the_staircase_header_names_no_unit_it_did_not_measure():
     assert "<th>tokens/s</th>" in str(staircase_table(r))
 
 
-def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_written(tiny_job, monkeypatch):
+def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_written(tiny_job, monkeypatch, capsys):
     """A proposed num_workers withdrawn at 0.5x below a kept optimizer rung: every rung above it was measured
     with it, so the top rung is not tuned.yaml. Step 7 times the file as written (num_workers back, AdamW fused)
     beside the original again, and the headline, the loss check and the metrics are that pair's. A slower tuned job
@@ -444,6 +444,10 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     assert [o for o in r.order if o[1] == retime.AGAIN] == [[1, retime.AGAIN], [2, retime.AGAIN], [3, retime.AGAIN]]
     from mfu_lab.steps.verify.tuned import withdrawn_keys
     assert withdrawn_keys(job) == ["num_workers"]  # the runner's last line names what step 7 took back
+    from mfu_lab import runner
+    capsys.readouterr()
+    runner._tuned(job, "the job", "")  # taken back: still counted among the recommended, named
+    assert "(1 change(s) adopted of 2 recommended; step 7 took back num_workers" in capsys.readouterr().out
 
     # the file as written slower than the original, beyond the noise: never "adopt"
     ms[retime.AS_WRITTEN] = 14.0
