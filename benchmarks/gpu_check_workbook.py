@@ -187,7 +187,8 @@ class Plan:
     budget_min: float | None = None  # None: no budget
     shares: dict[str, float] = field(default_factory=dict)
     dropped: list[tuple[str, str]] = field(default_factory=list)
-    shortened: list[tuple[str, str]] = field(default_factory=list)  # predicted: a step over its budget share
+    shortened: list[tuple[str, str]] = field(default_factory=list)  # predicted: a step over its rolled share
+    rolled: dict[str, float] = field(default_factory=dict)  # each step's share as the run rolls it (:func:`roll`)
     refused: str = ""  # why not even steps 1 and 7 fit ('' when they do)
     estimates: dict[str, Estimate] = field(default_factory=dict)
 
@@ -223,6 +224,10 @@ class Plan:
                          + ("" if not self.dropped else
                             f" (a budget is spread over all seven steps' weights: the {len(self.steps)} run here get "
                             f"about {sum(self.shares.values()):.0f} s of it, their notebooks apart)"))
+            if self.rolled:
+                lines.append("  as the run rolls them (before each step, what the run has left is spread again over "
+                             "it and the steps after it), by these estimates: "
+                             + ", ".join(f"step {NUMBER[k]} ~{v:.0f} s" for k, v in self.rolled.items()))
         for k, why in self.dropped:
             lines.append(f"  left out: step {NUMBER[k]} ({k}): {why}")
         for k, why in self.shortened:
@@ -283,15 +288,33 @@ def make_plan(limit_s: float, elapsed_s: float, est: dict[str, Estimate], costs:
         shares["baseline"] = max(shares["baseline"], min(est["baseline"].full_s,
                                                          budget.STEP1_MOST * sum(shares.values())))
     plan.steps, plan.budget_min, plan.shares = steps, b, shares
+    plan.rolled = roll(b, steps, est, shares, overhead_s, nb)
     for k in steps:
-        e, share = est[k], shares[k]
+        e, share = est[k], plan.rolled[k]
         if e.full_s > share + max(2.0, 0.1 * share):  # within a tenth of its share: the estimate's noise
-            why = (f"about {e.full_s:.0f} s in full, its share of --budget {b:g} about {share:.0f} s: it shortens "
-                   "to fit and its result says what it left out")
+            why = (f"about {e.full_s:.0f} s in full, its share of --budget {b:g} about {share:.0f} s as the run "
+                   "rolls it: it shortens to fit and its result says what it left out")
             if e.min_s > share:
                 why += f"; its least (~{e.min_s:.0f} s) is over the share, so the steps after it get less"
             plan.shortened.append((k, why))
     return plan
+
+
+def roll(budget_min: float, steps: list[str], est: dict[str, Estimate], shares: dict[str, float],
+         overhead_s: float, notebook_s: float) -> dict[str, float]:
+    """Each step's share as ``mfu-lab run`` rolls the budget (``budget.left_env`` and ``budget.share_s``): before a
+    step, what the plan has left after the steps before it (each taking its estimate, at least its least and at
+    most its share, and a notebook of ``notebook_s``) is spread again over it and the steps after it. Step 1 keeps
+    its own share (``shares``: the runner gives it what its full run needs, up to ``budget.STEP1_MOST``)."""
+    from mfu_lab.core.process import budget
+
+    planned = sum(budget.plan(budget_min, steps, overhead_s).values()) + len(steps) * overhead_s
+    used, out = 0.0, {}
+    for i, k in enumerate(steps):
+        share = shares[k] if k == "baseline" else budget.rolled_share(planned - used, steps[i:], overhead_s)
+        out[k] = share
+        used += max(est[k].min_s, min(est[k].full_s, share)) + notebook_s
+    return out
 
 
 # ---------------------------------------------------------------------- the child

@@ -51,7 +51,9 @@ def test_plan_budgets_and_names_the_steps_it_shortens():
     assert [k for k, _ in p.shortened] == ["compile", "fp8"]  # only the steps over their share
     why = dict(p.shortened)
     assert "about 400 s in full" in why["compile"] and f"--budget {p.budget_min:g}" in why["compile"]
-    assert "its least (~70 s) is over the share" in why["fp8"]
+    # rolled: steps 2 and 3 leave most of their shares, which the run spreads again over the steps after them
+    assert p.rolled["fp8"] > p.shares["fp8"] and f"about {p.rolled['fp8']:.0f} s as the run rolls it" in why["fp8"]
+    assert "is over the share" not in why["fp8"]  # its least (70 s) fits the share it gets once rolled
     text = p.text()
     assert "shortened: step 4 (compile)" in text and "shortened: step 5 (fp8)" in text
     assert "shortened: step 1" not in text and "does not fit: runs with --budget" in text
@@ -63,6 +65,31 @@ def test_plan_budgets_and_names_the_steps_it_shortens():
     assert wb.make_plan(560.0, 100.0, est, overhead_s=OV).budget_min < p.budget_min
 
 
+def test_the_plan_rolls_the_budget_as_the_runner_does():
+    """Each step's rolled share, counted here by hand: the budget's planned seconds less what the steps before it
+    took (their estimate within [least, share], and a notebook), spread by the weights over the steps left."""
+    est = _est(compile=(400.0, 60.0), fp8=(250.0, 70.0))
+    p = wb.make_plan(560.0, 12.0, est, overhead_s=OV)
+    w, keys = budget.WEIGHTS, list(wb.KEYS)
+    left = sum(budget.plan(p.budget_min, keys, OV).values()) + len(keys) * OV
+    for i, k in enumerate(keys):
+        share = p.shares[k] if k == "baseline" else (left - OV * len(keys[i:])) * w[k] / sum(w[x] for x in keys[i:])
+        assert p.rolled[k] == pytest.approx(share)
+        left -= max(est[k].min_s, min(est[k].full_s, share)) + wb.H200.notebook_s
+    assert "as the run rolls them" in p.text()
+    # the same seconds under the runner's own reader of the rolled share (budget.share_s, from LEFT_ENV)
+    import os
+    used = 0.0
+    for k in keys:
+        if k != "baseline":  # step 1's share is its own (budget.step1_share_s)
+            os.environ[budget.LEFT_ENV] = budget.left_env(p.budget_min, keys, used, k, OV)
+            try:
+                assert budget.share_s(p.budget_min, k) == pytest.approx(p.rolled[k], abs=0.01)  # env: 3 decimals
+            finally:
+                del os.environ[budget.LEFT_ENV]
+        used += max(est[k].min_s, min(est[k].full_s, p.rolled[k])) + wb.H200.notebook_s
+
+
 def test_plan_for_the_gpu_job_in_one_call():
     """gpt2_124m_gpu.yaml's estimates on one H200 do not fit a 10-minute call without a budget: the plan budgets,
     names step 4 (three compile modes) among the shortened, runs every step, and keeps steps 1 and 7."""
@@ -72,6 +99,8 @@ def test_plan_for_the_gpu_job_in_one_call():
     p = wb.make_plan(560.0, 12.0, est)
     assert p.full_s > p.available_s and p.budget_min is not None and p.steps == list(wb.KEYS)
     assert "compile" in dict(p.shortened)
+    # step 7 gets what steps 2 and 6 leave (25 and 30 s of their ~76 and ~70 s): enough for its full run
+    assert "verify" not in dict(p.shortened) and p.rolled["verify"] >= est["verify"].full_s > p.shares["verify"]
     assert wb.make_plan(3600.0, 12.0, est).budget_min is None  # an hour: every step in full
 
 

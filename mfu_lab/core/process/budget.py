@@ -98,8 +98,14 @@ def share_s(budget_min: float, key: str) -> float | None:
         each_s = float(each) if each else STEP_OVERHEAD_S
     except ValueError:
         each_s = STEP_OVERHEAD_S
-    work = max(0.0, float(left) - len(rest) * each_s)
-    return work * WEIGHTS[key] / sum(WEIGHTS[k] for k in rest)
+    return rolled_share(float(left), rest, each_s)
+
+
+def rolled_share(left_s: float, rest: list[str], each_s: float = STEP_OVERHEAD_S) -> float:
+    """The seconds of ``rest[0]``, the next step, when ``left_s`` of the budget remain for it and the steps after
+    it (``rest``), each notebook costing ``each_s``: what remains less their notebooks, spread by the weights."""
+    work = max(0.0, left_s - len(rest) * each_s)
+    return work * WEIGHTS[rest[0]] / sum(WEIGHTS[k] for k in rest)
 
 
 def plan_text(budget_min: float, keys: list[str], numbers: dict[str, int],
