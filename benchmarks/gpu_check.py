@@ -489,7 +489,8 @@ def workbook_main(args: argparse.Namespace, t_start: float) -> int:
               "limit_s": args.limit_s}
     print("\n".join(f"{k}: {v}" for k, v in header.items()))
     est = wb.estimates(job, wb.H200, world)
-    plan = wb.make_plan(args.limit_s, time.monotonic() - t_start, est, wb.H200, budget.overhead(job.device)[0])
+    plan = wb.make_plan(args.limit_s, time.monotonic() - t_start, est, wb.H200, budget.overhead(job.device)[0],
+                        wb.untimed_steps(job, world))
     print(plan.text(), flush=True)
     header["plan"] = " ".join(plan.cli_args())
     if plan.refused:

@@ -9,7 +9,8 @@ without a budget fits ``--limit-s`` (counted from the check's own start), it run
 ``mfu-lab run --budget`` sized to the time left, and names each step whose estimate is over its share of that
 budget (each step then shortens itself by the rule in README 'Cost' and records what it left out, which the table
 reads back from its result); when even the steps' minimums do not fit, it leaves steps out (``--steps``), in
-:data:`DROP_ORDER`, and says so. A child that is still running at the deadline is stopped (SIGTERM, then SIGKILL
+:data:`DROP_ORDER`, and says so. Steps whose changes step 7 times nothing of on the job (:func:`untimed_steps`) are
+also left out, said why, when the budget would otherwise cut the races of steps 3 and 4 (:data:`LEVER_STEPS`). A child that is still running at the deadline is stopped (SIGTERM, then SIGKILL
 after :data:`GRACE_S`), and the table is built from what finished.
 
 No torch import here: the tests read all of it on a machine without a GPU.
@@ -110,6 +111,7 @@ PLACEMENT_S = 30.0  # step 6 on one GPU: 40 s with its notebook (co-location, th
 # 4's compile (its leader, the loss in its region), step 5's precision; the rungs from step 4's on compile, the first
 # cold, the later ones on a warm cache (a guess: the first run timed two rungs)
 VERIFY_RUNGS, VERIFY_COMPILED = 4, 2
+RACE_BUILD_S = 2.0  # steps 3 and 4's in-process races: a model and its optimizer built per candidate (a guess)
 VERIFY_SETUP_S = 5.0
 
 
@@ -118,6 +120,7 @@ class Estimate:
     full_s: float  # the step's own work without a budget (its notebook apart)
     min_s: float  # the least it runs under any budget
     how: str
+    levers_s: float | None = None  # what it needs to race every change it can carry into tuned.yaml (steps 3, 4)
 
 
 def estimates(job: Any, costs: Costs = H200, world: int = 1) -> dict[str, Estimate]:
@@ -135,20 +138,32 @@ def estimates(job: Any, costs: Costs = H200, world: int = 1) -> dict[str, Estima
                                      f"the attention candidates ~{ATTENTION_S:.0f} s"
                                      + (f", the DDP race ~{ddp:.0f} s" if ddp else " (one GPU: no DDP race)"))
     prof = 1.5 * (job.profile_warmup_steps + job.profile_steps) * s + TRACE_READ_S
-    out["kernels"] = Estimate(KERNELS_SETUP_S + timed * s + prof, KERNELS_SETUP_S + 4 * s + prof,
-                              f"{timed} unprofiled steps, {job.profile_steps} profiled, the trace read")
+    from mfu_lab.steps.kernels.batch_race import splits
+    from mfu_lab.steps.key_race import cost_s
+
+    n_splits = len(splits(job)) if job.grad_accum > 1 else 0
+    races = (cost_s(2, s) + RACE_BUILD_S * 2  # foreach against fused AdamW
+             + (cost_s(n_splits, s) + n_splits * (RACE_BUILD_S + s) if n_splits > 1 else 0.0))  # + a probed step each
+    full = KERNELS_SETUP_S + timed * s + prof + races
+    out["kernels"] = Estimate(full, KERNELS_SETUP_S + 4 * s + prof,
+                              f"{timed} unprofiled steps, {job.profile_steps} profiled, the trace read, the AdamW"
+                              + (f" and batch ({n_splits} splits)" if n_splits > 1 else "") + f" races ~{races:.0f} s",
+                              full)
     each = (job.compile_warmup_steps + 3 + job.steps) * s
     eager = costs.process_start_s + each
-    modes, parts = 0.0, []
+    modes, parts, first = 0.0, [], 0.0
     for m in job.compile_modes:
         cold = costs.cold_compile_s * MODE_COMPILE.get(m, MODE_COMPILE["max-autotune"])
         modes += 2 * costs.process_start_s + cold * (1 + WARM_COMPILE) + 2 * each
+        first = first or modes  # the first mode's trial: the least that leaves a compile mode to propose
         parts.append(f"{m} ~{cold:.0f} s cold")
     least = (RECOMPILES_S + costs.process_start_s + 5 * s + costs.process_start_s + costs.cold_compile_s
              + (job.compile_warmup_steps + 6) * s)
-    out["compile"] = Estimate(RECOMPILES_S + eager + modes + CONFIRM_S, least,
+    loss = cost_s(2, s, costs.cold_compile_s) + 2 * RACE_BUILD_S  # eager against compiled: one cold compile
+    out["compile"] = Estimate(RECOMPILES_S + eager + modes + CONFIRM_S + loss, least,
                               f"recompile count ~{RECOMPILES_S:.0f} s, eager, {', '.join(parts) or 'no mode'} and a "
-                              f"warm compile each, the confirmation ~{CONFIRM_S:.0f} s")
+                              f"warm compile each, the confirmation ~{CONFIRM_S:.0f} s, the loss race ~{loss:.0f} s",
+                              RECOMPILES_S + eager + first + loss)  # a leader proposed to step 7, and the loss raced
     policies = FP8_POLICIES * job.fp8_steps * fp32_s * FP8_EMULATION
     speed = 2 * costs.cold_compile_s + job.precision_rounds * 2 * job.steps * s
     out["fp8"] = Estimate(FP8_BUDGETED_S + policies + speed, FP8_BUDGETED_S,
@@ -252,11 +267,14 @@ def budget_min_for(seconds: float, keys: list[str], overhead_s: float) -> float:
 
 
 def make_plan(limit_s: float, elapsed_s: float, est: dict[str, Estimate], costs: Costs = H200,
-              overhead_s: float | None = None) -> Plan:
+              overhead_s: float | None = None, untimed: dict[str, str] | None = None) -> Plan:
     """What to run inside ``limit_s``: every step without a budget when the estimates fit, else a ``--budget``
     sized to the seconds left (each step over its share named), else fewer steps (:data:`DROP_ORDER`), each named
     with why. ``overhead_s``: a notebook's seconds as the runner's budget counts them (``budget.overhead``; the
-    reference CPU's without it)."""
+    reference CPU's without it). ``untimed``: steps whose changes step 7 times nothing of on this job, with why
+    (:func:`untimed_steps`): under a budget that would cut steps 3 or 4's races (:data:`LEVER_STEPS`, their
+    ``levers_s``), they are left out in :data:`DROP_ORDER`, one at a time, until those races fit their rolled
+    shares."""
     from mfu_lab.core.process import budget
 
     overhead_s = budget.STEP_OVERHEAD_S if overhead_s is None else overhead_s
@@ -284,11 +302,50 @@ def make_plan(limit_s: float, elapsed_s: float, est: dict[str, Estimate], costs:
         plan.dropped.append((drop, f"the minimums of the steps need about {need:.0f} s, more than the "
                                    f"{available:.0f} s left; left out in the order {', '.join(DROP_ORDER)} "
                                    "(the least likely to change a one-GPU tuned job first)"))
+    _budgeted(plan, steps, b, shares, est, overhead_s, nb)
+    for drop in [k for k in DROP_ORDER if k in (untimed or {}) and k in steps]:
+        short = [k for k in LEVER_STEPS if k in steps and (est[k].levers_s or 0.0) > plan.rolled[k]]
+        if not short:
+            break
+        said = ", ".join(f"step {NUMBER[k]}'s ~{est[k].levers_s:.0f} s against its ~{plan.rolled[k]:.0f} s"
+                         for k in short)
+        steps = [k for k in steps if k != drop]
+        b = budget_min_for(MARGIN * available, steps, overhead_s)
+        _budgeted(plan, steps, b, budget.plan(b, steps, overhead_s), est, overhead_s, nb)
+        plan.dropped.append((drop, f"{untimed[drop]}; its share goes to the races that carry changes into "
+                                   f"tuned.yaml, which the budget would cut ({said})"))
+    return plan
+
+
+LEVER_STEPS = ("kernels", "compile")  # their races (AdamW, batch split; loss) carry the changes step 7 times
+
+
+def untimed_steps(job: Any, world: int) -> dict[str, str]:
+    """The steps whose changes step 7 times nothing of on ``job`` at ``world`` GPUs, with why: step 6 on one GPU
+    (a cluster's placement, modelled), step 5 for a job that already trains in 16 bits (its ladder keeps the job's
+    own rung, and step 7's staircase times no FP8 rung: the training loop applies no FP8 conversion)."""
+    out = {}
+    if world == 1:
+        out["placement"] = ("on one GPU step 6 models a cluster's placement: nothing it recommends is a change step 7 "
+                            "times in one process")
+    if job.dtype in ("bfloat16", "float16"):
+        out["fp8"] = (f"the job already trains in {job.dtype}, and step 7 times no FP8 rung (the training loop "
+                      "applies no FP8 conversion): nothing step 5 adopts here is timed side by side")
+    return out
+
+
+def _budgeted(plan: Plan, steps: list[str], b: float, shares: dict[str, float], est: dict[str, Estimate],
+              overhead_s: float, nb: float) -> None:
+    """Fill ``plan`` for ``steps`` under ``--budget b``: the shares (step 1's as the runner gives it), the shares
+    as the run rolls them, and each step over its rolled share, named."""
+    from mfu_lab.core.process import budget
+
     if "baseline" in shares:  # step 1 takes what its full run needs, up to STEP1_MOST of the work (budget.py)
         shares["baseline"] = max(shares["baseline"], min(est["baseline"].full_s,
                                                          budget.STEP1_MOST * sum(shares.values())))
     plan.steps, plan.budget_min, plan.shares = steps, b, shares
     plan.rolled = roll(b, steps, est, shares, overhead_s, nb)
+    plan.shortened = []
     for k in steps:
         e, share = est[k], plan.rolled[k]
         if e.full_s > share + max(2.0, 0.1 * share):  # within a tenth of its share: the estimate's noise
@@ -297,7 +354,6 @@ def make_plan(limit_s: float, elapsed_s: float, est: dict[str, Estimate], costs:
             if e.min_s > share:
                 why += f"; its least (~{e.min_s:.0f} s) is over the share, so the steps after it get less"
             plan.shortened.append((k, why))
-    return plan
 
 
 def roll(budget_min: float, steps: list[str], est: dict[str, Estimate], shares: dict[str, float],

@@ -104,6 +104,38 @@ def test_plan_for_the_gpu_job_in_one_call():
     assert wb.make_plan(3600.0, 12.0, est).budget_min is None  # an hour: every step in full
 
 
+def test_the_proof_leaves_out_the_steps_step_7_cannot_time_when_the_budget_would_cut_the_races():
+    """gpt2_124m_gpu.yaml on one GPU in one call: the CPU-weighted budget would cut step 3's AdamW and batch races and
+    step 4's loss race, which carry the changes step 7 times; steps 6 (a cluster's placement) and 5 (a bf16 job, no
+    FP8 rung timed) adopt nothing step 7 times here, so they are left out, said why, and the races fit."""
+    import dataclasses
+
+    job = load_job(gc.JOB_FILE)
+    est = wb.estimates(job)
+    untimed = wb.untimed_steps(job, 1)
+    assert set(untimed) == {"placement", "fp8"}
+    assert est["kernels"].levers_s == est["kernels"].full_s and "AdamW and batch (3 splits) races" in est["kernels"].how
+    assert "the loss race" in est["compile"].how and est["compile"].min_s < est["compile"].levers_s
+    whole = wb.make_plan(560.0, 12.0, est, overhead_s=OV)  # without the rule: every step, the races cut
+    assert whole.steps == list(wb.KEYS) and whole.rolled["kernels"] < est["kernels"].levers_s
+    p = wb.make_plan(560.0, 12.0, est, overhead_s=OV, untimed=untimed)
+    assert [k for k, _ in p.dropped] == ["placement", "fp8"] and p.steps == [
+        "baseline", "attention_comm", "kernels", "compile", "verify"]
+    for k in wb.LEVER_STEPS:
+        assert p.rolled[k] >= est[k].levers_s
+    assert p.rolled["verify"] >= est["verify"].full_s
+    why = dict(p.dropped)
+    assert why["placement"].startswith("on one GPU step 6 models a cluster's placement")
+    assert "already trains in bfloat16" in why["fp8"] and "which the budget would cut (step 3's" in why["fp8"]
+    args = p.cli_args()
+    assert args[args.index("--steps") + 1] == "baseline,attention_comm,kernels,compile,verify"
+    # the same limit on two GPUs, or a float32 job (step 5's ladder is its lever): those steps stay candidates
+    assert "placement" not in wb.untimed_steps(job, 2)
+    assert "fp8" not in wb.untimed_steps(dataclasses.replace(job, dtype="float32"), 1)
+    # an hour: nothing cut, nothing left out
+    assert not wb.make_plan(3600.0, 12.0, est, overhead_s=OV, untimed=untimed).dropped
+
+
 def test_the_estimates_count_an_optimizer_step_as_grad_accum_micro_batches():
     """The H200 costs timed one micro-batch of 16 (a72853b's job had no accumulation); gpt2_124m_gpu.yaml's step is
     4 of them, so its timed steps cost 4x: step 1's 24 steps of 196 ms, not of 49 ms."""
