@@ -10,10 +10,12 @@ without a budget fits ``--limit-s`` (counted from the check's own start), it run
 budget (each step then shortens itself by the rule in README 'Cost' and records what it left out, which the table
 reads back from its result); when even the steps' minimums do not fit, it leaves steps out (``--steps``), in
 :data:`DROP_ORDER`, and says so. Steps whose changes step 7 times nothing of on the job (:func:`untimed_steps`) are
-also left out, said why, when the budget would otherwise cut the races of steps 3 and 4 (:data:`LEVER_STEPS`). A child that is still running at the deadline is stopped (SIGTERM, then SIGKILL
-after :data:`GRACE_S`), and the table is built from what finished.
+also left out, said why, when the budget would otherwise cut the races of steps 3 and 4 (:data:`LEVER_STEPS`). A
+child that is still running at the deadline is stopped (SIGTERM, then SIGKILL after :data:`GRACE_S`), and the table
+is built from what finished.
 
-No torch import here: the tests read all of it on a machine without a GPU.
+No torch import at the module's top: the tests read all of it on a machine without a GPU, and the mode says a missing
+Jupyter stack before torch's import (:func:`estimates` reads the races' sizes from mfu_lab, after it).
 """
 
 from __future__ import annotations
@@ -738,7 +740,8 @@ def step_rows(plan: Plan | None, outcome: Outcome | None, results: dict[str, dic
     for k in KEYS:
         e = plan.estimates.get(k) if plan else None
         planned = "left out" if plan and k not in plan.steps else (
-            f"~{min(e.full_s, plan.shares[k]) + nb:.0f} s" if e and plan.budget_min is not None and k in plan.shares
+            f"~{min(e.full_s, plan.rolled.get(k, plan.shares[k])) + nb:.0f} s"  # its share as the run rolls it
+            if e and plan.budget_min is not None and k in plan.shares
             else f"~{e.full_s + nb:.0f} s" if e else "-")
         wall = (outcome.walls.get(FOLDER[k]) if outcome else None)
         own = (results.get(k) or {}).get("elapsed_s")

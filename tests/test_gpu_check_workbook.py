@@ -462,6 +462,9 @@ def test_workbook_runs_the_plan_and_ends_with_the_table(monkeypatch, tmp_path, c
     assert seen["deadline"] == pytest.approx(t0 + 560.0 - wb.GRACE_S - wb.TABLE_S)
     assert out.index("workbook plan:") < out.index("running: ") < out.index("tuned MFU")
     assert "shortened: step 4 (compile)" in out
+    # one GPU, a bf16 job: steps 6 and 5 left out so that steps 3 and 4's races fit (the plan says why)
+    assert cmd[cmd.index("--steps") + 1] == "baseline,attention_comm,kernels,compile,verify"
+    assert "left out: step 6 (placement): on one GPU" in out and "left out: step 5 (fp8)" in out
     assert out.rstrip().splitlines()[-1].startswith("tuned MFU (step 7, side by side, rung compile): 33.5%")
     data = json.loads((tmp_path / "out" / "gpu-check" / "workbook.json").read_text())
     assert data["plan"]["budget_min"] is not None and data["header"]["GPU"] == "1 x NVIDIA H200"
