@@ -105,6 +105,7 @@ def test_one_training_step_is_timed_per_kernel_and_the_jobs_own_row_speaks_for_i
 
 def test_keeping_the_jobs_own_attention_or_ddps_defaults_is_info_and_a_switch_is_act():
     """'Keep ...' asks nothing of the user, so it is never listed as an action; a switch is."""
+    import dataclasses
     from types import SimpleNamespace
 
     from mfu_lab.core.job.schema import Job
@@ -125,3 +126,13 @@ def test_keeping_the_jobs_own_attention_or_ddps_defaults_is_info_and_a_switch_is
                      exposed_share=0.05, mfu=0.6)
     assert severities(own, default) == [("Keep the job's attention", "info"), ("Keep DDP's defaults", "info")]
     assert [s for _, s in severities(other, bigger)] == ["act", "act"]
+    # a job with buckets of its own (100 MB): DDP's defaults winning is a change, said as one, and act
+    job = dataclasses.replace(Job(), ddp_bucket_mb=100.0)
+    rec = _recommend(job, None, default, {"source": "measured here"})
+    assert rec["comm_text"].startswith("Use DDP's defaults (bucket_cap_mb=25, no hook, gradient_as_bucket_view=False)"
+                                       ", not the job's (bucket_cap_mb=100") and rec["comm"]["keep"] is False
+    r = SimpleNamespace(recommendation=rec, job={"attention": job.attention}, attention=[], comm=[], comm_layout={},
+                        baseline={"source": "measured here"}, metric=lambda _: None)
+    assert [a.severity for a in advise(r)] == ["act"]
+    assert _recommend(job, None, CommRow("none", 100, False, "ok", step_median_s=1.0, step_p10_s=0.9,
+                                         step_p90_s=1.1, exposed_share=0.1, mfu=0.5), {})["comm"]["keep"] is True

@@ -55,8 +55,9 @@ def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
             what = (f"FSDP2 instead of DDP: {comm.get('hook')}" if comm.get("kind") == "fsdp" else
                     f"DDP: hook {comm.get('hook')}, bucket_cap_mb {comm.get('bucket_cap_mb')}, "
                     f"gradient_as_bucket_view {comm.get('gradient_as_bucket_view')}")
+            keep = comm["keep"] if isinstance(comm.get("keep"), bool) else is_default  # the job's own won
             out.append(Change(folder, what, gain, "x", "measured",
-                              "keep as is" if is_default else "adopt",
+                              "keep as is" if keep else "adopt",
                               "DDP step time of DDP's defaults / this configuration's, in one launch; "
                               + rec.get("comm_text", "")))
     if "compile" in results:

@@ -278,12 +278,18 @@ def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | Non
         if best_comm.hook in LOSSY_HOOKS:
             figures += ("; this hook compresses gradients (lossy), so confirm the loss curve matches before "
                         "adopting it")
+        own = (job.ddp_hook, float(job.ddp_bucket_mb), job.ddp_grad_as_bucket_view)
+        rec["comm"]["keep"] = (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view) == own
         if (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view) == DDP_DEFAULT:
             why = ("no configuration was faster beyond the noise" if confirmation is None else
                    f"{confirmation.candidate} led the sweep" + (", but measured again beside them: " if
                                                                 confirmation.status == "ok" else "; ")
                    + confirmation.text())
-            rec["comm_text"] = f"Keep DDP's defaults (bucket_cap_mb=25, no hook): {why}; {figures}."
+            head = ("Keep DDP's defaults (bucket_cap_mb=25, no hook)" if rec["comm"]["keep"] else
+                    f"Use DDP's defaults (bucket_cap_mb=25, no hook, gradient_as_bucket_view=False), not the job's "
+                    f"(bucket_cap_mb={job.ddp_bucket_mb:g}, hook {job.ddp_hook}, gradient_as_bucket_view="
+                    f"{job.ddp_grad_as_bucket_view})")
+            rec["comm_text"] = f"{head}: {why}; {figures}."
         else:
             confirmed = f"; {confirmation.text()}" if confirmation is not None else ""
             rec["comm_text"] = (f"Use DDP(bucket_cap_mb={best_comm.bucket_mb}, gradient_as_bucket_view="
@@ -333,10 +339,7 @@ def advise(r: AttentionCommResult) -> list[Advice]:
         out.append(Advice("look", f"Wrong results from: {', '.join(wrong)}; they are never recommended.",
                           "relative error above tolerance against unfused float32"))
     if rec.get("comm_text"):
-        comm = rec.get("comm") or {}
-        keep = (comm.get("kind") != "fsdp"
-                and (comm.get("hook"), float(comm.get("bucket_cap_mb") or 0), comm.get("gradient_as_bucket_view"))
-                == DDP_DEFAULT)
+        keep = (rec.get("comm") or {}).get("keep") is True  # the job's own DDP settings won: nothing to change
         out.append(Advice("info" if keep else "act", rec["comm_text"],
                           "DDP configurations and FSDP2 candidates timed in one launch, DDP's ranks in sync; a change "
                           "is recommended only when its p10-p90 range clears the default's and its final loss stays "
