@@ -311,19 +311,39 @@ def minimums(job, earlier: dict[str, dict | None]) -> dict[str, tuple[float, str
     }
 
 
-ABSORBED = 0.5  # the share of their plan that later steps without a floor (2, 5, 6) give up to a step's minimum
+ABSORBED = 0.5  # the least of its plan a step without a floor (2, 5, 6) is taken to keep when it gives up time
+
+
+def rolled_overrun(p: dict[str, float], floors: dict[str, float], overhead_s: float) -> tuple[float, bool]:
+    """The run of plan ``p`` rolled as the runner rolls it (:func:`rolled_share` before each step, in the
+    workbook's order): each step with a floor (``floors``) takes at least it, the others their rolled share.
+    Returns (seconds the run ends past the plan, whether every step without a floor kept :data:`ABSORBED` of its
+    planned share)."""
+    keys = [k for k in WEIGHTS if k in p]
+    planned = sum(p.values()) + len(keys) * overhead_s
+    used, kept = 0.0, True
+    for i, k in enumerate(keys):
+        share = rolled_share(planned - used, keys[i:], overhead_s)
+        if k in floors:
+            share = max(share, floors[k])
+        elif share < ABSORBED * p[k]:
+            kept = False
+        used += share + overhead_s
+    return used - planned, kept
 
 
 def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead_s: float = STEP_OVERHEAD_S) -> str:
     """What a run prints before its first step when the budget's plan gives a step less than its minimum
-    (:func:`minimums`): the step runs its minimum anyway. Where the later steps without a floor (:func:`minimums`
-    lists the floors) can give up the overrun within :data:`ABSORBED` of their plan, the run's re-spread before each
-    step takes it from them and the line says so; otherwise the run may end about that much past the budget, said
-    with the figures. '' when every share holds its step's minimum, or without a budget."""
+    (:func:`minimums`): the step runs its minimum anyway. The run rolled as the runner rolls it
+    (:func:`rolled_overrun`) says whether the steps after it absorb that (every floor held, the steps without one
+    keeping :data:`ABSORBED` of their plan, the run ending within a second of the budget): then the line says so;
+    otherwise the run may end about that much past the budget, said with the figures. '' when every share holds its
+    step's minimum, or without a budget."""
     p = plan(getattr(job, "budget_min", 0.0) or 0.0, keys, overhead_s)
     if not p:
         return ""
     numbers = {k: i for i, k in enumerate(WEIGHTS, 1)}
+    floors = {k: need for k, (need, _) in minimums(job, earlier).items() if k in p}
     short = [(k, p[k], need, how) for k, (need, how) in minimums(job, earlier).items() if k in p and p[k] < need]
     if not short:
         return ""
@@ -331,15 +351,14 @@ def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead
     parts = "; ".join(f"step {numbers[k]} gets {share:.0f} s but needs about {need:.0f} s ({how})"
                       for k, share, need, how in short)
     bigger = max(budget_for(k, need, overhead_s) for k, _, need, _ in short)
-    first = min(list(WEIGHTS).index(k) for k, *_ in short)
-    later = [k for k in list(WEIGHTS)[first + 1:] if k in p and k not in minimums(job, earlier)]
-    if over <= ABSORBED * sum(p[k] for k in later):  # the run's re-spread takes it from the steps after them
+    past, kept = rolled_overrun(p, floors, overhead_s)
+    if past <= 1.0 and kept:  # the run's re-spread takes it from the steps after them
         return (f"the budget of {job.budget_min:g} min gives a step less than its minimum: {parts}. It runs its "
                 f"minimum and the steps after it get about {over:.0f} s less between them, so the run can still keep "
                 f"to the budget; --budget {bigger:g} gives every step its minimum")
     return (f"the budget of {job.budget_min:g} min cannot hold every step's minimum: {parts}. Those steps run their "
-            f"minimum, so the run may end about {over:.0f} s past the budget (the steps after them get less); "
-            f"--budget {bigger:g} holds them")
+            f"minimum, so the run may end about {max(past, over if not kept else 0.0):.0f} s past the budget (the "
+            f"steps after them get less); --budget {bigger:g} holds them")
 
 
 def budget_for(key: str, seconds: float, overhead_s: float = STEP_OVERHEAD_S) -> float:
