@@ -305,17 +305,30 @@ def make_plan(limit_s: float, elapsed_s: float, est: dict[str, Estimate], costs:
                                    f"{available:.0f} s left; left out in the order {', '.join(DROP_ORDER)} "
                                    "(the least likely to change a one-GPU tuned job first)"))
     _budgeted(plan, steps, b, shares, est, overhead_s, nb)
+    def races_cut() -> list[str]:  # the lever steps whose races the rolled share would cut (beyond the noise)
+        return [k for k in LEVER_STEPS if k in steps
+                and (est[k].levers_s or 0.0) > plan.rolled[k] + max(2.0, 0.1 * plan.rolled[k])]
+
     for drop in [k for k in DROP_ORDER if k in (untimed or {}) and k in steps]:
-        short = [k for k in LEVER_STEPS if k in steps and (est[k].levers_s or 0.0) > plan.rolled[k]]
+        short = races_cut()
         if not short:
             break
         said = ", ".join(f"step {NUMBER[k]}'s ~{est[k].levers_s:.0f} s against its ~{plan.rolled[k]:.0f} s"
                          for k in short)
+        kept = (list(steps), b, dict(plan.shares))
         steps = [k for k in steps if k != drop]
         b = budget_min_for(MARGIN * available, steps, overhead_s)
-        _budgeted(plan, steps, b, budget.plan(b, steps, overhead_s), est, overhead_s, nb)
+        shares = budget.plan(b, steps, overhead_s)
+        if sum(max(shares[k], est[k].min_s) + nb for k in steps) > available:  # cannot happen by much: kept as was
+            steps, b, shares = kept
+            _budgeted(plan, steps, b, shares, est, overhead_s, nb)
+            break
+        _budgeted(plan, steps, b, shares, est, overhead_s, nb)
         plan.dropped.append((drop, f"{untimed[drop]}; its share goes to the races that carry changes into "
                                    f"tuned.yaml, which the budget would cut ({said})"))
+    if plan.dropped and (still := races_cut()):
+        plan.shortened = [(k, why + f"; its races (~{est[k].levers_s:.0f} s) are still cut" if k in still else why)
+                          for k, why in plan.shortened]
     return plan
 
 
@@ -331,8 +344,9 @@ def untimed_steps(job: Any, world: int) -> dict[str, str]:
         out["placement"] = ("on one GPU step 6 models a cluster's placement: nothing it recommends is a change step 7 "
                             "times in one process")
     if job.dtype in ("bfloat16", "float16"):
-        out["fp8"] = (f"the job already trains in {job.dtype}, and step 7 times no FP8 rung (the training loop "
-                      "applies no FP8 conversion): nothing step 5 adopts here is timed side by side")
+        out["fp8"] = (f"the job already trains in {job.dtype}: step 7 times no FP8 rung (the training loop applies "
+                      "no FP8 conversion), and step 5's ladder keeps the job's own rung unless another is faster "
+                      "beyond the noise (the first H200 run kept bf16), so the races of steps 3 and 4 come first")
     return out
 
 
@@ -740,7 +754,7 @@ def step_rows(plan: Plan | None, outcome: Outcome | None, results: dict[str, dic
     for k in KEYS:
         e = plan.estimates.get(k) if plan else None
         planned = "left out" if plan and k not in plan.steps else (
-            f"~{min(e.full_s, plan.rolled.get(k, plan.shares[k])) + nb:.0f} s"  # its share as the run rolls it
+            f"~{max(e.min_s, min(e.full_s, plan.rolled.get(k, plan.shares[k]))) + nb:.0f} s"  # as the run rolls it
             if e and plan.budget_min is not None and k in plan.shares
             else f"~{e.full_s + nb:.0f} s" if e else "-")
         wall = (outcome.walls.get(FOLDER[k]) if outcome else None)
