@@ -48,8 +48,15 @@ def test_printer_prints_each_quarter_with_time_left():
 def test_live_bar_html_is_a_progress_element_with_the_same_text():
     h = pg.LiveBar("DDP <configs>", enabled=False).html(3, 12, 20.0)
     assert '<progress value="3" max="12"' in h and "DDP &lt;configs&gt;: 3/12 (20.0 s, about 60 s left)" in h
-    done = pg.LiveBar("FP8 policy trials", enabled=False).html(4, 4, 0.0, "3 of them not run: budget")
-    assert "FP8 policy trials: 4/4 (0.0 s; 3 of them not run: budget)" in done  # skipped items are not 'done' work
+    shown = []
+    eta = pg.Eta("FP8 policy trials", 4, bar=False)
+    eta.live.update = lambda done, total, elapsed, note="": shown.append(eta.live.html(done, total, 0.0, note))
+    eta.finish(["budget: 3 s left", "budget: 2 s left", "budget: 1 s left"])
+    assert "FP8 policy trials: 4/4 (0.0 s; 3 of them not run: budget)" in shown[-1]  # not run is not 'done' work
+    eta.finish(["budget: 3 s left", "reduce-overhead needs CUDA"])
+    assert shown[-1].endswith("4/4 (0.0 s; 2 of them not run: see the table)</div>")
+    eta.finish()
+    assert shown[-1].endswith("4/4 (0.0 s)</div>")
 
 
 def test_a_silent_neighbour_leaves_the_uplink_to_this_job():

@@ -175,9 +175,11 @@ class Eta:
         self.live.update(finished, self.total, e)
         return f" ({finished}/{self.total} done, {eta_text(finished, self.total, e)})" if finished else ""
 
-    def finish(self, skipped: int = 0, why: str = "") -> None:
-        """The whole marked done; ``skipped`` of the items were not run (``why``), which the bar says."""
-        note = f"{skipped} of them not run" + (f": {why}" if why else "") if skipped else ""
+    def finish(self, not_run: list[str] | tuple[str, ...] = ()) -> None:
+        """The whole marked done; ``not_run``: the reasons of the items that were not run, which the bar counts
+        ('budget' when each was the budget's, else 'see the table')."""
+        why = "budget" if all(r.startswith("budget") for r in not_run) else "see the table"
+        note = f"{len(not_run)} of them not run: {why}" if not_run else ""
         self.live.update(self.total, self.total, self.elapsed(), note)
 
 

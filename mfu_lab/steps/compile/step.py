@@ -353,7 +353,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             t.ops_per_step, t.fusion_left, t.trace_file = a.ops_per_step, [c.pattern for c in a.fusion], trace.name
             ledgers[mode] = _trace_ledger(a, flops, peak, device.type, hw)
 
-    eta.finish()
+    eta.finish([t.reason for t in trials if t.status == "skipped"])
 
     # ---- 4. step 3's kernels against the compiled ones
     step3: dict[str, Any] = ref3 or {"source": "no eager trace to compare with"}

@@ -176,8 +176,7 @@ def train_policies(job: Job, groups: list[str], most: str, share: dict[str, floa
     if not job.thorough:
         skipped.append({"what": "FP8 scaling study (the other recipe, no scaling)",
                         "reason": "a study for the report, not a candidate policy: run with --thorough to see it"})
-    unrun = [t for t in trials if t.status == "skipped"]
-    eta.finish(len(unrun), "budget" if all(t.reason.startswith("budget") for t in unrun) else "see the table")
+    eta.finish([t.reason for t in trials if t.status == "skipped"])
     return trials
 
 
