@@ -279,14 +279,15 @@ def _recheck_after(job: Job, device: dev.DeviceInfo, peak: dev.Peak, timings: Ti
         return dataclasses.replace(again, note=peak.note + (
             f"; measured again after the steps because {why}: {again.flops_per_s / 1e9:.1f} GFLOP/s (the better of "
             "the readings), cached from now on"))
-    if timings.contention is not None:
-        for when, chk in (("before", before), ("after", dataclasses.asdict(after) if after else None)):
-            if chk and chk["verdict"] == "below":
-                timings.contention.shared = True
-                ratio = statistics.median(chk["rates"]) / chk["cached"]
-                timings.contention.rechecks.append(f"the matmul rate re-checked {when} the steps was {ratio:.0%} "
-                                                   f"of the cached peak, its probes' p90 more than "
-                                                   f"{PEAK_RECHECK_FLOOR:.0%} below it")
+    below = [(when, statistics.median(chk["rates"]) / chk["cached"])
+             for when, chk in (("before", before), ("after", dataclasses.asdict(after) if after else None))
+             if chk and chk["verdict"] == "below"]
+    if timings.contention is not None and below:  # one phrase for both re-checks: the first screen reads it
+        timings.contention.shared = True
+        timings.contention.rechecks.append(
+            f"the matmul rate re-checked {' and '.join(w for w, _ in below)} the steps was "
+            f"{' and '.join(f'{r:.0%}' for _, r in below)} of the cached peak, "
+            f"{'each time ' if len(below) > 1 else ''}its probes' p90 more than {PEAK_RECHECK_FLOOR:.0%} below it")
     if after is None:
         return peak
     return dataclasses.replace(peak, note=peak.note + f"; re-checked after the steps: {after.text()}")
