@@ -358,7 +358,7 @@ def _budgeted(plan: Plan, steps: list[str], b: float, shares: dict[str, float], 
 
     if "baseline" in shares:  # step 1 takes what its full run needs, up to STEP1_MOST of the work (budget.py)
         shares["baseline"] = max(shares["baseline"], min(est["baseline"].full_s,
-                                                         budget.STEP1_MOST * sum(shares.values())))
+                                                         budget.STEP1_MOST * sum(budget.plan(b).values())))
     plan.steps, plan.budget_min, plan.shares = steps, b, shares
     plan.rolled = roll(b, steps, est, shares, overhead_s, nb)
     plan.shortened = []
