@@ -271,3 +271,18 @@ def test_a_steps_report_on_another_peak_says_so_instead_of_an_mfu_ratio(tmp_path
     base = results["baseline"]["metrics"]["tokens_per_s"]["value"]
     assert f"tokens/s here are {3960 * 2.12 / base:.2f}x step 1" in html
     assert "x step 1&#x27;s)." not in html  # no MFU ratio between two peaks
+
+
+def test_the_index_says_what_is_on_the_page_and_every_link_lands(tmp_path):
+    """A 50,000-pixel page opens with a line of links: each to a heading that exists, one per step in detail."""
+    import re
+
+    results = stored()
+    page = ix.write_index(job_folder(tmp_path / "default", results)).read_text()
+    toc = re.search(r'<p class="toc">(.*?)</p>', page, re.S).group(1)
+    targets = re.findall(r'href="#([\w-]+)"', toc)
+    ids = set(re.findall(r'id="([\w-]+)"', page))
+    assert targets and [t for t in targets if t not in ids] == []
+    steps = [t for t in targets if t.startswith("step-")]
+    assert steps == [f"step-{BY_KEY[k].number}" for k in ix.SECTIONS if k in results]
+    assert page.index('<p class="toc">') < page.index('id="summary"')

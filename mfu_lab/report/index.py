@@ -271,5 +271,6 @@ def write_index(job_root: Path) -> Path:
         ledgers=_ledgers(results, mon), monitor=_monitor_html(mon, link, named), changes=changes_table(results),
         recommendations=recommendations_list(results, recs),
         history=history_html(job_root), environment=environment_html(results),
-        sections=[_section(k, results[k]) for k in SECTIONS if k in results])
+        sections=[_section(k, results[k]) for k in SECTIONS if k in results],
+        toc=[info.number for info in STEPS if info.key in SECTIONS and info.key in results])
     return write_atomic(job_root / "index.html", page)
