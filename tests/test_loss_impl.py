@@ -124,6 +124,21 @@ def test_nothing_to_race_is_said_not_raced(tiny_job):
     assert r["ran"] is False and "set loss_impl by hand" in r["note"] and "1 compile(s)" in r["note"]
 
 
+def test_step_4_keeps_the_loss_races_seconds_back_from_further_compile_modes(tiny_job):
+    """The reservation is the race's own cost (key_race.cost_s) in the job's mode, at eager's step and one cold
+    compile per compiled candidate; nothing is kept back where the race would not run."""
+    from mfu_lab.core.engine.losses import chunked_problem
+    from mfu_lab.steps.key_race import cost_s
+
+    model = build_model(tiny_job)
+    n = len(loss_race.candidates(tiny_job, "off", chunked_problem(model))[0])
+    assert loss_race.reserve_s(tiny_job, model, True, 0.25, 20.0) == pytest.approx(cost_s(n, 0.25, 20.0))
+    compiled = dataclasses.replace(tiny_job, compile_mode="default")  # both candidates compiled: two compiles
+    assert loss_race.reserve_s(compiled, model, True, 0.25, 20.0) == pytest.approx(cost_s(2, 0.25, 40.0))
+    assert loss_race.reserve_s(dataclasses.replace(tiny_job, loss="mymod:f"), model, True, 0.25, 20.0) == 0.0
+    assert loss_race.reserve_s(tiny_job, model, False, 0.25, 20.0) == 0.0
+
+
 def test_the_race_times_each_impl_and_keeps_the_loss(tiny_job):
     said = []
     r = loss_race.race_loss(tiny_job, "off", torch.device("cpu"), build_model(tiny_job), True, None, 0.01, 1.0,

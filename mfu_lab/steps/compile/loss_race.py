@@ -66,6 +66,17 @@ def race_loss(job: Job, mode: str, device: torch.device, model: torch.nn.Module,
     return base | race_key(raced, "loss_impl", names, device, "loss race", progress)
 
 
+def reserve_s(job: Job, model: torch.nn.Module, tokens: bool, step_s: float, compile_s: float) -> float:
+    """The seconds step 4 keeps back for the loss race while it still has compile modes to try (0 when the race
+    would not run): the race in the job's own mode at eager's step, with one cold compile per compiled candidate.
+    A further mode is worth less than the loss inside the compiled region (the first H200 run: 22% of the step)."""
+    if job.loss or not tokens:
+        return 0.0
+    names, _ = candidates(job, job.compile_mode, chunked_problem(model))
+    compiles = sum(1 for n in names if job.compile_mode != "off" or n == "compiled")
+    return cost_s(len(names), step_s, compiles * compile_s) if len(names) > 1 else 0.0
+
+
 def race_in_step(job: Job, rec: dict[str, Any], best, eager, trials: list, model, tokens: bool, clock: Clock,
                  skipped: list[dict[str, str]], say) -> dict[str, Any]:
     """Step 4's call: loss_impl raced (:func:`race_loss`) in the mode the job trains in after step 4 (``rec``, the

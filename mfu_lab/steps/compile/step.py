@@ -48,7 +48,7 @@ from mfu_lab.core.store import step_results as store
 from mfu_lab.core.store.results import Metric, StepResult, jsonable
 from mfu_lab.steps.baseline.reference import reference_peak
 from mfu_lab.steps.compile.confirm import confirm_mode
-from mfu_lab.steps.compile.loss_race import race_in_step
+from mfu_lab.steps.compile.loss_race import race_in_step, reserve_s
 from mfu_lab.steps.compile.worker import run_worker
 from mfu_lab.steps.fit import one_process_note
 
@@ -313,7 +313,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
                 "kind": a.kind, "patterns": [c.pattern for c in a.fusion]}
     modes = list(job.compile_modes) + (["options"] if job.compile_options else [])
     trials: list[Trial] = []
-    eta = say.eta("compile modes", len(modes))
+    eta, keep = say.eta("compile modes", len(modes)), 0.0  # keep: the loss race's seconds, once a mode has run
     for i, mode in enumerate(modes, 1):
         why = _skip_reason(mode, device.type, job)
         if why:
@@ -321,8 +321,9 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             skipped.append({"what": f"mode {mode}", "reason": why})
             continue
         trace = out_dir / f"trace_{mode}.json.gz"
-        if trials and not clock.fits(max(t.seconds or 0.0 for t in trials)):  # a cold trial as long as the longest
-            why = f"{clock.left_s():.0f} s of the step's {clock.planned_s:.0f} s left, less than one cold trial"
+        if trials and not clock.fits(max(t.seconds or 0.0 for t in trials) + keep):  # a cold trial as the longest
+            why = (f"{clock.left_s():.0f} s of the step's {clock.planned_s:.0f} s left, less than one cold trial"
+                   + (f" and the loss race's {keep:.0f} s, kept for it" if keep else ""))
             trials.append(Trial(mode, "skipped", "budget: " + why))
             clock.shorten(f"mode {mode}", why)
             continue
@@ -336,6 +337,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
             say(f"  {mode} {t.status}: {t.error}")
             continue
         _fill(t, d, eager, eager_extra, flops, peak, tolerance)
+        keep = keep or reserve_s(job, model, tokens, eager.step_median_s or 0.0, t.compile_cold_s or 0.0)
         why_not = _warm_skip(job, device.type, t, clock, d["seconds"])
         if why_not:
             t.warm_skipped = why_not
