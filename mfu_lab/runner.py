@@ -78,10 +78,11 @@ def overrides_set(overrides: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
         yield kept
 
 
-def start_checks(job, job_arg: str, keys: list[str], say=print) -> None:
+def start_checks(job, job_arg: str, keys: list[str], say=print, minimum: bool = True) -> None:
     """What ``mfu-lab run`` (and ``mfu-lab step``) checks before its first step: a budget too small for step 1 is
     refused (:class:`JobError`, exit 2) with the estimate; a busy machine is said, with the command that bounds the
-    run. The step-1 estimate comes from the job's own last step-1 result when it has one."""
+    run. The step-1 estimate comes from the job's own last step-1 result when it has one. ``minimum``: say here a
+    share under its step's floor (:func:`minimum_line`); ``mfu-lab run`` says it after its plan line instead."""
     earlier = store.earlier(job, "baseline").data if "baseline" in keys else None
     why = budget.step1_refusal(job, keys, earlier)
     if why:
@@ -89,16 +90,21 @@ def start_checks(job, job_arg: str, keys: list[str], say=print) -> None:
     line = budget.busy_text(contention.busy_now(), job_arg, keys, job, earlier)
     if line:
         say("mfu-lab: " + line)
-    if job.budget_min:
-        before = {k: store.earlier(job, k).data for k in ("baseline", "compile")}
-        line = budget.minimum_text(job, keys, before, budget.overhead(job.device)[0])
-        if line:
-            say("mfu-lab: " + line)
+    if minimum and (line := minimum_line(job, keys)):
+        say("mfu-lab: " + line)
     from mfu_lab.steps.fit import device_type_of, step1_time_note  # torch: only once a run starts
 
     line = step1_time_note(job, device_type_of(job))  # a long run on a CPU is said, with its estimate
     if line:
         say("mfu-lab: " + line)
+
+
+def minimum_line(job, keys: list[str]) -> str:
+    """:func:`budget.minimum_text` for ``keys``, from the job's last steps 1 and 4 ('' without a budget)."""
+    if not job.budget_min:
+        return ""
+    before = {k: store.earlier(job, k).data for k in ("baseline", "compile")}
+    return budget.minimum_text(job, keys, before, budget.overhead(job.device)[0])
 
 
 def check_output_folder(job: Job, source: str) -> None:
@@ -301,6 +307,8 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
     if job.budget_min:
         print("mfu-lab: " + plan_text(job.budget_min, [s.key for s in steps], {s.key: s.number for s in STEPS},
                                       overhead))
+        if line := minimum_line(job, [s.key for s in steps]):  # after the plan: it speaks of the plan's shares
+            print("mfu-lab: " + line)
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
     _monitor_step(job, quiet)
     failed: list[str] = []

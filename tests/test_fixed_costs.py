@@ -141,3 +141,22 @@ def test_a_short_share_that_the_later_steps_can_give_up_is_said_as_such_not_as_a
     # step 7 is last: nothing after it can give up its overrun
     tiny = dataclasses.replace(load_job(TINY), budget_min=2.0)
     assert "past the budget" in budget.minimum_text(tiny, ["verify"], {})
+
+
+def test_the_run_says_a_short_share_after_its_plan_line_not_before_the_job(cache, tmp_path, monkeypatch, capsys):
+    """`mfu-lab run` names the job, then its plan, then the step whose share is under its floor (the line speaks
+    of the plan's shares); start_checks leaves that line to the run."""
+    from mfu_lab.core.registry import BY_KEY
+
+    job = dataclasses.replace(load_job(ROOT / "parameters" / "default.yaml"), out_dir=str(tmp_path / "out"))
+    steps = [BY_KEY[k] for k in budget.WEIGHTS]
+    monkeypatch.setattr(runner, "execute_step", lambda info, *a: tmp_path / f"{info.folder}.html")
+    monkeypatch.setattr(runner, "_tuned", lambda *a: None)
+    runner.start_checks(job, "parameters/default.yaml", list(budget.WEIGHTS), minimum=False)
+    runner.run_steps(job, "parameters/default.yaml", steps)
+    lines = capsys.readouterr().out.splitlines()
+    at = {k: next(i for i, line in enumerate(lines) if line.startswith(p)) for k, p in (
+        ("job", "mfu-lab: job 'default'"), ("plan", "mfu-lab: budget 4.5 min"),
+        ("short", "mfu-lab: the budget of 4.5 min gives a step less than its minimum"), ("step", "[1/7]"))}
+    assert at["job"] < at["plan"] < at["short"] < at["step"]
+    assert sum("less than its minimum" in line for line in lines) == 1

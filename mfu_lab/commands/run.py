@@ -23,7 +23,7 @@ def cmd_run(args) -> int:
     args.execution_timeout = None if t is None else int(t)
     if any(s.key == "placement" for s in steps):
         check_cluster(job)  # a bad cluster file fails now, not after hours of earlier steps
-    start_checks(job, args.job or "", [s.key for s in steps])  # step 1's minimum; a busy machine said
+    start_checks(job, args.job or "", [s.key for s in steps], minimum=False)  # step 1's minimum; a busy machine
     failed = run_steps(job, source, steps, quiet=args.quiet, resume=args.resume, keep_going=args.keep_going,
                        execution_timeout=args.execution_timeout, wait=args.wait, overrides=overrides)
     return EXIT_STEP_FAILED if failed else EXIT_OK
