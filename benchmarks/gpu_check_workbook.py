@@ -374,19 +374,14 @@ def _budgeted(plan: Plan, steps: list[str], b: float, shares: dict[str, float], 
 
 def roll(budget_min: float, steps: list[str], est: dict[str, Estimate], shares: dict[str, float],
          overhead_s: float, notebook_s: float) -> dict[str, float]:
-    """Each step's share as ``mfu-lab run`` rolls the budget (``budget.left_env`` and ``budget.share_s``): before a
-    step, what the plan has left after the steps before it (each taking its estimate, at least its least and at
-    most its share, and a notebook of ``notebook_s``) is spread again over it and the steps after it. Step 1 keeps
-    its own share (``shares``: the runner gives it what its full run needs, up to ``budget.STEP1_MOST``)."""
+    """Each step's share as ``mfu-lab run`` rolls the budget (``budget.roll``): each step before it taking its
+    estimate, at least its least and at most its share, and a notebook of ``notebook_s``. Step 1 keeps its own
+    share (``shares``: the runner gives it what its full run needs, up to ``budget.STEP1_MOST``)."""
     from mfu_lab.core.process import budget
 
-    planned = sum(budget.plan(budget_min, steps, overhead_s).values()) + len(steps) * overhead_s
-    used, out = 0.0, {}
-    for i, k in enumerate(steps):
-        share = shares[k] if k == "baseline" else budget.rolled_share(planned - used, steps[i:], overhead_s)
-        out[k] = share
-        used += max(est[k].min_s, min(est[k].full_s, share)) + notebook_s
-    return out
+    return budget.roll(budget.plan(budget_min, steps, overhead_s),
+                       lambda k, share: max(est[k].min_s, min(est[k].full_s, share)), overhead_s, notebook_s,
+                       {k: shares[k] for k in ("baseline",) if k in shares})[0]
 
 
 # ---------------------------------------------------------------------- the child

@@ -388,7 +388,7 @@ def draw_verify(result, rungs: list[str], steps: int) -> tuple[ReportFigure, str
         return fig, "nothing to project"
     hours = [((r.warmup_s or 0) + steps * r.step_median_s) / 3600 for r in sel]
     ys = list(range(len(sel)))[::-1]
-    ax.barh(ys, hours, color=[plots.RUNG_COLORS.get(r.name.split()[0], "#868e96") for r in sel])
+    ax.barh(ys, hours, color=[plots.rung_color(r.name) for r in sel])
     for y, h in zip(ys, hours):
         ax.text(h, y, f" {h:.2f} h", va="center", fontsize=8)
     ax.set_yticks(ys)

@@ -49,4 +49,4 @@ from mfu_lab.plots.placement import (  # noqa: F401 - re-exported
     term_bars,
 )
 from mfu_lab.plots.placement_layouts import node_layouts  # noqa: F401
-from mfu_lab.plots.verify import RUNG_COLORS, staircase, verify_loss  # noqa: F401
+from mfu_lab.plots.verify import RUNG_COLORS, rung_color, staircase, verify_loss  # noqa: F401

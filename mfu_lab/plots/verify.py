@@ -15,6 +15,11 @@ RUNG_COLORS = {"original": "#495057", "attention": "#3b6fb6", "communication": "
                "precision": "#c2255c", "fp8": "#868e96"}
 
 
+def rung_color(name: str, default: str = "#868e96") -> str:
+    """A rung's colour by its stage, its name's first word ("attention at bfloat16" is attention's)."""
+    return RUNG_COLORS.get(name.split()[0], default)
+
+
 def staircase(result) -> ReportFigure | Unavailable:
     """Each rung's median step time (p10-p90) with its speedup over the original [95% interval], and its MFU.
     Excluded or failed rungs are listed with why, without a bar; :class:`Unavailable` when nothing was measured."""
@@ -27,7 +32,7 @@ def staircase(result) -> ReportFigure | Unavailable:
     withdrawn = {c.rung for c in tuning.withdrawals({"changes": result.changes})}
     top = max(r.step_p90_s or 0 for r in rungs) * 1e3
     for y, r in zip(ys, rungs):
-        color = RUNG_COLORS.get(r.name.split()[0], "#868e96")
+        color = rung_color(r.name)
         if r.step_median_s is None:
             why = textwrap.shorten(f"{r.status}: {r.reason}", 170, placeholder=" ... (the table gives the rest)")
             ax.text(0, y, textwrap.fill(why, 85, initial_indent="  ", subsequent_indent="  "), va="center",
@@ -77,7 +82,7 @@ def verify_loss(result) -> ReportFigure | Unavailable:
     # the original as a broad grey band under the tuned line: where the two agree, both stay visible
     ax.plot(range(len(a)), a, color="#adb5bd", lw=4.5, label="original" + (
         " (again)" if loss["tuned_rung"] == "tuned as written" else ""))
-    ax.plot(range(len(b)), b, color=RUNG_COLORS.get(loss["tuned_rung"].split()[0], "#c2255c"), lw=1.4,
+    ax.plot(range(len(b)), b, color=rung_color(loss["tuned_rung"], "#c2255c"), lw=1.4,
             label="tuned, as written" if loss["tuned_rung"] == "tuned as written" else
             f"tuned (up to + {loss['tuned_rung']})")
     ax.set_xlabel("step (warm-up first)")

@@ -314,28 +314,24 @@ def minimums(job, earlier: dict[str, dict | None]) -> dict[str, tuple[float, str
 ABSORBED = 0.5  # the least of its plan a step without a floor (2, 5, 6) is taken to keep when it gives up time
 
 
-def rolled_overrun(p: dict[str, float], floors: dict[str, float], overhead_s: float) -> tuple[float, bool]:
-    """The run of plan ``p`` rolled as the runner rolls it (:func:`rolled_share` before each step, in the
-    workbook's order): each step with a floor (``floors``) takes at least it, the others their rolled share.
-    Returns (seconds the run ends past the plan, whether every step without a floor kept :data:`ABSORBED` of its
-    planned share)."""
+def roll(p: dict[str, float], take, overhead_s: float, notebook_s: float | None = None,
+         fixed: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
+    """Plan ``p`` rolled as the runner rolls it (:func:`rolled_share` before each step, in the workbook's order):
+    each step's share (``fixed`` gives some outright, as step 1's), the step taking ``take(key, share)`` seconds and
+    a notebook of ``notebook_s`` (``overhead_s``, the plan's, when None). Returns (the shares, seconds the run ends
+    past the plan)."""
     keys = [k for k in WEIGHTS if k in p]
-    planned = sum(p.values()) + len(keys) * overhead_s
-    used, kept = 0.0, True
+    planned, used, out = sum(p.values()) + len(keys) * overhead_s, 0.0, {}
     for i, k in enumerate(keys):
-        share = rolled_share(planned - used, keys[i:], overhead_s)
-        if k in floors:
-            share = max(share, floors[k])
-        elif share < ABSORBED * p[k]:
-            kept = False
-        used += share + overhead_s
-    return used - planned, kept
+        out[k] = (fixed or {}).get(k, rolled_share(planned - used, keys[i:], overhead_s))
+        used += take(k, out[k]) + (overhead_s if notebook_s is None else notebook_s)
+    return out, used - planned
 
 
 def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead_s: float = STEP_OVERHEAD_S) -> str:
     """What a run prints before its first step when the budget's plan gives a step less than its minimum
     (:func:`minimums`): the step runs its minimum anyway. The run rolled as the runner rolls it
-    (:func:`rolled_overrun`) says whether the steps after it absorb that (every floor held, the steps without one
+    (:func:`roll`) says whether the steps after it absorb that (every floor held, the steps without one
     keeping :data:`ABSORBED` of their plan, the run ending within a second of the budget): then the line says so;
     otherwise the run may end about that much past the budget, said with the figures. '' when every share holds its
     step's minimum, or without a budget."""
@@ -343,15 +339,16 @@ def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead
     if not p:
         return ""
     numbers = {k: i for i, k in enumerate(WEIGHTS, 1)}
-    floors = {k: need for k, (need, _) in minimums(job, earlier).items() if k in p}
-    short = [(k, p[k], need, how) for k, (need, how) in minimums(job, earlier).items() if k in p and p[k] < need]
+    floors = {k: v for k, v in minimums(job, earlier).items() if k in p}
+    short = [(k, p[k], need, how) for k, (need, how) in floors.items() if p[k] < need]
     if not short:
         return ""
     over = sum(need - share for _, share, need, _ in short)
     parts = "; ".join(f"step {numbers[k]} gets {share:.0f} s but needs about {need:.0f} s ({how})"
                       for k, share, need, how in short)
     bigger = max(budget_for(k, need, overhead_s) for k, _, need, _ in short)
-    past, kept = rolled_overrun(p, floors, overhead_s)
+    shares, past = roll(p, lambda k, share: max(share, floors[k][0]) if k in floors else share, overhead_s)
+    kept = all(shares[k] >= ABSORBED * p[k] for k in p if k not in floors)  # the steps without a floor gave little
     if past <= 1.0 and kept:  # the run's re-spread takes it from the steps after them
         return (f"the budget of {job.budget_min:g} min gives a step less than its minimum: {parts}. It runs its "
                 f"minimum and the steps after it get about {over:.0f} s less between them, so the run can still keep "

@@ -278,9 +278,9 @@ def _recommend(job: Job, best_att: AttentionRow | None, best_comm: CommRow | Non
         if best_comm.hook in LOSSY_HOOKS:
             figures += ("; this hook compresses gradients (lossy), so confirm the loss curve matches before "
                         "adopting it")
-        own = (job.ddp_hook, float(job.ddp_bucket_mb), job.ddp_grad_as_bucket_view)
-        rec["comm"]["keep"] = (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view) == own
-        if (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view) == DDP_DEFAULT:
+        best = (best_comm.hook, float(best_comm.bucket_mb), best_comm.grad_as_bucket_view)
+        rec["comm"]["keep"] = best == (job.ddp_hook, float(job.ddp_bucket_mb), job.ddp_grad_as_bucket_view)
+        if best == DDP_DEFAULT:
             why = ("no configuration was faster beyond the noise" if confirmation is None else
                    f"{confirmation.candidate} led the sweep" + (", but measured again beside them: " if
                                                                 confirmation.status == "ok" else "; ")

@@ -55,8 +55,7 @@ def race_loss(job: Job, mode: str, device: torch.device, model: torch.nn.Module,
                        "model's own or its loss:, not the default cross-entropy"}
     names, missing = candidates(job, mode, chunked_problem(model))
     base["left_out"] = missing
-    compiles = sum(1 for n in names if mode != "off" or n == "compiled")
-    need = cost_s(len(names), step_s, compiles * compile_s)
+    compiles, need = race_cost(names, mode, step_s, compile_s)
     if left_s is not None and need > left_s:
         return base | {"ran": False, "note": f"budget: the race needs about {need:.0f} s ({len(names)} loss "
                        f"implementations, {ROUNDS} rounds of {STEPS_PER_ROUND} steps at about {step_s:.2g} s a step, "
@@ -66,15 +65,21 @@ def race_loss(job: Job, mode: str, device: torch.device, model: torch.nn.Module,
     return base | race_key(raced, "loss_impl", names, device, "loss race", progress)
 
 
+def race_cost(names: list[str], mode: str, step_s: float, compile_s: float) -> tuple[int, float]:
+    """(cold compiles, seconds) of the race of ``names`` in compile ``mode``: every candidate compiles under a mode,
+    only ``compiled`` without one (:func:`mfu_lab.steps.key_race.cost_s`)."""
+    compiles = sum(1 for n in names if mode != "off" or n == "compiled")
+    return compiles, cost_s(len(names), step_s, compiles * compile_s)
+
+
 def reserve_s(job: Job, model: torch.nn.Module, tokens: bool, step_s: float, compile_s: float) -> float:
     """The seconds step 4 keeps back for the loss race while it still has compile modes to try (0 when the race
-    would not run): the race in the job's own mode at eager's step, with one cold compile per compiled candidate.
-    A further mode is worth less than the loss inside the compiled region (the first H200 run: 22% of the step)."""
+    would not run): the race in the job's own mode at eager's step (:func:`race_cost`). A further mode is worth
+    less than the loss inside the compiled region (the first H200 run: 22% of the step)."""
     if job.loss or not tokens:
         return 0.0
     names, _ = candidates(job, job.compile_mode, chunked_problem(model))
-    compiles = sum(1 for n in names if job.compile_mode != "off" or n == "compiled")
-    return cost_s(len(names), step_s, compiles * compile_s) if len(names) > 1 else 0.0
+    return race_cost(names, job.compile_mode, step_s, compile_s)[1] if len(names) > 1 else 0.0
 
 
 def race_in_step(job: Job, rec: dict[str, Any], best, eager, trials: list, model, tokens: bool, clock: Clock,

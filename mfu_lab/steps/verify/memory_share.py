@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mfu_lab.core.job.rules import captures_cuda_graphs
+
 USABLE = 0.92  # of the device's memory, what the rungs' processes share (the CUDA contexts and fragmentation: the rest)
 GiB = 2**30
 
@@ -64,6 +66,11 @@ def plan(micro_batches: dict[str, int], job_micro_batch: int, peak_bytes: float 
         f"the rungs need about {total / GiB:.0f} GiB together ({sizes}, by {basis}), over the {usable / GiB:.0f} "
         "GiB usable: no rung is bounded; each frees its cached memory after its turn and runs one untimed step at "
         f"the start of the next{risk}"))
+
+
+def graph_rungs(rungs, jobs) -> frozenset[str]:
+    """The names of the rungs whose jobs capture CUDA graphs (core.job.rules.captures_cuda_graphs)."""
+    return frozenset(r.name for r, j in zip(rungs, jobs) if captures_cuda_graphs(j.compile_mode, j.compile_options))
 
 
 def for_device(device, micro_batches: dict[str, int], job_micro_batch: int, baseline: dict | None,

@@ -22,7 +22,6 @@ from mfu_lab.analysis import tuning
 from mfu_lab.analysis.result_keys import MAY_SET
 from mfu_lab.core.engine.layout import beyond_ddp
 from mfu_lab.core.errors import JobError
-from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.process.budget import Clock, cold_compile, rung_turns_s
 from mfu_lab.steps.verify import memory_share
@@ -150,9 +149,8 @@ def retime(job: Job, run_job: Job, tuned: Job, gone: Stale, each_s: float, clock
     pair = [Rung(AGAIN, {}, "ok", dtype=job.dtype), Rung(AS_WRITTEN, changed(job, tuned), "ok", dtype=tuned.dtype)]
     jobs = [job, tuned]
     give_peaks(job, device, pair, jobs, say)
-    graphs = frozenset(r.name for r, j in zip(pair, jobs) if captures_cuda_graphs(j.compile_mode, j.compile_options))
     memory = memory_share.for_device(device, {AGAIN: job.micro_batch, AS_WRITTEN: tuned.micro_batch},
-                                     job.micro_batch, results.get("baseline"), graphs)
+                                     job.micro_batch, results.get("baseline"), memory_share.graph_rungs(pair, jobs))
     say(f"the tuned file as written (the staircase's top rung ran {gone.words()}): timing it beside the original, "
         f"{rounds} rounds")
     order = measure_rungs(dataclasses.replace(run_job, verify_rounds=rounds), pair, jobs, work, say, memory)

@@ -82,15 +82,16 @@ def headline(before: Rung, after: Rung, rungs: list[Rung], loss: dict) -> dict[s
     carried = [r.name for r in rungs[1:] if r.proven and (r.gain or 0) > 1]
     same_peak = before.peak_flops_per_s == after.peak_flops_per_s
     ci = f"[{after.speedup_low:.2f}, {after.speedup_high:.2f}]"
-    text = f"MFU {_pct(before.mfu)} -> {_pct(after.mfu)} (measured side by side, speedup {after.speedup:.2f}x {ci})"
     a, b = (r.peak_precision or r.dtype for r in (before, after))
     if not same_peak and before.peak_flops_per_s and after.peak_flops_per_s:  # the speedup first: MFUs differ in peak
         text = (f"speedup {after.speedup:.2f}x {ci}, measured side by side; MFU {_pct(before.mfu)} -> "
                 f"{_pct(after.mfu)}, each against its own precision's peak ({a}, then {b}), and this device's {b} "
                 f"peak is {after.peak_flops_per_s / before.peak_flops_per_s:.1f}x its {a} peak: across precisions "
                 "compare the speedup, not the MFU")
-    elif not same_peak:
-        text += "; no MFU without a peak: " + (after if before.peak_flops_per_s else before).peak_source
+    else:
+        text = f"MFU {_pct(before.mfu)} -> {_pct(after.mfu)} (measured side by side, speedup {after.speedup:.2f}x {ci})"
+        if not same_peak:
+            text += "; no MFU without a peak: " + (after if before.peak_flops_per_s else before).peak_source
     return {"text": text, "mfu_before": before.mfu, "mfu_after": after.mfu, "speedup": after.speedup,
             "speedup_low": after.speedup_low, "speedup_high": after.speedup_high,
             "proven": after.speedup_low > 1.0 or after.speedup_high < 1.0, "carried": carried,

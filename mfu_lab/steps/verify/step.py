@@ -33,7 +33,6 @@ from mfu_lab.analysis import tuning
 from mfu_lab.core.advice import Advice
 from mfu_lab.core.engine.layout import beyond_ddp
 from mfu_lab.core.engine.layout_check import graphs_problem
-from mfu_lab.core.job.rules import captures_cuda_graphs
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
 from mfu_lab.core.measure.environment import environment
@@ -116,9 +115,9 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         order = measure_in_layout(run_job, rungs, jobs, work, say, device, nnodes * nproc)
     else:
         running = [(r, j) for r, j in zip(rungs, jobs) if r.status == "ok"]
-        graphs = frozenset(r.name for r, j in running if captures_cuda_graphs(j.compile_mode, j.compile_options))
         memory = memory_share.for_device(device, {r.name: j.micro_batch for r, j in running}, job.micro_batch,
-                                         results.get("baseline"), graphs)
+                                         results.get("baseline"), memory_share.graph_rungs(
+                                             [r for r, _ in running], [j for _, j in running]))
         if memory is not None and timed:
             say(f"memory: {memory.note}")
             plan = asdict(memory)
