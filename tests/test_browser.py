@@ -26,7 +26,9 @@ def chromium():
 def test_a_broken_page_is_caught(tmp_path, chromium):
     page = tmp_path / "index.html"
     page.write_text('<html><body><img alt="missing" src="nope.png"><img alt="remote" src="https://example.invalid/x.png">'
-                    "<script>console.error('boom'); undefined_function();</script></body></html>")
+                    "<script>console.error('boom'); undefined_function();</script>"
+                    '<table style="width:60px"><tr><td style="overflow-wrap:anywhere">communication</td></tr></table>'
+                    '<div style="width:2000px">wide</div></body></html>')
     (c,) = check_pages([page], tmp_path / "shots", chromium)
     assert not c.ok
     assert any("boom" in m for m in c.console_errors) and any("undefined_function" in m for m in c.console_errors)
@@ -35,6 +37,7 @@ def test_a_broken_page_is_caught(tmp_path, chromium):
     # the page's own request off the machine never left it: aborted by the checker, not failed by the network
     assert any("example.invalid" in u and "ERR_BLOCKED_BY_CLIENT" in u for u in c.failed_requests), c.failed_requests
     assert set(c.broken_images) == {"missing", "remote"}
+    assert c.split_words == ["communication"] and c.wider_px == 2000 - 1280 + 8  # the body's 8 px margin
     assert Path(c.screenshot).stat().st_size > 0
 
 

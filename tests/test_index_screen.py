@@ -273,6 +273,26 @@ def test_a_steps_report_on_another_peak_says_so_instead_of_an_mfu_ratio(tmp_path
     assert "x step 1&#x27;s)." not in html  # no MFU ratio between two peaks
 
 
+def test_step_7s_card_says_its_headline_once_when_the_adopt_advice_says_it_whole(tmp_path):
+    """Step 7's "Adopt the tuned job (tuned.yaml): <headline>" already holds the headline's text: the card lists it
+    once, with its reason, not the headline again as a bullet of its own."""
+    import re
+
+    from mfu_lab.report.found import found_html
+
+    results = on_other_peaks(stored())
+    head = results["verify"]["headline"]["text"]
+    results["verify"]["advice"] = [{"severity": "act", "message": f"Adopt the tuned job (tuned.yaml): {head}",
+                                    "because": "changes carried the gain: precision"}]
+    root = job_folder(tmp_path / "job", {k: results[k] for k in ("baseline", "verify")})
+    nb = root / "07_verify" / "07_verify.ipynb"
+    nb.write_text("{}")
+    card = str(found_html(nb))
+    bullets = re.findall(r"<li>(.*?)</li>", card.split("<b>Recommendation</b>")[1], re.S)
+    assert len(bullets) == 1 and "Adopt the tuned job" in bullets[0] and "carried the gain" in bullets[0]
+    assert card.count("speedup 2.12x [2.05, 2.19]") == 1
+
+
 def test_the_index_says_what_is_on_the_page_and_every_link_lands(tmp_path):
     """A 50,000-pixel page opens with a line of links: each to a heading that exists, one per step in detail."""
     import re

@@ -183,3 +183,20 @@ def test_ctrl_c_during_a_run_is_quiet_and_clean(tmp_path):
     assert p.returncode == 130, both[-3000:]
     assert "interrupted" in both and "ZMQError" not in both and "IPKernelApp" not in both, both[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_long_operator_chain_in_a_table_cell_wraps_at_its_joins_and_nothing_else_changes():
+    """soft_breaks adds ``<wbr>`` after the joins of a cell's long tokens only: never in a tag or attribute, never
+    outside a table cell, never in a short word; the text a reader copies is the same; twice is once."""
+    import re
+
+    from mfu_lab.report.templating import soft_breaks
+
+    chain = "transpose+expand+view+bmm+_unsafe_view+_softmax"
+    page = (f'<p>{chain}</p><table><tr><td title="{chain}"><code>{chain}</code> num_workers</td>'
+            f"<td>sdpa (torch&#x27;s choice)</td></tr></table>")
+    out = soft_breaks(page)
+    assert f'<td title="{chain}">' in out and f"<p>{chain}</p>" in out
+    assert "transpose+<wbr>expand+<wbr>view+<wbr>bmm+<wbr>_<wbr>unsafe_<wbr>view+<wbr>_<wbr>softmax" in out
+    assert " num_workers</td>" in out and "torch&#x27;s choice" in out  # short words stay whole
+    assert re.sub("<wbr>", "", out) == page and soft_breaks(out) == out

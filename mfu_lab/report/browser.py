@@ -57,20 +57,38 @@ class PageCheck:
     failed_requests: list[str] = field(default_factory=list)
     external_requests: list[str] = field(default_factory=list)
     broken_images: list[str] = field(default_factory=list)
+    split_words: list[str] = field(default_factory=list)  # a short word of a table cell split over two lines
+    wider_px: int = 0  # how far the page is wider than the window (a table or figure that does not wrap)
     images: int = 0
     height_px: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.console_errors or self.failed_requests or self.external_requests or self.broken_images)
+        return not (self.console_errors or self.failed_requests or self.external_requests or self.broken_images
+                    or self.split_words or self.wider_px)
 
     def problems(self) -> list[str]:
         return ([f"console: {m}" for m in self.console_errors] + [f"failed request: {u}" for u in self.failed_requests]
                 + [f"request off the machine: {u}" for u in self.external_requests]
-                + [f"image not loaded: {i}" for i in self.broken_images])
+                + [f"image not loaded: {i}" for i in self.broken_images]
+                + [f"word split over two lines in a table: {w!r}" for w in self.split_words]
+                + ([f"page {self.wider_px} px wider than the window"] if self.wider_px else []))
 
 
 LOCAL = ("file:", "data:", "about:", "blob:")  # what a report may load: nothing off the machine
+SHORT_WORD = 24  # a table cell's word up to this many characters fits any column: it never breaks mid-word
+# Each word of SHORT_WORD characters or fewer in a table cell whose boxes lie on more than one line: a column the
+# browser squeezed below its words (e.g. "exclude|d"), which a reader must piece together.
+SPLIT_WORDS_JS = """max => { const out = []; const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+    if (!n.parentElement || !n.parentElement.closest('td, th')) continue;
+    for (const m of n.data.matchAll(/[^\\s\\u2010-\\u2014\\/-]+/g)) {  // a break at a dash or slash is fair
+      if (m[0].length < 2 || m[0].length > max) continue;
+      const r = document.createRange(); r.setStart(n, m.index); r.setEnd(n, m.index + m[0].length);
+      const tops = new Set(Array.from(r.getClientRects()).filter(b => b.width > 0).map(b => Math.round(b.top)));
+      if (tops.size > 1) out.push(m[0]);
+    } }
+  return out; }"""
 
 
 def check_pages(pages: list[Path], shots: Path, chromium: str, width: int = 1280) -> list[PageCheck]:
@@ -100,6 +118,8 @@ def check_pages(pages: list[Path], shots: Path, chromium: str, width: int = 1280
                 c.images = len(imgs)
                 c.broken_images = [alt for alt, ok in imgs if not ok]
                 c.height_px = page.evaluate("document.documentElement.scrollHeight")
+                c.split_words = page.evaluate(SPLIT_WORDS_JS, SHORT_WORD)[:20]
+                c.wider_px = max(0, page.evaluate("document.documentElement.scrollWidth") - width)
                 name = page_path.parent.name + "_" + page_path.stem if page_path.stem != "index" else "index"
                 c.screenshot = str(shots / f"{name}.png")
                 page.screenshot(path=c.screenshot, full_page=True)

@@ -100,8 +100,10 @@ def _recommendations(key: str, d: dict[str, Any]) -> tuple[list[dict[str, str]],
     advice = [{"severity": str(a.get("severity") or ""), "message": str(a.get("message") or ""),
                "because": str(a.get("because") or "")}
               for a in (d.get("advice") if isinstance(d.get("advice"), list) else []) if isinstance(a, dict)]
+    acts = [a for a in advice if a["severity"] == "act" and a["message"]]
+    recs = [r for r in recs if not any(r["message"] in a["message"] for a in acts)]  # said whole by an act item
     seen = {r["message"] for r in recs}
-    recs += [a for a in advice if a["severity"] == "act" and a["message"] and a["message"] not in seen]
+    recs += [a for a in acts if a["message"] not in seen]
     look = [a for a in advice if a["severity"] == "look" and a["message"]]
     recs, look = by_gain(key, d, recs), by_gain(key, d, look)
     return recs[:MAX_RECS], max(0, len(recs) - MAX_RECS), look[:MAX_RECS]

@@ -9,6 +9,7 @@ so a page's text does not change with the templating (``'`` as ``&#x27;``, ``"``
 from __future__ import annotations
 
 import html
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,25 @@ def _finalize(value: Any) -> Any:
     return Markup(html.escape(str(value)))
 
 
+CELL = re.compile(r"(<td\b[^>]*>)(.*?)(</td>)", re.S)
+TEXT = re.compile(r"(^|>)([^<]+)")
+LONG = re.compile(r"[^\s<>]{25,}")  # a token too long for a narrow column: an operator chain, a path
+BREAK_AFTER = re.compile(r"([+_/.,:=])(?=\w)")
+
+
+def soft_breaks(page: str) -> str:
+    """``page`` with a line-break opportunity (``<wbr>``) after each ``+ _ / . , : =`` inside the long tokens of its
+    table cells' text: an operator chain such as ``transpose+expand+view+bmm+...`` wraps at its joins, so the part
+    CSS can keep every shorter word whole (``overflow-wrap: break-word``, never ``anywhere``) without the table
+    running off the page. Tags, attributes and copied text are unchanged; applying it twice changes nothing."""
+    def cell(m: re.Match) -> str:
+        body = TEXT.sub(lambda t: t.group(1) + LONG.sub(lambda w: BREAK_AFTER.sub(r"\1<wbr>", w.group()),
+                                                           t.group(2)), m.group(2))
+        return m.group(1) + body + m.group(3)
+
+    return CELL.sub(cell, page)
+
+
 def _pct(v: float | None, spec: str = ".1%") -> str:
     return "" if v is None else format(v, spec)
 
@@ -45,7 +65,7 @@ def environment() -> jinja2.Environment:
 
 def render(template: str, **context: Any) -> Markup:
     """A whole template rendered with ``context``, as safe HTML."""
-    return Markup(environment().get_template(template).render(**context))
+    return Markup(soft_breaks(environment().get_template(template).render(**context)))
 
 
 def ledger_label(name: str) -> str:
