@@ -79,7 +79,8 @@ LOCAL = ("file:", "data:", "about:", "blob:")  # what a report may load: nothing
 SHORT_WORD = 24  # a table cell's word up to this many characters fits any column: it never breaks mid-word
 # Each word of SHORT_WORD characters or fewer in a table cell whose boxes lie on more than one line: a column the
 # browser squeezed below its words (e.g. "exclude|d"), which a reader must piece together.
-SPLIT_WORDS_JS = """max => { const out = []; const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+SPLIT_WORDS_JS = """max => { const out = [];
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
   for (let n = walk.nextNode(); n; n = walk.nextNode()) {
     if (!n.parentElement || !n.parentElement.closest('td, th')) continue;
     for (const m of n.data.matchAll(/[^\\s\\u2010-\\u2014\\/-]+/g)) {  // a break at a dash or slash is fair
