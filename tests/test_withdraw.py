@@ -127,3 +127,26 @@ def test_a_cuda_graph_mode_beside_fsdp2_with_accumulation_from_another_step_is_n
         tuning.Change("layout", "placement", "dp_mode", "ddp", "fsdp", "step 6", "measured")]
     said = graphs_clash(own, chosen, "cuda")
     assert said[-1]["what"] == "the tuned file on CUDA" and "will refuse it" in said[-1]["reason"]
+
+
+def test_an_mfu_ratio_outside_the_speedups_interval_is_explained_in_the_headline():
+    """One 40 ms step among 2.7 ms ones: the median speedup is 1.2x, the total-wall MFU falls. The headline says
+    why (MFU counts the total wall time, the speedup the median) and names the rung with the slow step; when the
+    two agree it adds nothing."""
+    from mfu_lab.steps.verify import staircase
+
+    before = Rung("original again", {}, "ok", dtype="float32", peak_flops_per_s=1e12, wall_s=[0.0032] * 9 + [0.004])
+    after = Rung("tuned as written", {}, "ok", dtype="float32", peak_flops_per_s=1e12,
+                 wall_s=[0.0027] * 9 + [0.0405])
+    staircase.speedups([before, after], "original again")
+    flops = 1e7  # per step: MFU = flops x steps / (peak x total wall)
+    before.mfu, after.mfu = (flops * len(r.wall_s) / (1e12 * sum(r.wall_s)) for r in (before, after))
+    assert after.mfu < before.mfu and after.speedup > 1.1
+    text = staircase.headline(before, after, [before, after], {"status": "ok"})["text"]
+    assert f"the MFUs' ratio ({after.mfu / before.mfu:.2f}x) is outside the speedup's interval" in text
+    assert "the tuned job's mean step is" in text and "its slowest 40.5 ms against a median of 2.7 ms" in text
+    before.wall_s = [0.0032 * (1 + 0.01 * ((i * 7) % 5 - 2)) for i in range(10)]  # +-2% noise, no outlier
+    after.wall_s = [0.0027 * (1 + 0.01 * ((i * 3) % 5 - 2)) for i in range(10)]
+    staircase.speedups([before, after], "original again")
+    before.mfu, after.mfu = (flops * len(r.wall_s) / (1e12 * sum(r.wall_s)) for r in (before, after))
+    assert "outside the speedup's interval" not in staircase.headline(before, after, [before, after], {})["text"]

@@ -90,12 +90,30 @@ def headline(before: Rung, after: Rung, rungs: list[Rung], loss: dict) -> dict[s
                 "compare the speedup, not the MFU")
     else:
         text = f"MFU {_pct(before.mfu)} -> {_pct(after.mfu)} (measured side by side, speedup {after.speedup:.2f}x {ci})"
+        text += tail_note(before, after) if same_peak else ""
         if not same_peak:
             text += "; no MFU without a peak: " + (after if before.peak_flops_per_s else before).peak_source
     return {"text": text, "mfu_before": before.mfu, "mfu_after": after.mfu, "speedup": after.speedup,
             "speedup_low": after.speedup_low, "speedup_high": after.speedup_high,
             "proven": after.speedup_low > 1.0 or after.speedup_high < 1.0, "carried": carried,
             "loss_ok": loss.get("status") == "ok"}
+
+
+def tail_note(before: Rung, after: Rung) -> str:
+    """Why the MFU ratio falls outside the speedup's interval, when it does: MFU divides by the total wall time of
+    the measured steps, the speedup compares median steps, and a few slow steps (a neighbour, a collection) weigh
+    in the first only. Names the rung whose mean step is furthest above its median, and its slowest step."""
+    if not (before.mfu and after.mfu and after.speedup_low and after.speedup_high and before.wall_s and after.wall_s):
+        return ""
+    ratio = after.mfu / before.mfu
+    if after.speedup_low <= ratio <= after.speedup_high:
+        return ""
+    name, r = max((("the tuned job", after), ("the original", before)),
+                  key=lambda nr: statistics.fmean(nr[1].wall_s) / statistics.median(nr[1].wall_s))
+    med = statistics.median(r.wall_s)
+    return (f"; the MFUs' ratio ({ratio:.2f}x) is outside the speedup's interval because MFU counts the total wall "
+            f"time and the speedup the median step: {name}'s mean step is {statistics.fmean(r.wall_s) / med:.2f}x "
+            f"its median, its slowest {max(r.wall_s) * 1e3:.1f} ms against a median of {med * 1e3:.1f} ms")
 
 
 def metrics(before: Rung | None, after: Rung | None, loss: dict) -> dict[str, Metric]:
