@@ -123,11 +123,23 @@ def the_job(result: dict[str, Any] | None) -> str:
 
 
 def overrides_line(results: dict[str, dict[str, Any]]) -> list[str]:
-    """One sentence naming every step whose result was measured with command-line overrides, and them."""
-    said = [f"{info.number} ({ov.flags(o)})" for info in STEPS if (o := ov.recorded(results.get(info.key)))]
-    if not said:
+    """One sentence naming every step whose result was measured with command-line overrides, and them: steps with
+    the same overrides (one run's, as a rule) are named together, the overrides once."""
+    groups: dict[str, list[int]] = {}
+    for info in STEPS:
+        if o := ov.recorded(results.get(info.key)):
+            groups.setdefault(ov.flags(o), []).append(info.number)
+    if not groups:
         return []
-    return [f"Measured with overrides from the command line, not the job file's values: step {'; step '.join(said)}."]
+    said = [f"{_steps_named(numbers)} ({flags})" for flags, numbers in groups.items()]
+    return [f"Measured with overrides from the command line, not the job file's values: {'; '.join(said)}."]
+
+
+def _steps_named(numbers: list[int]) -> str:
+    """"step 3", "steps 1 and 3", "steps 1, 2 and 3"."""
+    if len(numbers) == 1:
+        return f"step {numbers[0]}"
+    return f"steps {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
 
 
 def bar_meaning(key: str, result: dict[str, Any]) -> str:
