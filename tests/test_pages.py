@@ -185,18 +185,24 @@ def test_ctrl_c_during_a_run_is_quiet_and_clean(tmp_path):
     assert "Traceback" not in err, err[-3000:]
 
 
-def test_a_long_operator_chain_in_a_table_cell_wraps_at_its_joins_and_nothing_else_changes():
-    """soft_breaks adds ``<wbr>`` after the joins of a cell's long tokens only: never in a tag or attribute, never
-    outside a table cell, never in a short word; the text a reader copies is the same; twice is once."""
+def test_a_table_cell_wraps_at_an_operator_chains_joins_and_never_between_a_number_and_its_unit():
+    """wrap_cells adds ``<wbr>`` after the joins of a cell's long tokens only: never in a tag or attribute, never
+    outside a table cell, never in a short word; it keeps a number and its unit together; the text a reader copies
+    is the same; twice is once."""
     import re
 
-    from mfu_lab.report.templating import soft_breaks
+    from mfu_lab.report.templating import wrap_cells
 
     chain = "transpose+expand+view+bmm+_unsafe_view+_softmax"
     page = (f'<p>{chain}</p><table><tr><td title="{chain}"><code>{chain}</code> num_workers</td>'
             f"<td>sdpa (torch&#x27;s choice)</td></tr></table>")
-    out = soft_breaks(page)
+    out = wrap_cells(page)
     assert f'<td title="{chain}">' in out and f"<p>{chain}</p>" in out
     assert "transpose+<wbr>expand+<wbr>view+<wbr>bmm+<wbr>_<wbr>unsafe_<wbr>view+<wbr>_<wbr>softmax" in out
     assert " num_workers</td>" in out and "torch&#x27;s choice" in out  # short words stay whole
-    assert re.sub("<wbr>", "", out) == page and soft_breaks(out) == out
+    assert re.sub("<wbr>", "", out) == page and wrap_cells(out) == out
+    # a number keeps its unit on its line; a range may still wrap at its dash; outside a cell nothing changes
+    out = wrap_cells("<p>3.0 ms</p><table><tr><td>821.4 µs</td><td>3.0 ms–5.6 ms at 17.6 ktokens/s</td></tr></table>")
+    assert out == ('<p>3.0 ms</p><table><tr><td><span class="nu">821.4 µs</span></td><td><span class="nu">3.0 ms'
+                   '</span>–<span class="nu">5.6 ms</span> at <span class="nu">17.6 ktokens/s</span></td></tr></table>')
+    assert wrap_cells(out) == out

@@ -102,6 +102,7 @@ def export_html(notebook: Path, html_path: Path, result: Path | None = None) -> 
     from nbconvert import HTMLExporter
 
     from mfu_lab.report.found import found_html
+    from mfu_lab.report.templating import wrap_cells
 
     try:
         nb = nbformat.read(str(notebook), as_version=4)
@@ -115,6 +116,8 @@ def export_html(notebook: Path, html_path: Path, result: Path | None = None) -> 
             data = out.get("data", {})
             if "text/html" in data:
                 data.pop("application/vnd.jupyter.widget-view+json", None)
+                html_out = data["text/html"]  # a string, or a list of lines
+                data["text/html"] = wrap_cells("".join(html_out) if isinstance(html_out, list) else html_out)
     arrange(nb)
     exporter = HTMLExporter(template_name="offline", extra_template_basedirs=[str(TEMPLATES)])
     exporter.exclude_input_prompt = True

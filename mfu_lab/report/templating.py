@@ -31,22 +31,26 @@ def _finalize(value: Any) -> Any:
 
 
 CELL = re.compile(r"(<td\b[^>]*>)(.*?)(</td>)", re.S)
-TEXT = re.compile(r"(^|>)([^<]+)")
+TEXT = re.compile(r"(^|<[^>]*>)([^<]+)")  # a text node and the tag before it
 LONG = re.compile(r"[^\s<>]{25,}")  # a token too long for a narrow column: an operator chain, a path
 BREAK_AFTER = re.compile(r"([+_/.,:=])(?=\w)")
+UNIT_SPAN = '<span class="nu">'  # a number and its unit, kept on one line (part.css)
+WITH_UNIT = re.compile(r"(?<![\w.])(-?\d[\d,]*(?:\.\d+)? (?:[µm]?s|min|h|days|steps|[kMGTP]?i?(?:FLOP/s|FLOP|B/s|B"
+                       r"|tokens/s|samples/s|tokens|samples)))(?![\w/])")
 
 
-def soft_breaks(page: str) -> str:
-    """``page`` with a line-break opportunity (``<wbr>``) after each ``+ _ / . , : =`` inside the long tokens of its
-    table cells' text: an operator chain such as ``transpose+expand+view+bmm+...`` wraps at its joins, so the part
-    CSS can keep every shorter word whole (``overflow-wrap: break-word``, never ``anywhere``) without the table
-    running off the page. Tags, attributes and copied text are unchanged; applying it twice changes nothing."""
-    def cell(m: re.Match) -> str:
-        body = TEXT.sub(lambda t: t.group(1) + LONG.sub(lambda w: BREAK_AFTER.sub(r"\1<wbr>", w.group()),
-                                                           t.group(2)), m.group(2))
-        return m.group(1) + body + m.group(3)
+def wrap_cells(page: str) -> str:
+    """``page`` with its table cells' text made to wrap where a reader expects: a number stays on the line of its
+    unit ("821.4 µs", never "821.4" above "µs"), and a long token gets a line-break opportunity (``<wbr>``) after
+    each ``+ _ / . , : =``, so that an operator chain such as ``transpose+expand+view+bmm+...`` wraps at its joins.
+    The part CSS can then keep every shorter word whole (``overflow-wrap: break-word``, never ``anywhere``, which
+    squeezed columns into "exclude|d") without a table running off the page. Tags, attributes, text outside the
+    cells and the text a reader copies are unchanged; applying it twice changes nothing."""
+    def text(t: re.Match) -> str:
+        body = t.group(2) if t.group(1) == UNIT_SPAN else WITH_UNIT.sub(UNIT_SPAN + r"\1</span>", t.group(2))
+        return t.group(1) + LONG.sub(lambda w: BREAK_AFTER.sub(r"\1<wbr>", w.group()), body)
 
-    return CELL.sub(cell, page)
+    return CELL.sub(lambda m: m.group(1) + TEXT.sub(text, m.group(2)) + m.group(3), page)
 
 
 def _pct(v: float | None, spec: str = ".1%") -> str:
@@ -65,7 +69,7 @@ def environment() -> jinja2.Environment:
 
 def render(template: str, **context: Any) -> Markup:
     """A whole template rendered with ``context``, as safe HTML."""
-    return Markup(soft_breaks(environment().get_template(template).render(**context)))
+    return Markup(wrap_cells(environment().get_template(template).render(**context)))
 
 
 def ledger_label(name: str) -> str:

@@ -30,7 +30,7 @@ from mfu_lab.report.tables.placement import (
     sweep_table,
 )
 from mfu_lab.report.tables.verify import adopted_table, staircase_table
-from mfu_lab.report.templating import macros, soft_breaks
+from mfu_lab.report.templating import macros, wrap_cells
 
 VIEWS = "views.html.j2"
 
@@ -50,7 +50,7 @@ def _as_dict(result) -> dict[str, Any]:
 
 
 def _part(inner: Markup) -> Html:
-    return Html(soft_breaks(str(macros(VIEWS).part(inner))))
+    return Html(wrap_cells(str(macros(VIEWS).part(inner))))
 
 
 # ------------------------------------------------------------------ any step's result
