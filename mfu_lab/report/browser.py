@@ -83,11 +83,11 @@ SPLIT_WORDS_JS = """max => { const out = [];
   const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
   for (let n = walk.nextNode(); n; n = walk.nextNode()) {
     if (!n.parentElement || !n.parentElement.closest('td, th')) continue;
-    for (const m of n.data.matchAll(/[^\\s\\u2010-\\u2014\\/-]+/g)) {  // a break at a dash or slash is fair
+    for (const m of n.data.matchAll(/[\\w.,:;%'µ]+/g)) {  // a word: a break at a space, dash, bracket... is fair
       if (m[0].length < 2 || m[0].length > max) continue;
       const r = document.createRange(); r.setStart(n, m.index); r.setEnd(n, m.index + m[0].length);
-      const tops = new Set(Array.from(r.getClientRects()).filter(b => b.width > 0).map(b => Math.round(b.top)));
-      if (tops.size > 1) out.push(m[0]);
+      const boxes = Array.from(r.getClientRects()).filter(b => b.width > 0);  // a box per run of one font
+      if (boxes.some(b => Math.abs(b.top - boxes[0].top) > boxes[0].height / 2)) out.push(m[0]);  // another line
     } }
   return out; }"""
 

@@ -35,8 +35,8 @@ TEXT = re.compile(r"(^|<[^>]*>)([^<]+)")  # a text node and the tag before it
 LONG = re.compile(r"[^\s<>]{25,}")  # a token too long for a narrow column: an operator chain, a path
 BREAK_AFTER = re.compile(r"([+_/.,:=])(?=\w)")
 UNIT_SPAN = '<span class="nu">'  # a number and its unit, kept on one line (part.css)
-WITH_UNIT = re.compile(r"(?<![\w.])(-?\d[\d,]*(?:\.\d+)? (?:[µm]?s|min|h|days|steps|[kMGTP]?i?(?:FLOP/s|FLOP|B/s|B"
-                       r"|tokens/s|samples/s|tokens|samples)))(?![\w/])")
+WITH_UNIT = re.compile(r"(?<![\w.])(-?\d[\d,]*(?:\.\d+)? (?:[µm]?s|min|h|days|steps|GPUs?|ranks|nodes"
+                       r"|[kMGTP]?i?(?:FLOP/s|FLOP|B/s|B|tokens/s|samples/s|tokens|samples)))(?![\w/])")
 
 
 def wrap_cells(page: str) -> str:
