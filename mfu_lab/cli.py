@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=results.cmd_compare)
 
     ch = sub.add_parser("check-html", help="open a job's index and step reports in headless Chromium: console "
-                        "errors, failed or off-machine requests, missing images; full-page screenshots")
+                        "errors, failed or off-machine requests, missing images, table words split over two lines, "
+                        "pages wider than the window; full-page screenshots")
     ch.add_argument("job_dir", nargs="?", help="job output folder (default: the default job's)")
     ch.set_defaults(func=results.cmd_check_html)
 
