@@ -374,12 +374,12 @@ def _budgeted(plan: Plan, steps: list[str], b: float, shares: dict[str, float], 
 
 def roll(budget_min: float, steps: list[str], est: dict[str, Estimate], shares: dict[str, float],
          overhead_s: float, notebook_s: float) -> dict[str, float]:
-    """Each step's share as ``mfu-lab run`` rolls the budget (``budget.roll``): each step before it taking its
+    """Each step's share as ``mfu-lab run`` rolls the budget (``floors.roll``): each step before it taking its
     estimate, at least its least and at most its share, and a notebook of ``notebook_s``. Step 1 keeps its own
     share (``shares``: the runner gives it what its full run needs, up to ``budget.STEP1_MOST``)."""
-    from mfu_lab.core.process import budget
+    from mfu_lab.core.process import budget, floors
 
-    return budget.roll(budget.plan(budget_min, steps, overhead_s),
+    return floors.roll(budget.plan(budget_min, steps, overhead_s),
                        lambda k, share: max(est[k].min_s, min(est[k].full_s, share)), overhead_s, notebook_s,
                        {k: shares[k] for k in ("baseline",) if k in shares})[0]
 

@@ -26,7 +26,7 @@ from mfu_lab.core.job.overrides import OVERRIDES_ENV
 from mfu_lab.core.job.paths import workbook_file
 from mfu_lab.core.job.schema import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.measure import contention
-from mfu_lab.core.process import budget, procs, quick_imports
+from mfu_lab.core.process import budget, floors, procs, quick_imports
 from mfu_lab.core.process.budget import LEFT_ENV, left_env, plan_text
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.store import fixed_costs
@@ -84,10 +84,10 @@ def start_checks(job, job_arg: str, keys: list[str], say=print, minimum: bool = 
     run. The step-1 estimate comes from the job's own last step-1 result when it has one. ``minimum``: say here a
     share under its step's floor (:func:`minimum_line`); ``mfu-lab run`` says it after its plan line instead."""
     earlier = store.earlier(job, "baseline").data if "baseline" in keys else None
-    why = budget.step1_refusal(job, keys, earlier)
+    why = floors.step1_refusal(job, keys, earlier)
     if why:
         raise JobError("command line", [JobProblem("--budget", job.budget_min, why)])
-    line = budget.busy_text(contention.busy_now(), job_arg, keys, job, earlier)
+    line = floors.busy_text(contention.busy_now(), job_arg, keys, job, earlier)
     if line:
         say("mfu-lab: " + line)
     if minimum and (line := minimum_line(job, keys)):
@@ -100,11 +100,11 @@ def start_checks(job, job_arg: str, keys: list[str], say=print, minimum: bool = 
 
 
 def minimum_line(job, keys: list[str]) -> str:
-    """:func:`budget.minimum_text` for ``keys``, from the job's last steps 1 and 4 ('' without a budget)."""
+    """:func:`floors.minimum_text` for ``keys``, from the job's last steps 1 and 4 ('' without a budget)."""
     if not job.budget_min:
         return ""
     before = {k: store.earlier(job, k).data for k in ("baseline", "compile")}
-    return budget.minimum_text(job, keys, before, budget.overhead(job.device)[0])
+    return floors.minimum_text(job, keys, before, budget.overhead(job.device)[0])
 
 
 def check_output_folder(job: Job, source: str) -> None:
@@ -356,7 +356,7 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
 def record_fixed_costs(job: Job, info, wall_s: float) -> None:
     """Keep what this machine's step cost beside the step's own work (:mod:`mfu_lab.core.store.fixed_costs`): its
     notebook, the step's wall time less the ``elapsed_s`` its result records; after step 4, its longest measured
-    cold compile. A result that cannot be read keeps nothing."""
+    cold compile, under its backend's kind. A result that cannot be read keeps nothing."""
     try:
         data = json.loads((job.step_dir(info.folder) / "result.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -368,7 +368,7 @@ def record_fixed_costs(job: Job, info, wall_s: float) -> None:
     colds = [t.get("compile_cold_s") for t in data.get("trials") or [] if isinstance(t, dict)]
     colds = [c for c in colds if isinstance(c, (int, float)) and c > 0]
     if info.key == "compile" and colds:
-        fixed_costs.record(key, "cold_compile_s", max(colds))
+        fixed_costs.record(key, fixed_costs.cold_compile_kind(job.compile_backend), max(colds))
 
 
 def _monitor_step(job: Job, quiet: bool) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from mfu_lab import runner
 from mfu_lab.core.job.schema import load_job
-from mfu_lab.core.process import budget
+from mfu_lab.core.process import budget, floors
 from mfu_lab.core.store import fixed_costs
 
 from .conftest import ROOT, TINY
@@ -88,15 +88,42 @@ def test_a_cold_compile_comes_from_the_job_then_this_machine_then_the_reference(
     assert cold == 12.5 and "this job's last step 4" in where
 
 
+def test_a_cold_compile_is_kept_and_read_per_backend(cache, tmp_path):
+    """The vision example's step 4 (compile_backend eager: dynamo's tracing alone) compiled in 0.6 s, and the
+    budget then said its 52 s minimum held "a 24 s cold compile (this machine's cold compiles)": an inductor
+    figure. A backend's cold compile is kept under its own kind, and an inductor job's figure moves nothing."""
+    inductor = load_job(TINY)
+    eager = dataclasses.replace(inductor, compile_backend="eager", out_dir=str(tmp_path / "out"))
+    key = fixed_costs.machine_key(eager.device)
+    fixed_costs.record(key, "cold_compile_s", 24.0)
+    cold, where = budget.cold_compile(eager)
+    assert (cold, where) == (budget.TRACE_ONLY_S, "assumed: compile_backend eager traces, it generates no code")
+    folder = eager.step_dir("04_compile")
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({"elapsed_s": 10.0, "trials": [{"compile_cold_s": 0.6}]}))
+    runner.record_fixed_costs(eager, SimpleNamespace(key="compile", folder="04_compile"), 15.0)
+    assert fixed_costs.figures(key, "cold_compile_s:eager") == [0.6]
+    assert fixed_costs.figures(key, "cold_compile_s") == [24.0]  # inductor's median unmoved
+    cold, where = budget.cold_compile(eager)
+    assert cold == 0.6 and "this machine's cold compiles with eager, measured (median of 1)" in where
+    assert budget.cold_compile(inductor)[0] == 24.0
+    # a step 4 of another backend is not this job's cold compile
+    earlier = {"job": {"compile_backend": "eager"}, "trials": [{"compile_cold_s": 0.6}]}
+    assert budget.cold_compile(inductor, earlier)[0] == 24.0 and budget.cold_compile(eager, earlier)[0] == 0.6
+    mins = floors.minimums(eager, {"baseline": {"metrics": {"step_time_median_s": {"value": 0.5}}}})
+    assert "a 1 s cold compile (this job's last step 4" not in mins["compile"][1]  # no earlier step 4 given
+    assert "a 1 s cold compile (this machine's cold compiles with eager" in mins["compile"][1]
+
+
 def test_a_budget_too_small_for_a_steps_minimum_is_said_up_front_with_the_figures(cache):
     job = dataclasses.replace(load_job(TINY), budget_min=2.0)
     step1 = {"metrics": {"step_time_median_s": {"value": 0.5}}}
-    mins = budget.minimums(job, {"baseline": step1})
+    mins = floors.minimums(job, {"baseline": step1})
     cold = budget.COLD_COMPILE_S
     assert mins["compile"][0] == pytest.approx(2 * (budget.TRIAL_START_S + (job.compile_warmup_steps + 3) * 0.5)
                                                + cold + 6 * 0.5)
     assert "500 ms (measured)" in mins["compile"][1]
-    text = budget.minimum_text(job, list(budget.WEIGHTS), {"baseline": step1})
+    text = floors.minimum_text(job, list(budget.WEIGHTS), {"baseline": step1})
     p = budget.plan(2.0)
     short = [k for k, (need, _) in mins.items() if p[k] < need]
     assert short and "cannot hold every step's minimum" in text
@@ -106,9 +133,9 @@ def test_a_budget_too_small_for_a_steps_minimum_is_said_up_front_with_the_figure
     over = sum(mins[k][0] - p[k] for k in short)
     assert f"about {over:.0f} s past the budget" in text
     bigger = float(text.rsplit("--budget ", 1)[1].split()[0])
-    assert budget.minimum_text(dataclasses.replace(job, budget_min=bigger), list(budget.WEIGHTS),
+    assert floors.minimum_text(dataclasses.replace(job, budget_min=bigger), list(budget.WEIGHTS),
                                {"baseline": step1}) == ""  # the budget it names holds them
-    assert budget.minimum_text(dataclasses.replace(job, budget_min=0.0), list(budget.WEIGHTS), {}) == ""
+    assert floors.minimum_text(dataclasses.replace(job, budget_min=0.0), list(budget.WEIGHTS), {}) == ""
 
 
 def test_the_runner_keeps_each_steps_notebook_seconds_and_step_4s_cold_compile(cache, tmp_path):
@@ -131,16 +158,16 @@ def test_a_short_share_that_the_later_steps_can_give_up_is_said_as_such_not_as_a
     """The demo's 4.5 minutes on a machine that has measured nothing yet: step 4's minimum (reference figures)
     exceeds its share, by less than half of what steps 5 and 6 (no floor) are planned: no 'past the budget'."""
     job = load_job(ROOT / "parameters" / "default.yaml")
-    p, mins = budget.plan(4.5, None, budget.STEP_OVERHEAD_S), budget.minimums(job, {})
+    p, mins = budget.plan(4.5, None, budget.STEP_OVERHEAD_S), floors.minimums(job, {})
     over = mins["compile"][0] - p["compile"]
-    assert 0 < over <= budget.ABSORBED * (p["fp8"] + p["placement"])  # the case at hand, by the formula
-    text = budget.minimum_text(job, list(budget.WEIGHTS), {})
+    assert 0 < over <= floors.ABSORBED * (p["fp8"] + p["placement"])  # the case at hand, by the formula
+    text = floors.minimum_text(job, list(budget.WEIGHTS), {})
     assert f"step 4 gets {p['compile']:.0f} s but needs about {mins['compile'][0]:.0f} s" in text
     assert f"the steps after it get about {over:.0f} s less between them" in text
     assert "past the budget" not in text and "can still keep to the budget" in text
     # step 7 is last: nothing after it can give up its overrun
     tiny = dataclasses.replace(load_job(TINY), budget_min=2.0)
-    assert "past the budget" in budget.minimum_text(tiny, ["verify"], {})
+    assert "past the budget" in floors.minimum_text(tiny, ["verify"], {})
 
 
 def test_the_run_says_a_short_share_after_its_plan_line_not_before_the_job(cache, tmp_path, monkeypatch, capsys):

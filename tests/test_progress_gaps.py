@@ -15,7 +15,7 @@ from mfu_lab.commands import run as run_command
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.measure import contention
 from mfu_lab.core.measure.contention import Contention
-from mfu_lab.core.process import budget
+from mfu_lab.core.process import budget, floors
 from mfu_lab.core.process.progress import GAP_S, Heartbeat, Progress, printer
 from tests.conftest import TINY
 
@@ -105,7 +105,7 @@ def test_a_busy_machine_is_said_first_with_the_command_that_bounds_the_run(tmp_p
     line = next(ln for ln in out.splitlines() if "busy" in ln)
     assert "1.57 of 2 cores" in line and f"mfu-lab run {TINY} --budget " in line and "--steps baseline,kernels" in line
     m = re.search(r"--budget (\S+) ", line)
-    assert budget.step1_refusal(dataclasses.replace(load_job(TINY), budget_min=float(m.group(1))),
+    assert floors.step1_refusal(dataclasses.replace(load_job(TINY), budget_min=float(m.group(1))),
                                 ["baseline", "kernels"]) == ""  # the suggested budget is one step 1 accepts
 
 
@@ -124,7 +124,7 @@ def test_a_budget_too_small_for_step_1_is_refused_up_front_with_the_estimate(tmp
     assert code == cli.EXIT_BAD_INPUT
     assert "--budget 0.5 min gives step 1" in err and "needs at least about" in err and "Give --budget" in err
     need = float(re.search(r"Give --budget (\S+) or more", err).group(1))
-    assert need > 0.5 and budget.step1_refusal(
+    assert need > 0.5 and floors.step1_refusal(
         dataclasses.replace(load_job(TINY), budget_min=need), ["baseline"]) == ""
 
 

@@ -11,7 +11,7 @@ from mfu_lab.analysis import racing
 from mfu_lab.commands.common import cost_overrides
 from mfu_lab.core.errors import JobError
 from mfu_lab.core.job.schema import load_job
-from mfu_lab.core.process import budget
+from mfu_lab.core.process import budget, floors
 from mfu_lab.core.process.budget import Clock
 from mfu_lab.steps.attention_comm import comm_race
 from mfu_lab.workers import comm_configs
@@ -178,7 +178,7 @@ def test_the_budget_divides_time_by_the_stated_weights():
     assert p["attention_comm"] == pytest.approx(work * 121 / total)
     assert p["baseline"] == pytest.approx(work * 16 / total)
     assert budget.plan(1) == dict.fromkeys(budget.WEIGHTS, 0.0)  # 60 s hold no step's work beside the notebooks
-    assert budget.plan(budget.budget_for("baseline", p["baseline"]))["baseline"] >= p["baseline"]  # the inverse
+    assert budget.plan(floors.budget_for("baseline", p["baseline"]))["baseline"] >= p["baseline"]  # the inverse
     assert budget.plan(0) == {} and Clock.for_step(load_job(TINY), "compile").planned_s is None
     line = budget.plan_text(10, ["baseline", "compile"], {"baseline": 1, "compile": 4})
     assert "step 1 " in line and "step 4 " in line and "step 2" not in line

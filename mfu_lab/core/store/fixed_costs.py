@@ -6,7 +6,7 @@ start about 10 s, a cold compile 22 s, against 49 ms a training step), and they 
 the budget's weights come from, so the budget reads them from here once a run has measured them
 (:mod:`mfu_lab.core.process.budget`): each step's notebook seconds are its wall time less the step function's own
 ``elapsed_s`` (both measured, by the runner and by the step), and a cold compile is step 4's longest measured
-``compile_cold_s``.
+``compile_cold_s``, kept per compile backend (:func:`cold_compile_kind`).
 
 The file is ``$XDG_CACHE_HOME/mfu-lab/fixed_costs.json`` (``~/.cache/mfu-lab`` without it) beside the peak cache,
 written atomically, keyed by :func:`machine_key` (the device kind, the CPU's model and its usable cores: no
@@ -26,7 +26,17 @@ from pathlib import Path
 from typing import Any
 
 KEEP = 14  # figures kept per kind and machine: two whole runs' notebooks
-KINDS = ("notebook_s", "cold_compile_s")
+KINDS = ("notebook_s", "cold_compile_s")  # and "cold_compile_s:<backend>" for another backend than inductor
+
+
+def cold_compile_kind(backend: str) -> str:
+    """The kind a cold compile with ``backend`` is kept under: inductor's (code generation, a C++ or Triton build)
+    and another backend's (``eager`` and ``aot_eager``: tracing alone, seconds) are not one figure."""
+    return "cold_compile_s" if backend in ("inductor", "") else f"cold_compile_s:{backend}"
+
+
+def _known(kind: str) -> bool:
+    return kind in KINDS or (kind.startswith("cold_compile_s:") and len(kind) > len("cold_compile_s:"))
 
 
 def cache_path() -> Path:
@@ -84,8 +94,8 @@ def median(key: str, kind: str) -> tuple[float, int] | None:
 def record(key: str, kind: str, seconds: float) -> None:
     """Keep one measured figure; a figure that is not finite and >= 0 is not kept. A cache that cannot be written
     (a read-only home) keeps nothing and raises nothing: the run goes on."""
-    if kind not in KINDS:
-        raise ValueError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+    if not _known(kind):
+        raise ValueError(f"kind {kind!r}: one of {', '.join(KINDS)}, or cold_compile_s:<backend>")
     if not _seconds([seconds]):
         return
     data = _read() or {"about": "mfu-lab's measured fixed costs per machine (mfu_lab.core.store.fixed_costs)",
