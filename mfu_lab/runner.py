@@ -356,7 +356,7 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
 def record_fixed_costs(job: Job, info, wall_s: float) -> None:
     """Keep what this machine's step cost beside the step's own work (:mod:`mfu_lab.core.store.fixed_costs`): its
     notebook, the step's wall time less the ``elapsed_s`` its result records; after step 4, its longest measured
-    cold compile, under its backend's kind. A result that cannot be read keeps nothing."""
+    cold compile, under its backend's kind, and its eager trial's start. A result that cannot be read keeps nothing."""
     try:
         data = json.loads((job.step_dir(info.folder) / "result.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -369,6 +369,9 @@ def record_fixed_costs(job: Job, info, wall_s: float) -> None:
     colds = [c for c in colds if isinstance(c, (int, float)) and c > 0]
     if info.key == "compile" and colds:
         fixed_costs.record(key, fixed_costs.cold_compile_kind(job.compile_backend), max(colds))
+    start = (data.get("eager") or {}).get("start_s") if isinstance(data.get("eager"), dict) else None
+    if info.key == "compile" and isinstance(start, (int, float)):
+        fixed_costs.record(key, "trial_start_s", start)
 
 
 def _monitor_step(job: Job, quiet: bool) -> None:

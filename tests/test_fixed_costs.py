@@ -115,6 +115,24 @@ def test_a_cold_compile_is_kept_and_read_per_backend(cache, tmp_path):
     assert "a 1 s cold compile (this machine's cold compiles with eager" in mins["compile"][1]
 
 
+def test_step_4s_floor_takes_this_machines_trial_start_once_a_run_measured_it(cache, tmp_path):
+    """The default run on a 2-core Xeon: its eager trial took 4.6 s beyond its steps, against the reference CPU's
+    10 s a trial start; the floor of step 4 read "needs about 51 s" against a 50 s share. Once measured, the floor
+    uses this machine's trial start, and says so."""
+    job = dataclasses.replace(load_job(TINY), out_dir=str(tmp_path / "out"))
+    step1 = {"baseline": {"metrics": {"step_time_median_s": {"value": 0.3}}}}
+    before = floors.minimums(job, step1)["compile"]
+    assert budget.trial_start(job) == (budget.TRIAL_START_S, "the reference CPU's")
+    folder = job.step_dir("04_compile")
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({"elapsed_s": 40.0, "eager": {"start_s": 4.6}}))
+    runner.record_fixed_costs(job, SimpleNamespace(key="compile", folder="04_compile"), 50.0)
+    assert budget.trial_start(job) == (4.6, "this machine's trial starts, measured (median of 1)")
+    after = floors.minimums(job, step1)["compile"]
+    assert before[0] - after[0] == pytest.approx(2 * (budget.TRIAL_START_S - 4.6))  # two trials, eager's and one mode's
+    assert "two trial starts of about 5 s (this machine's trial starts, measured (median of 1))" in after[1]
+
+
 def test_a_budget_too_small_for_a_steps_minimum_is_said_up_front_with_the_figures(cache):
     job = dataclasses.replace(load_job(TINY), budget_min=2.0)
     step1 = {"metrics": {"step_time_median_s": {"value": 0.5}}}
@@ -149,6 +167,7 @@ def test_the_runner_keeps_each_steps_notebook_seconds_and_step_4s_cold_compile(c
     key = fixed_costs.machine_key(job.device)
     assert fixed_costs.figures(key, "notebook_s") == [12.5]  # wall 52.5 s less the step's own 40 s
     assert fixed_costs.figures(key, "cold_compile_s") == [25.0]
+    assert fixed_costs.figures(key, "trial_start_s") == []  # no eager trial in this result
     (folder / "result.json").write_text("{damaged")
     runner.record_fixed_costs(job, info, 60.0)  # nothing read, nothing kept
     assert fixed_costs.figures(key, "notebook_s") == [12.5]

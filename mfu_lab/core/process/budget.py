@@ -256,6 +256,15 @@ def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout:
 
 
 TRIAL_START_S = 10.0  # a compile trial's process start, model build and trace (2-core AMD EPYC, 2026-12-03: ~10 s)
+
+
+def trial_start(job) -> tuple[float, str]:
+    """(seconds, where from) of a step-4 trial beyond its steps: the median of this machine's eager trials
+    (:mod:`mfu_lab.core.store.fixed_costs`), else :data:`TRIAL_START_S`, the reference CPU's."""
+    m = fixed_costs.median(fixed_costs.machine_key(getattr(job, "device", "auto")), "trial_start_s")
+    if m:
+        return m[0], f"this machine's trial starts, measured (median of {m[1]})"
+    return TRIAL_START_S, "the reference CPU's"
 COLD_COMPILE_S = 30.0  # the default job's cold compile there (26-33 s), when the job has no step-4 result of its own
 TRACE_ONLY_S = 5.0  # assumed for a backend without code generation (eager, aot_eager): dynamo's tracing alone
 
@@ -283,7 +292,7 @@ def cold_compile(job, earlier: dict | None = None) -> tuple[float, str]:
 
 def fit_compile(job, clock: Clock, step_s: tuple[float, str], earlier: dict | None = None) -> int:
     """Timed steps of each compile trial within step 4's share, so that eager and one compiled mode fit: each trial
-    a start (:data:`TRIAL_START_S`), ``compile_warmup_steps`` and 3 profiled steps and the timed steps at
+    a start (:func:`trial_start`), ``compile_warmup_steps`` and 3 profiled steps and the timed steps at
     ``step_s``, the compiled one also a cold compile (:func:`cold_compile`); the job's ``steps`` without a budget,
     never fewer than 3."""
     left = clock.left_s()
@@ -291,7 +300,7 @@ def fit_compile(job, clock: Clock, step_s: tuple[float, str], earlier: dict | No
         return job.steps
     cold, where = cold_compile(job, earlier)
     each = step_s[0]
-    fixed = 2 * (TRIAL_START_S + (job.compile_warmup_steps + 3) * each) + cold
+    fixed = 2 * (trial_start(job)[0] + (job.compile_warmup_steps + 3) * each) + cold
     n = fit_count(left, job.steps, 2 * each, fixed_s=fixed, least=3)
     if n < job.steps:
         clock.shorten("trial steps", f"{n} of the job's {job.steps} timed in each trial ({left:.0f} s of step 4's "

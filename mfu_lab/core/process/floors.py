@@ -15,7 +15,6 @@ import math
 from mfu_lab.core.process.budget import (
     STEP1_MOST,
     STEP_OVERHEAD_S,
-    TRIAL_START_S,
     WEIGHTS,
     cold_compile,
     job_step_s,
@@ -23,6 +22,7 @@ from mfu_lab.core.process.budget import (
     rolled_share,
     step1_minimum_s,
     step1_share_s,
+    trial_start,
 )
 
 
@@ -35,12 +35,13 @@ def minimums(job, earlier: dict[str, dict | None]) -> dict[str, tuple[float, str
     at = f"at about {each:.2g} s a step ({src})"
     profiled = 1.5 * each * (job.profile_warmup_steps + job.profile_steps) + 5.0
     cold, where = cold_compile(job, earlier.get("compile"))
-    compile_s = 2 * (TRIAL_START_S + (job.compile_warmup_steps + 3) * each) + cold + 3 * 2 * each
+    start, start_from = trial_start(job)
+    compile_s = 2 * (start + (job.compile_warmup_steps + 3) * each) + cold + 3 * 2 * each
     verify_s = 2 * (5.0 + job.verify_warmup_steps * each + 2 * job.verify_steps * each)
     return {
         "kernels": (profiled + 4 * each, f"its profiled steps, 1 warm-up and 3 timed steps {at}"),
-        "compile": (compile_s, f"eager and one mode: two trial starts of about {TRIAL_START_S:.0f} s, a {cold:.0f} s "
-                               f"cold compile ({where}), warm-up and 3 timed steps each {at}"),
+        "compile": (compile_s, f"eager and one mode: two trial starts of about {start:.0f} s ({start_from}), a "
+                               f"{cold:.0f} s cold compile ({where}), warm-up and 3 timed steps each {at}"),
         "verify": (verify_s, f"the original and one rung, 2 rounds of {job.verify_steps} steps each {at}"),
     }
 

@@ -6,7 +6,8 @@ start about 10 s, a cold compile 22 s, against 49 ms a training step), and they 
 the budget's weights come from, so the budget reads them from here once a run has measured them
 (:mod:`mfu_lab.core.process.budget`): each step's notebook seconds are its wall time less the step function's own
 ``elapsed_s`` (both measured, by the runner and by the step), and a cold compile is step 4's longest measured
-``compile_cold_s``, kept per compile backend (:func:`cold_compile_kind`).
+``compile_cold_s``, kept per compile backend (:func:`cold_compile_kind`), and a trial's start is step 4's eager
+trial: its process's seconds beyond its steps and three profiled ones (the start, the model's build, the trace).
 
 The file is ``$XDG_CACHE_HOME/mfu-lab/fixed_costs.json`` (``~/.cache/mfu-lab`` without it) beside the peak cache,
 written atomically, keyed by :func:`machine_key` (the device kind, the CPU's model and its usable cores: no
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 KEEP = 14  # figures kept per kind and machine: two whole runs' notebooks
-KINDS = ("notebook_s", "cold_compile_s")  # and "cold_compile_s:<backend>" for another backend than inductor
+KINDS = ("notebook_s", "cold_compile_s", "trial_start_s")  # and "cold_compile_s:<backend>" beside inductor
 
 
 def cold_compile_kind(backend: str) -> str:

@@ -87,6 +87,7 @@ class Trial:
     trace_file: str = ""
     loss: list[float] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the cold trial, process start included
+    start_s: float | None = None  # eager's: its process beyond its steps and 3 profiled ones (fixed_costs)
 
 
 @dataclass
@@ -302,6 +303,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
     eager = Trial("eager", "ok", seconds=d["seconds"])
     method = d["method"]
     _fill(eager, d, None, 0.0, flops, peak, tolerance)
+    eager.start_s = max(0.0, d["seconds"] - sum(d["wall_s"]) - 3 * (eager.step_median_s or 0.0))
     eager_extra = cp.compile_seconds(d["wall_s"], d["warmup"], eager.step_median_s)
     ref3 = _step3_reference(job)
     ledgers: dict[str, Any] = {}
