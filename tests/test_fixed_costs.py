@@ -107,6 +107,9 @@ def test_a_cold_compile_is_kept_and_read_per_backend(cache, tmp_path):
     cold, where = budget.cold_compile(eager)
     assert cold == 0.6 and "this machine's cold compiles with eager, measured (median of 1)" in where
     assert budget.cold_compile(inductor)[0] == 24.0
+    other = dataclasses.replace(inductor, compile_backend="tvm")  # generates code: inductor's reference, said so
+    assert budget.cold_compile(other) == (budget.COLD_COMPILE_S, "the default job's on the reference CPU with "
+                                          "inductor (compile_backend tvm has no figure here yet)")
     # a step 4 of another backend is not this job's cold compile
     earlier = {"job": {"compile_backend": "eager"}, "trials": [{"compile_cold_s": 0.6}]}
     assert budget.cold_compile(inductor, earlier)[0] == 24.0 and budget.cold_compile(eager, earlier)[0] == 0.6

@@ -206,3 +206,10 @@ def test_a_table_cell_wraps_at_an_operator_chains_joins_and_never_between_a_numb
     assert out == ('<p>3.0 ms</p><table><tr><td><span class="nu">821.4 µs</span></td><td><span class="nu">3.0 ms'
                    '</span>–<span class="nu">5.6 ms</span> at <span class="nu">17.6 ktokens/s</span></td></tr></table>')
     assert wrap_cells(out) == out
+    # what a second pass could mistake for a new start (the rest of a broken token), an exponent, a script: whole
+    script = '<td><script>var a = "1 ms";</script> 3 ms</td>'
+    broken = "<td>abc_<wbr>defghijklmnopqrstuvwxyz_<wbr>3 ms</td>"
+    for cell, want in (("<td>abc_defghijklmnopqrstuvwxyz_3 ms</td>", broken),
+                       ("<td>1e-05 s</td>", '<td><span class="nu">1e-05 s</span></td>'),
+                       (script, script), ("<td><!-- 4 ms --></td>", "<td><!-- 4 ms --></td>")):
+        assert wrap_cells(cell) == want and wrap_cells(want) == want

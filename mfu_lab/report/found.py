@@ -101,7 +101,7 @@ def _recommendations(key: str, d: dict[str, Any]) -> tuple[list[dict[str, str]],
                "because": str(a.get("because") or "")}
               for a in (d.get("advice") if isinstance(d.get("advice"), list) else []) if isinstance(a, dict)]
     acts = [a for a in advice if a["severity"] == "act" and a["message"]]
-    recs = [r for r in recs if not any(r["message"] in a["message"] for a in acts)]  # said whole by an act item
+    recs = [r for r in recs if not any(a["message"].endswith(r["message"]) for a in acts)]  # an act item says it
     seen = {r["message"] for r in recs}
     recs += [a for a in acts if a["message"] not in seen]
     look = [a for a in advice if a["severity"] == "look" and a["message"]]

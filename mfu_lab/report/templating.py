@@ -35,8 +35,9 @@ TEXT = re.compile(r"(^|<[^>]*>)([^<]+)")  # a text node and the tag before it
 LONG = re.compile(r"[^\s<>]{25,}")  # a token too long for a narrow column: an operator chain, a path
 BREAK_AFTER = re.compile(r"([+_/.,:=])(?=\w)")
 UNIT_SPAN = '<span class="nu">'  # a number and its unit, kept on one line (part.css)
-WITH_UNIT = re.compile(r"(?<![\w.])(-?\d[\d,]*(?:\.\d+)? (?:[µm]?s|min|h|days|steps|GPUs?|ranks|nodes"
-                       r"|[kMGTP]?i?(?:FLOP/s|FLOP|B/s|B|tokens/s|samples/s|tokens|samples)))(?![\w/])")
+SKIP_CELL = re.compile(r"<(?:script|style|svg|textarea)\b|<!--", re.I)  # not text to wrap: left as it is
+WITH_UNIT = re.compile(r"(?<![\w.+-])(-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)? (?:[µm]?s|min|h|days|steps|GPUs?"
+                       r"|ranks|nodes|[kMGTP]?i?(?:FLOP/s|FLOP|B/s|B|tokens/s|samples/s|tokens|samples)))(?![\w/])")
 
 
 def wrap_cells(page: str) -> str:
@@ -45,12 +46,17 @@ def wrap_cells(page: str) -> str:
     each ``+ _ / . , : =``, so that an operator chain such as ``transpose+expand+view+bmm+...`` wraps at its joins.
     The part CSS can then keep every shorter word whole (``overflow-wrap: break-word``, never ``anywhere``, which
     squeezed columns into "exclude|d") without a table running off the page. Tags, attributes, text outside the
-    cells and the text a reader copies are unchanged; applying it twice changes nothing."""
+    cells and the text a reader copies are unchanged; a cell holding a script, a style, an SVG, a text area or a
+    comment is left whole; applying it twice changes nothing."""
     def text(t: re.Match) -> str:
-        body = t.group(2) if t.group(1) == UNIT_SPAN else WITH_UNIT.sub(UNIT_SPAN + r"\1</span>", t.group(2))
+        done = t.group(1) in (UNIT_SPAN, "<wbr>")  # a unit's span, or the rest of a token broken on a pass before
+        body = t.group(2) if done else WITH_UNIT.sub(UNIT_SPAN + r"\1</span>", t.group(2))
         return t.group(1) + LONG.sub(lambda w: BREAK_AFTER.sub(r"\1<wbr>", w.group()), body)
 
-    return CELL.sub(lambda m: m.group(1) + TEXT.sub(text, m.group(2)) + m.group(3), page)
+    def cell(m: re.Match) -> str:
+        return m.group(0) if SKIP_CELL.search(m.group(2)) else m.group(1) + TEXT.sub(text, m.group(2)) + m.group(3)
+
+    return CELL.sub(cell, page)
 
 
 def _pct(v: float | None, spec: str = ".1%") -> str:

@@ -256,15 +256,20 @@ def fit_verify(job, clock: Clock, step_s: tuple[float, str], rungs: int, layout:
 
 
 TRIAL_START_S = 10.0  # a compile trial's process start, model build and trace (2-core AMD EPYC, 2026-12-03: ~10 s)
+TRACE_ONLY = ("eager", "aot_eager")  # backends that trace and generate no code
 
 
 def trial_start(job) -> tuple[float, str]:
-    """(seconds, where from) of a step-4 trial beyond its steps: the median of this machine's eager trials
-    (:mod:`mfu_lab.core.store.fixed_costs`), else :data:`TRIAL_START_S`, the reference CPU's."""
+    """(seconds, where from) of a step-4 trial beyond its timed steps and 3 profiled ones: the median of this
+    machine's eager trials (:mod:`mfu_lab.core.store.fixed_costs`; the process's start, the model's build, the
+    profiler's 2 warm-up steps, its overhead and the trace's export, whatever the job), else :data:`TRIAL_START_S`,
+    the reference CPU's."""
     m = fixed_costs.median(fixed_costs.machine_key(getattr(job, "device", "auto")), "trial_start_s")
     if m:
         return m[0], f"this machine's trial starts, measured (median of {m[1]})"
     return TRIAL_START_S, "the reference CPU's"
+
+
 COLD_COMPILE_S = 30.0  # the default job's cold compile there (26-33 s), when the job has no step-4 result of its own
 TRACE_ONLY_S = 5.0  # assumed for a backend without code generation (eager, aot_eager): dynamo's tracing alone
 
@@ -273,7 +278,7 @@ def cold_compile(job, earlier: dict | None = None) -> tuple[float, str]:
     """(seconds, where from) of a cold compile of ``job``: the longest of the job's last step 4 with the same backend
     (measured), else the median of the cold compiles measured on this machine with that backend
     (:mod:`mfu_lab.core.store.fixed_costs`), else the default job's on the reference CPU (:data:`COLD_COMPILE_S`),
-    or, for a backend without code generation (``eager``, ``aot_eager``), :data:`TRACE_ONLY_S`, assumed."""
+    or, for a backend without code generation (:data:`TRACE_ONLY`), :data:`TRACE_ONLY_S`, assumed."""
     backend = getattr(job, "compile_backend", "inductor") or "inductor"
     same = ((earlier or {}).get("job") or {}).get("compile_backend", "inductor") == backend
     trials = (earlier or {}).get("trials") or [] if same else []
@@ -285,9 +290,10 @@ def cold_compile(job, earlier: dict | None = None) -> tuple[float, str]:
     if m:
         return m[0], f"this machine's cold compiles{'' if backend == 'inductor' else ' with ' + backend}, measured " \
                      f"(median of {m[1]})"
-    if backend != "inductor":
+    if backend in TRACE_ONLY:
         return TRACE_ONLY_S, f"assumed: compile_backend {backend} traces, it generates no code"
-    return COLD_COMPILE_S, "the default job's on the reference CPU"
+    return COLD_COMPILE_S, "the default job's on the reference CPU" + (
+        "" if backend == "inductor" else f" with inductor (compile_backend {backend} has no figure here yet)")
 
 
 def fit_compile(job, clock: Clock, step_s: tuple[float, str], earlier: dict | None = None) -> int:

@@ -27,10 +27,11 @@ from mfu_lab.core.process.budget import (
 
 
 def minimums(job, earlier: dict[str, dict | None]) -> dict[str, tuple[float, str]]:
-    """(seconds, how) each step with a floor needs at least, whatever its share: the floors the fit functions above
-    keep (step 3 its profiled steps and 1 warm-up and 3 timed steps; step 4 eager and one compiled mode, 3 timed
-    steps each, with their starts and a cold compile; step 7 two rungs of 2 rounds). ``earlier``: the job's last
-    results by step key (step 1's gives the step time, step 4's the cold compile)."""
+    """(seconds, how) each step with a floor needs at least, whatever its share: the floors the fit functions of
+    :mod:`mfu_lab.core.process.budget` keep (step 3 its profiled steps and 1 warm-up and 3 timed steps; step 4
+    eager and one compiled mode, 3 timed steps each, with their starts and a cold compile; step 7 two rungs of 2
+    rounds). ``earlier``: the job's last results by step key (step 1's gives the step time, step 4's the cold
+    compile)."""
     each, src = job_step_s(earlier.get("baseline"))
     at = f"at about {each:.2g} s a step ({src})"
     profiled = 1.5 * each * (job.profile_warmup_steps + job.profile_steps) + 5.0
@@ -51,7 +52,7 @@ ABSORBED = 0.5  # the least of its plan a step without a floor (2, 5, 6) is take
 
 def roll(p: dict[str, float], take, overhead_s: float, notebook_s: float | None = None,
          fixed: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
-    """Plan ``p`` rolled as the runner rolls it (:func:`rolled_share` before each step, in the workbook's order):
+    """Plan ``p`` rolled as the runner rolls it (``budget.rolled_share`` before each step, in the workbook's order):
     each step's share (``fixed`` gives some outright, as step 1's), the step taking ``take(key, share)`` seconds and
     a notebook of ``notebook_s`` (``overhead_s``, the plan's, when None). Returns (the shares, seconds the run ends
     past the plan)."""

@@ -102,12 +102,14 @@ def headline(before: Rung, after: Rung, rungs: list[Rung], loss: dict) -> dict[s
 def tail_note(before: Rung, after: Rung) -> str:
     """Why the MFU ratio falls outside the speedup's interval, when it does: MFU divides by the total wall time of
     the measured steps, the speedup compares median steps, and a few slow steps (a neighbour, a collection) weigh
-    in the first only. Names the rung whose mean step is furthest above its median, and its slowest step."""
+    in the first only. Names the rung whose mean step is furthest above its median, and its slowest step. Said only
+    when the MFUs' ratio is the ratio of the mean steps (the two rungs count the same FLOPs per step)."""
     if not (before.mfu and after.mfu and after.speedup_low and after.speedup_high and before.wall_s and after.wall_s):
         return ""
     ratio = after.mfu / before.mfu
-    if after.speedup_low <= ratio <= after.speedup_high:
-        return ""
+    walls = statistics.fmean(before.wall_s) / statistics.fmean(after.wall_s)  # the MFUs' ratio at equal FLOPs
+    if after.speedup_low <= ratio <= after.speedup_high or abs(ratio / walls - 1) > 0.01:
+        return ""  # inside the interval, or the rungs count other FLOPs per step: not a matter of slow steps
     name, r = max((("the tuned job", after), ("the original", before)),
                   key=lambda nr: statistics.fmean(nr[1].wall_s) / statistics.median(nr[1].wall_s))
     med = statistics.median(r.wall_s)
