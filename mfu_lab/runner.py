@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from mfu_lab.core.job.overrides import OVERRIDES_ENV
 from mfu_lab.core.job.paths import workbook_file
 from mfu_lab.core.job.schema import Job, find_workbook_root, load_job, validate
 from mfu_lab.core.measure import contention
-from mfu_lab.core.process import budget, floors, procs, quick_imports
+from mfu_lab.core.process import budget, floors, procs
 from mfu_lab.core.process.budget import LEFT_ENV, left_env, plan_text
 from mfu_lab.core.registry import BY_KEY, STEPS
 from mfu_lab.core.store import fixed_costs
@@ -35,6 +34,7 @@ from mfu_lab.core.store.files import JOB_MARKER, is_job_root, load_results, refu
 from mfu_lab.core.store.history import RUN_ENV, RUNS_DIR, current_run_id, new_run_id, resumed_run_id
 from mfu_lab.core.store.results import source_digest
 from mfu_lab.core.store.runstate import job_lock, resumable
+from mfu_lab.kernels import KERNEL_FILES, execute_notebook, kernel_files_in
 from mfu_lab.publish import NotPublished, filesystem_problem, fresh_step_folder, settle_publications, step_bracket
 from mfu_lab.report import export_html
 
@@ -45,29 +45,6 @@ def run_id_set(run_id: str) -> Iterator[str]:
     so that a later run in the same process (a notebook, a test) draws an id of its own."""
     with procs.env_set(RUN_ENV, run_id):
         yield run_id
-
-
-KERNEL_FILES = ".kernels"
-# The kernel's own log (its transport warning at every start, ZMQ tracebacks when Ctrl-C reaches it) is plumbing,
-# not the step's: a cell's error is in the executed notebook and its report, and the runner says what failed.
-QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
-
-
-@contextmanager
-def kernel_files_in(folder: Path) -> Iterator[Path]:
-    """Keep the notebook kernel's connection file (its ports and key, which jupyter_client writes with
-    ``tempfile.mkstemp``) in the job's own folder rather than the machine's temp folder, and remove it after.
-    A killed run leaves its file there; the next run of the job (holding the job's lock, so no other kernel of
-    this job is alive) removes it first."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    before, tempfile.tempdir = tempfile.tempdir, str(folder)
-    try:
-        yield folder
-    finally:
-        tempfile.tempdir = before
-        shutil.rmtree(folder, ignore_errors=True)
-
 
 
 @contextmanager
@@ -190,23 +167,6 @@ def check_cluster(job: Job) -> None:
     load_cluster(job.cluster_path())
 
 
-class _Indented:
-    """A text stream that indents every line written through it (notebook output inside CLI output)."""
-
-    def __init__(self, stream):
-        self.stream, self.at_line_start = stream, True
-
-    def write(self, text: str) -> None:
-        for ch in text:
-            if self.at_line_start and ch != "\n":
-                self.stream.write("    ")
-            self.stream.write(ch)
-            self.at_line_start = ch == "\n"
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
 def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
                  execution_timeout: float | None = None) -> Path:
     """Run one step's notebook with papermill into the job's output folder; export its HTML.
@@ -231,24 +191,6 @@ def execute_step(info, job: Job, source: str, root: Path, quiet: bool = False,
         finally:
             os.environ.pop("MFU_LAB_INDEX_BY_RUNNER", None)
     return folder / "report.html"
-
-
-def execute_notebook(src: Path, out: Path, params: dict, cwd: Path, quiet: bool, timeout: float | None = None) -> None:
-    """One notebook through papermill, its printed lines streamed (indented) unless ``quiet``. Its kernel, and so
-    every process the kernel starts, ends with this call however it ends (``procs``: SIGTERM is taken as Ctrl-C,
-    and a kill of this process ends the kernel through its PDEATHSIG)."""
-    quick_imports.notebook_libraries()
-    import papermill as pm  # lazy: over a second to import; `mfu-lab --help`, `validate`, `step` do without it
-
-    # shutdown_kernel="immediate": the kernel is killed once its last cell has finished instead of being asked to
-    # exit, which took 2.7 s a notebook (the interpreter's finalisation with torch and matplotlib loaded, 2-core AMD
-    # EPYC). Every output has arrived by then and no step leaves work for exit: its result, notebook and processes
-    # are done (procs ends any child with the kernel, as on any other kill).
-    with procs.interrupt_on_sigterm(), procs.group():
-        pm.execute_notebook(str(src), str(out), parameters=params, progress_bar=False, cwd=str(cwd),
-                            kernel_name="python3", stdout_file=None if quiet else _Indented(sys.stdout),
-                            execution_timeout=timeout, extra_arguments=QUIET_KERNEL,
-                            kernel_manager_class=procs.kernel_manager_class(), shutdown_kernel="immediate")
 
 
 def warn_damaged(job: Job) -> list[str]:

@@ -314,3 +314,45 @@ def test_a_started_command_runs_as_the_child_itself_with_no_signal_left_ignored(
     assert not mask & (1 << (signal.SIGPIPE - 1)) and not mask & (1 << (signal.SIGXFSZ - 1)), ign
     with pytest.raises(TypeError, match="one string"):
         procs.popen(["true"], shell=True)
+
+
+def test_a_kernel_that_dies_before_its_first_reply_is_started_again_and_said(tmp_path, monkeypatch, capsys):
+    """jupyter_client picks a kernel's ports and the kernel binds them a moment later: a CI run lost one to another
+    process ("Address already in use"), and the kernel died before replying, no cell run. Such a start is tried
+    again, up to KERNEL_START_TRIES in all; any other error is raised at once."""
+    import papermill
+
+    from mfu_lab import kernels
+
+    calls = []
+
+    def flaky(*a, **kw):
+        calls.append(a)
+        if len(calls) < kernels.KERNEL_START_TRIES:
+            raise RuntimeError(kernels.NOT_STARTED)
+
+    monkeypatch.setattr(papermill, "execute_notebook", flaky)
+    kernels.execute_notebook(tmp_path / "in.ipynb", tmp_path / "out.ipynb", {}, tmp_path, quiet=True)
+    assert len(calls) == kernels.KERNEL_START_TRIES
+    err = capsys.readouterr().err
+    assert f"starting it again (2 of {kernels.KERNEL_START_TRIES})" in err and "died before its first reply" in err
+
+    def never(*a, **kw):
+        calls.append(a)
+        raise RuntimeError(kernels.NOT_STARTED)
+
+    calls.clear()
+    monkeypatch.setattr(papermill, "execute_notebook", never)
+    with pytest.raises(RuntimeError, match="Kernel died"):  # never started: the last try's error is the run's
+        kernels.execute_notebook(tmp_path / "in.ipynb", tmp_path / "out.ipynb", {}, tmp_path, quiet=True)
+    assert len(calls) == kernels.KERNEL_START_TRIES
+
+    def other(*a, **kw):
+        calls.append(a)
+        raise RuntimeError("a cell failed")
+
+    calls.clear()
+    monkeypatch.setattr(papermill, "execute_notebook", other)
+    with pytest.raises(RuntimeError, match="a cell failed"):
+        kernels.execute_notebook(tmp_path / "in.ipynb", tmp_path / "out.ipynb", {}, tmp_path, quiet=True)
+    assert len(calls) == 1
