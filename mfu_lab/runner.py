@@ -307,14 +307,16 @@ def record_fixed_costs(job: Job, info, wall_s: float) -> None:
     elapsed = data.get("elapsed_s")
     if isinstance(elapsed, (int, float)) and 0 <= elapsed <= wall_s:
         fixed_costs.record(key, "notebook_s", wall_s - elapsed)
+    if info.key != "compile":
+        return
     colds = [t.get("compile_cold_s") for t in data.get("trials") or [] if isinstance(t, dict)]
     colds = [c for c in colds if isinstance(c, (int, float)) and c > 0]
-    if info.key == "compile" and colds:
+    if colds:
         backend = (data.get("job") if isinstance(data.get("job"), dict) else {}).get("compile_backend")
         fixed_costs.record(key, fixed_costs.cold_compile_kind(backend or job.compile_backend), max(colds))
-    start = (data.get("eager") or {}).get("start_s") if isinstance(data.get("eager"), dict) else None
-    if info.key == "compile" and isinstance(start, (int, float)):
-        fixed_costs.record(key, "trial_start_s", start)
+    eager = data.get("eager")
+    if isinstance(eager, dict) and isinstance(eager.get("start_s"), (int, float)):
+        fixed_costs.record(key, "trial_start_s", eager["start_s"])
 
 
 def _monitor_step(job: Job, quiet: bool) -> None:

@@ -55,10 +55,15 @@ def overhead(device: str = "auto") -> tuple[float, str]:
     """(seconds, where from) of one step's notebook on this machine: the median of the notebooks measured here
     (:mod:`mfu_lab.core.store.fixed_costs`, recorded by the runner after each step), else :data:`STEP_OVERHEAD_S`,
     the reference CPU's, said so."""
-    m = fixed_costs.median(fixed_costs.machine_key(device), "notebook_s")
-    if m:
-        return m[0], f"this machine's notebooks, measured (median of {m[1]})"
-    return STEP_OVERHEAD_S, "the reference CPU's notebooks (none measured on this machine yet)"
+    return measured_here(device, "notebook_s", "notebooks") or (
+        STEP_OVERHEAD_S, "the reference CPU's notebooks (none measured on this machine yet)")
+
+
+def measured_here(device: str, kind: str, what: str) -> tuple[float, str] | None:
+    """(the median of this machine's figures of ``kind``, "this machine's <what>, measured (median of n)") from
+    :mod:`mfu_lab.core.store.fixed_costs`, or None when none is kept."""
+    m = fixed_costs.median(fixed_costs.machine_key(device), kind)
+    return (m[0], f"this machine's {what}, measured (median of {m[1]})") if m else None
 
 
 def plan(budget_min: float, keys: list[str] | None = None, overhead_s: float = STEP_OVERHEAD_S) -> dict[str, float]:
@@ -264,10 +269,8 @@ def trial_start(job) -> tuple[float, str]:
     machine's eager trials (:mod:`mfu_lab.core.store.fixed_costs`; the process's start, the model's build, the
     profiler's 2 warm-up steps, its overhead and the trace's export, whatever the job), else :data:`TRIAL_START_S`,
     the reference CPU's."""
-    m = fixed_costs.median(fixed_costs.machine_key(getattr(job, "device", "auto")), "trial_start_s")
-    if m:
-        return m[0], f"this machine's trial starts, measured (median of {m[1]})"
-    return TRIAL_START_S, "the reference CPU's"
+    return (measured_here(getattr(job, "device", "auto"), "trial_start_s", "trial starts")
+            or (TRIAL_START_S, "the reference CPU's"))
 
 
 COLD_COMPILE_S = 30.0  # the default job's cold compile there (26-33 s), when the job has no step-4 result of its own
@@ -285,11 +288,10 @@ def cold_compile(job, earlier: dict | None = None) -> tuple[float, str]:
     colds = [t["compile_cold_s"] for t in trials if t.get("compile_cold_s")]
     if colds:
         return max(colds), "this job's last step 4, measured"
-    kind = fixed_costs.cold_compile_kind(backend)
-    m = fixed_costs.median(fixed_costs.machine_key(getattr(job, "device", "auto")), kind)
+    m = measured_here(getattr(job, "device", "auto"), fixed_costs.cold_compile_kind(backend),
+                      "cold compiles" + ("" if backend == "inductor" else f" with {backend}"))
     if m:
-        return m[0], f"this machine's cold compiles{'' if backend == 'inductor' else ' with ' + backend}, measured " \
-                     f"(median of {m[1]})"
+        return m
     if backend in TRACE_ONLY:
         return TRACE_ONLY_S, f"assumed: compile_backend {backend} traces, it generates no code"
     return COLD_COMPILE_S, "the default job's on the reference CPU" + (
