@@ -84,6 +84,24 @@ def minimum_line(job, keys: list[str]) -> str:
     return floors.minimum_text(job, keys, before, budget.overhead(job.device)[0])
 
 
+def minimum_recheck(job, keys: list[str], before: str) -> str:
+    """After step 1 of a job that had no step-1 result when the run began: the floors of the steps after it again,
+    at the step time step 1 has just measured (the run's first line took the reference CPU's). '' when step 1 left
+    no result or nothing changed; else what the measured step changes, said beside the earlier line."""
+    result = store.earlier(job, "baseline").data
+    step_s = (((result or {}).get("metrics") or {}).get("step_time_median_s") or {}).get("value")
+    if not step_s:
+        return ""
+    now = minimum_line(job, keys)
+    if now == before:
+        return ""
+    measured = (f"step 1 measured the job's step at {step_s * 1e3:.3g} ms (the floors above took the reference "
+                f"CPU's {budget.REFERENCE_STEP_S:g} s)")
+    if not now:
+        return f"{measured}: every step's share now holds its minimum"
+    return f"{measured}: {now}"
+
+
 def check_output_folder(job: Job, source: str) -> None:
     """Refuse, before any work, an output folder that cannot be made or written: a file where a folder of the
     path should be, or a folder where no file can be created (a read-only disk). Nothing is left behind."""
@@ -246,11 +264,13 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
     print(f"mfu-lab: job '{job.job_name}' from {source}; steps: {', '.join(s.key for s in steps)}"
           + ("; thorough (exhaustive sweeps)" if job.thorough else ""))
     overhead = budget.overhead(job.device)
+    short = ""  # the line on the shares under their floors, said after the plan (it speaks of the plan's shares)
+    guessed = bool(job.budget_min) and store.earlier(job, "baseline").data is None  # a step time not yet measured
     if job.budget_min:
         print("mfu-lab: " + plan_text(job.budget_min, [s.key for s in steps], {s.key: s.number for s in STEPS},
                                       overhead))
-        if line := minimum_line(job, [s.key for s in steps]):  # after the plan: it speaks of the plan's shares
-            print("mfu-lab: " + line)
+        if short := minimum_line(job, [s.key for s in steps]):
+            print("mfu-lab: " + short)
     print(f"mfu-lab: results in {job.output_root()} (this run is also kept in {RUNS_DIR}/{run_id}/)")
     _monitor_step(job, quiet)
     failed: list[str] = []
@@ -288,6 +308,8 @@ def _run_steps(job: Job, source: str, steps: list, run_id: str, quiet: bool, res
         wall = time.perf_counter() - t0
         print(f"[{n}/{len(steps)}] {info.folder} done in {wall:.0f} s -> {html}")
         record_fixed_costs(job, info, wall)
+        if guessed and info.key == "baseline" and (line := minimum_recheck(job, keys, short)):
+            print("mfu-lab: " + line)
     print(f"mfu-lab: summary page: {job.output_root() / 'index.html'}")
     _tuned(job, source, run_id)
     if failed:

@@ -209,3 +209,45 @@ def test_the_run_says_a_short_share_after_its_plan_line_not_before_the_job(cache
         ("short", "mfu-lab: the budget of 4.5 min gives a step less than its minimum"), ("step", "[1/7]"))}
     assert at["job"] < at["plan"] < at["short"] < at["step"]
     assert sum("less than its minimum" in line for line in lines) == 1
+
+
+@pytest.mark.parametrize("step_s, expect", [(0.05, "every step's share now holds its minimum"),
+                                            (2.0, "cannot hold every step's minimum")])
+def test_step_1s_measured_step_rechecks_the_floors_the_first_line_guessed(cache, tmp_path, monkeypatch, capsys,
+                                                                          step_s, expect):
+    """A job's first run has no step time of its own: the floors before step 1 take the reference CPU's 0.5 s
+    step (the vision job's is 59 ms, and its first line warned of an overrun that never came). Once step 1 has
+    measured the step, the run says what the measured step changes, with the figure; a job with a step-1 result
+    already is not re-checked."""
+    from mfu_lab.core.registry import BY_KEY
+
+    job = dataclasses.replace(load_job(ROOT / "parameters" / "default.yaml"), out_dir=str(tmp_path / "out"))
+    keys, overhead = list(budget.WEIGHTS), budget.overhead(job.device)[0]
+    fast = {"baseline": {"metrics": {"step_time_median_s": {"value": 0.05}}}}
+    job = next(j for j in (dataclasses.replace(job, budget_min=b / 10) for b in range(40, 80))
+               if floors.minimum_text(j, keys, {}, overhead) and not floors.minimum_text(j, keys, fast, overhead))
+    steps = [BY_KEY[k] for k in keys]  # the budget whose shares hold the floors at a 50 ms step, not at 0.5 s
+
+    def execute(info, *a):
+        if info.key == "baseline":
+            folder = job.step_dir(info.folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "result.json").write_text(json.dumps({"metrics": {"step_time_median_s": {"value": step_s}}}))
+        return tmp_path / f"{info.folder}.html"
+
+    monkeypatch.setattr(runner, "execute_step", execute)
+    monkeypatch.setattr(runner, "_tuned", lambda *a: None)
+    runner.run_steps(job, "parameters/default.yaml", steps)
+    lines = capsys.readouterr().out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(f"mfu-lab: the budget of {job.budget_min:g} min"))
+    assert "the reference CPU's 0.5 s step" in lines[first]
+    done = next(i for i, line in enumerate(lines) if line.startswith("[1/7] 01_baseline done"))
+    again = [line for line in lines if "step 1 measured the job's step" in line]
+    assert len(again) == 1 and lines.index(again[0]) == done + 1
+    assert f"at {step_s * 1e3:.3g} ms (the floors above took the reference CPU's 0.5 s)" in again[0]
+    assert expect in again[0]
+    if step_s == 2.0:  # the floors at the measured step, by the same formula as the first line's
+        assert again[0].endswith(floors.minimum_text(job, keys, {
+            "baseline": {"metrics": {"step_time_median_s": {"value": 2.0}}}}, overhead))
+    runner.run_steps(job, "parameters/default.yaml", steps)  # step 1's result is there from the start now
+    assert "step 1 measured the job's step" not in capsys.readouterr().out
