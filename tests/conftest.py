@@ -1,4 +1,3 @@
-import collections
 import dataclasses
 import os
 import subprocess
@@ -94,27 +93,11 @@ def _temp_peak_cache(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
-# The groups that take longest, longest first (seconds on a 2-core Intel Xeon, 2026-12-07: 250, 133, 104, 92, 83,
-# 78, 69, 59, 55, 43). The workers take groups in collection order (pyproject's --no-loadscope-reorder), so these
-# start first and the short ones fill in at the end; xdist's own order (the most tests first) left the vision and
-# dict-batch workbooks (4 and 2 tests, 104 and 83 s) to the last minutes, one worker working alone. An order only:
-# every test runs whatever this list says.
-LONGEST_FIRST = ("full_run", "test_comm.py", "test_vision_e2e.py", "test_layouts.py", "test_data_e2e.py",
-                 "test_faults.py", "test_confirm.py", "test_verify.py", "test_attacks.py", "test_kernels.py")
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts): the tests that use the session's full
     run share one worker, so it runs once; every other test runs on the worker that holds its file, so a
-    module-scoped fixture is built once. The longest groups come first (:data:`LONGEST_FIRST`), the others by
-    their number of tests, as xdist would order them."""
-    group = {}
+    module-scoped fixture is built once."""
     for item in items:
         shared = {"full_run", "two_ranks"} & set(getattr(item, "fixturenames", ()))
-        group[item.nodeid] = "full_run" if shared else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group[item.nodeid]))
-    sizes = collections.Counter(group.values())
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda it: (rank.get(group[it.nodeid], len(rank)), -sizes[group[it.nodeid]],
-                               group[it.nodeid]))  # stable: a group's tests keep their order
+        item.add_marker(pytest.mark.xdist_group("full_run" if shared else item.path.name))
