@@ -32,19 +32,24 @@ def minimums(job, earlier: dict[str, dict | None]) -> dict[str, tuple[float, str
     eager and one compiled mode, 3 timed steps each, with their starts and a cold compile; step 7 two rungs of 2
     rounds). ``earlier``: the job's last results by step key (step 1's gives the step time, step 4's the cold
     compile)."""
-    each, src = job_step_s(earlier.get("baseline"))
-    at = f"at about {each:.2g} s a step ({src})"
+    each, _ = job_step_s(earlier.get("baseline"))
     profiled = 1.5 * each * (job.profile_warmup_steps + job.profile_steps) + 5.0
     cold, where = cold_compile(job, earlier.get("compile"))
     start, start_from = trial_start(job)
     compile_s = 2 * (start + (job.compile_warmup_steps + 3) * each) + cold + 3 * 2 * each
     verify_s = 2 * (5.0 + job.verify_warmup_steps * each + 2 * job.verify_steps * each)
     return {
-        "kernels": (profiled + 4 * each, f"its profiled steps, 1 warm-up and 3 timed steps {at}"),
+        "kernels": (profiled + 4 * each, "its profiled steps, 1 warm-up and 3 timed steps"),
         "compile": (compile_s, f"eager and one mode: two trial starts of about {start:.0f} s ({start_from}), a "
-                               f"{cold:.0f} s cold compile ({where}), warm-up and 3 timed steps each {at}"),
-        "verify": (verify_s, f"the original and one rung, 2 rounds of {job.verify_steps} steps each {at}"),
+                               f"{cold:.0f} s cold compile ({where}), warm-up and 3 timed steps each"),
+        "verify": (verify_s, f"the original and one rung, 2 rounds of {job.verify_steps} steps each"),
     }
+
+
+def step_basis(earlier: dict[str, dict | None]) -> str:
+    """The training step the floors of :func:`minimums` are counted at, and where it comes from, said once."""
+    each, src = job_step_s(earlier.get("baseline"))
+    return f"Training steps at about {each:.2g} s each: {src}"
 
 
 ABSORBED = 0.5  # the least of its plan a step without a floor (2, 5, 6) is taken to keep when it gives up time
@@ -75,20 +80,20 @@ def minimum_text(job, keys: list[str], earlier: dict[str, dict | None], overhead
     if not p:
         return ""
     numbers = {k: i for i, k in enumerate(WEIGHTS, 1)}
-    floors = {k: v for k, v in minimums(job, earlier).items() if k in p}
-    short = [(k, p[k], need, how) for k, (need, how) in floors.items() if p[k] < need]
+    needs = {k: v for k, v in minimums(job, earlier).items() if k in p}
+    short = [(k, p[k], need, how) for k, (need, how) in needs.items() if p[k] < need]
     if not short:
         return ""
     over = sum(need - share for _, share, need, _ in short)
     parts = "; ".join(f"step {numbers[k]} gets {share:.0f} s but needs about {need:.0f} s ({how})"
-                      for k, share, need, how in short)
+                      for k, share, need, how in short) + f". {step_basis(earlier)}"
     bigger = max(budget_for(k, need, overhead_s) for k, _, need, _ in short)
-    shares, past = roll(p, lambda k, share: max(share, floors[k][0]) if k in floors else share, overhead_s)
-    kept = all(shares[k] >= ABSORBED * p[k] for k in p if k not in floors)  # the steps without a floor gave little
+    shares, past = roll(p, lambda k, share: max(share, needs[k][0]) if k in needs else share, overhead_s)
+    kept = all(shares[k] >= ABSORBED * p[k] for k in p if k not in needs)  # the steps without a floor gave little
     if past <= 1.0 and kept:  # the run's re-spread takes it from the steps after them
-        return (f"the budget of {job.budget_min:g} min gives a step less than its minimum: {parts}. It runs its "
-                f"minimum and the steps after it get about {over:.0f} s less between them, so the run can still keep "
-                f"to the budget; --budget {bigger:g} gives every step its minimum")
+        return (f"the budget of {job.budget_min:g} min gives a step less than its minimum: {parts}. A step short of "
+                f"its minimum runs it anyway and the steps after it get about {over:.0f} s less between them, so the "
+                f"run can still keep to the budget; --budget {bigger:g} gives every step its minimum")
     return (f"the budget of {job.budget_min:g} min cannot hold every step's minimum: {parts}. Those steps run their "
             f"minimum, so the run may end about {max(past, over if not kept else 0.0):.0f} s past the budget (the "
             f"steps after them get less); --budget {bigger:g} holds them")
