@@ -20,12 +20,13 @@ Values beyond the format's largest finite value saturate (clamp), as torchao doe
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from mfu_lab.core.engine.fp8 import group_of  # noqa: F401  (the groups' names live with the conversion)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -121,16 +122,6 @@ class EmulatedFp8Linear(nn.Linear):
 
 
 # ------------------------------------------------------------------ layer groups and policies
-def group_of(name: str) -> str:
-    """A linear layer's group: the reference GPT's parts by name, else its name with block indices as '*'."""
-    table = (("attn.qkv", "attn_qkv"), ("attn.proj", "attn_out"), ("mlp.0", "mlp_up"), ("mlp.2", "mlp_down"),
-             ("lm_head", "lm_head"))
-    for key, group in table:
-        if name.endswith(key):
-            return group
-    return re.sub(r"\.\d+\.", ".*.", name)
-
-
 def linear_groups(model: nn.Module) -> dict[str, list[str]]:
     """Group -> names of the nn.Linear modules in it, in model order."""
     out: dict[str, list[str]] = {}

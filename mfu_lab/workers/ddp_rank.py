@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mfu_lab.analysis import racing
 from mfu_lab.analysis.dp_family import loss_ok
+from mfu_lab.core.engine import fp8 as fp8_layers
 from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.work import same_batches
 from mfu_lab.core.engine.workload import GPT, build_loader, build_model, build_train_step, eager
@@ -262,6 +263,7 @@ def main() -> None:
 
             impl = next(i for i in candidates(device.type, job.dtype) if i.name == spec["attention"])
             model.set_attention(impl.fn)
+        fp8_layers.apply(job, model, device.type)  # fp8_layers before the DDP or FSDP2 wrapper (torchao asks)
         return model
 
     # each rank its own shard: synthetic data by a seed of its own, the job's data split (core.engine.data)

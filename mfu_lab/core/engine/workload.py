@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mfu_lab.core.engine import fp8 as fp8_layers
 from mfu_lab.core.engine.batches import (
     FORWARD_KEYS,
     README_SECTION,
@@ -45,6 +46,7 @@ from mfu_lab.core.engine.data import (  # noqa: F401  (re-exported: the steps im
     build_dataset,
     build_loader,
 )
+from mfu_lab.core.engine.fp8 import Fp8Applied
 from mfu_lab.core.engine.losses import (
     accumulation_weights,
     chunked_cross_entropy,
@@ -240,6 +242,7 @@ class TrainStep:
     grad_accum: int = 1  # micro-batches per optimizer step (core.measure.timed feeds them; accumulate() steps once)
     region: Any = None  # loss_impl compiled under compile_mode: torch.compile of the forward and the loss together
     cuda_graphs: bool = False  # compiled in a CUDA-graph mode (reduce-overhead, max-autotune) on a CUDA device
+    fp8: Fp8Applied = dataclasses.field(default_factory=Fp8Applied)  # the job's fp8_layers: converted, or why not
 
     def __post_init__(self):
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
@@ -366,8 +369,12 @@ def eager(job: Job) -> Job:
     return dataclasses.replace(job, compile_mode="off")
 
 
-def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
-    """The job's training step: its dtype (autocast), float32 matmul precision and compile mode.
+def build_train_step(job: Job, model: nn.Module, device_type: str, fp8: bool = True) -> TrainStep:
+    """The job's training step: its dtype (autocast), float32 matmul precision, ``fp8_layers`` and compile mode.
+
+    ``fp8_layers`` (core.engine.fp8): the named groups' Linear layers go to torchao float8 training in place,
+    before the optimizer and the compile, where the device has FP8 units; else the step trains without FP8 and
+    ``step.fp8`` says why. ``fp8=False``: step 5, which trains its own FP8 arms against the job without them.
 
     ``matmul_precision`` is process-wide in torch (``torch.set_float32_matmul_precision``): the process
     that builds the step trains with it. A job with ``compile_mode`` other than ``off`` runs its forward
@@ -375,6 +382,7 @@ def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
     compiled`` (core.engine.losses); the first steps compile (the warm-up steps absorb that).
     """
     torch.set_float32_matmul_precision(job.matmul_precision)
+    converted = fp8_layers.apply(job, model, device_type) if fp8 else Fp8Applied()
     impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(job.adamw_impl, {})
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, **impl)
     compiled = None
@@ -388,7 +396,7 @@ def build_train_step(job: Job, model: nn.Module, device_type: str) -> TrainStep:
     step = TrainStep(model, opt, device_type, job.dtype, job.vocab_size, compiled, loss_fn, job.data,
                      job.uses_reference_model, job.loss_impl, grad_accum=job.grad_accum,
                      cuda_graphs=kw is not None and device_type == "cuda"
-                     and captures_cuda_graphs(job.compile_mode, job.compile_options))
+                     and captures_cuda_graphs(job.compile_mode, job.compile_options), fp8=converted)
     if kw is not None and job.loss_impl == "compiled":  # one region: the forward, the loss and their casts
         step.region = torch.compile(functools.partial(_region_body, step), **kw)
     return step

@@ -253,8 +253,9 @@ class Job:
     precision_rounds: int = _key(3, "interleaved timing rounds of each precision (step 5)", min=1)
     fp8_recipe: str = _key("tensorwise", "FP8 scaling recipe (torchao's names): " + " | ".join(FP8_RECIPES),
                            choices=FP8_RECIPES)
-    fp8_layers: list = _key([], "layer groups that train in FP8 in this job (step 5 writes this line for you); "
-                            "[] for none", items="name", empty=True)
+    fp8_layers: list = _key([], "layer groups that train in FP8 in this job (step 5 writes this line for you): "
+                            "torchao float8 training where the device has FP8 units, else the job trains without "
+                            "it and step 1 says why; [] for none", items="name", empty=True)
     fp8_policies: dict = _key({}, "more policies to try: name -> list of layer groups, e.g. {attn: [attn_qkv, "
                               "attn_out]}")
     fp8_steps: int = _key(30, "training steps of each FP8 policy trial (same seed, same batches)", min=2)

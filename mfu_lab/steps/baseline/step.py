@@ -70,6 +70,7 @@ class BaselineResult(StepResult):
     fit: dict[str, Any] = dataclasses.field(default_factory=dict)  # memory per rank against what is available
     loader_race: dict[str, Any] = dataclasses.field(default_factory=dict)  # steps.baseline.data_race, when data waits
     data_notes: list[str] = dataclasses.field(default_factory=list)  # what the job's data kind implies
+    fp8: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job's fp8_layers: converted or why not
 
 
 Result = BaselineResult  # the step contract: every step module names its result class Result
@@ -106,6 +107,9 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
 
     model = build_model(job).to(torch_device).train()
     train_step = build_train_step(job, model, device.type)
+    fp8 = dataclasses.asdict(train_step.fp8) | {"text": train_step.fp8.text()} if train_step.fp8.asked else {}
+    if train_step.fp8.why_not:
+        skipped.append({"what": "fp8_layers", "reason": train_step.fp8.why_not})
     loader = build_loader(job, job.warmup_steps + job.steps, device.type)
     # one batch for counting FLOPs, from an in-process loader so no worker starts for it
     b0 = next(iter(build_loader(dataclasses.replace(job, num_workers=0, synthetic_load_ms=0.0), 1, device.type)))
@@ -202,7 +206,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), metrics, timings, st, ledger, health,
         report, dataclasses.asdict(peak) | {"device": device.name, "device_type": device.type}, [], fit=fit,
-        skipped=skipped + clock.shortened, loader_race=race, data_notes=list(getattr(loader, "notes", ())))
+        skipped=skipped + clock.shortened, loader_race=race, data_notes=list(getattr(loader, "notes", ())), fp8=fp8)
     result.budget = clock.record()
     return _finish(job, result, t_start, write)
 
@@ -293,6 +297,10 @@ def _recheck_after(job: Job, device: dev.DeviceInfo, peak: dev.Peak, timings: Ti
     return dataclasses.replace(peak, note=peak.note + f"; re-checked after the steps: {after.text()}")
 
 
+LAYOUT_NO_FP8 = ("not converted in a layout's ranks yet (torchao converts before the sharding or data-parallel "
+                 "wrapper): these figures are the job's without FP8")
+
+
 def _run_in_layout(job: Job, device: dev.DeviceInfo, world: int, fit: dict, p, skipped: list, t_start: float,
                    write: bool) -> BaselineResult:
     """Step 1 for a job in its own layout (FSDP, TP, SP, PP): see :mod:`mfu_lab.steps.baseline.layout`."""
@@ -302,6 +310,8 @@ def _run_in_layout(job: Job, device: dev.DeviceInfo, world: int, fit: dict, p, s
     m = baseline_layout.measure(job, device, world, p)
     health = HealthSummary(False, "not sampled during the layout's torchrun launch")
     skipped.append({"what": "device health (NVML)", "reason": health.skipped_reason})
+    if job.fp8_layers:
+        skipped.append({"what": "fp8_layers", "reason": LAYOUT_NO_FP8})
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), m.metrics, m.timings,
         stats(m.timings.measured("wall_s")), m.ledger, health, m.flops, m.peak, [], layout=m.layout, fit=fit,
@@ -338,6 +348,9 @@ def advise(r: BaselineResult) -> list[Advice]:
     data, host, cv = m["data_wait_fraction"].value or 0.0, m["host_fraction"].value or 0.0, m["step_time_cv"].value
     c = r.timings.contention
     shared = bool(c and c.shared)
+    if (r.fp8 or {}).get("text"):  # what the job's fp8_layers did here: the figures below are with it, or without
+        out.append(Advice("look" if r.fp8.get("why_not") else "info", f"FP8: {r.fp8['text']}.",
+                          "fp8_layers in the job file (step 5 writes it)"))
     if shared:
         out.append(Advice("look", "The machine was shared while step 1 measured: its step times are a shared "
                           "machine's. Advice a slower step would explain (the MFU levers, unsteady steps) is "

@@ -27,7 +27,7 @@ class Runner:
         self.tally = tally  # shared by the rungs: {"n": rounds run, "eta": Eta, "beat": Heartbeat} (time left)
         self.job = as_job(job, rung)
         self.model = build_model(self.job).to(device).train()
-        self.step = build_train_step(self.job, self.model, device.type)
+        self.step = build_train_step(self.job, self.model, device.type, fp8=False)
         self.batches = itertools.cycle(batches)
         if job.warmup_steps and warm:  # warm=False: the budget's probe warms it (probe_step, then warm_rest)
             self.steps(job.warmup_steps)

@@ -62,7 +62,7 @@ def train_trial(job: Job, groups: list[str], recipe: str, batches, device: torch
     :class:`mfu_lab.core.process.progress.Heartbeat`, called after each step (it prints at most every GAP_S seconds)."""
     model = build_model(job).to(device).train()
     f8.apply_policy(model, groups, recipe)
-    ts = build_train_step(eager(job), model, device.type)  # emulation hooks run eager
+    ts = build_train_step(eager(job), model, device.type, fp8=False)  # emulation hooks run eager
     for i, (x, y) in enumerate(batches):
         loss = ts.loss(to_device(x, device), to_device(y, device))
         ts.scaler.scale(loss).backward()

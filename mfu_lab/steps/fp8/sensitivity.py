@@ -41,7 +41,7 @@ def study(job: Job, model: nn.Module, batches: list, device: dev.DeviceInfo, say
     """Every layer group's FP8 error on the job's model (built from its seed), under the three scalings."""
     say(f"sensitivity: {len(f8.linear_groups(model))} layer groups on {job.fp8_sensitivity_batches} batches, "
         "3 scalings")
-    ts = build_train_step(job, model, device.type)
+    ts = build_train_step(job, model, device.type, fp8=False)
     to = device.torch_device
     by_scaling = f8.sensitivity(model, lambda m, x, y: ts.loss(to_device(x, to), to_device(y, to)),
                                 batches[:job.fp8_sensitivity_batches])

@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mfu_lab.analysis import fp8_numerics as f8
 from mfu_lab.analysis import precision as pr
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.engine.fp8 import fp8_units
 from mfu_lab.core.engine.workload import build_loader, build_model
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -61,7 +60,6 @@ from mfu_lab.steps.fp8.sensitivity import study
 from mfu_lab.steps.fp8.torchao_speed import real_speed_or_failure, speed_metrics
 
 INFO = BY_KEY["fp8"]
-FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
 
 
 @dataclass
@@ -83,13 +81,8 @@ Result = Fp8Result  # the step contract: every step module names its result clas
 
 
 def fp8_hardware(device: dev.DeviceInfo) -> str:
-    """'' when this device has FP8 units, else why not."""
-    if device.type != "cuda":
-        return "a CPU has no FP8 matmul units (torch._scaled_mm runs on CPU, far too slowly to train with)"
-    cap = torch.cuda.get_device_capability(device.index)
-    if cap < FP8_CAPABILITY and not torch.version.hip:
-        return f"CUDA capability {cap[0]}.{cap[1]} has no FP8 tensor cores (8.9 and up do)"
-    return ""
+    """'' when this device has FP8 units, else why not (:func:`mfu_lab.core.engine.fp8.fp8_units`)."""
+    return fp8_units(device.type, device.index)
 
 
 def _precision(job: Job, batches: list, device: dev.DeviceInfo, say, skipped: list[dict[str, str]],

@@ -66,7 +66,7 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
                 return f8.group_of(fqn) in groups and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
             convert_to_float8_training(model, config=config, module_filter_fn=keep)
-        ts = build_train_step(bf16, torch.compile(model), "cuda")
+        ts = build_train_step(bf16, torch.compile(model), "cuda", fp8=False)
         say(f"  compiling and warming {label} (3 steps)")
         run_steps(ts, same_batches(quiet, 3, "cuda"), device, 3, 0)
         timers[label] = (lambda n, ts=ts: run_steps(ts, same_batches(quiet, n, "cuda"), device, 0, n)
@@ -107,7 +107,7 @@ def speed_metrics(job: Job, speed: dict[str, Any], device: dev.DeviceInfo,
     chip = dev.lookup_chip(device.name)
     m0 = build_model(job).to(torch_device).train()
     x0, y0 = batch
-    flops = count_step_flops(m0, build_train_step(job, m0, device.type), to_device(x0, torch_device),
+    flops = count_step_flops(m0, build_train_step(job, m0, device.type, fp8=False), to_device(x0, torch_device),
                              to_device(y0, torch_device), cache_dir=job.output_root(),
                              key_extra=fl.job_key_extra(job)).model_flops_per_step
     for peak_name in ("bf16", "fp8"):

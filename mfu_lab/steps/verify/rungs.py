@@ -2,7 +2,8 @@
 
 A rung is the original job, or the job with one more of the adopted changes (analysis.tuning's staircase), and
 :class:`Rung` records what it changes, whether it can be timed in one process here (DDP settings and a layout change
-are verified under torchrun, steps.verify.ddp; FP8 is not timed: emulated, or not applied by the training loop),
+are verified under torchrun, steps.verify.ddp; FP8 is timed only where the device has FP8 units and torchao
+converts the rung's layers, core.engine.fp8: emulated elsewhere),
 the peak its MFU is taken against, and what it measured. Each measurable rung runs in a warm process of its own
 (:class:`mfu_lab.workers.verify_rung.RungProcess`: compile and allocator state stay apart), warmed up first, then
 all of them in interleaved rounds (A B C, A B C, ...) with the same seed and batches
@@ -11,6 +12,7 @@ all of them in interleaved rounds (A B C, A B C, ...) with the same seed and bat
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,9 +75,9 @@ def staircase_rungs(stairs: list[tuple[str, Job, list]], device: dev.DeviceInfo)
         elif name == "fp8" and no_fp8_units:
             rung.status, rung.reason = "excluded", (f"FP8 is emulated on this device ({no_fp8_units}): adopted for "
                                                     "its numerics only, no speed is claimed or measured")
-        elif name == "fp8":
-            rung.status, rung.reason = "excluded", ("the training loop applies no FP8 conversion yet: measure FP8 "
-                                                    "speed in step 5 (torchao, compiled)")
+        elif name == "fp8" and importlib.util.find_spec("torchao") is None:
+            rung.status, rung.reason = "excluded", ("torchao is not installed (pip install torchao): the rung's "
+                                                    "fp8_layers could not be converted, so it is not timed")
         rungs.append(rung)
         jobs.append(rjob)
     return rungs, jobs

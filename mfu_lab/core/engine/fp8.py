@@ -1,0 +1,115 @@
+"""A job's ``fp8_layers`` trained in FP8 for real: torchao's float8 training on the Linear layers of the named
+groups, where the device has FP8 units.
+
+Step 5 chooses the groups (their loss kept, their speed measured on FP8 hardware) and ``tuned.yaml`` carries them
+as ``fp8_layers``; every training step the workbook builds for such a job (:func:`apply`, from
+``workload.build_train_step``) converts those layers before its optimizer and its compile, as torchao asks. Where
+it cannot, the step trains without FP8 and says why, in the step's own result: a CPU or a GPU below capability 8.9
+(no FP8 units: step 5 emulates the numerics there and claims no speed), torchao not installed, a model already
+compiled, wrapped for data parallelism or sharded before the conversion (torchao converts before the wrapper), or
+no Linear of the groups with both dimensions divisible by 16 (``torch._scaled_mm``'s alignment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
+
+# the reference GPT's Linear layers by name; another model's by its name with block indices as '*'
+_GROUPS = (("attn.qkv", "attn_qkv"), ("attn.proj", "attn_out"), ("mlp.0", "mlp_up"), ("mlp.2", "mlp_down"),
+           ("lm_head", "lm_head"))
+
+
+def group_of(name: str) -> str:
+    """A linear layer's group: the reference GPT's parts by name, else its name with block indices as '*'."""
+    for key, group in _GROUPS:
+        if name.endswith(key):
+            return group
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def fp8_units(device_type: str, index: int | None = None) -> str:
+    """'' when the device has FP8 matmul units, else why not."""
+    if device_type == "cpu":
+        return "a CPU has no FP8 matmul units (torch._scaled_mm runs on CPU, far too slowly to train with)"
+    if device_type != "cuda":
+        return f"device type {device_type} has no FP8 matmul units torchao's float8 training uses"
+    cap = torch.cuda.get_device_capability(index)
+    if cap < FP8_CAPABILITY and not torch.version.hip:
+        return f"CUDA capability {cap[0]}.{cap[1]} has no FP8 tensor cores (8.9 and up do)"
+    return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Applied:
+    """What :func:`apply` did with a job's ``fp8_layers``: ``layers`` the Linear modules now in FP8 (none when
+    ``why_not`` says why), in model order."""
+
+    groups: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ()
+    recipe: str = ""
+    why_not: str = ""
+
+    @property
+    def asked(self) -> bool:
+        return bool(self.groups)
+
+    def text(self) -> str:
+        """One sentence for a report ('' when the job asked for no FP8)."""
+        if not self.groups:
+            return ""
+        named = f"fp8_layers [{', '.join(self.groups)}]"
+        if self.why_not:
+            return f"{named} not applied: {self.why_not}; these figures are the job's without FP8"
+        return (f"{named}: {len(self.layers)} Linear layer(s) train in FP8 (torchao float8 training, recipe "
+                f"{self.recipe}, converted before the optimizer and the compile)")
+
+
+def _unwrapped_problem(model: nn.Module) -> str:
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return "the model was compiled before the conversion (torchao converts first)"
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return (f"the model is wrapped in {type(model).__name__} already (torchao converts before the wrapper; this "
+                "layout does not convert yet)")
+    if any(type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
+           for p in model.parameters()):
+        return "the model's parameters are sharded already (FSDP2 or tensor parallel: torchao converts before)"
+    return ""
+
+
+def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
+    """Convert the Linear layers of ``job.fp8_layers`` to torchao float8 training in place (their parameters,
+    tied ones included, stay the same objects), or say why not; see the module docstring."""
+    groups = tuple(getattr(job, "fp8_layers", ()) or ())
+    if not groups:
+        return Fp8Applied()
+    recipe = getattr(job, "fp8_recipe", "tensorwise")
+    done = tuple(name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+    if done:  # a second training step built on the same model (a FLOP count beside the timed step): converted once
+        return Fp8Applied(groups, done, recipe, "")
+    why = fp8_units(device_type) or _unwrapped_problem(model)
+    if not why:
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError:
+            why = "torchao is not installed (pip install torchao, or the project's [fp8] extra)"
+    if why:
+        return Fp8Applied(groups, (), recipe, why)
+    chosen = [name for name, m in model.named_modules() if is_candidate(name, m, groups)]
+    if not chosen:
+        return Fp8Applied(groups, (), recipe, "no Linear layer of these groups has both dimensions divisible by 16 "
+                                              "(torch._scaled_mm's alignment)")
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_candidate(fqn, m, groups))
+    return Fp8Applied(groups, tuple(chosen), recipe, "")
+
+
+def is_candidate(name: str, module: nn.Module, groups) -> bool:
+    """An ``nn.Linear`` of one of ``groups`` whose dimensions ``torch._scaled_mm`` takes (both divisible by 16)."""
+    return (isinstance(module, nn.Linear) and group_of(name) in groups and module.in_features % 16 == 0
+            and module.out_features % 16 == 0)

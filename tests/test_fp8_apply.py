@@ -1,0 +1,108 @@
+"""A job's fp8_layers are trained in FP8 for real where the device has FP8 units (core.engine.fp8): before, the
+training loop ignored the key that tuned.yaml adopted, so a tuned job on an H100 ran without the FP8 it named and
+step 7 could never time the rung. On a CPU the job trains without FP8 and step 1 says why."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from mfu_lab.core.engine import fp8
+from mfu_lab.core.engine.workload import build_model, build_train_step
+from mfu_lab.core.job.schema import load_job
+from mfu_lab.core.measure import device as dev
+from mfu_lab.steps import baseline
+from mfu_lab.steps.verify import rungs
+
+from .conftest import TINY
+
+GROUPS = ["mlp_up", "lm_head"]
+CPU_WHY = "a CPU has no FP8 matmul units (torch._scaled_mm runs on CPU, far too slowly to train with)"
+
+
+@pytest.fixture
+def job(tmp_path):
+    return dataclasses.replace(load_job(TINY), out_dir=str(tmp_path), fp8_layers=list(GROUPS))
+
+
+def linear_classes(model: nn.Module) -> dict[str, str]:
+    return {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def test_on_a_cpu_the_job_trains_without_fp8_and_step_1_says_why(job):
+    model = build_model(job)
+    before = linear_classes(model)
+    step = build_train_step(job, model, "cpu")
+    assert linear_classes(model) == before and set(before.values()) == {"Linear"}  # nothing converted
+    assert step.fp8 == fp8.Fp8Applied(tuple(GROUPS), (), "tensorwise", CPU_WHY)
+    r = baseline.run(job, write=False)
+    assert {"what": "fp8_layers", "reason": CPU_WHY} in r.skipped
+    assert r.fp8["why_not"] == CPU_WHY and not r.fp8["layers"]
+    said = [a for a in baseline.advise(r) if a.message.startswith("FP8: ")]
+    assert len(said) == 1 and said[0].severity == "look"
+    assert said[0].message == (f"FP8: fp8_layers [mlp_up, lm_head] not applied: {CPU_WHY}; these figures are the "
+                               "job's without FP8.")
+    # a job without fp8_layers: nothing said
+    plain = build_train_step(dataclasses.replace(job, fp8_layers=[]), build_model(job), "cpu")
+    assert not plain.fp8.asked and plain.fp8.text() == ""
+
+
+def test_the_layers_converted_are_the_groups_linears_that_scaled_mm_takes(job):
+    model = build_model(job)  # tiny GPT: d_model 32, vocab 128, 2 blocks
+    chosen = [n for n, m in model.named_modules() if fp8.is_candidate(n, m, GROUPS)]
+    assert chosen == ["blocks.0.mlp.0", "blocks.1.mlp.0", "lm_head"]
+    odd = build_model(dataclasses.replace(job, d_model=24, n_heads=2))  # 24 is not a multiple of 16
+    assert [n for n, m in odd.named_modules() if fp8.is_candidate(n, m, GROUPS)] == []
+
+
+def test_a_model_compiled_or_wrapped_before_the_conversion_is_said_not_converted(job, monkeypatch):
+    monkeypatch.setattr(fp8, "fp8_units", lambda device_type, index=None: "")  # as on a GPU with FP8 units
+    compiled = fp8.apply(job, torch.compile(build_model(job)), "cuda")
+    assert compiled.why_not == "the model was compiled before the conversion (torchao converts first)"
+    wrapped = fp8.apply(job, nn.DataParallel(build_model(job)), "cuda")
+    assert wrapped.why_not.startswith("the model is wrapped in DataParallel already")
+    assert "not applied" in wrapped.text() and "without FP8" in wrapped.text()
+
+
+def test_with_fp8_units_and_torchao_the_groups_train_in_float8(job, monkeypatch):
+    """torchao's float8 training converts on any device; a CPU runs torch._scaled_mm slowly, enough for a tiny
+    job's step. The device check is set as a GPU's with FP8 units would answer it."""
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[fp8]')")
+    monkeypatch.setattr(fp8, "fp8_units", lambda device_type, index=None: "")
+    model = build_model(job)
+    tied = model.lm_head.weight
+    step = build_train_step(job, model, "cpu")
+    assert step.fp8.why_not == "" and step.fp8.layers == ("blocks.0.mlp.0", "blocks.1.mlp.0", "lm_head")
+    classes = linear_classes(model)
+    assert {n for n, c in classes.items() if c == "Float8Linear"} == set(step.fp8.layers)
+    assert model.lm_head.weight is tied is model.wte.weight  # the tie and the optimizer's parameters kept
+    x = torch.randint(0, job.vocab_size, (job.micro_batch, job.seq_len))
+    loss = step.loss(x, torch.roll(x, -1, 1))
+    loss.backward()
+    assert torch.isfinite(loss) and model.blocks[0].mlp[0].weight.grad is not None
+    assert "3 Linear layer(s) train in FP8 (torchao float8 training, recipe tensorwise" in step.fp8.text()
+    again = build_train_step(job, model, "cpu")  # another step on the same model (a FLOP count): converted once
+    assert again.fp8 == step.fp8 and linear_classes(model) == classes
+    wrapped = fp8.apply(job, nn.DataParallel(model), "cpu")  # DDP's ranks convert before the wrapper: said converted
+    assert wrapped.why_not == "" and wrapped.layers == tuple(f"module.{n}" for n in step.fp8.layers)
+
+
+def test_step_7_times_the_fp8_rung_where_the_device_has_fp8_units(job, monkeypatch):
+    stairs = [("original", dataclasses.replace(job, fp8_layers=[]), []),
+              ("fp8", job, [dataclasses.make_dataclass("C", ["key", "new"])("fp8_layers", list(GROUPS))])]
+    cpu = dev.resolve_device("cpu")
+    made, _ = rungs.staircase_rungs(stairs, cpu)
+    assert made[1].status == "excluded" and made[1].reason.startswith(f"FP8 is emulated on this device ({CPU_WHY})")
+    monkeypatch.setattr(rungs, "_fp8_reason", lambda device: "")  # a GPU with FP8 units
+    made, _ = rungs.staircase_rungs(stairs, cpu)
+    if importlib.util.find_spec("torchao") is None:
+        assert made[1].status == "excluded" and made[1].reason.startswith("torchao is not installed")
+    else:
+        assert made[1].status == "ok"
+    monkeypatch.setattr(rungs.importlib.util, "find_spec", lambda name: object())  # as with torchao installed
+    made, _ = rungs.staircase_rungs(stairs, cpu)
+    assert made[1].status == "ok" and made[1].keys == {"fp8_layers": GROUPS}
