@@ -94,8 +94,15 @@ def test_the_index_names_the_overrides_instead_of_the_job_as_it_came(tmp_path):
     assert "MFU of the job with -p micro_batch=16 (step 1," in page
     assert "MFU of the job as it came" not in page
     assert 'id="fs-overrides"' in page and "these figures are not the job file" in page
-    rows = page.count("with <code>-p micro_batch=16</code> from the command line")
-    assert rows == sum(1 for info in STEPS if info.key in results)  # beside every step's figures in the table
+    # one run's overrides: said once above the steps' table, not in each of its rows
+    assert page.count("with <code>-p micro_batch=16</code> from the command line") == 1
+    assert ('<p class="overrides" id="table-overrides"><small>Every step below measured with <code>-p '
+            'micro_batch=16</code> from the command line.</small></p>') in page
+    results["verify"]["environment"]["overrides"] = {"micro_batch": 8}  # another run's step 7: every row its own
+    page = ix.write_index(job_folder(tmp_path / "job2", results)).read_text()
+    assert 'id="table-overrides"' not in page
+    assert page.count("with <code>-p micro_batch=16</code> from the command line") == len(first)
+    assert page.count("with <code>-p micro_batch=8</code> from the command line") == 1
 
 
 def test_cost_overrides_alone_leave_the_job_as_it_came():
@@ -105,7 +112,7 @@ def test_cost_overrides_alone_leave_the_job_as_it_came():
     assert top["others"] == "--budget 5 --thorough"  # still shown beside the figures
     results = stored(**{f"comm_steps_{i}": 2 for i in range(12)}, micro_batch=16)  # many: counted, not listed
     top = first_screen(results, su.recommendations(results))["mfu"]
-    assert top["overrides"] == "-p micro_batch=16" and top["others"] == "12, in the steps table"
+    assert top["overrides"] == "-p micro_batch=16" and top["others"] == "12, with the steps table"
 
 
 def test_every_steps_report_shows_the_overrides_in_what_this_step_found(tmp_path):

@@ -80,7 +80,7 @@ def _headline_mfu(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     others = ov.flags({k: v for k, v in given.items() if k not in changed})  # sweeps, run lengths, budget
     return {"mfu": mfu, "peak": peak, "quiet": quiet, "dtype": str(job.get("dtype") or ""), "device": device,
             "job": the_job(base), "overrides": ov.flags(changed),
-            "others": others if len(others) <= OTHERS_SHOWN else f"{len(given) - len(changed)}, in the steps table",
+            "others": others if len(others) <= OTHERS_SHOWN else f"{len(given) - len(changed)}, with the steps table",
             "where": where, "statistic": statistic, "shared": shared,
             "tokens": _metric(base, "tokens_per_s") or _metric(base, "samples_per_s"),
             "median": _metric(base, "step_time_median_s"), "padding": _padding(base)}

@@ -69,6 +69,17 @@ def _older(path: Path, than: Path) -> bool:
     return path.is_file() and than.is_file() and path.stat().st_mtime < than.stat().st_mtime - 1.0
 
 
+def _common_overrides(rows: list[dict[str, Any]], results: dict) -> str:
+    """The command line's overrides when every step with a result measured with the same ones (one run's, as a
+    rule): said once above the steps' table and taken off its rows, else '' and each row names its own."""
+    told = {row["overrides"] for info, row in zip(STEPS, rows, strict=True) if info.key in results}
+    if len(told) != 1 or not (common := told.pop()):
+        return ""
+    for row in rows:
+        row["overrides"] = ""
+    return common
+
+
 def _step_row(job_root: Path, info: StepInfo, result: dict | None) -> dict[str, Any]:
     """One row of the steps' table: status, headline metrics and links to the step's files that exist. The
     executed notebook is written after the result it made is saved, and its report after it: a notebook older than
@@ -259,6 +270,7 @@ def write_index(job_root: Path) -> Path:
     points = mfu_points(results)
     any_result = next(iter(results.values()), None)
     rows = [_step_row(job_root, info, results.get(info.key)) for info in STEPS]
+    table_overrides = _common_overrides(rows, results)
     states = {info.key: row["status"] for info, row in zip(STEPS, rows, strict=True)}  # the summary says as the table
     recs = recommendations(results)
     page = render(
@@ -267,7 +279,7 @@ def write_index(job_root: Path) -> Path:
         summary=headline(results, states) + job_differences(results), staircase_uri=_staircase_uri(results),
         progression_uri=plots.to_data_uri(plots.mfu_progression(points, bar_meanings(results))) if points else None,
         peaks_note=peaks_note(results),
-        rows=rows,
+        rows=rows, table_overrides=table_overrides,
         ledgers=_ledgers(results, mon), monitor=_monitor_html(mon, link, named), changes=changes_table(results),
         recommendations=recommendations_list(results, recs),
         history=history_html(job_root), environment=environment_html(results),
