@@ -106,3 +106,31 @@ def test_step_7_times_the_fp8_rung_where_the_device_has_fp8_units(job, monkeypat
     monkeypatch.setattr(rungs.importlib.util, "find_spec", lambda name: object())  # as with torchao installed
     made, _ = rungs.staircase_rungs(stairs, cpu)
     assert made[1].status == "ok" and made[1].keys == {"fp8_layers": GROUPS}
+
+
+def test_with_a_chunked_loss_lm_head_stays_in_high_precision_and_the_step_says_so(job, monkeypatch):
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[fp8]')")
+    monkeypatch.setattr(fp8, "fp8_units", lambda device_type, index=None: "")
+    chunked = dataclasses.replace(job, loss_impl="chunked")  # lm_head's weight goes to F.linear_cross_entropy
+    model = build_model(chunked)
+    step = build_train_step(chunked, model, "cpu")
+    assert step.fp8.layers == ("blocks.0.mlp.0", "blocks.1.mlp.0") and type(model.lm_head) is nn.Linear
+    assert step.fp8.note.startswith("lm_head stays in high precision: loss_impl chunked")
+    assert "2 Linear layer(s) train in FP8" in step.fp8.text() and step.fp8.note in step.fp8.text()
+
+
+def test_step_7_does_not_time_an_fp8_rung_whose_process_trained_without_fp8(job, tmp_path, monkeypatch):
+    """The parent thinks the device has FP8 units; the rung's own process (on this CPU) finds none: the rung is
+    excluded with its process's reason, not timed as FP8, and the original rung is timed as ever."""
+    monkeypatch.setattr(rungs, "_fp8_reason", lambda device: "")
+    monkeypatch.setattr(rungs.importlib.util, "find_spec", lambda name: object())
+    run_job = dataclasses.replace(job, verify_rounds=2, verify_steps=1, verify_warmup_steps=0)
+    stairs = [("original", dataclasses.replace(run_job, fp8_layers=[]), []),
+              ("fp8", run_job, [dataclasses.make_dataclass("C", ["key", "new"])("fp8_layers", list(GROUPS))])]
+    made, jobs = rungs.staircase_rungs(stairs, dev.resolve_device("cpu"))
+    assert [r.status for r in made] == ["ok", "ok"]
+    rungs.measure_rungs(run_job, made, jobs, tmp_path, lambda msg: None)
+    assert made[1].status == "excluded"
+    assert made[1].reason == (f"its process trained without FP8: {CPU_WHY}; its time would not be FP8's, so the "
+                              "rung is not timed")
+    assert made[0].status == "ok" and made[0].loss  # the original rung: warmed up and timed

@@ -176,7 +176,7 @@ def main() -> int:
         reply({"ready": True, "model_flops_per_step": report.model_flops_per_step,
                "hardware_flops_per_step": report.hardware_flops_per_step, "flops_source": report.model_flops_source,
                "warmup_s": time.perf_counter() - t0, "warmup_wall_s": warm.wall_s if warm else [],
-               "warmup_loss": warm.loss if warm else []})
+               "warmup_loss": warm.loss if warm else [], "fp8_why_not": step.fp8.why_not})
     except Exception as exc:  # reported to the parent, which records the rung as failed
         reply({"ready": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
         return 1

@@ -54,6 +54,7 @@ class Fp8Applied:
     layers: tuple[str, ...] = ()
     recipe: str = ""
     why_not: str = ""
+    note: str = ""  # a group asked for that stays in high precision, and why
 
     @property
     def asked(self) -> bool:
@@ -67,7 +68,8 @@ class Fp8Applied:
         if self.why_not:
             return f"{named} not applied: {self.why_not}; these figures are the job's without FP8"
         return (f"{named}: {len(self.layers)} Linear layer(s) train in FP8 (torchao float8 training, recipe "
-                f"{self.recipe}, converted before the optimizer and the compile)")
+                f"{self.recipe}, converted before the optimizer and the compile){'; ' + self.note if self.note else ''}"
+                f"; MFU stays against the job's dtype's peak, not FP8's")
 
 
 def _unwrapped_problem(model: nn.Module) -> str:
@@ -90,7 +92,8 @@ def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
         return Fp8Applied()
     recipe = getattr(job, "fp8_recipe", "tensorwise")
     done = tuple(name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear")
-    if done:  # a second training step built on the same model (a FLOP count beside the timed step): converted once
+    if done:  # a second training step built on the same model (a FLOP count beside the timed step), or step 2's
+        # ranks converting before their wrapper: converted once, these layers (whoever converted them)
         return Fp8Applied(groups, done, recipe, "")
     why = fp8_units(device_type) or _unwrapped_problem(model)
     if not why:
@@ -100,13 +103,18 @@ def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
             why = "torchao is not installed (pip install torchao, or the project's [fp8] extra)"
     if why:
         return Fp8Applied(groups, (), recipe, why)
-    chosen = [name for name, m in model.named_modules() if is_candidate(name, m, groups)]
+    note, wanted = "", groups
+    if "lm_head" in groups and getattr(job, "loss_impl", "") == "chunked":
+        wanted = tuple(g for g in groups if g != "lm_head")
+        note = ("lm_head stays in high precision: loss_impl chunked hands its weight to F.linear_cross_entropy, "
+                "which no Float8Linear runs")
+    chosen = [name for name, m in model.named_modules() if is_candidate(name, m, wanted)]
     if not chosen:
         return Fp8Applied(groups, (), recipe, "no Linear layer of these groups has both dimensions divisible by 16 "
-                                              "(torch._scaled_mm's alignment)")
+                                              f"(torch._scaled_mm's alignment){'; ' + note if note else ''}")
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_candidate(fqn, m, groups))
-    return Fp8Applied(groups, tuple(chosen), recipe, "")
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_candidate(fqn, m, wanted))
+    return Fp8Applied(groups, tuple(chosen), recipe, "", note)
 
 
 def is_candidate(name: str, module: nn.Module, groups) -> bool:

@@ -146,6 +146,12 @@ def measure_rungs(job: Job, rungs: list[Rung], jobs: list[Job], work: Path, say,
                 p.close()
                 del procs[rung.name]
                 continue
+            if rung.name == "fp8" and ready.get("fp8_why_not"):  # its process could not convert: not FP8's speed
+                rung.status, rung.reason = "excluded", (f"its process trained without FP8: {ready['fp8_why_not']}; "
+                                                        "its time would not be FP8's, so the rung is not timed")
+                p.close()
+                del procs[rung.name]
+                continue
             rung.warmup_s, rung.loss = ready["warmup_s"], list(ready["warmup_loss"])
             flops[rung.name] = ready["model_flops_per_step"]
             if ready["model_flops_per_step"]:
