@@ -117,3 +117,19 @@ def test_a_budget_cut_at_world_size_1_says_no_ddp_race_follows(tiny_job):
                                      clock, ddp_half=False)
     cut = {s["what"]: s["reason"] for s in clock.shortened}
     assert "no DDP race runs after it" in cut["attention final steps"] and "half" not in cut["attention final steps"]
+
+
+def test_a_reason_several_ddp_candidates_share_is_said_once_under_the_table():
+    """A budget's cut gives ten candidates one long reason: said once, each row pointing to it (the default run's
+    table was 4,100 px tall with the same sentence in every row); a reason of one candidate stays in its row."""
+    from mfu_lab.report.tables.attention_comm import comm_table
+    from mfu_lab.steps.attention_comm.comm_rows import CommRow
+
+    cut, refused = "budget: not screened (15 s, half of the 30 s left)", "gloo: bf16_compress_hook needs NCCL"
+    rows = [CommRow("none", 25, False, "ok", step_median_s=0.6)]
+    rows += [CommRow(h, 25, False, "skipped", error=cut) for h in ("allreduce", "fp16_compress", "powersgd")]
+    rows += [CommRow("bf16_compress", 25, False, "unsupported", error=refused)]
+    html = str(comm_table(rows))
+    assert html.count(cut) == 1 and html.count("note 1 below") == 3
+    assert f'<p class="table-note"><small>Note 1, 3 candidates: {cut}</small></p>' in html
+    assert html.count(refused) == 1 and "note 2" not in html  # its own reason, in its row
