@@ -27,6 +27,7 @@ from mfu_lab.analysis import racing
 from mfu_lab.analysis import recompiles as cp
 from mfu_lab.analysis.trace import breakdown as tr
 from mfu_lab.core.advice import Advice
+from mfu_lab.core.engine import fp8 as fp8_layers
 from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.data import job_vocab
 from mfu_lab.core.engine.layout_check import graphs_problem
@@ -260,6 +261,7 @@ def run(job: Job, progress=None, write: bool = True) -> CompileResult:
 
     # ---- 2. recompiles (dynamo alone: no backend compile needed) and graph breaks
     model = build_model(job).to(torch_device).train()
+    fp8_layers.apply(job, model, device.type)  # the model the trials compile: its fp8_layers converted as theirs
     batches = [x for x, _ in epoch_batches[:64]]
     tokens = getattr(epoch_batches[0], "tokens", True) if epoch_batches else True
     vocab = job_vocab(job) if tokens else 0  # vocab_size 0: the model's input embedding's rows
