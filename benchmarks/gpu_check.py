@@ -62,6 +62,7 @@ from gpu_check_table import (  # noqa: E402
     figure_row,
     finite,
     format_table,
+    fp8_applied_row,
     fp8_speed_row,
     ms,
     one_gpu,
@@ -76,6 +77,7 @@ from gpu_check_table import (  # noqa: E402
 
 JOB_FILE = ROOT / "parameters" / "gpt2_124m_gpu.yaml"
 # The check's small job over gpt2_124m_gpu.yaml: every GPU path, the fewest steps and trials (README, "Benchmark").
+FP8_GROUPS = ("mlp_up", "mlp_down", "lm_head")  # step 5's choice for GPT-2-sized layers: the large matmuls
 SMALL_JOB = dict(
     job_name="gpu-check", n_layers=2, d_model=768, n_heads=12, vocab_size=8192, seq_len=512, micro_batch=8,
     # 2 micro-batches a step (the job file has 4): accumulation under reduce-overhead's CUDA graphs, and every
@@ -361,6 +363,18 @@ def step_fp8(ctx: Ctx, rows: list[Row]) -> None:
         p, "precision ladder (CUDA events)", f"{failed[0]['name']}: {failed[0]['reason']}"))
     figure = "torchao float8 real speed"
     add(rows, p, figure, lambda: fp8_speed_row(p, figure, f.speed, ctx.capability))
+    # a job file with fp8_layers (tuned.yaml's, step 5's fragment) trains them in FP8: step 1 on such a job
+    from mfu_lab.steps.baseline import step as baseline
+
+    figure = "fp8_layers trained in FP8 (step 1)"
+    try:
+        b = baseline.run(dataclasses.replace(ctx.job, fp8_layers=list(FP8_GROUPS)), write=False)
+        add(rows, p, figure, lambda: fp8_applied_row(p, figure, b.fp8, b.metrics["step_time_median_s"].value,
+                                                     ctx.capability))
+        print(f"  step 1 with fp8_layers {list(FP8_GROUPS)}: {b.fp8.get('text')}; step "
+              f"{b.metrics['step_time_median_s'].value} s, MFU {b.metrics['mfu'].value}")
+    except Exception as e:  # noqa: BLE001 - recorded as the row's failure, the check goes on
+        rows.append(fail_row(p, figure, e))
     print(f"\nstep 5: path {f.path}, speed {f.speed}")
     for g in f.sensitivity.get("tensorwise", []):
         print(f"  {g.group:<10} SNR out {g.output_snr_db:.1f} gin {g.grad_input_snr_db:.1f} "

@@ -32,7 +32,7 @@ PATHS = {"monitor": "monitor", "baseline": "step 1", "race1": "step 2 (world 1)"
 # compiles included; DDP_EXTRA_S is added where a step launches torchrun (2+ ranks). Guesses to be corrected by
 # the first runs: each step's actual seconds are printed beside its estimate.
 ESTIMATE_S = {"monitor": 20.0, "baseline": 20.0, "race1": 60.0, "attention_comm": 30.0, "kernels": 25.0,
-              "compile": 110.0, "fp8": 100.0, "placement": 45.0, "verify": 200.0, "layouts": 150.0}
+              "compile": 110.0, "fp8": 115.0, "placement": 45.0, "verify": 200.0, "layouts": 150.0}
 # step 7: 120 s of rungs, plus its compiled rungs' cold compiles (~40 s each for two: the rungs do not share the
 # compile trials' inductor cache)
 DDP_EXTRA_S = {"attention_comm": 35.0, "kernels": 30.0, "verify": 25.0, "layouts": 120.0}
@@ -141,6 +141,19 @@ def fp8_speed_row(path: str, figure: str, speed: dict[str, Any], capability: tup
     if status == "skipped":
         return skip_row(path, figure, speed.get("reason", ""))
     return fail_row(path, figure, str(speed.get("reason", speed)))
+
+
+def fp8_applied_row(path: str, figure: str, fp8: dict[str, Any], step_s: Any, capability: tuple[int, ...]) -> Row:
+    """Step 1 on the job with ``fp8_layers`` (``BaselineResult.fp8``, core.engine.fp8): passes when the groups'
+    Linear layers trained in FP8 and the step was timed; a skip where the device has no FP8 units (as step 1 says
+    why); a failure when it should have converted and did not."""
+    if tuple(capability) < (8, 9):
+        return skip_row(path, figure, fp8.get("why_not") or "SM < 8.9", f"capability {tuple(capability)}")
+    if fp8.get("why_not") or not fp8.get("layers"):
+        return fail_row(path, figure, fp8.get("why_not") or f"no layer converted ({fp8})")
+    return figure_row(path, figure, ms(step_s), "{:.1f} ms/step",
+                      f"with {len(fp8['layers'])} Linear layer(s) in FP8 ({', '.join(fp8['groups'])}, recipe "
+                      f"{fp8.get('recipe')})")
 
 
 def fail_row(path: str, figure: str, err: BaseException | str) -> Row:

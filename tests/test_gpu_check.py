@@ -127,6 +127,25 @@ def test_step_5s_fp8_speed_row_passes_a_measured_slower_and_fails_only_what_went
     assert t.fp8_speed_row("step 5", "fp8", {"status": "failed", "reason": "boom"}, (9, 0)).status == "fail"
 
 
+def test_the_fp8_layers_row_passes_only_a_converted_timed_step_and_skips_a_device_without_fp8_units():
+    import dataclasses
+
+    from mfu_lab.core.engine.fp8 import Fp8Applied
+
+    groups = ("mlp_up", "lm_head")
+    done = dataclasses.asdict(Fp8Applied(groups, ("blocks.0.mlp.0", "blocks.1.mlp.0", "lm_head"), "tensorwise"))
+    r = t.fp8_applied_row("step 5", "fp8_layers", done, 0.0487, (9, 0))
+    assert (r.status, r.label) == ("pass", "measured")
+    assert r.value == "48.7 ms/step with 3 Linear layer(s) in FP8 (mlp_up, lm_head, recipe tensorwise)"
+    refused = dataclasses.asdict(Fp8Applied(groups, (), "tensorwise", "torchao is not installed (pip install x)"))
+    assert t.fp8_applied_row("step 5", "f", refused, 0.05, (9, 0)).status == "fail"  # it should have converted
+    assert t.fp8_applied_row("step 5", "f", dataclasses.asdict(Fp8Applied(groups)), 0.05, (9, 0)).status == "fail"
+    a100 = dataclasses.asdict(Fp8Applied(groups, (), "tensorwise", "CUDA capability 8.0 has no FP8 tensor cores"))
+    assert t.fp8_applied_row("step 5", "f", a100, 0.05, (8, 0)).status == (
+        "skip: CUDA capability 8.0 has no FP8 tensor cores")
+    assert t.fp8_applied_row("step 5", "f", done, None, (9, 0)).status == "fail"  # converted, but no step time
+
+
 def test_add_records_a_reading_error_as_that_rows_failure():
     rows = []
     t.add(rows, "step 4", "w", lambda: t.figure_row("step 4", "w", 1.0))
