@@ -134,3 +134,20 @@ def test_step_7_does_not_time_an_fp8_rung_whose_process_trained_without_fp8(job,
     assert made[1].reason == (f"its process trained without FP8: {CPU_WHY}; its time would not be FP8's, so the "
                               "rung is not timed")
     assert made[0].status == "ok" and made[0].loss  # the original rung: warmed up and timed
+
+
+def test_a_withdrawn_fp8_rung_below_the_top_one_makes_the_tuned_file_another_job_than_the_one_timed(job):
+    """On FP8 units the rungs above a withdrawn FP8 rung were timed with its layers converted while tuned.yaml no
+    longer holds them: step 7 must time the file as written (retime.stale), as for any key one process applies."""
+    from mfu_lab.steps.verify import retime
+
+    plain = dataclasses.replace(job, fp8_layers=[])
+    compiled = dataclasses.replace(job, compile_mode="default")  # above the FP8 rung: fp8_layers carried
+    made = [rungs.Rung("original", {}, "ok"), rungs.Rung("fp8", {"fp8_layers": GROUPS}, "ok"),
+            rungs.Rung("compile", {"compile_mode": "default"}, "ok")]
+    tuned = dataclasses.replace(plain, compile_mode="default")  # the FP8 rung withdrawn: slower on the GPU
+    gone = retime.stale(made, [plain, job, compiled], made[2], tuned)
+    assert gone is not None and gone.keys == {"fp8_layers": (GROUPS, [])} and gone.rungs == ["fp8"]
+    assert retime.stale(made, [plain, job, compiled], made[2], compiled) is None  # kept: the same job
+    made[1].status = "excluded"  # emulated (a CPU): no rung converted, so fp8_layers changed nothing timed
+    assert retime.stale(made, [plain, job, compiled], made[2], tuned) is None

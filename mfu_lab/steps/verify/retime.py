@@ -31,10 +31,14 @@ from mfu_lab.steps.verify.staircase import speedups
 AGAIN, AS_WRITTEN = "original again", "tuned as written"
 
 
-# keys a rung's single process does not apply: DDP and FSDP2 settings, the layout's degrees (verified under torchrun)
-# and FP8 (the training loop applies none); a layout's micro_batch it does apply
-NOT_IN_ONE_PROCESS = frozenset(k for rung in ("communication", "layout", "fp8") for k in MAY_SET[rung].keys) - {
+# keys a rung's single process does not apply: DDP and FSDP2 settings, the layout's degrees (verified under torchrun);
+# a layout's micro_batch it does apply
+NOT_IN_ONE_PROCESS = frozenset(k for rung in ("communication", "layout") for k in MAY_SET[rung].keys) - {
     "micro_batch"}
+# FP8's keys it applies only where its FP8 rung was timed (core.engine.fp8 converted there: a withdrawn FP8 rung
+# leaves the rungs above it timed with FP8 and tuned.yaml without); an excluded FP8 rung (emulated, or its process
+# could not convert) means no rung converted, so there they change nothing a rung measured
+FP8_KEYS = frozenset(MAY_SET["fp8"].keys)
 
 
 @dataclasses.dataclass
@@ -59,7 +63,9 @@ def stale(rungs: list[Rung], jobs: list[Job], after: Rung | None, tuned: Job) ->
     if after is None or after not in rungs:
         return None
     top = jobs[rungs.index(after)]
-    keys = {k: (v, getattr(tuned, k)) for k, v in changed(tuned, top).items() if k not in NOT_IN_ONE_PROCESS}
+    timed_fp8 = any(r.name == "fp8" and r.status != "excluded" for r in rungs)
+    ignored = NOT_IN_ONE_PROCESS | (frozenset() if timed_fp8 else FP8_KEYS)
+    keys = {k: (v, getattr(tuned, k)) for k, v in changed(tuned, top).items() if k not in ignored}
     if not keys:
         return None
     return Stale([r.name for r in rungs[1:] if r is not after and set(r.keys) & set(keys)], keys)
