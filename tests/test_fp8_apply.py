@@ -21,7 +21,7 @@ from mfu_lab.steps.verify import rungs
 from .conftest import TINY
 
 GROUPS = ["mlp_up", "lm_head"]
-CPU_WHY = "a CPU has no FP8 matmul units (torch._scaled_mm runs on CPU, far too slowly to train with)"
+CPU_WHY = "a CPU has no FP8 matmul units: torch._scaled_mm runs on a CPU, far too slowly to train with"
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ def group_of(name: str) -> str:
 def fp8_units(device_type: str, index: int | None = None) -> str:
     """'' when the device has FP8 matmul units, else why not."""
     if device_type == "cpu":
-        return "a CPU has no FP8 matmul units (torch._scaled_mm runs on CPU, far too slowly to train with)"
+        return "a CPU has no FP8 matmul units: torch._scaled_mm runs on a CPU, far too slowly to train with"
     if device_type != "cuda":
         return f"device type {device_type} has no FP8 matmul units torchao's float8 training uses"
     cap = torch.cuda.get_device_capability(index)
