@@ -98,7 +98,7 @@ def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
     why = fp8_units(device_type) or _unwrapped_problem(model)
     if not why:
         try:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            from torchao.float8 import convert_to_float8_training
         except ImportError:
             why = "torchao is not installed (pip install torchao, or the project's [fp8] extra)"
     if why:
@@ -112,9 +112,18 @@ def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
     if not chosen:
         return Fp8Applied(groups, (), recipe, "no Linear layer of these groups has both dimensions divisible by 16 "
                                               f"(torch._scaled_mm's alignment){'; ' + note if note else ''}")
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_candidate(fqn, m, wanted))
+    convert_to_float8_training(model, config=float8_config(recipe),
+                               module_filter_fn=lambda m, fqn: is_candidate(fqn, m, wanted))
     return Fp8Applied(groups, tuple(chosen), recipe, "", note)
+
+
+def float8_config(recipe: str):
+    """torchao's ``Float8LinearConfig`` for ``recipe``, padding the inner dimension (``pad_inner_dim``): the
+    grad-weight ``_scaled_mm`` has micro_batch x seq as its inner dimension, which odd batches leave unaligned.
+    Needs torchao (the caller imports it first and says why when it is missing)."""
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
 
 
 def is_candidate(name: str, module: nn.Module, groups) -> bool:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from mfu_lab.analysis import fp8_numerics as f8
+from mfu_lab.core.engine import fp8 as fp8_layers
 from mfu_lab.core.measure.timed import percentile
 
 REPS, ROUNDS = 10, 3  # timed forward+backward passes per round, interleaved rounds per shape
@@ -71,11 +72,9 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, n: int) -> list[float]:  # pr
 def probe(model: nn.Module, groups: list[str], tokens: int, recipe: str, device: torch.device,
           say) -> list[dict[str, Any]]:  # pragma: no cover - FP8 GPUs only
     """Each group's shapes timed bf16 against torchao float8 (compiled, forward and backward), interleaved."""
-    import dataclasses
+    from torchao.float8 import convert_to_float8_training
 
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
+    config = fp8_layers.float8_config(recipe)
     rows = []
     for group, shapes in group_shapes(model, groups).items():
         for i, o in shapes:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mfu_lab.analysis import fp8_numerics as f8
+from mfu_lab.core.engine import fp8 as fp8_layers
 from mfu_lab.core.engine.batches import to_device
 from mfu_lab.core.engine.work import rate_metrics, same_batches
 from mfu_lab.core.engine.workload import build_model, build_train_step
@@ -35,10 +35,10 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
     The config pads the inner dimension (``pad_inner_dim``): the grad-weight ``_scaled_mm`` has micro_batch x seq
     (which variable-length or odd batches leave unaligned) as its inner dimension. GPU only."""
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
     except ImportError:
         return {"status": "skipped", "reason": "torchao is not installed (pip install torchao)"}
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(job.fp8_recipe), pad_inner_dim=True)
+    config = fp8_layers.float8_config(job.fp8_recipe)
     out: dict[str, Any] = {"status": "ok", "recipe": job.fp8_recipe, "pad_inner_dim": True}
     bf16 = dataclasses.replace(job, dtype="bfloat16")
     if device.type == "cuda":  # the probe times with CUDA events: FP8 units are NVIDIA's (and torchao's float8)
@@ -62,10 +62,8 @@ def _real_speed(job: Job, groups: list[str], device: torch.device, say) -> dict[
     for label, use in (("bf16", False), ("fp8", True)):
         model = build_model(bf16).to(device).train()
         if use:
-            def keep(mod, fqn):
-                return f8.group_of(fqn) in groups and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
-
-            convert_to_float8_training(model, config=config, module_filter_fn=keep)
+            convert_to_float8_training(model, config=config,
+                                       module_filter_fn=lambda m, fqn: fp8_layers.is_candidate(fqn, m, groups))
         ts = build_train_step(bf16, torch.compile(model), "cuda", fp8=False)
         say(f"  compiling and warming {label} (3 steps)")
         run_steps(ts, same_batches(quiet, 3, "cuda"), device, 3, 0)
