@@ -38,6 +38,7 @@ def step1(data_wait=0.01):
 
 
 ALL = {"baseline": step1(0.2), "attention_comm": step2(), "compile": step4(), "fp8": step5()}
+FP8_TIMED = {"path": "fp8 hardware", "speed": {"status": "ok", "speedup": 1.3}}  # step 5 on FP8 units, timed faster
 
 
 def test_every_recommendation_becomes_a_change_in_the_staircase_order(tiny_job):
@@ -45,9 +46,12 @@ def test_every_recommendation_becomes_a_change_in_the_staircase_order(tiny_job):
     assert [(c.rung, c.key, c.new) for c in chosen] == [
         ("attention", "attention", "unfused"), ("data", "num_workers", 2), ("compile", "compile_mode", "default"),
         ("precision", "dtype", "bfloat16"), ("fp8", "fp8_layers", ["mlp_up"])]
-    assert all(c.adopted for c in chosen)
-    fp8 = chosen[-1]
+    assert all(c.adopted for c in chosen[:-1])
+    fp8 = chosen[-1]  # emulated: numerics only, nothing to time here, so listed and not adopted
     assert fp8.label == "emulated" and "no speed is claimed" in fp8.evidence
+    assert not fp8.adopted and fp8.reason.startswith(tuning.EMULATED_FP8)
+    assert tuning.tuned_job(tiny_job, chosen).fp8_layers == []
+    assert tuning.changes(tiny_job, ALL | {"fp8": step5() | FP8_TIMED})[-1].adopted  # timed faster: adopted
 
 
 def test_a_step_that_keeps_the_job_as_it_is_changes_nothing(tiny_job):
@@ -100,8 +104,10 @@ def test_tuned_yaml_round_trips_and_comments_each_change(tiny_job, tmp_path):
 
 
 def test_each_rung_differs_from_the_one_below_by_exactly_its_change(tiny_job):
-    stairs = tuning.staircase(tiny_job, tuning.changes(tiny_job, ALL))
+    stairs = tuning.staircase(tiny_job, tuning.changes(tiny_job, ALL | {"fp8": step5() | FP8_TIMED}))
     assert [name for name, _, _ in stairs] == ["original", "attention", "data", "compile", "precision", "fp8"]
+    emulated = tuning.staircase(tiny_job, tuning.changes(tiny_job, ALL))  # FP8 not adopted: no rung
+    assert [name for name, _, _ in emulated] == ["original", "attention", "data", "compile", "precision"]
     for (_, below, _), (_, job, mine) in zip(stairs, stairs[1:]):
         diff = {k for k, v in job.to_dict().items() if below.to_dict()[k] != v}
         assert diff == {c.key for c in mine}
@@ -153,15 +159,14 @@ def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny
     r = verify.run(job, progress=lines.append)
     names = [x.name for x in r.rungs]
     # step 2 chose attention at float32 and the tuned job trains in bfloat16: the other one is timed again
-    assert names == ["original", "attention", "precision", "fp8", "attention at bfloat16"]
+    assert names == ["original", "attention", "precision", "attention at bfloat16"]  # emulated FP8: not adopted
     assert r.order == [[1, "original"], [1, "attention"], [1, "precision"], [1, "attention at bfloat16"],
                        [2, "original"], [2, "attention"], [2, "precision"], [2, "attention at bfloat16"]]
-    orig, att, prec, fp8, again = r.rungs
+    orig, att, prec, again = r.rungs
     assert again.challenger and again.keys == {"attention": "sdpa"} and again.dtype == "bfloat16"
     won = again.proven and again.gain > 1
     assert again.reason.startswith("adopted" if won else "not adopted")
     assert att.keys == {"attention": "unfused"} and prec.keys == {"dtype": "bfloat16"}
-    assert fp8.status == "excluded" and "emulated" in fp8.reason  # no speed claim for emulated FP8
     for x in (orig, att, prec):
         assert x.status == "ok" and len(x.wall_s) == 4 and x.step_p10_s <= x.step_median_s <= x.step_p90_s
     assert orig.speedup == 1.0 and prec.speedup == pytest.approx(
@@ -175,7 +180,9 @@ def test_verify_measures_the_staircase_interleaved_and_writes_the_tuned_job(tiny
     assert r.headline["text"].startswith("speedup " if prec.peak_flops_per_s != orig.peak_flops_per_s else "MFU ")
     tuned = load_job(job.output_root() / "tuned.yaml")
     assert (tuned.attention, tuned.dtype, tuned.fp8_layers, tuned.job_name) == (
-        "sdpa" if won else "unfused", "bfloat16", ["mlp_up"], "tiny-tuned")
+        "sdpa" if won else "unfused", "bfloat16", [], "tiny-tuned")
+    assert "# not adopted: fp8_layers: [] -> [mlp_up] (fp8): " + tuning.EMULATED_FP8 in (
+        job.output_root() / "tuned.yaml").read_text()
     from mfu_lab import explore
 
     fig, text = explore.draw_verify(r, ["original", "precision"], 10_000)

@@ -247,6 +247,9 @@ def _precision(job: Job, r: dict) -> list[Change]:
     return out
 
 
+EMULATED_FP8 = "FP8 emulated on this device, numerics only: not adopted"  # how such a change's reason begins
+
+
 def _fp8(job: Job, r: dict) -> list[Change]:
     choice = r.get("choice") or {}
     groups = choice.get("groups") or []
@@ -260,6 +263,9 @@ def _fp8(job: Job, r: dict) -> list[Change]:
                 + ("; FP8 numerics only: this device has no FP8 units, no speed is claimed" if emulated else ""))
     speed = r.get("speed") or {}
     slower = ""  # FP8 only where it is faster: torchao's real speed, when measured, gates the policy
+    if emulated:  # a change is worth what it measurably gives: here no FP8 layer can train, so nothing to time
+        slower = (f"{EMULATED_FP8}: set it on a GPU with FP8 units (capability 8.9+, torchao), where step 5 times "
+                  "each group in FP8 and adopts the ones faster than bf16")
     kept, dropped = speed.get("groups_kept"), speed.get("groups_dropped") or {}
     if isinstance(kept, list) and dropped:  # each group probed on its own shapes (steps.fp8.group_speed)
         groups = [g for g in groups if g in kept]

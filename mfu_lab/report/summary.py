@@ -81,7 +81,7 @@ def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
                                   "bf16 step / fp8 step, both compiled (torchao); " + ch.get("fragment", "")))
             else:
                 out.append(Change(folder, f"FP8: {ch.get('policy')} ({ch.get('recipe')})", ch.get("flops_share"),
-                                  "fraction", "emulated", "in the job" if have else "adopt",
+                                  "fraction", "emulated", "in the job" if have else "not measured",
                                   "share of linear-layer FLOPs in FP8, loss kept in emulation; no speed measured ("
                                   + (sp.get("reason") or "no FP8 hardware") + "); " + ch.get("fragment", "")))
         else:

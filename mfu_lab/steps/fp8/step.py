@@ -121,7 +121,10 @@ def advise(r: Fp8Result) -> list[Advice]:
                           "from the same seed and batches under the divergence watch" + (
                               f"; {', '.join(ruled)}: matmul probes beside {ref}'s (measured), not timed"
                               if ruled else "")))
-    out += [Advice("act" if r.choice.get("groups") else "info", r.choice["text"],
+    emulated = r.path == "emulated"  # numerics only: nothing here to time, so nothing to adopt (analysis.tuning)
+    out += [Advice("act" if r.choice.get("groups") and not emulated else "info", r.choice["text"] + (
+        "; not adopted here: this device emulates FP8's numerics only, and has no FP8 speed to give"
+        if r.choice.get("groups") and emulated else ""),
                    "loss curves from the same seed and batches, under the divergence watch")]
     sens = r.sensitivity.get(r.job["fp8_recipe"] if r.job["fp8_recipe"] != "rowwise_with_gw_hp" else "rowwise", [])
     if sens:

@@ -73,8 +73,8 @@ def staircase_rungs(stairs: list[tuple[str, Job, list]], device: dev.DeviceInfo)
         if name in UNDER_TORCHRUN:  # DDP settings, a layout change: verified under torchrun (steps.verify.ddp)
             rung.status, rung.reason = "excluded", UNDER_TORCHRUN[name]
         elif name == "fp8" and no_fp8_units:
-            rung.status, rung.reason = "excluded", (f"FP8 is emulated on this device ({no_fp8_units}): adopted for "
-                                                    "its numerics only, no speed is claimed or measured")
+            rung.status, rung.reason = "excluded", (f"FP8 is emulated on this device ({no_fp8_units}): its layers "
+                                                    "cannot train in FP8 here, so no speed is claimed or measured")
         elif name == "fp8" and importlib.util.find_spec("torchao") is None:
             rung.status, rung.reason = "excluded", ("torchao is not installed (pip install torchao): the rung's "
                                                     "fp8_layers could not be converted, so it is not timed")
