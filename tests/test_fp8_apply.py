@@ -151,3 +151,66 @@ def test_a_withdrawn_fp8_rung_below_the_top_one_makes_the_tuned_file_another_job
     assert retime.stale(made, [plain, job, compiled], made[2], compiled) is None  # kept: the same job
     made[1].status = "excluded"  # emulated (a CPU): no rung converted, so fp8_layers changed nothing timed
     assert retime.stale(made, [plain, job, compiled], made[2], tuned) is None
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """An in-process gloo world of one rank: a layout's step (core.engine.parallelize) without a launch."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_layouts_ranks_convert_before_fsdp2_and_train_the_same_as_one_process_in_fp8(job, world_of_one,
+                                                                                        monkeypatch):
+    """FSDP2 (and DDP) over one rank, the device check answered as on an FP8 GPU: the groups' Linears become
+    Float8Linear before fully_shard, the layout says so in its notes, and its losses are the single-process
+    FP8 step's on the same batches (the layout's loss check compares like with like)."""
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[fp8]')")
+    from mfu_lab.core.engine.layout import Layout, build_mesh
+    from mfu_lab.core.engine.parallelize import parallelize
+
+    monkeypatch.setattr(fp8, "fp8_units", lambda device_type, index=None: "")
+    torch.manual_seed(0)
+    x = torch.randint(0, job.vocab_size, (job.micro_batch, job.seq_len))
+    batches = [(x, torch.roll(x, -1, 1))] * 3
+    one = build_train_step(job, build_model(job).train(), "cpu")
+    reference = [float(one(*b)) for b in batches]
+    for mode in ("fsdp", "ddp"):
+        lay_job = dataclasses.replace(job, dp_mode=mode)
+        layout = Layout.from_job(lay_job, 1)
+        model = build_model(lay_job).train()
+        par = parallelize(model, lay_job, layout, build_mesh(layout, "cpu"), torch.device("cpu"))
+        assert par.fp8.why_not == "" and par.fp8.layers == ("blocks.0.mlp.0", "blocks.1.mlp.0", "lm_head"), mode
+        assert {n for n, c in linear_classes(model).items() if c == "Float8Linear"} == set(par.fp8.layers)
+        assert any(n.startswith("FP8: fp8_layers [mlp_up, lm_head]: 3 Linear layer(s) train in FP8") for n in par.notes)
+        assert [float(par.step(*b)) for b in batches] == pytest.approx(reference, rel=1e-5), mode
+
+
+def test_a_pipeline_keeps_its_converted_blocks_and_tensor_parallel_says_why_not(job):
+    from mfu_lab.core.engine import parallelize as pz
+    from mfu_lab.core.engine.layout import Layout
+
+    model = build_model(job)
+    on_cpu = pz.convert_fp8(job, model, Layout.from_job(dataclasses.replace(job, pp=2), 2), torch.device("cpu"))
+    assert on_cpu.why_not == CPU_WHY and "Float8Linear" not in linear_classes(model).values()
+    tp = pz.convert_fp8(job, model, Layout.from_job(dataclasses.replace(job, tp=2), 2), torch.device("cuda"))
+    assert tp.why_not == pz.TP_NO_FP8 and "not applied: tensor parallel" in tp.text()
+    if importlib.util.find_spec("torchao") is None:
+        return
+    real_units = fp8.fp8_units
+    try:
+        fp8.fp8_units = lambda device_type, index=None: ""  # as on a GPU with FP8 units
+        pp = Layout.from_job(dataclasses.replace(job, pp=2), 2)
+        pz.untie_head(model)
+        done = pz.convert_fp8(job, model, pp, torch.device("cpu"))
+    finally:
+        fp8.fp8_units = real_units
+    stages = [m for _, m in pz.split_stages(model, pp, 0)] + [m for _, m in pz.split_stages(model, pp, 1)]
+    in_stages = {f"{i}.{n}" for i, s in enumerate(stages) for n, m in s.named_modules() if type(m).__name__ ==
+                 "Float8Linear"}
+    assert len(done.layers) == 3 and in_stages == {"0.blocks.0.mlp.0", "1.blocks.0.mlp.0", "1.lm_head"}

@@ -46,8 +46,11 @@ def test_steps_1_and_7_run_a_tp_sp_job_in_its_layout_through_papermill(tmp_path)
 
 def test_step_1_measures_the_pipeline_bubble_per_stage(tmp_path):
     job = load_job(TINY, {"out_dir": str(tmp_path), "pp": 2, "pp_schedule": "interleaved_1f1b",
-                          "pp_virtual_stages": 2, "pp_microbatches": 4, "n_layers": 4})
+                          "pp_virtual_stages": 2, "pp_microbatches": 4, "n_layers": 4, "fp8_layers": ["mlp_up"]})
     r = baseline.run(job, progress=lambda s: None)
+    # the ranks convert before the split (core.engine.parallelize): on a CPU they cannot, and the result says why
+    assert r.fp8["why_not"].startswith("a CPU has no FP8 matmul units") and r.fp8["groups"] == ["mlp_up"]
+    assert {"what": "fp8_layers", "reason": r.fp8["why_not"]} in r.skipped
     b = r.layout["bubble"]
     assert r.layout["layout"]["name"] == "PP2 interleaved_1f1b v2 m4"
     assert b["analytic"] == pytest.approx((2 - 1) / (2 * 4))  # (p-1)/(v*m)

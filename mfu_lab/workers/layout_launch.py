@@ -53,6 +53,7 @@ class LayoutRun:
     memory: list[dict] = field(default_factory=list)  # per rank: peak_bytes, peak_source, shard_bytes{...}
     bubble: dict | None = None  # PP: {"per_stage": [...], "analytic": (p-1)/(v*m)}
     notes: list[str] = field(default_factory=list)
+    fp8: dict = field(default_factory=dict)  # the job's fp8_layers in the ranks (core.engine.fp8.Fp8Applied + text)
     trace_paths: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # the timed steps' losses (mean over data-parallel ranks)
     launch_seconds: float = 0.0  # the wall time of the launch it ran in (shared by every layout of that launch)

@@ -105,7 +105,8 @@ def reference_losses(job: Job, layout: Layout, batches: list, device: torch.devi
     model = build_model(job).to(device).train()
     if layout.pp > 1:
         untie_head(model)  # as the layout does: a tied head trains differently
-    ts = build_train_step(eager(job), model, device.type, fp8=False)  # the layout's ranks convert no FP8 yet
+    # FP8 as the layout converts it (core.engine.parallelize.convert_fp8): not under tensor parallel
+    ts = build_train_step(eager(job), model, device.type, fp8=layout.tp == 1)
     return [float(ts(to_device(x, device), to_device(y, device))) for x, y in batches]
 
 
@@ -208,7 +209,7 @@ def reference_check(job: Job, layout: Layout, item: dict, base: dict, batches: l
     if ref == "single":  # the same job, batches and tied head give the same losses: computed once per launch
         check["reference"] = "single process, global batch"
         key = json.dumps([{k: v for k, v in job.to_dict().items() if k not in LAYOUT_KEYS}, layout.dp,
-                          layout.pp > 1, len(batches)], sort_keys=True, default=str)
+                          layout.pp > 1, layout.tp == 1, len(batches)], sort_keys=True, default=str)
         cache = ctx.setdefault("references", {})
         if key not in cache:
             cache[key] = reference_losses(job, layout, batches, device)
@@ -285,7 +286,7 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
         check["max_rel_gap"] = gap(check["layout_losses"], check["reference_losses"])
         check["passed"] = check["max_rel_gap"] <= check["tolerance"]
     record = {"index": index, "layout": layout.to_dict() | {"name": layout.name}, "loss_check": check,
-              "notes": notes,
+              "notes": notes, "fp8": dataclasses.asdict(par.fp8) | {"text": par.fp8.text()} if par.fp8.asked else {},
               "tokens_per_step": int(k * sum(int((b[1] != IGNORE).sum()) for b in batches) / len(batches))}
     if check["passed"] is False:
         return record | {"status": "refused", "reason": f"loss differs from the reference ({check['reference']}) by "

@@ -3,7 +3,9 @@ groups, where the device has FP8 units.
 
 Step 5 chooses the groups (their loss kept, their speed measured on FP8 hardware) and ``tuned.yaml`` carries them
 as ``fp8_layers``; every training step the workbook builds for such a job (:func:`apply`, from
-``workload.build_train_step``) converts those layers before its optimizer and its compile, as torchao asks. Where
+``workload.build_train_step``, step 2's data-parallel ranks and ``parallelize.convert_fp8`` in a layout's ranks:
+FSDP2, DDP and pipeline stages; not tensor parallel yet) converts those layers before its optimizer, its compile
+and any wrapper, sharding or pipeline split, as torchao asks. Where
 it cannot, the step trains without FP8 and says why, in the step's own result: a CPU or a GPU below capability 8.9
 (no FP8 units: step 5 emulates the numerics there and claims no speed), torchao not installed, a model already
 compiled, wrapped for data parallelism or sharded before the conversion (torchao converts before the wrapper), or
@@ -76,8 +78,7 @@ def _unwrapped_problem(model: nn.Module) -> str:
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         return "the model was compiled before the conversion (torchao converts first)"
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        return (f"the model is wrapped in {type(model).__name__} already (torchao converts before the wrapper; this "
-                "layout does not convert yet)")
+        return f"the model is wrapped in {type(model).__name__} already (torchao converts before the wrapper)"
     if any(type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
            for p in model.parameters()):
         return "the model's parameters are sharded already (FSDP2 or tensor parallel: torchao converts before)"

@@ -10,6 +10,7 @@ is said in ``notes``. The training step over the result is :meth:`Parallelized.s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mfu_lab.core.engine import fp8 as fp8_layers
 from mfu_lab.core.engine.batches import input_embedding
 from mfu_lab.core.engine.checkpointing import run_block
 from mfu_lab.core.engine.layout import Layout
@@ -99,6 +101,7 @@ class Parallelized:
     loss_fn: Any = None  # the job's own loss of (output, batch) (key 'loss'), else cross-entropy of the logits
     loss_impl: str = "eager"  # the cross-entropy: eager, or compiled (core.engine.losses)
     cuda_graphs: bool = False  # blocks compiled in a CUDA-graph mode (reduce-overhead, max-autotune) on CUDA
+    fp8: fp8_layers.Fp8Applied = field(default_factory=fp8_layers.Fp8Applied)  # the job's fp8_layers, or why not
 
     @property
     def first_stage(self) -> bool:
@@ -237,10 +240,13 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
     notes: list[str] = []
     kind = model_kind(model)
     pp_rank = mesh["pp"].get_local_rank()
+    if layout.pp > 1 and untie_head(model):
+        notes.append(f"{NOTE_UNTIED}: a head tied to the input embedding cannot span stages; it gets its own "
+                     "copy of the weight (the single-process reference is untied the same way)")
+    converted = convert_fp8(job, model, layout, device)  # 0. before any split, sharding or wrapper (torchao)
+    if converted.text():
+        notes.append(f"FP8: {converted.text()}")
     if layout.pp > 1:  # 1. the pipeline split, apart: this rank keeps its stages only
-        if untie_head(model):
-            notes.append(f"{NOTE_UNTIED}: a head tied to the input embedding cannot span stages; it gets its own "
-                         "copy of the weight (the single-process reference is untied the same way)")
         parts = split_stages(model, layout, pp_rank)
     else:
         parts = [(0, model)]
@@ -293,10 +299,27 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
         notes.append("loss_impl chunked: a layout computes the cross-entropy from the logits (eager); the chunked "
                      "loss runs in the single-process step only")
     par = Parallelized(layout, mesh, modules, optimizer, autocast_dtype, vocab, notes,
-                       [i for i, _ in parts], None, ddp, sync, loss_fn, loss_impl, cuda_graphs)
+                       [i for i, _ in parts], None, ddp, sync, loss_fn, loss_impl, cuda_graphs, converted)
     if layout.pp > 1:
         par.schedule = _schedule(parts, layout, mesh["pp"].get_group(), device, vocab)
     return par
+
+
+TP_NO_FP8 = ("tensor parallel: torchao's float8 tensor-parallel styles are not part of the plan yet, so the layout "
+             "trains these layers in the job's dtype")
+
+
+def convert_fp8(job: Job, model: nn.Module, layout: Layout, device: torch.device) -> fp8_layers.Fp8Applied:
+    """The job's ``fp8_layers`` converted in place on the whole model (core.engine.fp8), before the pipeline split,
+    FSDP2 or DDP (torchao converts first, and a stage keeps the converted blocks); a tensor-parallel layout
+    trains without them and says why."""
+    if job.fp8_layers and layout.tp > 1:
+        return fp8_layers.Fp8Applied(tuple(job.fp8_layers), (), job.fp8_recipe, TP_NO_FP8)
+    done = fp8_layers.apply(job, model, device.type)
+    if done.note:  # loss_impl chunked: a layout's loss is eager, and lm_head stays as the single-process job has it
+        done = dataclasses.replace(done, note="lm_head stays in high precision, as in the job's single-process step "
+                                              "(loss_impl chunked), so that the layout's loss checks against it")
+    return done
 
 
 def _apply_fsdp(modules: list[nn.Module], layout: Layout, dp_mesh, notes: list[str]) -> None:

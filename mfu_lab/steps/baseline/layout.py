@@ -195,6 +195,7 @@ class Measured:
     flops: FlopReport
     peak: dict[str, Any]
     layout: dict[str, Any]
+    fp8: dict[str, Any] = dataclasses.field(default_factory=dict)  # the ranks' fp8_layers: converted, or why not
 
 
 def analysed_traces(run: LayoutRun, top_n: int) -> list[dict[str, Any]]:
@@ -288,7 +289,7 @@ def measure(job: Job, device: dev.DeviceInfo, world: int, progress=None) -> Meas
     layout = summary(run, collective_rows(run, job))
     layout["traces"] = [{"rank": t["rank"], "path": t["path"], "breakdown": dataclasses.asdict(t["breakdown"])}
                         for t in traces]
-    return Measured(metrics, timings, led, report, peak, layout)
+    return Measured(metrics, timings, led, report, peak, layout, run.fp8)
 
 
 def work_dir(job: Job, folder: str) -> Path:

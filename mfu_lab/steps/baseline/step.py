@@ -297,10 +297,6 @@ def _recheck_after(job: Job, device: dev.DeviceInfo, peak: dev.Peak, timings: Ti
     return dataclasses.replace(peak, note=peak.note + f"; re-checked after the steps: {after.text()}")
 
 
-LAYOUT_NO_FP8 = ("not converted in a layout's ranks yet (torchao converts before the sharding or data-parallel "
-                 "wrapper): these figures are the job's without FP8")
-
-
 def _run_in_layout(job: Job, device: dev.DeviceInfo, world: int, fit: dict, p, skipped: list, t_start: float,
                    write: bool) -> BaselineResult:
     """Step 1 for a job in its own layout (FSDP, TP, SP, PP): see :mod:`mfu_lab.steps.baseline.layout`."""
@@ -310,12 +306,12 @@ def _run_in_layout(job: Job, device: dev.DeviceInfo, world: int, fit: dict, p, s
     m = baseline_layout.measure(job, device, world, p)
     health = HealthSummary(False, "not sampled during the layout's torchrun launch")
     skipped.append({"what": "device health (NVML)", "reason": health.skipped_reason})
-    if job.fp8_layers:
-        skipped.append({"what": "fp8_layers", "reason": LAYOUT_NO_FP8})
+    if m.fp8.get("why_not"):  # the ranks converted before the wrapper or the split (core.engine.parallelize)
+        skipped.append({"what": "fp8_layers", "reason": m.fp8["why_not"]})
     result = BaselineResult(
         "baseline", job.to_dict(), environment(device.name, device.type), m.metrics, m.timings,
         stats(m.timings.measured("wall_s")), m.ledger, health, m.flops, m.peak, [], layout=m.layout, fit=fit,
-        skipped=skipped)
+        skipped=skipped, fp8=m.fp8)
     return _finish(job, result, t_start, write)
 
 
