@@ -247,7 +247,7 @@ def _precision(job: Job, r: dict) -> list[Change]:
     return out
 
 
-EMULATED_FP8 = "FP8 emulated on this device, numerics only: not adopted"  # how such a change's reason begins
+EMULATED_FP8 = "FP8 emulated on this device (numerics only)"  # how such a change's reason begins
 
 
 def _fp8(job: Job, r: dict) -> list[Change]:
