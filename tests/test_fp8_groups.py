@@ -71,3 +71,11 @@ def test_the_report_shows_each_groups_probe():
     html = str(fp8_section(d))
     assert "FP8 speed per group" in html and "16384 x 768 -> 50304" in html
     assert "1.67x" in html and "0.60x" in html
+
+
+def test_fp8_units_without_a_timing_adopt_nothing(tiny_job):
+    """torchao missing, the timing failed or the budget cut it: FP8's speed was not measured, so not adopted."""
+    for speed in ({"status": "skipped", "reason": "torchao is not installed"}, {"status": "failed", "reason": "x"}):
+        chosen = tuning.changes(tiny_job, {"fp8": _fp8_result(speed)})
+        fp8 = [c for c in chosen if c.key == "fp8_layers"]
+        assert fp8 and not fp8[0].adopted and fp8[0].reason.startswith("FP8's speed was not measured here")

@@ -184,10 +184,19 @@ def test_changes_take_their_gains_from_the_measurements():
 def test_fp8_change_is_labelled_emulated_without_fp8_hardware():
     fp8 = {"job": {"fp8_layers": []}, "choice": {"policy": "MLP", "recipe": "tensorwise", "groups": ["mlp_up"],
                                                   "flops_share": 0.6, "fragment": "fp8_layers: [mlp_up]"},
-           "speed": {"status": "skipped", "reason": "no FP8 units"}}
+           "speed": {"status": "skipped", "reason": "no FP8 units"}, "path": "emulated"}
     (c,) = su.changes({"fp8": fp8})
     assert (c.gain, c.unit, c.source, c.status) == (0.6, "fraction", "emulated", "not measured")  # nothing to time
     assert "no FP8 units" in c.how and "fp8_layers: [mlp_up]" in c.how
+    # on FP8 units: timed faster -> adopt; timed not faster -> keep as is; not timed (torchao missing) -> not measured
+    hw = fp8 | {"path": "fp8 hardware"}
+    for speed, status, source in (({"status": "ok", "speedup": 1.2}, "adopt", "measured"),
+                                  ({"status": "ok", "speedup": 0.7}, "keep as is", "measured"),
+                                  ({"status": "slower", "reason": "no group faster"}, "keep as is", "measured"),
+                                  ({"status": "skipped", "reason": "torchao is not installed"}, "not measured",
+                                   "analytic")):
+        (c,) = su.changes({"fp8": hw | {"speed": speed}})
+        assert (c.status, c.source) == (status, source), speed
 
 
 def test_recommendations_put_act_first_and_keep_step_order():

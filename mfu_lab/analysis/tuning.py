@@ -266,6 +266,9 @@ def _fp8(job: Job, r: dict) -> list[Change]:
     if emulated:  # a change is worth what it measurably gives: here no FP8 layer can train, so nothing to time
         slower = (f"{EMULATED_FP8}: set it on a GPU with FP8 units (capability 8.9+, torchao), where step 5 times "
                   "each group in FP8 and adopts the ones faster than bf16")
+    elif speed.get("status") not in ("ok", "slower"):  # FP8 units, but no timing (torchao missing, failed, budget)
+        slower = (f"FP8's speed was not measured here ({speed.get('reason') or speed.get('status') or 'not timed'})"
+                  ": not adopted until step 5 times it faster than bf16")
     kept, dropped = speed.get("groups_kept"), speed.get("groups_dropped") or {}
     if isinstance(kept, list) and dropped:  # each group probed on its own shapes (steps.fp8.group_speed)
         groups = [g for g in groups if g in kept]

@@ -96,7 +96,8 @@ def _recommendations(key: str, d: dict[str, Any]) -> tuple[list[dict[str, str]],
     """(what to do: the step's recommendation texts, then its "act" advice; how many of those are left out; the
     "look" advice, shown when there is nothing to act on)."""
     recs = [{"message": t, "because": ""} for path in REC_TEXTS.get(key, ())
-            if isinstance(t := _get(d, *path), str) and t.strip()]
+            if isinstance(t := _get(d, *path), str) and t.strip()
+            and not (path == ("choice", "text") and d.get("path") == "emulated")]  # FP8 numerics only: not a to-do
     advice = [{"severity": str(a.get("severity") or ""), "message": str(a.get("message") or ""),
                "because": str(a.get("because") or "")}
               for a in (d.get("advice") if isinstance(d.get("advice"), list) else []) if isinstance(a, dict)]

@@ -75,14 +75,20 @@ def changes(results: dict[str, dict[str, Any]]) -> list[Change]:
         ch, sp, job = d.get("choice") or {}, d.get("speed") or {}, d.get("job", {})
         if ch.get("groups"):
             have = sorted(job.get("fp8_layers") or []) == sorted(ch["groups"])
-            if sp.get("status") == "ok" and sp.get("speedup"):
-                out.append(Change(folder, f"FP8: {ch.get('policy')} ({ch.get('recipe')})", sp["speedup"], "x",
-                                  "measured", "in the job" if have else "adopt",
+            what = f"FP8: {ch.get('policy')} ({ch.get('recipe')})"
+            if sp.get("status") == "ok" and sp.get("speedup"):  # analysis.tuning adopts it only when faster
+                out.append(Change(folder, what, sp["speedup"], "x", "measured",
+                                  "in the job" if have else "adopt" if sp["speedup"] > 1 else "keep as is",
                                   "bf16 step / fp8 step, both compiled (torchao); " + ch.get("fragment", "")))
-            else:
-                out.append(Change(folder, f"FP8: {ch.get('policy')} ({ch.get('recipe')})", ch.get("flops_share"),
-                                  "fraction", "emulated", "in the job" if have else "not measured",
-                                  "share of linear-layer FLOPs in FP8, loss kept in emulation; no speed measured ("
+            elif sp.get("status") == "slower":  # no group faster in FP8 on its own shapes: not adopted
+                out.append(Change(folder, what, None, "x", "measured", "in the job" if have else "keep as is",
+                                  (sp.get("reason") or "no group faster in FP8") + "; " + ch.get("fragment", "")))
+            else:  # emulated (no FP8 units), or FP8's speed not measured here: not adopted (analysis.tuning)
+                emulated = d.get("path") == "emulated"
+                out.append(Change(folder, what, ch.get("flops_share"), "fraction", "emulated" if emulated else
+                                  "analytic", "in the job" if have else "not measured",
+                                  "share of linear-layer FLOPs in FP8, loss kept" + (" in emulation" if emulated
+                                                                                      else "") + "; no speed measured ("
                                   + (sp.get("reason") or "no FP8 hardware") + "); " + ch.get("fragment", "")))
         else:
             out.append(Change(folder, "FP8: no policy kept the loss", None, "fraction", "emulated", "keep as is",

@@ -1,6 +1,7 @@
 """Apply a job's layout to its model, in one fixed order over one named mesh (torchtitan's ``parallelize``):
 
-    pipeline split (apart, first: each rank keeps its stages) -> tensor parallel (+ sequence parallel)
+    fp8_layers (convert_fp8: the whole model, a tied head untied first under PP; not under TP)
+    -> pipeline split (apart: each rank keeps its stages) -> tensor parallel (+ sequence parallel)
     -> activation checkpointing -> torch.compile (per block) -> FSDP2 (per block, then the root) or DDP
 
 The tensor-parallel plans live in :mod:`mfu_lab.core.engine.tp_plan`. Every choice that changes how the job runs
@@ -307,6 +308,17 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
 
 TP_NO_FP8 = ("tensor parallel: torchao's float8 tensor-parallel styles are not part of the plan yet, so the layout "
              "trains these layers in the job's dtype")
+
+
+def alike_fp8(job: Job, tps: list[int]) -> tuple[Job, str]:
+    """The job for layouts timed against each other (step 6's node layouts, step 7's layout change): without its
+    ``fp8_layers`` when some of them are tensor parallel (which trains without FP8) and others not, so that no
+    layout is credited with FP8's speed; and the note that says so ('' when the job is unchanged)."""
+    if not job.fp8_layers or len({tp > 1 for tp in tps}) < 2:
+        return job, ""
+    return dataclasses.replace(job, fp8_layers=[]), (
+        "fp8_layers left out of these layouts' runs: tensor-parallel layouts train without FP8 (" + TP_NO_FP8
+        + "), so every layout runs in the job's dtype, compared alike")
 
 
 def convert_fp8(job: Job, model: nn.Module, layout: Layout, device: torch.device) -> fp8_layers.Fp8Applied:

@@ -51,7 +51,7 @@ def meta_flops(job: Job, device_type: str) -> FlopReport:
     with torch.device("meta"):
         model = build_model(job)
         x = torch.zeros(job.micro_batch, job.seq_len, dtype=torch.long)
-    step = build_train_step(dataclasses.replace(job, compile_mode="off"), model, device_type, fp8=False)  # as ranks
+    step = build_train_step(dataclasses.replace(job, compile_mode="off"), model, device_type, fp8=False)  # same count
     return count_step_flops(model, step, x, x.clone(), cache_dir=job.output_root(), key_extra=job_key_extra(job))
 
 

@@ -17,7 +17,8 @@ A proposed change (or an FP8 rung) not measured faster than the rung below beyon
 rung kept above it was measured with it, the tuned file as written is timed again beside the original
 (:mod:`mfu_lab.steps.verify.retime`), and the headline is that pair's.
 
-FP8 that is only emulated on this device is excluded from the speed staircase, and said to be. DDP
+FP8 that is only emulated on this device is not adopted (analysis.tuning), so it has no rung; an FP8 rung whose
+process (or, in a layout, whose ranks) trained without FP8 is excluded, with the reason. DDP
 changes are verified under DDP (the original and the tuned DDP configuration alternated in one torchrun
 launch) when the job runs data-parallel. Writes ``<out>/<job>/07_verify/result.json``.
 """
