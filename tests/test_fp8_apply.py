@@ -277,3 +277,14 @@ def test_step_5s_page_lists_an_emulated_policy_as_no_recommendation():
     assert [r["message"] for r in _recommendations("fp8", d)[0]] == ["Train in bfloat16"]
     assert [r["message"] for r in _recommendations("fp8", d | {"path": "fp8 hardware"})[0]] == [
         "Train mlp_up in FP8", "Train in bfloat16"]
+
+
+def test_a_group_the_model_does_not_have_is_an_error_naming_the_key_and_the_models_groups(job):
+    from mfu_lab.core.errors import JobError
+
+    bad = dataclasses.replace(job, fp8_layers=["mlp_up", "mlp_sideways"])
+    with pytest.raises(JobError) as e:
+        build_train_step(bad, build_model(bad), "cpu")  # on any device: a CPU would otherwise just say 'no FP8 units'
+    said = str(e.value)
+    assert "'fp8_layers'" in said and "unknown layer group(s) mlp_sideways" in said
+    assert "this model's groups: attn_qkv, attn_out, mlp_up, mlp_down, lm_head" in said

@@ -96,7 +96,10 @@ def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
     if done:  # a second training step built on the same model (a FLOP count beside the timed step), or step 2's
         # ranks converting before their wrapper: converted once, these layers (whoever converted them)
         return Fp8Applied(groups, done, recipe, "")
-    why = fp8_units(device_type) or _unwrapped_problem(model)
+    wrapped = _unwrapped_problem(model)
+    if not wrapped:  # a wrapper prefixes the names: its own why-not below
+        _check_groups(groups, model)
+    why = fp8_units(device_type) or wrapped
     if not why:
         try:
             from torchao.float8 import convert_to_float8_training
@@ -116,6 +119,18 @@ def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
     convert_to_float8_training(model, config=float8_config(recipe),
                                module_filter_fn=lambda m, fqn: is_candidate(fqn, m, wanted))
     return Fp8Applied(groups, tuple(chosen), recipe, "", note)
+
+
+def _check_groups(groups: tuple[str, ...], model: nn.Module) -> None:
+    """Every group names this model's Linear layers (step 5's names), else a JobError naming the key, the unknown
+    groups and the model's own: a misspelt group would otherwise train without FP8 on every device."""
+    from mfu_lab.core.errors import JobError, JobProblem
+
+    known = list(dict.fromkeys(group_of(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)))
+    unknown = [g for g in groups if g not in known]
+    if unknown:
+        why = f"unknown layer group(s) {', '.join(map(str, unknown))}; this model's groups: {', '.join(known)}"
+        raise JobError("the job", [JobProblem("fp8_layers", list(groups), why)])
 
 
 def float8_config(recipe: str):
