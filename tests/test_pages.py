@@ -98,6 +98,16 @@ def test_steps_measured_with_other_job_parameters_are_named():
     lines = job_differences(results)
     assert len(lines) == 1 and lines[0].startswith("Step 4 was measured with other job parameters than step 1")
     assert "micro_batch 4 (step 1: 8)" in lines[0] and "not like for like" in lines[0]
+    # several steps that differ alike: one sentence naming them all (the index said it once per step)
+    other = base | {"fp8_layers": []}
+    results = {"baseline": {"job": base | {"fp8_layers": ["mlp_x"]}}, "attention_comm": {"job": other},
+               "kernels": {"job": other}, "compile": {"job": other | {"micro_batch": 4}}}
+    lines = job_differences(results)
+    assert lines == ["Steps 2 and 3 were measured with other job parameters than step 1: fp8_layers [] (step 1: "
+                     "['mlp_x']). Their comparisons with step 1 are not like for like; rerun with the same parameters.",
+                     "Step 4 was measured with other job parameters than step 1: micro_batch 4 (step 1: 8), fp8_layers "
+                     "[] (step 1: ['mlp_x']). Its comparisons with step 1 are not like for like; rerun with the same "
+                     "parameters."]
 
 
 def test_the_summary_chart_says_what_each_bar_is_and_gives_ddp_its_own_bar():

@@ -110,21 +110,27 @@ def _step_row(job_root: Path, info: StepInfo, result: dict | None) -> dict[str, 
 
 
 def job_differences(results: dict[str, dict]) -> list[str]:
-    """One sentence per step measured with other workload parameters than step 1 (or the first step that ran):
-    which keys differ, and their two values."""
+    """One sentence per difference from step 1 (or the first step that ran) in the workload parameters: the keys
+    that differ and their two values, with every step measured so (five steps that all differ in one key are one
+    sentence, not five)."""
     ran = [(info, results[info.key]) for info in STEPS if info.key in results and info.key != "verify"]
     if len(ran) < 2:
         return []
-    (first, ref), out = ran[0], []
+    (first, ref), by_diff = ran[0], {}
     base = ref.get("job") or {}
     for info, d in ran[1:]:
         job = d.get("job") or {}
-        diff = [f"{k} {job.get(k)!r} (step {first.number}: {base.get(k)!r})" for k in WORKLOAD_KEYS
-                if k in job and k in base and job[k] != base[k]]
+        diff = ", ".join(f"{k} {job.get(k)!r} (step {first.number}: {base.get(k)!r})" for k in WORKLOAD_KEYS
+                         if k in job and k in base and job[k] != base[k])
         if diff:
-            out.append(f"Step {info.number} was measured with other job parameters than step {first.number}: "
-                       f"{', '.join(diff)}. Its comparisons with step {first.number} are not like for like; "
-                       f"rerun one of them with the same parameters.")
+            by_diff.setdefault(diff, []).append(str(info.number))
+    out = []
+    for diff, numbers in by_diff.items():
+        steps = (f"Step {numbers[0]} was" if len(numbers) == 1 else
+                 f"Steps {', '.join(numbers[:-1])} and {numbers[-1]} were")
+        them = "Its comparisons" if len(numbers) == 1 else "Their comparisons"
+        out.append(f"{steps} measured with other job parameters than step {first.number}: {diff}. {them} with step "
+                   f"{first.number} are not like for like; rerun with the same parameters.")
     return out
 
 
