@@ -103,3 +103,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = {"full_run", "two_ranks"} & set(getattr(item, "fixturenames", ()))
         item.add_marker(pytest.mark.xdist_group("full_run" if shared else item.path.name))
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """An in-process gloo world of one rank: a layout's step (core.engine.parallelize) without a launch."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

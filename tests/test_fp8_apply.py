@@ -153,18 +153,6 @@ def test_a_withdrawn_fp8_rung_below_the_top_one_makes_the_tuned_file_another_job
     assert retime.stale(made, [plain, job, compiled], made[2], tuned) is None
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """An in-process gloo world of one rank: a layout's step (core.engine.parallelize) without a launch."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_layouts_ranks_convert_before_fsdp2_and_train_the_same_as_one_process_in_fp8(job, world_of_one,
                                                                                         monkeypatch):
     """FSDP2 over one rank (and the plain one-rank layout, which builds no DDP wrapper), the device check answered

@@ -234,17 +234,6 @@ def test_step_2s_local_and_slowed_steps_take_an_optimizer_steps_micro_batches(ti
     assert len(entered) == 2 * 3  # the two local wrappers, 3 steps each
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """An in-process gloo world of one rank: a layout's step (core.engine.parallelize) without a launch."""
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_layouts_step_under_cuda_graphs_adds_into_buffers_too_and_fsdp_is_refused_by_name(tiny_job, world_of_one):
     """The layouts' step (FSDP2, TP, PP, DDP beside them) compiles per block: under a CUDA-graph mode with
     accumulation each parameter gets its gradient buffer before the first micro-batch, as in the single-process

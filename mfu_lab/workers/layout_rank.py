@@ -308,7 +308,7 @@ def measure(index: int, item: dict, base: dict, spec: dict, ctx: dict) -> dict:
         check["max_rel_gap"] = gap(check["layout_losses"], check["reference_losses"])
         check["passed"] = check["max_rel_gap"] <= check["tolerance"]
     record = {"index": index, "layout": layout.to_dict() | {"name": layout.name}, "loss_check": check,
-              "notes": notes, "fp8": dataclasses.asdict(par.fp8) | {"text": par.fp8.text()} if par.fp8.asked else {},
+              "notes": notes, "fp8": par.fp8.record(),
               "tokens_per_step": int(k * sum(int((b[1] != IGNORE).sum()) for b in batches) / len(batches))}
     if check["passed"] is False:
         return record | {"status": "refused", "reason": f"loss differs from the reference ({check['reference']}) by "

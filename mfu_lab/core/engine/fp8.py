@@ -62,6 +62,10 @@ class Fp8Applied:
     def asked(self) -> bool:
         return bool(self.groups)
 
+    def record(self) -> dict:
+        """As a step's result stores it (its fields and :meth:`text`), {} when the job asked for no FP8."""
+        return dataclasses.asdict(self) | {"text": self.text()} if self.asked else {}
+
     def text(self) -> str:
         """One sentence for a report ('' when the job asked for no FP8)."""
         if not self.groups:

@@ -107,7 +107,7 @@ def run(job: Job, progress=None, write: bool = True) -> BaselineResult:
 
     model = build_model(job).to(torch_device).train()
     train_step = build_train_step(job, model, device.type)
-    fp8 = dataclasses.asdict(train_step.fp8) | {"text": train_step.fp8.text()} if train_step.fp8.asked else {}
+    fp8 = train_step.fp8.record()
     if train_step.fp8.why_not:
         skipped.append({"what": "fp8_layers", "reason": train_step.fp8.why_not})
     loader = build_loader(job, job.warmup_steps + job.steps, device.type)
