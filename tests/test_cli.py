@@ -34,6 +34,25 @@ def test_validate_checks_the_layout_against_this_machines_world(capsys):
     assert "layout" not in capsys.readouterr().out.splitlines()[0]  # plain DDP: today's line
 
 
+def test_validate_checks_the_fp8_groups_of_the_reference_model_and_says_a_factorys_wait(tmp_path, capsys):
+    """A misspelt group would train without FP8 on every device, and step 1 is the first to say so today; validate
+    counts the reference GPT's groups on a meta-device model (step 5's names) and names key, group and groups."""
+    assert main(["validate", str(TINY), "-p", "fp8_layers=[attn_qkv,mlp_fc]"]) == 2
+    err = capsys.readouterr().err
+    assert f"{TINY} and the command line (-p KEY=VALUE)" in err
+    assert ("key 'fp8_layers' = ['attn_qkv', 'mlp_fc']: unknown layer group(s) mlp_fc; this model's groups: "
+            "attn_qkv, attn_out, mlp_up, mlp_down, lm_head") in err
+    assert main(["validate", str(TINY), "-p", "fp8_policies={big: [lm_head, mlp]}"]) == 2
+    assert "key 'fp8_policies' = ['lm_head', 'mlp']: policy big: unknown layer group(s) mlp;" in capsys.readouterr().err
+    assert main(["validate", str(TINY), "-p", "fp8_layers=[mlp_up,lm_head]"]) == 0
+    assert "fp8_layers:\n- mlp_up\n- lm_head" in capsys.readouterr().out
+    (tmp_path / "never_imported.py").write_text("raise SystemExit('validate imported the factory')\n")
+    job = tmp_path / "factory.yaml"
+    job.write_text("model: never_imported:build\nfp8_layers: [whatever]\n")
+    assert main(["validate", str(job)]) == 0
+    assert "layer groups of model never_imported:build are checked when step 1 or 5 builds it" in capsys.readouterr().out
+
+
 def test_bad_command_line_values_exit_2(capsys):
     assert main(["run", str(TINY), "--steps", "baseline,nosuch"]) == 2
     assert "nosuch" in capsys.readouterr().err

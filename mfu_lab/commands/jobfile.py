@@ -1,5 +1,5 @@
-"""The job file and its keys: ``mfu-lab validate`` (check a job file, its cluster file, output folder and layout;
-print the job) and ``mfu-lab keys`` (every key with its default and help). Runs no code a job file names."""
+"""The job file and its keys: ``mfu-lab validate`` (check a job file, its cluster file, output folder, layout and
+FP8 layer groups; print the job) and ``mfu-lab keys`` (every key with its default and help). Runs no code a job file names."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def cmd_validate(args) -> int:
         mon = f"; monitor folder {job.monitor_path()}: {len(rank_files(job.monitor_path()))} rank file(s)"
     source = f"{args.job} and the command line (-p KEY=VALUE)" if args.param else str(args.job)
     check_ranks(job, source)
+    fp8_note = fp8_groups_here(job, source)
     layout = layout_here(job, source)
     notes = fit_here(job, source)
     print(f"{args.job}: valid (cluster file {job.cluster}: valid; output folder {job.output_root()}: writable{mon}"
@@ -38,7 +39,7 @@ def cmd_validate(args) -> int:
         used = "the job trains with them" if job.compile_mode == "options" else "step 4's options trial"
         print(f"compile options in force ({used}; inductor options from the allowed list): "
               f"{options_text(job.compile_options)}")
-    for line in notes:
+    for line in notes + ([fp8_note] if fp8_note else []):
         print(line)
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
     return EXIT_OK
@@ -51,6 +52,28 @@ def check_ranks(job: Job, source: str) -> None:
     from mfu_lab.workers.launch import check_nproc
 
     check_nproc(job, device_type_of(job), source)
+
+
+def fp8_groups_here(job: Job, source: str) -> str:
+    """The job's ``fp8_layers`` and ``fp8_policies`` against the reference GPT's layer groups, counted on a model
+    built on the meta device (step 5's check, before any step runs; a misspelt group would train without FP8): a
+    JobError naming ``source``. A factory model's groups are checked when step 1 or 5 builds it, as validate imports
+    no code a job file names: the line that says so, or ''."""
+    if not (job.fp8_layers or job.fp8_policies):
+        return ""
+    if not job.uses_reference_model:
+        return (f"fp8_layers / fp8_policies: the layer groups of model {job.model} are checked when step 1 or 5 "
+                "builds it (validate imports no code a job file names)")
+    import torch
+
+    from mfu_lab.analysis.fp8_numerics import linear_groups
+    from mfu_lab.core.engine.workload import build_model
+    from mfu_lab.steps.fp8.policies import check_groups
+
+    with torch.device("meta"):
+        groups = list(linear_groups(build_model(job)))
+    check_groups(job, groups, source)
+    return ""
 
 
 def fit_here(job: Job, source: str) -> list[str]:

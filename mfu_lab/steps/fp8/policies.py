@@ -46,8 +46,9 @@ class PolicyTrial:
     study: bool = False  # part of the scaling study, not a candidate policy
 
 
-def check_groups(job: Job, groups: list[str]) -> None:
-    """The job's ``fp8_layers`` and ``fp8_policies`` name only this model's layer groups, else a JobError."""
+def check_groups(job: Job, groups: list[str], source: str = "the job") -> None:
+    """The job's ``fp8_layers`` and ``fp8_policies`` name only this model's layer groups, else a JobError naming
+    ``source``."""
     problems = []
     for key, lists in (("fp8_layers", {"fp8_layers": job.fp8_layers}), ("fp8_policies", job.fp8_policies)):
         for name, gs in lists.items():
@@ -56,10 +57,11 @@ def check_groups(job: Job, groups: list[str]) -> None:
                 continue
             unknown = [g for g in gs if g not in groups]
             if unknown:
-                problems.append(JobProblem(key, gs, f"{name}: unknown layer group(s) {', '.join(map(str, unknown))}; "
+                policy = "" if key == "fp8_layers" else f"policy {name}: "
+                problems.append(JobProblem(key, gs, f"{policy}unknown layer group(s) {', '.join(map(str, unknown))}; "
                                            f"this model's groups: {', '.join(groups)}"))
     if problems:
-        raise JobError("the job", problems)
+        raise JobError(source, problems)
 
 
 def trials_minimum_s(job: Job) -> tuple[float, str]:
