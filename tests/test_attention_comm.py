@@ -136,3 +136,11 @@ def test_keeping_the_jobs_own_attention_or_ddps_defaults_is_info_and_a_switch_is
     assert [a.severity for a in advise(r)] == ["act"]
     assert _recommend(job, None, CommRow("none", 100, False, "ok", step_median_s=1.0, step_p10_s=0.9,
                                          step_p90_s=1.1, exposed_share=0.1, mfu=0.5), {})["comm"]["keep"] is True
+    # the ranks' FP8 outcome (workers.ddp_rank's "fp8" event): look when they trained without it, info when in it
+    from mfu_lab.core.engine.fp8 import Fp8Applied
+
+    for applied, severity in ((Fp8Applied(("mlp_up",), (), "tensorwise", "a CPU has no FP8 matmul units"), "look"),
+                              (Fp8Applied(("mlp_up",), ("blocks.0.mlp.0",), "tensorwise"), "info")):
+        r.comm_layout = {"fp8": applied.record()}
+        said = [a for a in advise(r) if a.message.startswith("FP8 in the data-parallel ranks: ")]
+        assert len(said) == 1 and said[0].severity == severity and applied.text() in said[0].message

@@ -50,7 +50,8 @@ def test_validate_checks_the_fp8_groups_of_the_reference_model_and_says_a_factor
     job = tmp_path / "factory.yaml"
     job.write_text("model: never_imported:build\nfp8_layers: [whatever]\n")
     assert main(["validate", str(job)]) == 0
-    assert "layer groups of model never_imported:build are checked when step 1 or 5 builds it" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "layer groups of model never_imported:build are checked when step 1 or 5 builds it" in said
 
 
 def test_bad_command_line_values_exit_2(capsys):

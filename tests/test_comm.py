@@ -17,8 +17,12 @@ def small(job, **kw):
 
 
 def test_sweep_runs_records_refusals_and_keeps_ranks_in_sync(tiny_job, tmp_path):
-    job = small(tiny_job)
+    """With fp8_layers, the ranks say once what the conversion did (on a CPU: trained without it, and why)."""
+    job = small(tiny_job, fp8_layers=["mlp_up"])
     r = run_sweep(job, "cpu", None, tmp_path, allreduce_max_bytes=1 << 16)
+    fp8 = r.layout.pop("fp8")
+    assert fp8["groups"] == ["mlp_up"] and fp8["layers"] == [] and fp8["why_not"].startswith("a CPU has no FP8")
+    assert fp8["text"].startswith("fp8_layers [mlp_up] not applied: a CPU has no FP8 matmul units")
     assert r.layout == {"nnodes": 1, "nproc_per_node": 2, "world_size": 2, "backend": "gloo"}
     assert r.launches[-1]["finished"] and len(r.launches) == 1
     for cfg in sweep_configs(job):

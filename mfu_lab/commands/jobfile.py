@@ -1,5 +1,6 @@
 """The job file and its keys: ``mfu-lab validate`` (check a job file, its cluster file, output folder, layout and
-FP8 layer groups; print the job) and ``mfu-lab keys`` (every key with its default and help). Runs no code a job file names."""
+FP8 layer groups; print the job) and ``mfu-lab keys`` (every key with its default and help). Runs no code a job
+file names."""
 
 from __future__ import annotations
 

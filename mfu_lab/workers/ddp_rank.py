@@ -263,8 +263,13 @@ def main() -> None:
 
             impl = next(i for i in candidates(device.type, job.dtype) if i.name == spec["attention"])
             model.set_attention(impl.fn)
-        fp8_layers.apply(job, model, device.type)  # fp8_layers before the DDP or FSDP2 wrapper (torchao asks)
+        applied = fp8_layers.apply(job, model, device.type)  # fp8_layers before the DDP or FSDP2 wrapper (torchao)
+        if applied.asked and not said_fp8:  # what the job's fp8_layers did in these ranks, once a launch
+            said_fp8.append(True)
+            emit(out, {"event": "fp8", **applied.record()})
         return model
+
+    said_fp8: list[bool] = []
 
     # each rank its own shard: synthetic data by a seed of its own, the job's data split (core.engine.data)
     def loader(n):

@@ -337,6 +337,8 @@ def run_sweep(job: Job, device_type: str, attention: str | None, work: Path, pro
             kind = ev["event"]
             if kind == "allreduce":
                 result.allreduce, need_allreduce = ev["rows"], False
+            elif kind == "fp8":  # the job's fp8_layers in the ranks: converted, or why not (core.engine.fp8)
+                result.layout["fp8"] = {k: v for k, v in ev.items() if k != "event"}
             elif kind == "memory":  # what each rank found free on its GPU
                 result.layout.setdefault("free_memory", {})[str(ev["rank"])] = ev["free_bytes"]
             elif kind == "start":

@@ -152,6 +152,8 @@ def run(job: Job, progress=None, write: bool = True) -> AttentionCommResult:
                                                                    job_impl, clock, say)
     if sweep.layout.get("skipped"):
         skipped.append({"what": "DDP sweep and all-reduce benchmark", "reason": sweep.layout["skipped"]})
+    if sweep.layout.get("fp8", {}).get("why_not"):  # the ranks trained every configuration without FP8
+        skipped.append({"what": "fp8_layers in the data-parallel ranks", "reason": sweep.layout["fp8"]["why_not"]})
 
     rec = _recommend(job, best_att, best_comm, ref, race.confirmation if race else None)
     metrics = _metrics(ref, best_att, job_impl, best_comm, ledger, sweep, peak, peak_label)
@@ -344,6 +346,10 @@ def advise(r: AttentionCommResult) -> list[Advice]:
                           "DDP configurations and FSDP2 candidates timed in one launch, DDP's ranks in sync; a change "
                           "is recommended only when its p10-p90 range clears the default's and its final loss stays "
                           "within loss_tolerance of the default's"))
+    fp8 = r.comm_layout.get("fp8") or {}
+    if fp8.get("text"):  # every configuration trained alike: with the job's FP8, or all without it
+        out.append(Advice("look" if fp8.get("why_not") else "info", f"FP8 in the data-parallel ranks: {fp8['text']}.",
+                          "fp8_layers in the job file, converted before each configuration's DDP or FSDP2 wrapper"))
     best = r.metric("exposed_comm_share")
     if best is not None and best > 0.15:
         out.append(Advice("look", "Exposed communication stays above 15% of the step even at the best setting: "
