@@ -4,8 +4,9 @@ groups, where the device has FP8 units.
 Step 5 chooses the groups (their loss kept, their speed measured on FP8 hardware) and ``tuned.yaml`` carries them
 as ``fp8_layers``; every training step the workbook builds for such a job (:func:`apply`, from
 ``workload.build_train_step``, step 2's data-parallel ranks and ``parallelize.convert_fp8`` in a layout's ranks:
-FSDP2, DDP and pipeline stages; not tensor parallel yet) converts those layers before its optimizer, its compile
-and any wrapper, sharding or pipeline split, as torchao asks. Where
+FSDP2, DDP, pipeline stages and tensor parallel, whose plan then shards the Float8Linears with torchao's float8
+styles, core.engine.tp_plan) converts those layers before its optimizer, its compile and any wrapper, sharding or
+pipeline split, as torchao asks. Where
 it cannot, the step trains without FP8 and says why, in the step's own result: a CPU or a GPU below capability 8.9
 (no FP8 units: step 5 emulates the numerics there and claims no speed), torchao not installed, a model already
 compiled, wrapped for data parallelism or sharded before the conversion (torchao converts before the wrapper), or
@@ -23,8 +24,9 @@ from torch import nn
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
 
 # the reference GPT's Linear layers by name; another model's by its name with block indices as '*'
-_GROUPS = (("attn.qkv", "attn_qkv"), ("attn.proj", "attn_out"), ("mlp.0", "mlp_up"), ("mlp.2", "mlp_down"),
-           ("lm_head", "lm_head"))
+# (tensor parallel splits the fused qkv into q, k and v Linears first: still the attn_qkv group)
+_GROUPS = (("attn.qkv", "attn_qkv"), ("attn.q", "attn_qkv"), ("attn.k", "attn_qkv"), ("attn.v", "attn_qkv"),
+           ("attn.proj", "attn_out"), ("mlp.0", "mlp_up"), ("mlp.2", "mlp_down"), ("lm_head", "lm_head"))
 
 
 def group_of(name: str) -> str:

@@ -1,6 +1,6 @@
 """Apply a job's layout to its model, in one fixed order over one named mesh (torchtitan's ``parallelize``):
 
-    fp8_layers (convert_fp8: the whole model, a tied head untied first under PP; not under TP)
+    fp8_layers (convert_fp8: the whole model, a tied head untied first under PP, the GPT's qkv split under TP)
     -> pipeline split (apart: each rank keeps its stages) -> tensor parallel (+ sequence parallel)
     -> activation checkpointing -> torch.compile (per block) -> FSDP2 (per block, then the root) or DDP
 
@@ -24,7 +24,7 @@ from mfu_lab.core.engine.batches import input_embedding
 from mfu_lab.core.engine.checkpointing import run_block
 from mfu_lab.core.engine.layout import Layout
 from mfu_lab.core.engine.losses import accumulation_weights, compiled_cross_entropy, cross_entropy
-from mfu_lab.core.engine.tp_plan import apply_tp, blocks_of, model_kind
+from mfu_lab.core.engine.tp_plan import apply_tp, blocks_of, model_kind, split_qkv
 from mfu_lab.core.engine.workload import GPT, compile_kwargs, grads_in_place, logits_of
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job.factories import load_factory
@@ -306,27 +306,12 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
     return par
 
 
-TP_NO_FP8 = ("tensor parallel: torchao's float8 tensor-parallel styles are not part of the plan yet, so the layout "
-             "trains these layers in the job's dtype")
-
-
-def alike_fp8(job: Job, tps: list[int]) -> tuple[Job, str]:
-    """The job for layouts timed against each other (step 6's node layouts, step 7's layout change): without its
-    ``fp8_layers`` when some of them are tensor parallel (which trains without FP8) and others not, so that no
-    layout is credited with FP8's speed; and the note that says so ('' when the job is unchanged)."""
-    if not job.fp8_layers or len({tp > 1 for tp in tps}) < 2:
-        return job, ""
-    return dataclasses.replace(job, fp8_layers=[]), (
-        "fp8_layers left out of these layouts' runs: tensor-parallel layouts train without FP8 (" + TP_NO_FP8
-        + "), so every layout runs in the job's dtype, compared alike")
-
-
 def convert_fp8(job: Job, model: nn.Module, layout: Layout, device: torch.device) -> fp8_layers.Fp8Applied:
     """The job's ``fp8_layers`` converted in place on the whole model (core.engine.fp8), before the pipeline split,
-    FSDP2 or DDP (torchao converts first, and a stage keeps the converted blocks); a tensor-parallel layout
-    trains without them and says why."""
+    tensor parallel, FSDP2 or DDP (torchao converts first, and a stage keeps the converted blocks); under tensor
+    parallel the reference GPT's qkv is split first, so that q, k and v are the Float8Linears the plan shards."""
     if job.fp8_layers and layout.tp > 1:
-        return fp8_layers.Fp8Applied(tuple(job.fp8_layers), (), job.fp8_recipe, TP_NO_FP8)
+        split_qkv(model, job)
     done = fp8_layers.apply(job, model, device.type)
     if done.note:  # loss_impl chunked: a layout's loss is eager, and lm_head stays as the single-process job has it
         done = dataclasses.replace(done, note="lm_head stays in high precision, as in the job's single-process step "

@@ -86,9 +86,7 @@ def apply_tp(module: nn.Module, model_kind: str, job: Job, layout: Layout, tp_me
                             "stream is split and gathered; run tp without sp")
         patterns = dict(job.tp_plan)
     elif model_kind == "gpt":
-        for m in module.modules():
-            if hasattr(m, "qkv") and hasattr(m, "split_qkv"):
-                m.split_qkv()
+        split_qkv(module, job)
         patterns = gpt_patterns(layout.sp)
     elif model_kind == "llama":
         patterns = llama_patterns(layout.sp)
@@ -104,12 +102,66 @@ def apply_tp(module: nn.Module, model_kind: str, job: Job, layout: Layout, tp_me
         raise StepError(f"job key 'tp_plan': unknown style(s) {bad}; expected colwise | rowwise | sequence")
     _check_heads(module, plan, layout.tp)
     full = {name: styles[s] for name, s in plan.items()}
+    float8_styles(module, plan, full, job, layout, tp_mesh.device_type, notes)
     if layout.sp and model_kind == "gpt" and not job.tp_plan:
         if first:
             full["blocks.0"] = styles["split_local"]  # the embeddings' sum enters the residual stream split
         if last:
             full["ln_f"] = styles["gather_local"]  # gathered once before the final norm and the head
     parallelize_module(module, tp_mesh, full, src_data_rank=None)  # every rank built the same weights: no copy
+
+
+def split_qkv(module: nn.Module, job: Job) -> None:
+    """The reference GPT's fused ``qkv`` split into q, k and v Linears (same weights, same FLOPs), as its built-in
+    plan shards them per head; a job's own ``tp_plan`` keeps the model as it is. Before the FP8 conversion too
+    (core.engine.parallelize.convert_fp8), so that the three are the Float8Linears the plan shards."""
+    if job.tp_plan:
+        return
+    for m in module.modules():
+        if hasattr(m, "qkv") and hasattr(m, "split_qkv"):
+            m.split_qkv()
+
+
+def float8_styles(module: nn.Module, plan: dict[str, str], full: dict[str, Any], job: Job, layout: Layout,
+                  device_type: str, notes: list[str]) -> None:
+    """Where the plan shards Float8Linears (the job's ``fp8_layers``, converted before the plan): torchtitan's rule.
+    The tensorwise recipe takes torchao's float8 styles, which cast before the collectives so that they move FP8
+    (a sub-block whose colwise Linears are all Float8Linear gets its input cast once, ``PrepareFloat8ModuleInput``);
+    the rowwise recipes keep the plan's own styles, their collectives in high precision, as does gloo under sequence
+    parallel (it cannot all-gather float8 tensors: "Invalid scalar type"). Said in ``notes``."""
+    f8 = {name for name in plan if type(module.get_submodule(name)).__name__ == "Float8Linear"}
+    if not f8:
+        return
+    if job.fp8_recipe != "tensorwise" or (layout.sp and device_type != "cuda"):
+        why = (f"recipe {job.fp8_recipe}: torchao's float8 styles are tensorwise only" if job.fp8_recipe !=
+               "tensorwise" else "gloo cannot all-gather float8 tensors under sequence parallel")
+        notes.append(f"FP8 under tensor parallel: {len(f8)} Float8Linear(s) sharded by the plan's own styles, their "
+                     f"collectives in high precision ({why})")
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    for name in f8:
+        if plan[name] == "colwise":
+            full[name] = Float8ColwiseParallel()
+        elif plan[name] == "rowwise":
+            full[name] = Float8RowwiseParallel(output_layouts=Shard(1) if layout.sp else Replicate())
+    prepared = 0
+    for name, style in plan.items():  # a sub-block's input cast to FP8 once, before its gather, for its colwise
+        inner = [n for n, s in plan.items() if n.startswith(name + ".") and s == "colwise"]
+        if style in ("replicate", "gather") and inner and all(n in f8 for n in inner):
+            first = inner[0][len(name) + 1:]
+            full[name] = PrepareFloat8ModuleInput(input_layouts=(Shard(1) if style == "gather" else Replicate(),),
+                                                  desired_input_layouts=(Replicate(),),
+                                                  fwd_config_submodule_fqn=first)
+            prepared += 1
+    once = f", {prepared} sub-block input(s) cast once" if prepared else ""
+    notes.append(f"FP8 under tensor parallel: {len(f8)} Float8Linear(s) sharded by torchao's float8 styles "
+                 f"(their inputs cast before the collectives{once})")
 
 
 def _check_heads(module: nn.Module, plan: dict[str, str], tp: int) -> None:

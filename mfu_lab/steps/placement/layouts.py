@@ -15,7 +15,6 @@ from pathlib import Path
 
 from mfu_lab.analysis.layouts.node_layouts import Facts, layout_entry, node_layouts
 from mfu_lab.analysis.placement import model as pl
-from mfu_lab.core.engine.parallelize import alike_fp8
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.process.budget import fit_count
 from mfu_lab.core.process.progress import as_progress
@@ -132,9 +131,6 @@ def measure_layouts(job: Job, device_type: str, work: Path, shape: pl.Shape, com
           f"{job.comm_steps} timed steps (comm_steps)")
     # the layouts' own keys come from the items; the step counts from step 2's (a few steps each)
     run_job = dataclasses.replace(job, warmup_steps=job.comm_warmup_steps, compile_mode="off")
-    run_job, fp8_note = alike_fp8(run_job, [int(it["overrides"].get("tp", job.tp)) for it in items])
-    if fp8_note:
-        p.say(f"  {fp8_note}")
     names = [it["name"] for it in items]
     runs = run_layouts(run_job, device_type, work, [{"overrides": it["overrides"]} for it in items],
                        progress=_events(progress, names, t0), steps=job.comm_steps, check_steps=CHECK_STEPS)
@@ -144,7 +140,7 @@ def measure_layouts(job: Job, device_type: str, work: Path, shape: pl.Shape, com
     for name, run in zip(names, runs):
         d = run.to_dict() | {"name": name}
         e = layout_entry(d, facts, compute_s, timed_on)
-        e["notes"] = run.notes + ([fp8_note] if fp8_note else [])
+        e["notes"] = run.notes
         e["threads_per_rank"] = run.threads_per_rank
         e["loss_gap"] = (run.loss_check or {}).get("max_rel_gap")
         entries.append(e)

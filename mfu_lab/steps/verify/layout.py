@@ -16,7 +16,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mfu_lab.core.engine.parallelize import alike_fp8
 from mfu_lab.core.engine.work import samples_per_step, token_job
 from mfu_lab.core.job.schema import Job
 from mfu_lab.core.measure import device as dev
@@ -122,10 +121,7 @@ def verify_layout_change(job: Job, device_type: str, chosen: list, work: Path, s
     plan = [pair[i] for t in range(turns) for i in ((0, 1) if t % 2 == 0 else (1, 0))]
     say(f"layout change {keys}: the original and the proposed layout alternated {turns} times in one torchrun launch "
         f"of {nnodes * nproc} ranks")
-    run_job, fp8_note = alike_fp8(job, [job.tp, int(keys.get("tp", job.tp))])
-    if fp8_note:
-        say(f"  {fp8_note}")
-    runs = run_layouts(run_job, device_type, work / "layout_change", [{"overrides": o} for o in plan],
+    runs = run_layouts(job, device_type, work / "layout_change", [{"overrides": o} for o in plan],
                        progress=on_events(say), steps=job.verify_steps)
     side: dict[str, dict[str, list]] = {"original": {"wall": [], "loss": []}, "tuned": {"wall": [], "loss": []}}
     names, order = {}, []
@@ -153,8 +149,7 @@ def verify_layout_change(job: Job, device_type: str, chosen: list, work: Path, s
                     f"the proposed layout is {verdict}: {sa.median * 1e3:.1f} -> {sb.median * 1e3:.1f} ms per step, "
                     f"{sp.text()} (measured side by side, {turns} alternating turns); final loss "
                     + (f"{gap:.1e} from the original's, " + ("within" if loss_ok else "OUTSIDE") +
-                       f" loss_tolerance {job.loss_tolerance:.0%}" if gap is not None else "not compared")
-                    + (f"; {fp8_note}" if fp8_note else "")}
+                       f" loss_tolerance {job.loss_tolerance:.0%}" if gap is not None else "not compared")}
     if not (sp.low > 1 and loss_ok):  # not faster beyond the noise, or the loss left the tolerance: not adopted
         _withdraw(job, chosen, keys, "step 7: " + out["text"])
         out["withdrawn"] = True
