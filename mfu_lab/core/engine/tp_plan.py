@@ -3,7 +3,8 @@
 The reference GPT (its fused ``qkv`` split into q, k, v Linears, each sharded per head: same FLOPs, same results),
 Hugging Face Llama-style models found by their module names, or the job's own ``tp_plan`` (fnmatch patterns on
 module names -> colwise | rowwise | sequence). :func:`mfu_lab.core.engine.parallelize.parallelize` applies a plan
-second in its fixed order, after the pipeline split.
+second in its fixed order, after the pipeline split; a job's ``fp8_layers`` were converted before it, and the
+plan shards those Float8Linears with torchao's float8 styles where they apply (:func:`float8_styles`).
 """
 
 from __future__ import annotations
