@@ -208,6 +208,52 @@ def test_a_pipeline_keeps_its_converted_blocks_and_tensor_parallel_converts_q_k_
     assert {fp8.group_of(n) for n in tp.layers} == {"attn_qkv"}
 
 
+def test_under_tensor_parallel_a_shard_scaled_mm_refuses_stays_in_high_precision_and_is_named(job):
+    """CUDA's torch._scaled_mm wants every size of a shard divisible by 16 (a CPU does not check, so only this rule
+    keeps a GPU from crashing): at tp 4 the tiny GPT's q, k, v (out 32 / 4) and attn.proj (in 32 / 4) shards are 8
+    wide and stay in high precision, the MLP's (128 / 4 = 32) convert; the reference converts the same."""
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[fp8]')")
+    from mfu_lab.core.engine import parallelize as pz
+    from mfu_lab.core.engine.layout import Layout
+    from mfu_lab.core.engine.tp_plan import plan_of, unaligned_shards
+    from mfu_lab.workers import layout_rank as lr
+
+    tp_job = dataclasses.replace(job, tp=4, fp8_layers=["attn_qkv", "attn_out", "mlp_up", "mlp_down"])
+    layout = Layout.from_job(tp_job, 4)
+    model = build_model(tp_job)
+    plan = plan_of(model, "gpt", tp_job, layout)  # splits the GPT's qkv, as the layout does
+    assert unaligned_shards(model, plan, 4)["blocks.0.attn.q"] == "colwise: out_features 32 / tp 4 = 8"
+    assert unaligned_shards(model, plan, 4)["blocks.1.attn.proj"] == "rowwise: in_features 32 / tp 4 = 8"
+    assert unaligned_shards(model, plan, 2) == {}  # 32 / 2 = 16
+    real_units = fp8.fp8_units
+    try:
+        fp8.fp8_units = lambda device_type, index=None: ""  # as on a GPU with FP8 units
+        done = pz.convert_fp8(tp_job, build_model(tp_job), layout, torch.device("cpu"))
+        x = torch.randint(0, job.vocab_size, (job.micro_batch, job.seq_len))
+        _, converted = lr.reference_losses(tp_job, layout, [(x, torch.roll(x, -1, 1))], torch.device("cpu"))
+    finally:
+        fp8.fp8_units = real_units
+    assert done.layers == tuple(f"blocks.{b}.mlp.{i}" for b in (0, 1) for i in (0, 2)) and converted
+    assert done.note.startswith("8 Linear(s) stay in high precision, their tensor-parallel shard not divisible by "
+                                "16 (torch._scaled_mm's alignment): ")
+    assert "blocks.0.attn.q (colwise: out_features 32 / tp 4 = 8)" in done.note
+    assert "8 Linear(s) stay in high precision" in done.text()
+
+
+def test_the_split_qkv_names_are_attn_qkv_only_in_the_reference_gpt_and_a_ranks_stages_say_fp8_once():
+    from mfu_lab.core.engine.tp_plan import float8_note
+
+    assert fp8.group_of("blocks.3.attn.v") == "attn_qkv" and fp8.group_of("blocks.0.attn.qkv") == "attn_qkv"
+    assert fp8.group_of("layers.0.self_attn.q") == "layers.*.self_attn.q"  # another model's names stay its own
+    assert fp8.group_of("layers.3.cross_attn.v") == "layers.*.cross_attn.v"
+    assert float8_note([(0, 0, "")]) == ""
+    assert float8_note([(6, 2, ""), (6, 2, "")]) == ("FP8 under tensor parallel: 12 Float8Linear(s) sharded by "
+                                                     "torchao's float8 styles (their inputs cast before the "
+                                                     "collectives, 4 sub-block input(s) cast once)")
+    assert float8_note([(3, 0, "recipe rowwise: x"), (3, 0, "recipe rowwise: x")]).endswith(
+        "6 Float8Linear(s) sharded by the plan's own styles, their collectives in high precision (recipe rowwise: x)")
+
+
 def test_tensor_parallel_trains_its_fp8_layers_sharded_and_checks_the_loss_against_one_process(tmp_path):
     """Two gloo ranks (tests/fixtures/tp_fp8_ranks.py), the device check answered as on an FP8 GPU: every group's
     Linears are Float8Linears holding DTensor shards (lm_head stays whole: the plan leaves it replicated); the
@@ -222,11 +268,17 @@ def test_tensor_parallel_trains_its_fp8_layers_sharded_and_checks_the_loss_again
 
     from .conftest import ROOT
 
-    cases = ["0:tensorwise", "1:tensorwise", "0:rowwise"]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    str(ROOT / "tests" / "fixtures" / "tp_fp8_ranks.py"), str(tmp_path), ",".join(cases)],
-                   check=True, cwd=ROOT, timeout=300, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    for case in cases:
+    cases = ["0:tensorwise", "1:tensorwise", "0:rowwise", "0:tensorwise:llama"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "tests" / "fixtures" / "tp_fp8_ranks.py"), str(tmp_path), ",".join(cases)],
+                       cwd=ROOT, timeout=300, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    llama = json.loads((tmp_path / "0_tensorwise_llama.json").read_text())  # 2 layers x 7 Linears + lm_head
+    assert llama["why_not"] == "" and len(llama["layers"]) == 15 and llama["reference_converted"] is True
+    assert ("FP8 under tensor parallel: 14 Float8Linear(s) sharded by torchao's float8 styles (their inputs cast "
+            "before the collectives, 4 sub-block input(s) cast once)") in llama["notes"]  # attention: by keyword
+    assert llama["losses"] == pytest.approx(llama["reference"], rel=5e-3)
+    for case in cases[:3]:
         got = json.loads((tmp_path / f"{case.replace(':', '_')}.json").read_text())
         assert got["why_not"] == "" and len(got["layers"]) == 13 and got["reference_converted"] is True, case
         weights = got["float8_weights"]

@@ -42,8 +42,7 @@ from mfu_lab.core.engine.batches import IGNORE, to_device
 from mfu_lab.core.engine.layout import Layout, build_mesh
 from mfu_lab.core.engine.layout_check import check_layout
 from mfu_lab.core.engine.meta_shape import job_shape
-from mfu_lab.core.engine.parallelize import Parallelized, parallelize, untie_head
-from mfu_lab.core.engine.tp_plan import split_qkv
+from mfu_lab.core.engine.parallelize import Parallelized, convert_fp8, parallelize, untie_head
 from mfu_lab.core.engine.workload import build_loader, build_model, build_train_step, eager
 from mfu_lab.core.errors import JobError, StepError
 from mfu_lab.core.job.schema import Job, validate
@@ -107,8 +106,8 @@ def reference_losses(job: Job, layout: Layout, batches: list, device: torch.devi
     model = build_model(job).to(device).train()
     if layout.pp > 1:
         untie_head(model)  # as the layout does: a tied head trains differently
-    if layout.tp > 1:  # FP8 as the layout converts it (core.engine.parallelize.convert_fp8): q, k, v apart
-        split_qkv(model, job)
+    if layout.tp > 1:  # FP8 as the layout converts it: q, k, v apart, the shards scaled_mm refuses left out
+        convert_fp8(job, model, layout, device)
     ts = build_train_step(eager(job), model, device.type)
     return [float(ts(to_device(x, device), to_device(y, device))) for x, y in batches], bool(ts.fp8.layers)
 

@@ -25,7 +25,8 @@ FP8_CAPABILITY = (8, 9)  # Ada / Hopper and later have FP8 tensor cores
 
 # the reference GPT's Linear layers by name; another model's by its name with block indices as '*'
 # (tensor parallel splits the fused qkv into q, k and v Linears first: still the attn_qkv group)
-_GROUPS = (("attn.qkv", "attn_qkv"), ("attn.q", "attn_qkv"), ("attn.k", "attn_qkv"), ("attn.v", "attn_qkv"),
+# (the split ones anchored on '.attn.', so that another model's self_attn.q or cross_attn.v keeps its own name)
+_GROUPS = (("attn.qkv", "attn_qkv"), (".attn.q", "attn_qkv"), (".attn.k", "attn_qkv"), (".attn.v", "attn_qkv"),
            ("attn.proj", "attn_out"), ("mlp.0", "mlp_up"), ("mlp.2", "mlp_down"), ("lm_head", "lm_head"))
 
 
@@ -35,6 +36,10 @@ def group_of(name: str) -> str:
         if name.endswith(key):
             return group
     return re.sub(r"\.\d+\.", ".*.", name)
+
+
+CHUNKED_HEAD = ("lm_head stays in high precision: loss_impl chunked hands its weight to F.linear_cross_entropy, "
+                "which no Float8Linear runs")
 
 
 def fp8_units(device_type: str, index: int | None = None) -> str:
@@ -91,9 +96,11 @@ def _unwrapped_problem(model: nn.Module) -> str:
     return ""
 
 
-def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
+def apply(job, model: nn.Module, device_type: str, unaligned: dict[str, str] | None = None) -> Fp8Applied:
     """Convert the Linear layers of ``job.fp8_layers`` to torchao float8 training in place (their parameters,
-    tied ones included, stay the same objects), or say why not; see the module docstring."""
+    tied ones included, stay the same objects), or say why not; see the module docstring. ``unaligned``: Linears
+    (name -> why) a layout will shard into pieces ``torch._scaled_mm`` does not take; they stay in high precision,
+    said in the note."""
     groups = tuple(getattr(job, "fp8_layers", ()) or ())
     if not groups:
         return Fp8Applied()
@@ -116,14 +123,22 @@ def apply(job, model: nn.Module, device_type: str) -> Fp8Applied:
     note, wanted = "", groups
     if "lm_head" in groups and getattr(job, "loss_impl", "") == "chunked":
         wanted = tuple(g for g in groups if g != "lm_head")
-        note = ("lm_head stays in high precision: loss_impl chunked hands its weight to F.linear_cross_entropy, "
-                "which no Float8Linear runs")
-    chosen = [name for name, m in model.named_modules() if is_candidate(name, m, wanted)]
+        note = CHUNKED_HEAD
+    unaligned = {n: why for n, why in (unaligned or {}).items()
+                 if is_candidate(n, model.get_submodule(n), wanted)}
+    if unaligned:
+        kept = (f"{len(unaligned)} Linear(s) stay in high precision, their tensor-parallel shard not divisible by 16 "
+                f"(torch._scaled_mm's alignment): {', '.join(f'{n} ({w})' for n, w in unaligned.items())}")
+        note = f"{note}; {kept}" if note else kept
+
+    def take(fqn: str, m: nn.Module) -> bool:
+        return is_candidate(fqn, m, wanted) and fqn not in unaligned
+
+    chosen = [name for name, m in model.named_modules() if take(name, m)]
     if not chosen:
         return Fp8Applied(groups, (), recipe, "no Linear layer of these groups has both dimensions divisible by 16 "
                                               f"(torch._scaled_mm's alignment){'; ' + note if note else ''}")
-    convert_to_float8_training(model, config=float8_config(recipe),
-                               module_filter_fn=lambda m, fqn: is_candidate(fqn, m, wanted))
+    convert_to_float8_training(model, config=float8_config(recipe), module_filter_fn=lambda m, fqn: take(fqn, m))
     return Fp8Applied(groups, tuple(chosen), recipe, "", note)
 
 

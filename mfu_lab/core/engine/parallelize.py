@@ -24,7 +24,7 @@ from mfu_lab.core.engine.batches import input_embedding
 from mfu_lab.core.engine.checkpointing import run_block
 from mfu_lab.core.engine.layout import Layout
 from mfu_lab.core.engine.losses import accumulation_weights, compiled_cross_entropy, cross_entropy
-from mfu_lab.core.engine.tp_plan import apply_tp, blocks_of, model_kind, split_qkv
+from mfu_lab.core.engine.tp_plan import apply_tp, blocks_of, float8_note, model_kind, plan_of, unaligned_shards
 from mfu_lab.core.engine.workload import GPT, compile_kwargs, grads_in_place, logits_of
 from mfu_lab.core.errors import StepError
 from mfu_lab.core.job.factories import load_factory
@@ -252,15 +252,18 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
     else:
         parts = [(0, model)]
     last_index = layout.stages - 1
+    fp8_tp = []
     for index, module in parts:
         if layout.tp > 1:  # 2. tensor (+ sequence) parallel
-            apply_tp(module, kind, job, layout, mesh["tp"], index == 0, index == last_index, notes)
+            fp8_tp.append(apply_tp(module, kind, job, layout, mesh["tp"], index == 0, index == last_index))
         if job.activation_checkpointing and kind == "llama":  # 3. checkpointing (the GPT checkpoints its blocks)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if job.compile_mode != "off":  # 4. compile, per block (FSDP then wraps compiled blocks)
             kw = compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic, job.compile_options)
             for block in blocks_of(module) or [module]:
                 block.compile(**kw)
+    if float8_note(fp8_tp):  # one line for the rank's stages
+        notes.append(float8_note(fp8_tp))
     if layout.tp > 1 and layout.sp:
         notes.append("SP: the LayerNorm gradients stay partial after backward; each is all-reduced once before "
                      "optimizer.step() (left to AdamW, each would be reduced at every use)")
@@ -309,13 +312,16 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
 def convert_fp8(job: Job, model: nn.Module, layout: Layout, device: torch.device) -> fp8_layers.Fp8Applied:
     """The job's ``fp8_layers`` converted in place on the whole model (core.engine.fp8), before the pipeline split,
     tensor parallel, FSDP2 or DDP (torchao converts first, and a stage keeps the converted blocks); under tensor
-    parallel the reference GPT's qkv is split first, so that q, k and v are the Float8Linears the plan shards."""
-    if job.fp8_layers and layout.tp > 1:
-        split_qkv(model, job)
-    done = fp8_layers.apply(job, model, device.type)
-    if done.note:  # loss_impl chunked: a layout's loss is eager, and lm_head stays as the single-process job has it
-        done = dataclasses.replace(done, note="lm_head stays in high precision, as in the job's single-process step "
-                                              "(loss_impl chunked), so that the layout's loss checks against it")
+    parallel the reference GPT's qkv is split first, so that q, k and v are the Float8Linears the plan shards, and
+    a Linear whose shard ``torch._scaled_mm`` would refuse (tp_plan.unaligned_shards) stays in high precision."""
+    unaligned = {}
+    if job.fp8_layers and layout.tp > 1:  # the plan's names (its qkv split) and the shards scaled_mm refuses
+        unaligned = unaligned_shards(model, plan_of(model, model_kind(model), job, layout), layout.tp)
+    done = fp8_layers.apply(job, model, device.type, unaligned)
+    if done.note.startswith(fp8_layers.CHUNKED_HEAD):  # a layout's loss is eager: lm_head stays as in one process
+        done = dataclasses.replace(done, note=done.note.replace(fp8_layers.CHUNKED_HEAD, (
+            "lm_head stays in high precision, as in the job's single-process step (loss_impl chunked), so that the "
+            "layout's loss checks against it"), 1))
     return done
 
 

@@ -28,6 +28,10 @@ def blocks_of(model: nn.Module) -> nn.ModuleList | None:
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
 
+STYLE_NAMES = ("colwise", "rowwise", "sequence", "replicate", "replicate_hidden", "gather", "gather_local",
+               "split_local")
+
+
 def _styles(sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
@@ -77,10 +81,9 @@ def resolve_plan(module: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def apply_tp(module: nn.Module, model_kind: str, job: Job, layout: Layout, tp_mesh, first: bool, last: bool,
-             notes: list[str]) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
-
+def plan_of(module: nn.Module, model_kind: str, job: Job, layout: Layout) -> dict[str, str]:
+    """Module name -> style for ``module`` (the model, or a pipeline stage): the job's ``tp_plan``, else the
+    reference GPT's (its qkv split first) or a Llama-style model's; StepError naming the key when none fits."""
     if job.tp_plan:
         if layout.sp:
             raise StepError("job keys 'sp' = true and 'tp_plan': a user's plan cannot say yet where the residual "
@@ -97,19 +100,43 @@ def apply_tp(module: nn.Module, model_kind: str, job: Job, layout: Layout, tp_me
     plan = resolve_plan(module, patterns)
     if not plan:
         raise StepError(f"job key 'tp_plan': no module name matches any of {sorted(patterns)}")
-    styles = _styles(layout.sp)
-    bad = sorted({s for s in plan.values() if s not in styles})
+    bad = sorted({s for s in plan.values() if s not in STYLE_NAMES})
     if bad:
         raise StepError(f"job key 'tp_plan': unknown style(s) {bad}; expected colwise | rowwise | sequence")
     _check_heads(module, plan, layout.tp)
+    return plan
+
+
+def unaligned_shards(module: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]:
+    """The Linears whose tensor-parallel shard ``torch._scaled_mm`` would refuse (a CUDA check, not a CPU one): a
+    colwise shard's out_features / tp or a rowwise shard's in_features / tp not divisible by 16 (``pad_inner_dim``
+    pads only the forward's inner size); name -> the sizes, for the FP8 conversion to leave them out."""
+    out = {}
+    for name, style in plan.items():
+        m = module.get_submodule(name)
+        if isinstance(m, nn.Linear) and style in ("colwise", "rowwise"):
+            key, size = ("out_features", m.out_features) if style == "colwise" else ("in_features", m.in_features)
+            if (size // tp) % 16:
+                out[name] = f"{style}: {key} {size} / tp {tp} = {size // tp}"
+    return out
+
+
+def apply_tp(module: nn.Module, model_kind: str, job: Job, layout: Layout, tp_mesh, first: bool,
+             last: bool) -> tuple[int, int, str]:
+    """The plan applied to ``module``; what it did with the job's Float8Linears (:func:`float8_styles`)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = plan_of(module, model_kind, job, layout)
+    styles = _styles(layout.sp)
     full = {name: styles[s] for name, s in plan.items()}
-    float8_styles(module, plan, full, job, layout, tp_mesh.device_type, notes)
+    fp8 = float8_styles(module, plan, full, job, layout, tp_mesh.device_type)
     if layout.sp and model_kind == "gpt" and not job.tp_plan:
         if first:
             full["blocks.0"] = styles["split_local"]  # the embeddings' sum enters the residual stream split
         if last:
             full["ln_f"] = styles["gather_local"]  # gathered once before the final norm and the head
     parallelize_module(module, tp_mesh, full, src_data_rank=None)  # every rank built the same weights: no copy
+    return fp8
 
 
 def split_qkv(module: nn.Module, job: Job) -> None:
@@ -124,21 +151,20 @@ def split_qkv(module: nn.Module, job: Job) -> None:
 
 
 def float8_styles(module: nn.Module, plan: dict[str, str], full: dict[str, Any], job: Job, layout: Layout,
-                  device_type: str, notes: list[str]) -> None:
+                  device_type: str) -> tuple[int, int, str]:
     """Where the plan shards Float8Linears (the job's ``fp8_layers``, converted before the plan): torchtitan's rule.
     The tensorwise recipe takes torchao's float8 styles, which cast before the collectives so that they move FP8
     (a sub-block whose colwise Linears are all Float8Linear gets its input cast once, ``PrepareFloat8ModuleInput``);
     the rowwise recipes keep the plan's own styles, their collectives in high precision, as does gloo under sequence
-    parallel (it cannot all-gather float8 tensors: "Invalid scalar type"). Said in ``notes``."""
-    f8 = {name for name in plan if type(module.get_submodule(name)).__name__ == "Float8Linear"}
+    parallel (it cannot all-gather float8 tensors: "Invalid scalar type"). (Float8Linears sharded, sub-block
+    inputs cast once, why the plan's own styles or '' for torchao's), for :func:`float8_note`."""
+    f8 = [name for name in plan if type(module.get_submodule(name)).__name__ == "Float8Linear"]
     if not f8:
-        return
+        return 0, 0, ""
     if job.fp8_recipe != "tensorwise" or (layout.sp and device_type != "cuda"):
-        why = (f"recipe {job.fp8_recipe}: torchao's float8 styles are tensorwise only" if job.fp8_recipe !=
-               "tensorwise" else "gloo cannot all-gather float8 tensors under sequence parallel")
-        notes.append(f"FP8 under tensor parallel: {len(f8)} Float8Linear(s) sharded by the plan's own styles, their "
-                     f"collectives in high precision ({why})")
-        return
+        return len(f8), 0, (f"recipe {job.fp8_recipe}: torchao's float8 styles are tensorwise only"
+                            if job.fp8_recipe != "tensorwise" else
+                            "gloo cannot all-gather float8 tensors under sequence parallel")
     from torch.distributed.tensor import Replicate, Shard
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -154,15 +180,31 @@ def float8_styles(module: nn.Module, plan: dict[str, str], full: dict[str, Any],
     prepared = 0
     for name, style in plan.items():  # a sub-block's input cast to FP8 once, before its gather, for its colwise
         inner = [n for n, s in plan.items() if n.startswith(name + ".") and s == "colwise"]
-        if style in ("replicate", "gather") and inner and all(n in f8 for n in inner):
-            first = inner[0][len(name) + 1:]
-            full[name] = PrepareFloat8ModuleInput(input_layouts=(Shard(1) if style == "gather" else Replicate(),),
-                                                  desired_input_layouts=(Replicate(),),
+        if style not in ("replicate", "replicate_hidden", "gather") or not inner or any(n not in f8 for n in inner):
+            continue
+        first = inner[0][len(name) + 1:]
+        if style == "replicate_hidden":  # a Llama decoder layer passes hidden_states= to its attention
+            full[name] = PrepareFloat8ModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                                  desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                                   fwd_config_submodule_fqn=first)
-            prepared += 1
+        else:
+            full[name] = PrepareFloat8ModuleInput(input_layouts=(Shard(1) if style == "gather" else Replicate(),),
+                                                  desired_input_layouts=(Replicate(),), fwd_config_submodule_fqn=first)
+        prepared += 1
+    return len(f8), prepared, ""
+
+
+def float8_note(parts: list[tuple[int, int, str]]) -> str:
+    """One note for a rank's stages (:func:`float8_styles`'s tuples), '' when no Float8Linear was sharded."""
+    n, prepared, why = sum(p[0] for p in parts), sum(p[1] for p in parts), next((p[2] for p in parts if p[2]), "")
+    if not n:
+        return ""
+    if why:
+        return (f"FP8 under tensor parallel: {n} Float8Linear(s) sharded by the plan's own styles, their collectives "
+                f"in high precision ({why})")
     once = f", {prepared} sub-block input(s) cast once" if prepared else ""
-    notes.append(f"FP8 under tensor parallel: {len(f8)} Float8Linear(s) sharded by torchao's float8 styles "
-                 f"(their inputs cast before the collectives{once})")
+    return (f"FP8 under tensor parallel: {n} Float8Linear(s) sharded by torchao's float8 styles (their inputs cast "
+            f"before the collectives{once})")
 
 
 def _check_heads(module: nn.Module, plan: dict[str, str], tp: int) -> None:

@@ -53,9 +53,12 @@ KINDS = ("allgather", "reduce_scatter", "allreduce", "broadcast", "send", "recv"
 
 
 def _nbytes(t) -> int:
-    """Bytes of a tensor, or of a (nested) list of tensors."""
+    """Bytes of a tensor, or of a (nested) list of tensors. A tensor subclass that carries its payload in ``_data``
+    (torchao's Float8TrainingTensor: a bf16 wrapper around float8 bytes, which its collectives move) counts that."""
     if isinstance(t, (list, tuple)):
         return sum(_nbytes(x) for x in t)
+    if type(t) is not torch.Tensor and isinstance(getattr(t, "_data", None), torch.Tensor):
+        t = t._data
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 

@@ -130,7 +130,12 @@ def measure_layouts(job: Job, device_type: str, work: Path, shape: pl.Shape, com
           f"steps against one process, then {job.comm_warmup_steps} warm-up (comm_warmup_steps) and "
           f"{job.comm_steps} timed steps (comm_steps)")
     # the layouts' own keys come from the items; the step counts from step 2's (a few steps each)
-    run_job = dataclasses.replace(job, warmup_steps=job.comm_warmup_steps, compile_mode="off")
+    run_job = dataclasses.replace(job, warmup_steps=job.comm_warmup_steps, compile_mode="off", fp8_layers=[])
+    fp8_note = ("fp8_layers left out of the node layouts: their terms and the link they calibrate are the job's "
+                "dtype's, and FP8 under tensor parallel adds collectives of its own (the scales' all-reduces)"
+                if job.fp8_layers else "")
+    if fp8_note:
+        p.say(f"  {fp8_note}")
     names = [it["name"] for it in items]
     runs = run_layouts(run_job, device_type, work, [{"overrides": it["overrides"]} for it in items],
                        progress=_events(progress, names, t0), steps=job.comm_steps, check_steps=CHECK_STEPS)
@@ -140,7 +145,7 @@ def measure_layouts(job: Job, device_type: str, work: Path, shape: pl.Shape, com
     for name, run in zip(names, runs):
         d = run.to_dict() | {"name": name}
         e = layout_entry(d, facts, compute_s, timed_on)
-        e["notes"] = run.notes
+        e["notes"] = run.notes + ([fp8_note] if fp8_note else [])
         e["threads_per_rank"] = run.threads_per_rank
         e["loss_gap"] = (run.loss_check or {}).get("max_rel_gap")
         entries.append(e)
