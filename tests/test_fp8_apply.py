@@ -362,3 +362,44 @@ def test_a_group_the_model_does_not_have_is_an_error_naming_the_key_and_the_mode
     said = str(e.value)
     assert "'fp8_layers'" in said and "unknown layer group(s) mlp_sideways" in said
     assert "this model's groups: attn_qkv, attn_out, mlp_up, mlp_down, lm_head" in said
+
+
+def test_step_6s_node_layouts_run_without_fp8_and_say_why(tmp_path, monkeypatch):
+    """Their terms and the TP link they calibrate are in the job's dtype; FP8 under TP adds the scales' all-reduces
+    (a reviewer counted 44 all-reduces a step against 8 at tp 2), which would skew the link's fit."""
+    from mfu_lab.core.job.schema import load_job as load
+    from mfu_lab.core.measure import device as dev
+    from mfu_lab.steps.placement import layouts as pl_layouts
+    from mfu_lab.steps.placement.step import job_shape
+    from mfu_lab.workers.layout_launch import LayoutRun
+
+    seen = []
+
+    def runs(job_, device_type, work, items, progress=None, steps=None, check_steps=None):
+        seen.append(job_)
+        return [LayoutRun({"name": "DDP2", "dp": 2}, 2, "gloo", 1, "refused", reason="not here") for _ in items]
+
+    monkeypatch.setattr(pl_layouts, "run_layouts", runs)
+    job = load(TINY, {"out_dir": str(tmp_path), "nproc_per_node": 2, "fp8_layers": GROUPS})
+    shape, _ = job_shape(job, dev.resolve_device("cpu"))
+    lines: list[str] = []
+    entries, _ = pl_layouts.measure_layouts(job, "cpu", tmp_path / "work", shape, 0.01, lines.append)
+    assert seen and seen[0].fp8_layers == [] and entries
+    said = "fp8_layers left out of the node layouts: their terms and the link they calibrate are the job's dtype's"
+    assert any(said in line for line in lines) and all(any(said in n for n in e["notes"]) for e in entries)
+    plain: list[str] = []
+    pl_layouts.measure_layouts(dataclasses.replace(job, fp8_layers=[]), "cpu", tmp_path / "w2", shape, 0.01,
+                               plain.append)
+    assert not any("fp8_layers" in line for line in plain)
+
+
+def test_the_collective_counter_counts_a_float8_tensors_bytes_not_its_wrappers():
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[fp8]')")
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from mfu_lab.core.measure.commcount import _nbytes
+
+    t = hp_tensor_to_float8_dynamic(torch.randn(4, 16, dtype=torch.bfloat16), torch.float8_e4m3fn, LinearMMConfig())
+    assert t.element_size() == 2 and _nbytes(t) == 64  # a bf16 wrapper around 64 float8 bytes
+    assert _nbytes([torch.zeros(8), nn.Parameter(torch.zeros(2, 2))]) == 8 * 4 + 4 * 4
