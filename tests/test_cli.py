@@ -46,6 +46,15 @@ def test_validate_checks_the_fp8_groups_of_the_reference_model_and_says_a_factor
     assert "key 'fp8_policies' = ['lm_head', 'mlp']: policy big: unknown layer group(s) mlp;" in capsys.readouterr().err
     assert main(["validate", str(TINY), "-p", "fp8_layers=[mlp_up,lm_head]"]) == 0
     assert "fp8_layers:\n- mlp_up\n- lm_head" in capsys.readouterr().out
+    # under tensor parallel: the shards a GPU's torch._scaled_mm would refuse, which then train in high precision
+    assert main(["validate", str(TINY), "-p", "tp=4", "-p", "n_heads=4", "-p", "nproc_per_node=4",
+                 "-p", "fp8_layers=[attn_qkv,mlp_up]"]) == 0
+    said = capsys.readouterr().out
+    assert ("fp8_layers at tp 4: 6 Linear(s) stay in high precision, their shard not divisible by 16 "
+            "(torch._scaled_mm's alignment on a GPU): blocks.0.attn.q (colwise: out_features 32 / tp 4 = 8)") in said
+    assert "mlp.0" not in said.split("fp8_layers at tp 4")[1].split("\n")[0]  # 128 / 4 = 32: it converts
+    assert main(["validate", str(TINY), "-p", "tp=2", "-p", "nproc_per_node=2", "-p", "fp8_layers=[attn_qkv]"]) == 0
+    assert "stay in high precision" not in capsys.readouterr().out  # 32 / 2 = 16
     (tmp_path / "never_imported.py").write_text("raise SystemExit('validate imported the factory')\n")
     job = tmp_path / "factory.yaml"
     job.write_text("model: never_imported:build\nfp8_layers: [whatever]\n")

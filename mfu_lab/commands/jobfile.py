@@ -58,8 +58,10 @@ def check_ranks(job: Job, source: str) -> None:
 def fp8_groups_here(job: Job, source: str) -> str:
     """The job's ``fp8_layers`` and ``fp8_policies`` against the reference GPT's layer groups, counted on a model
     built on the meta device (step 5's check, before any step runs; a misspelt group would train without FP8): a
-    JobError naming ``source``. A factory model's groups are checked when step 1 or 5 builds it, as validate imports
-    no code a job file names: the line that says so, or ''."""
+    JobError naming ``source``. Under tensor parallel, the Linears whose shard torch._scaled_mm would refuse, which
+    train in high precision (core.engine.tp_plan.unaligned_shards): the line that says so. A factory model's groups
+    are checked when step 1 or 5 builds it, as validate imports no code a job file names: the line that says so, or
+    ''."""
     if not (job.fp8_layers or job.fp8_policies):
         return ""
     if not job.uses_reference_model:
@@ -72,8 +74,19 @@ def fp8_groups_here(job: Job, source: str) -> str:
     from mfu_lab.steps.fp8.policies import check_groups
 
     with torch.device("meta"):
-        groups = list(linear_groups(build_model(job)))
-    check_groups(job, groups, source)
+        model = build_model(job)
+    check_groups(job, list(linear_groups(model)), source)
+    if job.tp > 1 and job.fp8_layers:
+        from mfu_lab.core.engine.fp8 import group_of
+        from mfu_lab.core.engine.layout import Layout
+        from mfu_lab.core.engine.tp_plan import plan_of, unaligned_shards
+
+        plan = plan_of(model, "gpt", job, Layout.from_job(job, job.tp * job.pp))  # tp and sp are what it reads
+        kept = [f"{n} ({why})" for n, why in unaligned_shards(model, plan, job.tp).items()
+                if group_of(n) in job.fp8_layers]
+        if kept:
+            return (f"fp8_layers at tp {job.tp}: {len(kept)} Linear(s) stay in high precision, their shard not "
+                    f"divisible by 16 (torch._scaled_mm's alignment on a GPU): {', '.join(kept)}")
     return ""
 
 
