@@ -77,13 +77,13 @@ def fp8_groups_here(job: Job, source: str) -> str:
         model = build_model(job)
     check_groups(job, list(linear_groups(model)), source)
     if job.tp > 1 and job.fp8_layers:
-        from mfu_lab.core.engine.fp8 import group_of
+        from mfu_lab.core.engine.fp8 import is_candidate
         from mfu_lab.core.engine.layout import Layout
         from mfu_lab.core.engine.tp_plan import plan_of, unaligned_shards
 
         plan = plan_of(model, "gpt", job, Layout.from_job(job, job.tp * job.pp))  # tp and sp are what it reads
         kept = [f"{n} ({why})" for n, why in unaligned_shards(model, plan, job.tp).items()
-                if group_of(n) in job.fp8_layers]
+                if is_candidate(n, model.get_submodule(n), job.fp8_layers)]  # as fp8.apply leaves them out
         if kept:
             return (f"fp8_layers at tp {job.tp}: {len(kept)} Linear(s) stay in high precision, their shard not "
                     f"divisible by 16 (torch._scaled_mm's alignment on a GPU): {', '.join(kept)}")

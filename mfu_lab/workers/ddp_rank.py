@@ -256,6 +256,8 @@ def main() -> None:
     emit(out, {"event": "launch", "world_size": world, "backend": backend, "threads": torch.get_num_threads(),
                "attention": spec["attention"]} | ({"own_attention": own} if own != spec["attention"] else {}))
 
+    said_fp8: list[bool] = []  # the fp8 event, once a launch
+
     def fresh_model():
         model = build_model(job).to(device).train()  # same seed on every rank: same initial weights
         if isinstance(model, GPT) and spec.get("attention"):
@@ -268,8 +270,6 @@ def main() -> None:
             said_fp8.append(True)
             emit(out, {"event": "fp8", **applied.record()})
         return model
-
-    said_fp8: list[bool] = []
 
     # each rank its own shard: synthetic data by a seed of its own, the job's data split (core.engine.data)
     def loader(n):

@@ -262,8 +262,8 @@ def parallelize(model: nn.Module, job: Job, layout: Layout, mesh, device: torch.
             kw = compile_kwargs(job.compile_mode, job.compile_backend, job.compile_dynamic, job.compile_options)
             for block in blocks_of(module) or [module]:
                 block.compile(**kw)
-    if float8_note(fp8_tp):  # one line for the rank's stages
-        notes.append(float8_note(fp8_tp))
+    if note := float8_note(fp8_tp):  # one line for the rank's stages
+        notes.append(note)
     if layout.tp > 1 and layout.sp:
         notes.append("SP: the LayerNorm gradients stay partial after backward; each is all-reduced once before "
                      "optimizer.step() (left to AdamW, each would be reduced at every use)")

@@ -28,10 +28,6 @@ def blocks_of(model: nn.Module) -> nn.ModuleList | None:
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
 
-STYLE_NAMES = ("colwise", "rowwise", "sequence", "replicate", "replicate_hidden", "gather", "gather_local",
-               "split_local")
-
-
 def _styles(sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
@@ -100,7 +96,7 @@ def plan_of(module: nn.Module, model_kind: str, job: Job, layout: Layout) -> dic
     plan = resolve_plan(module, patterns)
     if not plan:
         raise StepError(f"job key 'tp_plan': no module name matches any of {sorted(patterns)}")
-    bad = sorted({s for s in plan.values() if s not in STYLE_NAMES})
+    bad = sorted({s for s in plan.values() if s not in _styles(layout.sp)})
     if bad:
         raise StepError(f"job key 'tp_plan': unknown style(s) {bad}; expected colwise | rowwise | sequence")
     _check_heads(module, plan, layout.tp)
