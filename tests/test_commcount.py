@@ -172,3 +172,19 @@ def test_byte_convention_in_process(fake_world):
     with CollectiveCounter() as quiet:
         (t * 2).sum()
     assert quiet.summary() == {} and quiet.records == []
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_an_all_reduce_taking_a_max_is_counted_apart(fake_world):
+    """FP8 scales' amax under tensor parallel are max all-reduces: through c10d (torch.distributed's eager API) and
+    the functional collectives (torchao's tensor_to_amax, DTensor's Partial("max")) alike, each with its reduce op."""
+    import torch.distributed._functional_collectives as fc
+    t = torch.ones(2, dtype=torch.float64)  # 16 bytes
+    with CollectiveCounter() as c:
+        dist.all_reduce(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        fc.all_reduce(t, "MAX", dist.group.WORLD).wait()
+        fc.all_reduce(t, "sum", dist.group.WORLD).wait()
+    assert c.summary() == {"allreduce": {"count": 3, "bytes": 48}, "allreduce_max": {"count": 2, "bytes": 32}}
+    assert [r.reduce_op for r in c.records] == ["sum", "max", "min", "max", "sum"]

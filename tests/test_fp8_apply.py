@@ -292,6 +292,13 @@ def test_tensor_parallel_trains_its_fp8_layers_sharded_and_checks_the_loss_again
             assert ("gloo cannot all-gather float8 tensors" if case == "1:tensorwise" else "recipe rowwise") in \
                 styles[0]
         assert got["losses"] == pytest.approx(got["reference"], rel=5e-3), case
+        # the scales' amax all-reduces are counted apart from TP's sums, which stay as without FP8 (test_commcount:
+        # 4 per layer x 2 layers, tiny.yaml's b*s*h bytes each; under SP the norms' gradients, 8 of them)
+        c = got["collectives"]
+        assert c["allreduce"]["count"] == 8 and c["allreduce_max"]["count"] > 0, (case, c)
+        if case == "0:tensorwise":
+            assert c["allreduce"]["bytes"] == 8 * 4 * 32 * 32 * 4 and c["allreduce_max"]["bytes"] == \
+                8 * c["allreduce_max"]["count"], c  # one float64 amax each
         if case.endswith("tensorwise"):  # one scale per tensor, its largest magnitude over every shard: the same
             assert got["losses"][0] == pytest.approx(got["reference"][0], rel=1e-6), case  # forward, first step
 

@@ -98,3 +98,23 @@ def test_the_readmes_llama_7b_job_validates_and_fits_fsdp8_not_ddp8_on_h200s():
     with pytest.raises(StepError, match="does not fit its layout DDP8.*fsdp8"):
         fit.check_fit(dataclasses.replace(job, dp_mode="ddp", fsdp_param_dtype="", fsdp_reduce_dtype=""), "cuda", 8,
                       available=h200)
+
+
+def test_step_1s_collective_table_keeps_fp8_scales_max_all_reduces_out_of_the_tp_closed_form():
+    """A tp-2 step with fp8_layers, as tests/fixtures/tp_fp8_ranks.py counted it (test_fp8_apply): TP's 8
+    all-reduces equal the closed form; the scales' 36 max all-reduces get their own row, said to be outside it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from mfu_lab.core.engine.layout import Layout
+    from mfu_lab.steps.baseline import layout as bl
+
+    job = dataclasses.replace(load_job(TINY), tp=2, fp8_layers=["mlp_up"])
+    bsh = job.micro_batch * job.seq_len * job.d_model * 4
+    run = SimpleNamespace(collectives=[{"allreduce": {"count": 8, "bytes": 8 * bsh},
+                                        "allreduce_max": {"count": 36, "bytes": 288}}],
+                          layout=dataclasses.asdict(Layout.from_job(job, 2)))
+    rows = {r["kind"]: r for r in bl.collective_rows(run, job)}
+    assert rows["allreduce"]["ratio"] == pytest.approx(1.0)
+    assert rows["allreduce_max"]["formula_bytes"] is None and rows["allreduce_max"]["ratio"] is None
+    assert rows["allreduce_max"]["formula"].startswith("all-reduces that take a max, not in the closed form")

@@ -28,7 +28,8 @@ Byte convention (one number per collective, the volume of the whole buffer, as n
 - allgather: the gathered OUTPUT, i.e. the per-rank input shard x the group size (FSDP2's all-gather of a
   block's parameters counts the block's full parameter bytes, not the shard);
 - reduce_scatter: the INPUT, the whole tensor before it is scattered (FSDP2's gradient bytes);
-- allreduce, broadcast, alltoall: the tensor (alltoall: this rank's input);
+- allreduce, broadcast, alltoall: the tensor (alltoall: this rank's input); an all-reduce taking a max is
+  counted apart, as ``allreduce_max`` (``MAX_KIND``);
 - send / recv: the tensor sent / received by this rank.
 
 With this convention TP's all-reduce of b*s*h bytes becomes, under SP, an all-gather plus a reduce-scatter of
@@ -48,8 +49,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = ("allgather", "reduce_scatter", "allreduce", "broadcast", "send", "recv", "alltoall",
+KINDS = ("allgather", "reduce_scatter", "allreduce", "allreduce_max", "broadcast", "send", "recv", "alltoall",
          "gather", "scatter", "reduce")
+# an all-reduce that takes a max, kept apart from the sums it would otherwise be counted with: torchao's FP8 scales
+# under tensor parallel, the amax of each sharded weight, input or gradient (a float64 scalar each for the tensorwise
+# recipe: 36 of a tp-2 step's 44 all-reduces in the 2-layer test GPT; a row of amaxes for rowwise), or a norm's max.
+# The layouts' closed forms are sums.
+MAX_KIND = {"allreduce": "allreduce_max"}
 
 
 def _nbytes(t) -> int:
@@ -60,6 +66,18 @@ def _nbytes(t) -> int:
     if type(t) is not torch.Tensor and isinstance(getattr(t, "_data", None), torch.Tensor):
         t = t._data
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _op_name(op) -> str:
+    """A reduce op's name, lower case: a functional collective's string ("max"), or c10d's ReduceOp object."""
+    if isinstance(op, str):
+        return op.lower()
+    try:
+        code = op.op() if isinstance(op, torch.ScriptObject) else op.op
+        from torch.distributed import ReduceOp
+        return next(k for k, v in ReduceOp.RedOpType.__members__.items() if int(v) == int(code)).lower()
+    except Exception:  # no distributed build, or not a reduce op
+        return ""
 
 
 def _pg(pg):
@@ -156,6 +174,7 @@ class Collective:
     bytes: int
     group_size: int
     group: str
+    reduce_op: str = ""  # an all-reduce's: "sum", "max", ... ("" where the op takes none)
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -186,7 +205,9 @@ class CollectiveCounter(TorchDispatchMode):
             elif name in rules:
                 kind, nbytes, size, group = rules[name]
                 a = _with_kwargs(func, args, kwargs)
-                self.records.append(Collective(kind, str(func), nbytes(a), size(a), group(a)))
+                op = _op_name(a[1] if func.namespace == "_c10d_functional" else a[2]) if kind == "allreduce" else ""
+                self.records.append(Collective(MAX_KIND[kind] if op == "max" else kind, str(func), nbytes(a),
+                                               size(a), group(a), op))
         return func(*args, **kwargs)
 
     def summary(self, group: str | None = None) -> dict[str, dict[str, int]]:

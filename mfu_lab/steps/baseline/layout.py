@@ -248,6 +248,11 @@ def closed_forms(job: Job, lay: dict[str, Any]) -> tuple[dict[str, float], str]:
     return {"allreduce": lt.ddp_all_reduce_bytes(params)}, "DDP: every gradient all-reduced once"
 
 
+MAX_ROW = ("all-reduces that take a max, not in the closed form: with fp8_layers under tensor parallel, torchao's "
+           "FP8 scales (the amax of each sharded weight, input or gradient: a scalar each for the tensorwise recipe, "
+           "a row of them for rowwise)")
+
+
 def collective_rows(run: LayoutRun, job: Job | None = None) -> list[dict[str, Any]]:
     """Rank 0's collectives of one step, counted, by kind, beside their closed form where one applies."""
     mine = run.collectives[0] if run.collectives else {}
@@ -257,7 +262,7 @@ def collective_rows(run: LayoutRun, job: Job | None = None) -> list[dict[str, An
         want = expected.get(k)
         rows.append({"kind": k, "count": v["count"], "bytes": v["bytes"], "formula_bytes": want,
                      "ratio": v["bytes"] / want if want else None, "formula": formula if want else
-                     (formula if not expected else "not in the closed form")})
+                     MAX_ROW if k == "allreduce_max" else (formula if not expected else "not in the closed form")})
     return rows
 
 
