@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from markupsafe import Markup, escape
 
@@ -172,29 +172,34 @@ def history_html(job_root: Path) -> Markup:
                      "mfus": ", ".join(f"{k[:2]}: {v:.1%}" for k, v in by_run.get(rid, {}).items()),
                      "digest": str(first.get("job_digest")), "commit": str(first.get("git_commit")),
                      "overrides": ov.flags(first.get("overrides") if isinstance(first.get("overrides"), dict) else {})})
-    uri = plots.to_data_uri(plots.mfu_trend(trend)) if trend else None
+    uri = _drawn_once("trend", trend, lambda: plots.to_data_uri(plots.mfu_trend(trend))) if trend else None
     more = len(table) - RUNS_LISTED if len(table) > RUNS_LISTED else 0
     return macros(PARTS).history_html(rows, more, str(job_root), uri)
 
 
-_RENDERED: dict[tuple[str, str], Markup] = {}  # (step, digest of its result) -> its section, within one process
+# A run rewrites the index before and after every step, and the page's plots take most of its time (a full run's
+# top figures 1.5 s a write here): a part whose inputs have not changed is drawn once per process.
+T = TypeVar("T")
+_DRAWN: dict[tuple[str, str], Any] = {}  # (part, digest of its inputs) -> what it drew
+
+
+def _drawn_once(part: str, inputs: Any, draw: Callable[[], T]) -> T:
+    """``draw()``, or what it returned for the same ``inputs`` (JSON-digested) earlier in this process."""
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    if (part, digest) not in _DRAWN:
+        if len(_DRAWN) > 64:
+            _DRAWN.clear()
+        _DRAWN[part, digest] = draw()
+    return _DRAWN[part, digest]
 
 
 def _section(key: str, d: dict[str, Any]) -> Markup:
     """One step's detailed section; a result this version cannot read (an older or damaged file) is named,
-    not allowed to take the whole page down. A run rewrites the index before and after every step: a section
-    whose result has not changed is drawn once per process (its plots take most of the page's time)."""
-    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
-    if (key, digest) in _RENDERED:
-        return _RENDERED[key, digest]
+    not allowed to take the whole page down (and drawn again the next time, not kept)."""
     try:
-        out = SECTIONS[key](d)
+        return _drawn_once("section:" + key, d, lambda: SECTIONS[key](d))
     except Exception as exc:  # noqa: BLE001 - any shape problem in a stored result
         return macros(PARTS).unreadable_section(BY_KEY[key].number, key, type(exc).__name__, str(exc))
-    if len(_RENDERED) > 64:
-        _RENDERED.clear()
-    _RENDERED[key, digest] = out
-    return out
 
 
 def monitor_summary(job_root: Path, results: dict[str, dict]) -> tuple[dict | None, str | None, str]:
@@ -233,6 +238,10 @@ def _ledgers(results: dict[str, dict], mon: dict | None = None) -> dict[str, Any
         after = after and (after[0] + " + operations loss in production", with_operations(after[1],
                                                                                       ops["value"], note))
     said = note if ops.get("value") is not None else None
+    return _drawn_once("ledgers", (before, after, said), lambda: _ledger_figure(before, after, said))
+
+
+def _ledger_figure(before, after, said: str | None) -> dict[str, Any]:
     if before and after:
         fig = plots.ledger_before_after(_ledger_obj(before[1]), _ledger_obj(after[1]), (before[0], after[0]))
         return {"kind": "both", "uri": plots.to_data_uri(fig), "ops": said}
@@ -245,8 +254,10 @@ def _ledgers(results: dict[str, dict], mon: dict | None = None) -> dict[str, Any
 def _staircase_uri(results: dict[str, dict]) -> str | None:
     """Step 7's staircase chart for the top of the page, when step 7 measured one."""
     d = results.get("verify")
-    if not d:
-        return None
+    return _drawn_once("staircase", d, lambda: _staircase_of(d)) if d else None
+
+
+def _staircase_of(d: dict[str, Any]) -> str | None:
     try:
         fig = plots.staircase(VerifyResult.from_dict(d))
     except Exception:  # noqa: BLE001 - an unreadable result is named in its own section below
@@ -257,7 +268,7 @@ def _staircase_uri(results: dict[str, dict]) -> str | None:
 def _monitor_html(mon: dict | None, link: str | None, named: str) -> Markup | None:
     if mon:
         try:
-            return monitor_section(mon, link)
+            return _drawn_once("monitor", (mon, link), lambda: monitor_section(mon, link))
         except Exception as exc:  # noqa: BLE001 - an older or damaged summary
             return Markup(f"<p>The monitor's summary could not be read ({escape(type(exc).__name__)}: "
                           f"{escape(str(exc))}): rerun mfu-lab monitor report {escape(named)}</p>")
@@ -266,6 +277,11 @@ def _monitor_html(mon: dict | None, link: str | None, named: str) -> Markup | No
                       f"exists yet: <code>mfu-lab monitor report {escape(named)}</code> (or <code>mfu-lab run</code>)"
                       " writes one.</p>")
     return None
+
+
+def _progression_uri(points, meanings) -> str:
+    return _drawn_once("progression", (points, meanings),
+                       lambda: plots.to_data_uri(plots.mfu_progression(points, meanings)))
 
 
 def write_index(job_root: Path) -> Path:
@@ -283,7 +299,7 @@ def write_index(job_root: Path) -> Path:
         "job_index.html.j2", name=job_root.name, env=any_result["environment"] if any_result else {},
         top=first_screen_html(results, recs, states),
         summary=headline(results, states) + job_differences(results), staircase_uri=_staircase_uri(results),
-        progression_uri=plots.to_data_uri(plots.mfu_progression(points, bar_meanings(results))) if points else None,
+        progression_uri=_progression_uri(points, bar_meanings(results)) if points else None,
         peaks_note=peaks_note(results),
         rows=rows, table_overrides=table_overrides,
         ledgers=_ledgers(results, mon), monitor=_monitor_html(mon, link, named), changes=changes_table(results),
