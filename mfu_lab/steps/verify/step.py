@@ -91,7 +91,8 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     tuned_path = job.output_root() / TUNED_FILE
     if write:
         save_tuned(job, chosen)
-    say(f"{sum(c.adopted for c in chosen)} change(s) adopted of {len(chosen)} recommended; tuned job: {tuned_path}")
+    say(f"steps 1-6: {sum(c.adopted for c in chosen)} change(s) adopted of {len(chosen)} recommended; tuned job: "
+        f"{tuned_path}")
 
     stairs = tuning.staircase(job, chosen)
     chosen += untimed_reverts(job, chosen)  # after the staircase: recorded so that a re-read tuned.yaml holds it
@@ -103,6 +104,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
         rungs.append(Rung(f"attention at {rjob.dtype}", {"attention": rjob.attention}, "ok", why, rjob.dtype,
                           challenger=True))
         jobs.append(rjob)
+        say(f"attention at {rjob.dtype}: {why}")
     give_peaks(job, device, rungs, jobs, say)
     work = launcher_folder(job.step_dir(INFO.folder) / "work")  # one per node: nodes share no progress file
     timed = (ok := sum(r.status == "ok" for r in rungs)) > 1  # the original and at least one rung to time against it
@@ -140,13 +142,16 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     before = measured[0] if measured and measured[0].name == "original" else None
     after = measured[-1] if measured else None
     if after is not None and after.challenger:
-        if after.proven and after.gain > 1:
+        won = bool(after.proven and after.gain > 1)
+        after.reason = ("adopted: faster at the tuned precision beyond the noise" if won else
+                        "not adopted: not faster than the tuned job beyond the noise")
+        if won:
             chosen.append(recheck_change(stairs[-1][1], after))
-            after.reason = "adopted: faster at the tuned precision beyond the noise"
             if write:
                 save_tuned(job, chosen)
-        else:
-            after.reason = "not adopted: not faster than the tuned job beyond the noise"
+        say(f"{after.name}: {after.reason}; tuned job: {sum(c.adopted for c in chosen)} change(s) adopted of "
+            f"{len(chosen)} recommended")
+        if not won:
             after = next((r for r in reversed(measured[:-1]) if r.name not in withdrawn), None)
     adopted_n = len(chosen)
     ddp = verify_ddp(run_job, device.type, chosen, work / "ddp", say)  # before the second turn: the share's checks
