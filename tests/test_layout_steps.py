@@ -117,4 +117,7 @@ def test_step_1s_collective_table_keeps_fp8_scales_max_all_reduces_out_of_the_tp
     rows = {r["kind"]: r for r in bl.collective_rows(run, job)}
     assert rows["allreduce"]["ratio"] == pytest.approx(1.0)
     assert rows["allreduce_max"]["formula_bytes"] is None and rows["allreduce_max"]["ratio"] is None
-    assert rows["allreduce_max"]["formula"].startswith("all-reduces that take a max, not in the closed form")
+    assert rows["allreduce_max"]["formula"].startswith("all-reduces that take a max, not in the closed form: with "
+                                                       "fp8_layers under tensor parallel, torchao's FP8 scales")
+    plain = dataclasses.replace(job, fp8_layers=[])  # no FP8: a max all-reduce is the job's own (a norm's max)
+    assert {r["kind"]: r for r in bl.collective_rows(run, plain)}["allreduce_max"]["formula"] == bl.MAX_ROW

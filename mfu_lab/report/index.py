@@ -254,14 +254,16 @@ def _ledger_figure(before, after, said: str | None) -> dict[str, Any]:
 def _staircase_uri(results: dict[str, dict]) -> str | None:
     """Step 7's staircase chart for the top of the page, when step 7 measured one."""
     d = results.get("verify")
-    return _drawn_once("staircase", d, lambda: _staircase_of(d)) if d else None
+    if not d:
+        return None
+    try:
+        return _drawn_once("staircase", d, lambda: _staircase_of(d))
+    except Exception:  # noqa: BLE001 - an unreadable result is named in its own section below
+        return None
 
 
 def _staircase_of(d: dict[str, Any]) -> str | None:
-    try:
-        fig = plots.staircase(VerifyResult.from_dict(d))
-    except Exception:  # noqa: BLE001 - an unreadable result is named in its own section below
-        return None
+    fig = plots.staircase(VerifyResult.from_dict(d))
     return plots.to_data_uri(fig) if fig else None
 
 

@@ -73,7 +73,7 @@ def _op_name(op) -> str:
     if isinstance(op, str):
         return op.lower()
     try:
-        code = op.op() if isinstance(op, torch.ScriptObject) else op.op
+        code = op.op() if isinstance(op, torch.ScriptObject) else getattr(op, "op", op)  # or a RedOpType itself
         from torch.distributed import ReduceOp
         return next(k for k, v in ReduceOp.RedOpType.__members__.items() if int(v) == int(code)).lower()
     except Exception:  # no distributed build, or not a reduce op

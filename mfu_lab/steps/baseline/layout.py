@@ -248,9 +248,9 @@ def closed_forms(job: Job, lay: dict[str, Any]) -> tuple[dict[str, float], str]:
     return {"allreduce": lt.ddp_all_reduce_bytes(params)}, "DDP: every gradient all-reduced once"
 
 
-MAX_ROW = ("all-reduces that take a max, not in the closed form: with fp8_layers under tensor parallel, torchao's "
-           "FP8 scales (the amax of each sharded weight, input or gradient: a scalar each for the tensorwise recipe, "
-           "a row of them for rowwise)")
+MAX_ROW = "all-reduces that take a max, not in the closed form"
+FP8_MAX_ROW = (MAX_ROW + ": with fp8_layers under tensor parallel, torchao's FP8 scales (the amax of each sharded "
+               "weight, input or gradient: a scalar each for the tensorwise recipe, a row of them for rowwise)")
 
 
 def collective_rows(run: LayoutRun, job: Job | None = None) -> list[dict[str, Any]]:
@@ -260,9 +260,14 @@ def collective_rows(run: LayoutRun, job: Job | None = None) -> list[dict[str, An
     rows = []
     for k, v in sorted(mine.items()):
         want = expected.get(k)
+        if want:
+            said = formula
+        elif k == "allreduce_max":
+            said = FP8_MAX_ROW if job is not None and job.fp8_layers else MAX_ROW
+        else:
+            said = "not in the closed form" if expected else formula
         rows.append({"kind": k, "count": v["count"], "bytes": v["bytes"], "formula_bytes": want,
-                     "ratio": v["bytes"] / want if want else None, "formula": formula if want else
-                     MAX_ROW if k == "allreduce_max" else (formula if not expected else "not in the closed form")})
+                     "ratio": v["bytes"] / want if want else None, "formula": said})
     return rows
 
 

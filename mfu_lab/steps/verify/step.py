@@ -149,8 +149,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
             chosen.append(recheck_change(stairs[-1][1], after))
             if write:
                 save_tuned(job, chosen)
-        say(f"{after.name}: {after.reason}; tuned job: {sum(c.adopted for c in chosen)} change(s) adopted of "
-            f"{len(chosen)} recommended")
+        say(f"{after.name}: {after.reason}" + (f" (tuned.yaml: attention: {after.keys['attention']})" if won else ""))
         if not won:
             after = next((r for r in reversed(measured[:-1]) if r.name not in withdrawn), None)
     adopted_n = len(chosen)
