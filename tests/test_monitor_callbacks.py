@@ -204,3 +204,37 @@ def test_hf_trainer(tmp_path, reference_fields):
         trainer.train()
     assert callback.monitor is None  # closed on on_train_end
     check(read(out), reference_fields)
+
+
+def test_lightning_counts_the_flops_lightnings_own_measure_flops_gives_on_its_demo_transformer(tmp_path):
+    """A model nobody here wrote (Lightning's demo ``nn.Transformer``, encoder-decoder, its attention through
+    nn.MultiheadAttention) under a Lightning Trainer: the FLOPs the callback counts over one optimizer step equal
+    Lightning's ``measure_flops`` (forward and the loss's backward) of the same model and batch, to the FLOP.
+    benchmarks/try_lightning.py compares the achieved FLOP/s too (docs/monitor.md: 1.000 to 1.001)."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from lightning_fabric.utilities.throughput import measure_flops
+    from pytorch_lightning.demos.transformer import LightningTransformer, Transformer
+
+    from mfu_lab.monitor.lightning import MonitorCallback
+
+    vocab, batch, seq = 128, 2, 8
+    ids = torch.randint(0, vocab, (6 * batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    pairs = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+
+    class Demo(LightningTransformer):
+        def prepare_data(self):  # the demo's own downloads WikiText2
+            pass
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(pairs, batch_size=batch)
+
+    model = Demo(vocab_size=vocab)
+    out = tmp_path / "mon"
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[MonitorCallback(out, every=2, peak_flops=1e12, profile_every_s=None)])
+    trainer.fit(model)
+    counted = next(r for r in read(out) if r["kind"] == "flops")
+    copy = Transformer(vocab_size=vocab)
+    x = ids[:batch, :-1]
+    assert counted["per_step"] == measure_flops(copy, lambda: copy(x, x), loss_fn=torch.Tensor.sum) > 0
