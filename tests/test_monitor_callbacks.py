@@ -238,3 +238,24 @@ def test_lightning_counts_the_flops_lightnings_own_measure_flops_gives_on_its_de
     copy = Transformer(vocab_size=vocab)
     x = ids[:batch, :-1]
     assert counted["per_step"] == measure_flops(copy, lambda: copy(x, x), loss_fn=torch.Tensor.sum) > 0
+
+
+def test_hf_trainer_counted_flops_are_hfs_total_flos_plus_the_terms_it_leaves_out(tmp_path):
+    """Hugging Face's own FLOP figure (``state.total_flos``: 6 x tokens x non-embedding parameters) on a real
+    GPT2LMHeadModel under its Trainer, beside the FLOPs the callback counts over one optimizer step: the gap is
+    exactly the named terms benchmarks/try_hf.py prints (GPT-2's tied head, attention's matmuls, less the biases
+    and norms HF counts as matmul weights), from the model's shapes alone."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from .conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import try_hf
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    got = try_hf.reconcile(steps=3, layers=2, width=32, heads=2, vocab=96, seq=16, batch=2, out=tmp_path)
+    tokens = 2 * 16
+    assert got["hf"] == got["terms"]["HF's estimate, 6 x T x N_ne"] > 0
+    assert got["terms"]["+ the head (tied to the embedding HF leaves out)"] == 6 * tokens * 96 * 32
+    assert got["counted"] == got["predicted"] != got["hf"]
