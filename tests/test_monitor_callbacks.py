@@ -259,3 +259,17 @@ def test_hf_trainer_counted_flops_are_hfs_total_flos_plus_the_terms_it_leaves_ou
     assert got["hf"] == got["terms"]["HF's estimate, 6 x T x N_ne"] > 0
     assert got["terms"]["+ the head (tied to the embedding HF leaves out)"] == 6 * tokens * 96 * 32
     assert got["counted"] == got["predicted"] != got["hf"]
+    # the monitor's report says both: its count per token, and the Trainer's own figure with how far apart they are
+    from mfu_lab.analysis.monitor.summary import summarise
+
+    fpt = summarise(tmp_path / "mon").flops_per_token
+    ratio = got["hf"] / got["counted"]
+    assert fpt["value"] == pytest.approx(got["counted"] / tokens, rel=1e-12) and fpt["label"] == "counted"
+    assert (f"the Trainer's total_flos counts {got['hf'] / tokens:,.0f} per token, {ratio:.2f}x this "
+            "(floating_point_ops: 6 x tokens x the parameters less the embeddings") in fpt["note"]
+    assert f"an MFU from it reads {1 - ratio:.0%} lower" in fpt["note"]
+    import dataclasses
+
+    from mfu_lab.report.monitor_views import monitor_section
+    page = monitor_section(json.loads(json.dumps(dataclasses.asdict(summarise(tmp_path / "mon")))), None)
+    assert f"FLOPs per token behind MFU: {got['counted'] / tokens:,.0f}" in page and "total_flos counts" in page

@@ -50,6 +50,26 @@ except ImportError as e:
 from mfu_lab.monitor.recorder import Monitor
 
 
+def _hf_flops(model) -> dict[str, Any] | None:
+    """The Trainer's own FLOP figure per token, what ``state.total_flos`` adds up: 6 x the parameters less the
+    embeddings (``Trainer.floating_point_ops`` in transformers 5, the model's ``floating_point_ops`` in 4, of one
+    token); None for a model that is not a transformers ``PreTrainedModel``."""
+    try:
+        if hasattr(model, "floating_point_ops"):  # transformers 4
+            import torch
+
+            per_token = float(model.floating_point_ops(
+                {model.main_input_name: torch.empty(1, 1, dtype=torch.long, device="meta")}))
+        else:  # transformers 5: the Trainer's own method, the same formula
+            per_token = 6.0 * model.num_parameters(exclude_embeddings=True)
+    except Exception:  # noqa: BLE001 - not a PreTrainedModel: nothing to compare with
+        return None
+    return {"name": "the Trainer's total_flos", "per_token": per_token,
+            "how": "floating_point_ops: 6 x tokens x the parameters less the embeddings, so a head tied to the "
+                   "token embedding is left out with it, and attention's matmuls are never counted"} \
+        if per_token > 0 else None
+
+
 def _precision_dtype(args) -> str | None:
     if getattr(args, "bf16", False):
         return "bfloat16"
@@ -82,6 +102,7 @@ class MonitorCallback(TrainerCallback):
                                dtype=self.dtype or _precision_dtype(args), profile_every_s=self.profile_every_s,
                                **self.monitor_kwargs)
         self.monitor.framework = "Hugging Face Trainer"
+        self.monitor.framework_flops = _hf_flops(model)
         self.monitor.start()
         if self.tokens_per_step is None and getattr(args, "include_num_input_tokens_seen", False) in (False, None,
                                                                                                     "no"):

@@ -120,6 +120,9 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
         self.errors: dict[str, int] = {}  # the monitor's own failures, by kind (the job went on)
         self.write_errors = 0
         self.framework = ""  # set by an adapter: FLOPs counted between its batch hooks, data timed from its hooks
+        # set by an adapter whose framework keeps a FLOP figure of its own: {"name", "per_token", "how"}, recorded
+        # beside the count (the flops record's "framework") so that the report can say how far apart they are
+        self.framework_flops: dict[str, Any] | None = None
         self._writer: RecordWriter | None = None
         self._writer_path: Path | None = None
         self._unwritten_start: dict[str, Any] | None = None

@@ -201,6 +201,7 @@ class Folder:
     plan: Plan | None = None
     skipped: Skipped = field(default_factory=Skipped)
     left_out: dict[str, int] = field(default_factory=dict)  # run -> records read and left out
+    flops: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (node, rank) -> its latest count
 
 
 PROGRESS_EVERY = 200_000  # records between two progress lines
@@ -304,6 +305,9 @@ def _take(st: Folder, r: dict[str, Any], pending, pending_t) -> None:
                                                          "flops", "comm", "nvml", "scheduler", "settings")}
     elif kind == "cluster":
         lau.slurm = r.get("slurm") or {}
+    elif kind == "flops":
+        st.flops[(node, rank)] = {k: r.get(k) for k in ("source", "per_step", "per_token", "per_sample", "step",
+                                                        "framework")}
     elif kind == "end":
         lau.ended.add((node, rank))
         lau.end_reasons[f"{node}/rank{rank}"] = r.get("reason")

@@ -79,6 +79,7 @@ class MonitorSummary:
     launches: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     samples_per_s: dict[str, Any] = field(default_factory=dict)  # the monitor's samples= (work that is not tokens)
+    flops_per_token: dict[str, Any] = field(default_factory=dict)  # counted (or given), beside a framework's own
 
 
 def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSummary:
@@ -146,7 +147,28 @@ def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSum
     out.samples_per_s = labelled(tot.samples / tot.samples_wall * st.world if tot.samples_wall else None, "measured",
                                  "samples per second of all ranks together (each rank's samples / its wall time, x "
                                  "ranks): the monitor's samples=, for work that is not tokens")
+    out.flops_per_token = _flops_per_token(st)
     return out
+
+
+def _flops_per_token(st: Folder) -> dict[str, Any]:
+    """The FLOPs per token behind MFU: lowest rank's count (every rank counts its own step; they agree when the
+    ranks run the same model), and the framework's own figure beside it when the adapter recorded one."""
+    counts = [st.flops[k] for k in sorted(st.flops) if st.flops[k].get("per_token")]
+    if not counts:
+        given = [f for f in ((s.get("flops") or {}) for s in st.ranks.values()) if f.get("per_token")]
+        if given:  # the job's formula, given to the monitor
+            return labelled(given[0]["per_token"], "analytic", str(given[0].get("note") or "given to the monitor"))
+        return labelled(None, "counted", "no FLOPs per token were counted (no tokens, or no count: the monitor's "
+                        "notes say why)")
+    c = counts[0]
+    note = f"one training step counted by the workbook's counter (step {c.get('step')})"
+    fw = c.get("framework") or {}
+    if fw.get("per_token"):
+        r = fw["per_token"] / c["per_token"]
+        note += (f"; {fw.get('name')} counts {fw['per_token']:,.0f} per token, {r:.2f}x this ({fw.get('how')}): an "
+                 f"MFU from it reads {abs(1 - r):.0%} {'lower' if r < 1 else 'higher'}")
+    return labelled(c["per_token"], "counted", note)
 
 
 def _iso(t: float) -> str:
