@@ -67,7 +67,7 @@ def main() -> None:
     print(f"device busy (union of kernels, copies, memsets): from the trace's events {raw_busy:.2f} ms; mfu_lab "
           f"{ours_busy:.2f} ms; HTA {hta_busy:.2f} ms ({hta_busy / raw_busy - 1:+.1%}: HTA moves each of its "
           f"{n_dev} events' start up and end down to a whole microsecond; the events so rounded give "
-          f"{rounded:.2f} ms)")
+          f"{rounded:.2f} ms; the rest, {rounded - hta_busy:.2f} ms, not traced down)")
     hta_span = row["kernel_time(us)"] / 1e3
     print(f"idle: mfu_lab {b.idle:.1%} of the profiled window ({window:.1f} ms: the steps' ProfilerStep spans, which "
           f"begin before the first kernel); HTA {row['idle_time_pctg']:.1f}% of its span ({hta_span:.1f} ms: first "

@@ -265,11 +265,31 @@ def test_hf_trainer_counted_flops_are_hfs_total_flos_plus_the_terms_it_leaves_ou
     fpt = summarise(tmp_path / "mon").flops_per_token
     ratio = got["hf"] / got["counted"]
     assert fpt["value"] == pytest.approx(got["counted"] / tokens, rel=1e-12) and fpt["label"] == "counted"
-    assert (f"the Trainer's total_flos counts {got['hf'] / tokens:,.0f} per token, {ratio:.2f}x this "
-            "(floating_point_ops: 6 x tokens x the parameters less the embeddings") in fpt["note"]
-    assert f"an MFU from it reads {1 - ratio:.0%} lower" in fpt["note"]
+    assert (f"the Trainer's total_flos adds up {got['hf']:,.0f} FLOPs per optimizer step over 3 step(s) of this rank, "
+            f"{ratio:.2f}x the {got['counted']:,.0f} counted (floating_point_ops: 6 x the main input's elements "
+            "(input_ids: every token, padding included") in fpt["note"]
+    assert f"an MFU from it would read {1 - ratio:.0%} lower" in fpt["note"]
     import dataclasses
 
     from mfu_lab.report.monitor_views import monitor_section
     page = monitor_section(json.loads(json.dumps(dataclasses.asdict(summarise(tmp_path / "mon")))), None)
-    assert f"FLOPs per token behind MFU: {got['counted'] / tokens:,.0f}" in page and "total_flos counts" in page
+    assert f"FLOPs per token behind MFU: {got['counted'] / tokens:,.0f}" in page and "total_flos adds up" in page
+
+
+@pytest.mark.parametrize("fw_step, far", [(1.002e9, "the same"), (0.5e9, "50% lower"), (1.5e9, "50% higher"),
+                                          (3e9, "3.0x as high")])
+def test_the_frameworks_figure_is_said_beside_the_lowest_ranks_count(fw_step, far):
+    """Per optimizer step against the count (never per token: a ViT's Trainer multiplies by pixel values, and
+    non-padding tokens are not what it multiplies by); the lowest rank's count whatever its node's name."""
+    from types import SimpleNamespace
+
+    from mfu_lab.analysis.monitor.summary import _flops_per_token
+
+    count = {"source": "counted", "per_step": 1e9, "per_token": 1e6, "step": 1}
+    st = SimpleNamespace(ranks={}, flops={("b", 0): count, ("a", 1): dict(count, per_token=7.0)},
+                         framework={("b", 0): {"name": "the Trainer's total_flos", "per_step": fw_step, "steps": 4,
+                                               "how": "its formula"}})
+    got = _flops_per_token(st)
+    assert got["value"] == 1e6 and got["label"] == "counted"
+    assert f"adds up {fw_step:,.0f} FLOPs per optimizer step over 4 step(s)" in got["note"]
+    assert got["note"].endswith(f"an MFU from it would read {far}")

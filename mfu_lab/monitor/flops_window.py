@@ -228,9 +228,8 @@ class CountsOneStep:
         if samples:
             self.flops_per_sample = f.total / samples
         self.flops_per_step = float(f.total)
-        framework = getattr(self, "framework_flops", None)
         self._emit("flops", source="counted", per_step=float(f.total), per_token=self.flops_per_token,
-                   per_sample=self.flops_per_sample, **common, **({"framework": framework} if framework else {}),
+                   per_sample=self.flops_per_sample, **common,
                    attention_ops=attention, counter="mfu_lab.core.measure.flops (FlopCounterMode, the "
                    "workbook's attention mapping)",
                    note=f"one training step as it ran (forward, backward, optimizer; recomputation, if "

@@ -50,24 +50,18 @@ except ImportError as e:
 from mfu_lab.monitor.recorder import Monitor
 
 
-def _hf_flops(model) -> dict[str, Any] | None:
-    """The Trainer's own FLOP figure per token, what ``state.total_flos`` adds up: 6 x the parameters less the
-    embeddings (``Trainer.floating_point_ops`` in transformers 5, the model's ``floating_point_ops`` in 4, of one
-    token); None for a model that is not a transformers ``PreTrainedModel``."""
-    try:
-        if hasattr(model, "floating_point_ops"):  # transformers 4
-            import torch
-
-            per_token = float(model.floating_point_ops(
-                {model.main_input_name: torch.empty(1, 1, dtype=torch.long, device="meta")}))
-        else:  # transformers 5: the Trainer's own method, the same formula
-            per_token = 6.0 * model.num_parameters(exclude_embeddings=True)
-    except Exception:  # noqa: BLE001 - not a PreTrainedModel: nothing to compare with
+def _trainer_flops(state, since: tuple[float, int], world: int) -> dict[str, Any] | None:
+    """What the Trainer itself added to ``state.total_flos`` over this ``train()`` (``since``: its total and step at
+    ``on_train_begin``), per optimizer step and rank (the Trainer sums every rank's), as it adds it up:
+    ``floating_point_ops`` of each batch, 6 x the main input's elements x the parameters less the embeddings
+    (a subclass's own method, or a model's under transformers 4, included). None when it added nothing."""
+    total, step = float(getattr(state, "total_flos", 0) or 0), int(getattr(state, "global_step", 0) or 0)
+    steps = step - since[1]
+    if steps <= 0 or total <= since[0]:
         return None
-    return {"name": "the Trainer's total_flos", "per_token": per_token,
-            "how": "floating_point_ops: 6 x tokens x the parameters less the embeddings, so a head tied to the "
-                   "token embedding is left out with it, and attention's matmuls are never counted"} \
-        if per_token > 0 else None
+    return {"name": "the Trainer's total_flos", "per_step": (total - since[0]) / steps / max(world, 1),
+            "steps": steps, "how": "floating_point_ops: 6 x the main input's elements (input_ids: every token, padding "
+            "included; pixel_values: every pixel value) x the parameters less the embeddings"}
 
 
 def _precision_dtype(args) -> str | None:
@@ -93,6 +87,7 @@ class MonitorCallback(TrainerCallback):
         self._data_s = self._other_s = 0.0
         self._seen = 0
         self._world = 1
+        self._flos0 = (0.0, 0)
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
@@ -102,7 +97,6 @@ class MonitorCallback(TrainerCallback):
                                dtype=self.dtype or _precision_dtype(args), profile_every_s=self.profile_every_s,
                                **self.monitor_kwargs)
         self.monitor.framework = "Hugging Face Trainer"
-        self.monitor.framework_flops = _hf_flops(model)
         self.monitor.start()
         if self.tokens_per_step is None and getattr(args, "include_num_input_tokens_seen", False) in (False, None,
                                                                                                     "no"):
@@ -113,6 +107,7 @@ class MonitorCallback(TrainerCallback):
                           "tokens/s is unknown; MFU comes from the FLOPs counted per step", stacklevel=2)
         atexit.register(self._at_exit)
         self._seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self._flos0 = (float(getattr(state, "total_flos", 0) or 0), int(getattr(state, "global_step", 0) or 0))
         self._world = max(int(getattr(args, "world_size", 1) or 1), 1)
         self._data_s = self._other_s = 0.0
         self._last_end = time.perf_counter()  # after start(): the monitor's own start-up is not a data wait
@@ -156,6 +151,8 @@ class MonitorCallback(TrainerCallback):
         self._last_end = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
+        if self.monitor is not None:  # the Trainer has stored its FLOPs (store_flos) by now
+            self.monitor.framework_flops = _trainer_flops(state, self._flos0, self._world)
         self._close("closed")
 
     # ------------------------------------------------------------------ internals

@@ -120,8 +120,8 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
         self.errors: dict[str, int] = {}  # the monitor's own failures, by kind (the job went on)
         self.write_errors = 0
         self.framework = ""  # set by an adapter: FLOPs counted between its batch hooks, data timed from its hooks
-        # set by an adapter whose framework keeps a FLOP figure of its own: {"name", "per_token", "how"}, recorded
-        # beside the count (the flops record's "framework") so that the report can say how far apart they are
+        # set by an adapter whose framework keeps a FLOP figure of its own, before close(): {"name", "per_step",
+        # "steps", "how"}, recorded in the end record so that the report can say how far it is from the count
         self.framework_flops: dict[str, Any] | None = None
         self._writer: RecordWriter | None = None
         self._writer_path: Path | None = None
@@ -260,7 +260,8 @@ class Monitor(CountsOneStep, SplitsSteps, WritesRecords):
                 self._interval(partial=True)
             if self.nvml is not None:
                 self.nvml.stop()
-            self._emit("end", steps=self.steps_done, reason=why, errors=dict(self.errors), profiled_steps=tail)
+            self._emit("end", steps=self.steps_done, reason=why, errors=dict(self.errors), profiled_steps=tail,
+                       **({"framework": self.framework_flops} if self.framework_flops else {}))
         except Exception as e:
             self._fail("close", e)
         finally:

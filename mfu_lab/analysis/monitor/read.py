@@ -202,6 +202,7 @@ class Folder:
     skipped: Skipped = field(default_factory=Skipped)
     left_out: dict[str, int] = field(default_factory=dict)  # run -> records read and left out
     flops: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (node, rank) -> its latest count
+    framework: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # its framework's own figure
 
 
 PROGRESS_EVERY = 200_000  # records between two progress lines
@@ -305,10 +306,11 @@ def _take(st: Folder, r: dict[str, Any], pending, pending_t) -> None:
                                                          "flops", "comm", "nvml", "scheduler", "settings")}
     elif kind == "cluster":
         lau.slurm = r.get("slurm") or {}
-    elif kind == "flops":
-        st.flops[(node, rank)] = {k: r.get(k) for k in ("source", "per_step", "per_token", "per_sample", "step",
-                                                        "framework")}
+    elif kind == "flops" and (r.get("per_step") or (node, rank) not in st.flops):  # a failed count keeps the last
+        st.flops[(node, rank)] = {k: r.get(k) for k in ("source", "per_step", "per_token", "per_sample", "step")}
     elif kind == "end":
+        if isinstance(r.get("framework"), dict):
+            st.framework[(node, rank)] = r["framework"]
         lau.ended.add((node, rank))
         lau.end_reasons[f"{node}/rank{rank}"] = r.get("reason")
     elif kind == "profile" and r.get("breakdown"):

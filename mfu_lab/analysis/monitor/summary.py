@@ -152,9 +152,11 @@ def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSum
 
 
 def _flops_per_token(st: Folder) -> dict[str, Any]:
-    """The FLOPs per token behind MFU: lowest rank's count (every rank counts its own step; they agree when the
-    ranks run the same model), and the framework's own figure beside it when the adapter recorded one."""
-    counts = [st.flops[k] for k in sorted(st.flops) if st.flops[k].get("per_token")]
+    """The FLOPs per token behind MFU: the lowest rank's count (every rank counts its own step; they agree when the
+    ranks run the same model); the framework's own figure per optimizer step beside it when the adapter recorded
+    one (Hugging Face's total_flos)."""
+    order = sorted(st.flops, key=lambda k: (k[1], k[0]))
+    counts = [st.flops[k] for k in order if st.flops[k].get("per_token")]
     if not counts:
         given = [f for f in ((s.get("flops") or {}) for s in st.ranks.values()) if f.get("per_token")]
         if given:  # the job's formula, given to the monitor
@@ -163,11 +165,15 @@ def _flops_per_token(st: Folder) -> dict[str, Any]:
                         "notes say why)")
     c = counts[0]
     note = f"one training step counted by the workbook's counter (step {c.get('step')})"
-    fw = c.get("framework") or {}
-    if fw.get("per_token"):
-        r = fw["per_token"] / c["per_token"]
-        note += (f"; {fw.get('name')} counts {fw['per_token']:,.0f} per token, {r:.2f}x this ({fw.get('how')}): an "
-                 f"MFU from it reads {abs(1 - r):.0%} {'lower' if r < 1 else 'higher'}")
+    key = next(k for k in order if st.flops[k] is c)
+    fw = st.framework.get(key) or {}
+    if fw.get("per_step") and c.get("per_step"):
+        r = fw["per_step"] / c["per_step"]
+        far = ("the same" if abs(r - 1) < 0.005 else f"{1 - r:.0%} lower" if r < 1 else
+               f"{r - 1:.0%} higher" if r <= 2 else f"{r:.1f}x as high")
+        note += (f"; {fw.get('name')} adds up {fw['per_step']:,.0f} FLOPs per optimizer step over {fw.get('steps')} "
+                 f"step(s) of this rank, {r:.2f}x the {c['per_step']:,.0f} counted ({fw.get('how')}): an MFU from "
+                 f"it would read {far}")
     return labelled(c["per_token"], "counted", note)
 
 

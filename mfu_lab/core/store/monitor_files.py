@@ -49,11 +49,12 @@ Record kinds (every record has ``kind``, ``v``, ``t`` (unix seconds), ``launch``
 - ``cluster``: what the scheduler answered later (Slurm submit and start times, restarts);
 - ``flops``: the FLOPs of one training step, counted when no formula was given: ``step`` (which step's window
   was counted), ``window``, ``per_step``, ``per_token``, ``rejected_windows`` (windows left out because an
-  evaluation ran in them), and under an adapter whose framework keeps a FLOP figure of its own (Hugging Face's
-  ``total_flos``) ``framework``: its ``name``, ``per_token`` and ``how``;
+  evaluation ran in them);
 - ``interval``: every ``every`` steps: step-time median/p90/max, tokens/s, MFU, the times above, GPU health;
 - ``profile``: a short torch.profiler window's breakdown (computing, exposed communication, copies, data, idle);
-- ``end``: a clean close (or the exception that ended the loop), with the monitor's own failures counted.
+- ``end``: a clean close (or the exception that ended the loop), with the monitor's own failures counted, and
+  under an adapter whose framework keeps a FLOP figure of its own (Hugging Face's ``total_flos``) ``framework``:
+  its ``name``, ``per_step`` (per optimizer step and rank, over this run's ``steps``) and ``how``.
 """
 
 from __future__ import annotations
