@@ -221,7 +221,13 @@ def test_lightning_counts_the_flops_lightnings_own_measure_flops_gives_on_its_de
     ids = torch.randint(0, vocab, (6 * batch, seq + 1), generator=torch.Generator().manual_seed(0))
     pairs = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
 
+    copy = Transformer(vocab_size=vocab)
+    x = ids[:batch, :-1]
+    theirs = measure_flops(copy, lambda: copy(x, x), loss_fn=torch.Tensor.sum)
+
     class Demo(LightningTransformer):
+        flops_per_batch = theirs  # as ThroughputMonitor's documentation has the module carry it
+
         def prepare_data(self):  # the demo's own downloads WikiText2
             pass
 
@@ -235,9 +241,12 @@ def test_lightning_counts_the_flops_lightnings_own_measure_flops_gives_on_its_de
                          callbacks=[MonitorCallback(out, every=2, peak_flops=1e12, profile_every_s=None)])
     trainer.fit(model)
     counted = next(r for r in read(out) if r["kind"] == "flops")
-    copy = Transformer(vocab_size=vocab)
-    x = ids[:batch, :-1]
-    assert counted["per_step"] == measure_flops(copy, lambda: copy(x, x), loss_fn=torch.Tensor.sum) > 0
+    assert counted["per_step"] == theirs > 0
+    # the module's own figure is recorded, and the report says the two agree
+    from mfu_lab.analysis.monitor.summary import summarise
+
+    assert read(out)[-1]["framework"]["per_step"] == theirs and read(out)[-1]["framework"]["steps"] == 4
+    assert summarise(out).flops_per_token["note"].endswith("an MFU from it would read the same")
 
 
 def test_hf_trainer_counted_flops_are_hfs_total_flos_plus_the_terms_it_leaves_out(tmp_path):

@@ -98,6 +98,19 @@ def _trained_model(trainer, pl_module) -> torch.nn.Module:
     return wrapped if isinstance(wrapped, torch.nn.Module) else pl_module
 
 
+def _module_flops(trainer, pl_module, steps: int) -> dict[str, Any] | None:
+    """The LightningModule's own ``flops_per_batch`` (what Lightning's ThroughputMonitor reads every batch, often
+    ``measure_flops`` of a forward and the loss's backward) per optimizer step: x the micro-batches in one. None when
+    the module has none."""
+    per_batch = getattr(pl_module, "flops_per_batch", None)
+    if not isinstance(per_batch, (int, float)) or per_batch <= 0 or steps <= 0:
+        return None
+    k = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    return {"name": "the module's flops_per_batch (Lightning's ThroughputMonitor)", "per_step": float(per_batch) * k,
+            "steps": steps, "how": f"flops_per_batch x {k} micro-batch(es) a step; ThroughputMonitor reads it as "
+            "given (measure_flops counts a forward and the loss's backward)"}
+
+
 class MonitorCallback(*_BASES):
     """Lightning callback that runs a :class:`~mfu_lab.monitor.Monitor` over ``Trainer.fit`` (see the module's
     docstring for what is measured). Keyword arguments beyond the named ones go to ``Monitor``."""
@@ -113,7 +126,7 @@ class MonitorCallback(*_BASES):
         self._last_end: float | None = None
         self._data_s = self._other_s = 0.0
         self._tokens: int | None = None
-        self._global_step = 0
+        self._global_step = self._step0 = 0
         self._in_validation: float | None = None
         self._trainer = self._save = None
 
@@ -127,7 +140,7 @@ class MonitorCallback(*_BASES):
         self.monitor.framework = "PyTorch Lightning"
         self.monitor.start()
         self._data_s, self._other_s, self._tokens, self._in_validation = 0.0, 0.0, None, None
-        self._global_step = trainer.global_step
+        self._global_step = self._step0 = trainer.global_step
         self._time_saves(trainer)
         self._last_end = time.perf_counter()  # after start(): the monitor's own start-up is not a data wait
 
@@ -198,6 +211,8 @@ class MonitorCallback(*_BASES):
         self._last_end = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if self.monitor is not None:
+            self.monitor.framework_flops = _module_flops(trainer, pl_module, trainer.global_step - self._step0)
         self._close("closed")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

@@ -53,7 +53,8 @@ Record kinds (every record has ``kind``, ``v``, ``t`` (unix seconds), ``launch``
 - ``interval``: every ``every`` steps: step-time median/p90/max, tokens/s, MFU, the times above, GPU health;
 - ``profile``: a short torch.profiler window's breakdown (computing, exposed communication, copies, data, idle);
 - ``end``: a clean close (or the exception that ended the loop), with the monitor's own failures counted, and
-  under an adapter whose framework keeps a FLOP figure of its own (Hugging Face's ``total_flos``) ``framework``:
+  under an adapter whose framework keeps a FLOP figure of its own (Hugging Face's ``total_flos``, a
+  LightningModule's ``flops_per_batch``) ``framework``:
   its ``name``, ``per_step`` (per optimizer step and rank, over this run's ``steps``) and ``how``.
 """
 
