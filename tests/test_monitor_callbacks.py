@@ -292,13 +292,43 @@ def test_the_frameworks_figure_is_said_beside_the_lowest_ranks_count(fw_step, fa
     non-padding tokens are not what it multiplies by); the lowest rank's count whatever its node's name."""
     from types import SimpleNamespace
 
+    from mfu_lab.analysis.monitor.read import Sums
     from mfu_lab.analysis.monitor.summary import _flops_per_token
 
-    count = {"source": "counted", "per_step": 1e9, "per_token": 1e6, "step": 1}
+    count = {"source": "counted", "per_step": 1e9, "per_token": 1e6, "step": 1, "tokens": 1000, "launch": "L"}
+    fw = {"name": "the Trainer's total_flos", "per_step": fw_step, "steps": 4, "how": "its formula", "launch": "L"}
+    even = Sums(tokens=9000.0, steps=9)  # the intervals: 1000 tokens a step, as the counted step
     st = SimpleNamespace(ranks={}, flops={("b", 0): count, ("a", 1): dict(count, per_token=7.0)},
-                         framework={("b", 0): {"name": "the Trainer's total_flos", "per_step": fw_step, "steps": 4,
-                                               "how": "its formula"}})
+                         framework={("b", 0): fw}, per_rank={("b", 0): even})
     got = _flops_per_token(st)
     assert got["value"] == 1e6 and got["label"] == "counted"
     assert f"adds up {fw_step:,.0f} FLOPs per optimizer step over 4 step(s)" in got["note"]
     assert got["note"].endswith(f"an MFU from it would read {far}")
+    # the framework's figure is the run's average and the count one step's: compared only when the steps' work was
+    # the same, and within one launch
+    st.per_rank = {("b", 0): Sums(tokens=8000.0, steps=9)}  # a short step at each epoch's end, or varying lengths
+    assert "not compared: the steps' tokens varied (889 a step on average against the counted step's 1,000)" in \
+        _flops_per_token(st)["note"]
+    st.per_rank, st.framework = {("b", 0): even}, {("b", 0): dict(fw, launch="M")}
+    assert _flops_per_token(st)["note"].endswith("from another launch than the count: not compared")
+    st.flops = {("b", 0): dict(count, per_token=None)}  # no tokens counted: the comparison per step still stands
+    got = _flops_per_token(st)
+    assert got["value"] is None and "adds up" not in got["note"] and "another launch" in got["framework"]
+
+
+def test_a_modules_flops_per_batch_that_fails_or_is_no_number_is_left_out():
+    """A property that raises, or True, is no FLOP figure: nothing recorded, and the fit's end goes on."""
+    from types import SimpleNamespace
+
+    from mfu_lab.monitor.lightning import _module_flops
+
+    class Raises:
+        @property
+        def flops_per_batch(self):
+            raise RuntimeError("not measured yet")
+
+    trainer = SimpleNamespace(accumulate_grad_batches=3)
+    assert _module_flops(trainer, Raises(), 5) is None
+    assert _module_flops(trainer, SimpleNamespace(flops_per_batch=True), 5) is None
+    got = _module_flops(trainer, SimpleNamespace(flops_per_batch=2e9), 5)
+    assert got["per_step"] == 6e9 and got["steps"] == 5  # x the micro-batches of an optimizer step

@@ -52,7 +52,8 @@ from mfu_lab.monitor.recorder import Monitor
 
 def _trainer_flops(state, since: tuple[float, int], world: int) -> dict[str, Any] | None:
     """What the Trainer itself added to ``state.total_flos`` over this ``train()`` (``since``: its total and step at
-    ``on_train_begin``), per optimizer step and rank (the Trainer sums every rank's), as it adds it up:
+    ``on_train_begin``), per optimizer step and rank (``world``: the ranks whose figures the Trainer summed, 1 unless
+    its parallel mode is DISTRIBUTED), as it adds it up:
     ``floating_point_ops`` of each batch, 6 x the main input's elements x the parameters less the embeddings
     (a subclass's own method, or a model's under transformers 4, included). None when it added nothing."""
     total, step = float(getattr(state, "total_flos", 0) or 0), int(getattr(state, "global_step", 0) or 0)
@@ -152,7 +153,8 @@ class MonitorCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         if self.monitor is not None:  # the Trainer has stored its FLOPs (store_flos) by now
-            self.monitor.framework_flops = _trainer_flops(state, self._flos0, self._world)
+            summed = str(getattr(getattr(args, "parallel_mode", None), "value", "")) == "distributed"
+            self.monitor.framework_flops = _trainer_flops(state, self._flos0, self._world if summed else 1)
         self._close("closed")
 
     # ------------------------------------------------------------------ internals

@@ -102,8 +102,11 @@ def _module_flops(trainer, pl_module, steps: int) -> dict[str, Any] | None:
     """The LightningModule's own ``flops_per_batch`` (what Lightning's ThroughputMonitor reads every batch, often
     ``measure_flops`` of a forward and the loss's backward) per optimizer step: x the micro-batches in one. None when
     the module has none."""
-    per_batch = getattr(pl_module, "flops_per_batch", None)
-    if not isinstance(per_batch, (int, float)) or per_batch <= 0 or steps <= 0:
+    try:
+        per_batch = getattr(pl_module, "flops_per_batch", None)
+    except Exception:  # noqa: BLE001 - the module's own property failed: nothing to compare with, the fit goes on
+        return None
+    if isinstance(per_batch, bool) or not isinstance(per_batch, (int, float)) or per_batch <= 0 or steps <= 0:
         return None
     k = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     return {"name": "the module's flops_per_batch (Lightning's ThroughputMonitor)", "per_step": float(per_batch) * k,

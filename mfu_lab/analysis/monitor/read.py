@@ -307,10 +307,11 @@ def _take(st: Folder, r: dict[str, Any], pending, pending_t) -> None:
     elif kind == "cluster":
         lau.slurm = r.get("slurm") or {}
     elif kind == "flops" and (r.get("per_step") or (node, rank) not in st.flops):  # a failed count keeps the last
-        st.flops[(node, rank)] = {k: r.get(k) for k in ("source", "per_step", "per_token", "per_sample", "step")}
+        st.flops[(node, rank)] = {k: r.get(k) for k in ("source", "per_step", "per_token", "per_sample", "step",
+                                                        "tokens")} | {"launch": launch}
     elif kind == "end":
         if isinstance(r.get("framework"), dict):
-            st.framework[(node, rank)] = r["framework"]
+            st.framework[(node, rank)] = r["framework"] | {"launch": launch}
         lau.ended.add((node, rank))
         lau.end_reasons[f"{node}/rank{rank}"] = r.get("reason")
     elif kind == "profile" and r.get("breakdown"):

@@ -153,28 +153,47 @@ def summarise(folder: Path, progress=None, run: str | None = None) -> MonitorSum
 
 def _flops_per_token(st: Folder) -> dict[str, Any]:
     """The FLOPs per token behind MFU: the lowest rank's count (every rank counts its own step; they agree when the
-    ranks run the same model); the framework's own figure per optimizer step beside it when the adapter recorded
-    one (Hugging Face's total_flos)."""
+    ranks run the same model); beside it, the framework's own figure per optimizer step when the adapter recorded
+    one (Hugging Face's total_flos, a Lightning module's flops_per_batch) for the same launch, see _framework."""
     order = sorted(st.flops, key=lambda k: (k[1], k[0]))
     counts = [st.flops[k] for k in order if st.flops[k].get("per_token")]
-    if not counts:
+    if counts:
+        c = counts[0]
+        out = labelled(c["per_token"], "counted", f"one training step counted by the workbook's counter (step "
+                       f"{c.get('step')})")
+    else:
         given = [f for f in ((s.get("flops") or {}) for s in st.ranks.values()) if f.get("per_token")]
-        if given:  # the job's formula, given to the monitor
-            return labelled(given[0]["per_token"], "analytic", str(given[0].get("note") or "given to the monitor"))
-        return labelled(None, "counted", "no FLOPs per token were counted (no tokens, or no count: the monitor's "
-                        "notes say why)")
-    c = counts[0]
-    note = f"one training step counted by the workbook's counter (step {c.get('step')})"
-    key = next(k for k in order if st.flops[k] is c)
-    fw = st.framework.get(key) or {}
-    if fw.get("per_step") and c.get("per_step"):
-        r = fw["per_step"] / c["per_step"]
-        far = ("the same" if abs(r - 1) < 0.005 else f"{1 - r:.0%} lower" if r < 1 else
-               f"{r - 1:.0%} higher" if r <= 2 else f"{r:.1f}x as high")
-        note += (f"; {fw.get('name')} adds up {fw['per_step']:,.0f} FLOPs per optimizer step over {fw.get('steps')} "
-                 f"step(s) of this rank, {r:.2f}x the {c['per_step']:,.0f} counted ({fw.get('how')}): an MFU from "
-                 f"it would read {far}")
-    return labelled(c["per_token"], "counted", note)
+        out = (labelled(given[0]["per_token"], "analytic", str(given[0].get("note") or "given to the monitor"))
+               if given else labelled(None, "counted", "no FLOPs per token were counted (no tokens, or no count: "
+                                      "the monitor's notes say why)"))
+    key = next((k for k in order if st.flops[k].get("per_step")), None)
+    said = _framework(st, key) if key is not None else ""
+    if said:
+        out["note"] = f"{out['note']}; {said}" if out["value"] is not None else said
+        out["framework"] = said
+    return out
+
+
+def _framework(st: Folder, key: tuple[str, int]) -> str:
+    """The framework's figure against the count of rank ``key``, per optimizer step, when both come from the same
+    launch and every step did the same work (the framework's is the run's average, the count one step's: a short
+    last step of an epoch, or varying lengths, would skew the ratio); else why not, or "" when there is none."""
+    c, fw = st.flops[key], st.framework.get(key) or {}
+    if not fw.get("per_step"):
+        return ""
+    name = fw.get("name")
+    if fw.get("launch") != c.get("launch"):
+        return f"{name} is from another launch than the count: not compared"
+    sums = st.per_rank.get(key)
+    if c.get("tokens") and sums is not None and sums.steps and abs(sums.tokens / sums.steps / c["tokens"] - 1) > 0.005:
+        return (f"{name} ({fw['per_step']:,.0f} FLOPs per optimizer step, the run's average) not compared: the steps' "
+                f"tokens varied ({sums.tokens / sums.steps:,.0f} a step on average against the counted step's "
+                f"{c['tokens']:,})")
+    r = fw["per_step"] / c["per_step"]
+    far = ("the same" if abs(r - 1) < 0.005 else f"{1 - r:.0%} lower" if r < 1 else
+           f"{r - 1:.0%} higher" if r <= 2 else f"{r:.1f}x as high")
+    return (f"{name} adds up {fw['per_step']:,.0f} FLOPs per optimizer step over {fw.get('steps')} step(s) of this "
+            f"rank, {r:.2f}x the {c['per_step']:,.0f} counted ({fw.get('how')}): an MFU from it would read {far}")
 
 
 def _iso(t: float) -> str:
