@@ -55,7 +55,7 @@ KINDS = ("allgather", "reduce_scatter", "allreduce", "allreduce_max", "broadcast
 # under tensor parallel, the amax of each sharded weight, input or gradient (a float64 scalar each for the tensorwise
 # recipe: 36 of a tp-2 step's 44 all-reduces in the 2-layer test GPT; a row of amaxes for rowwise), or a norm's max.
 # The layouts' closed forms are sums.
-MAX_KIND = {"allreduce": "allreduce_max"}
+MAX_KIND = "allreduce_max"
 
 
 def _nbytes(t) -> int:
@@ -206,7 +206,7 @@ class CollectiveCounter(TorchDispatchMode):
                 kind, nbytes, size, group = rules[name]
                 a = _with_kwargs(func, args, kwargs)
                 op = _op_name(a[1] if func.namespace == "_c10d_functional" else a[2]) if kind == "allreduce" else ""
-                self.records.append(Collective(MAX_KIND[kind] if op == "max" else kind, str(func), nbytes(a),
+                self.records.append(Collective(MAX_KIND if op == "max" else kind, str(func), nbytes(a),
                                                size(a), group(a), op))
         return func(*args, **kwargs)
 
