@@ -168,3 +168,38 @@ def test_an_adopted_pick_reaches_the_tuned_job_on_its_own_rung(tiny_job):
     assert refusal("loss", "loss_impl", "chunked") is None
     assert refusal("loss", "compile_mode", "default") is not None  # its row owns loss_impl only
     assert refusal("loss", "loss_impl", "fused") is not None  # not one of the allowed values
+
+
+def _leader_and_chunked(confirmed: bool) -> dict:
+    """Step 4's result: mode default led its trials (confirmed or not beside eager), and the loss race, run in the
+    mode the job trains in after step 4, picked chunked (a suite run's own pair: 1.31x unconfirmed, chunked 1.09x)."""
+    rec = {"compile": True, "mode": "default"} if confirmed else {"compile": False, "led": "default"}
+    race = {"ran": True, "adopted": True, "pick": "chunked", "reference": "eager", "mode": "off",
+            "speedup": {"value": 1.09, "low": 1.005, "high": 1.13}, "final_gap": 0.0}
+    return {"recommendation": rec, "trials": [{"mode": "default", "speedup": 1.31}], "loss_race": race}
+
+
+@pytest.mark.parametrize("confirmed", [False, True])
+def test_a_pair_the_job_refuses_never_reaches_the_tuned_job(tiny_job, confirmed):
+    """A compile mode beside loss_impl chunked is a job the validator refuses (step 7 failed on it): the proposed
+    change gives way to the measured one, and of two measured ones the later rung (the loss's race ran eager)."""
+    chosen = tuning.changes(tiny_job, {"compile": _leader_and_chunked(confirmed)})
+    by_key = {c.key: c for c in chosen}
+    assert set(by_key) == {"compile_mode", "loss_impl"}
+    kept, dropped = ("compile_mode", "loss_impl") if confirmed else ("loss_impl", "compile_mode")
+    assert by_key[kept].adopted and not by_key[dropped].adopted
+    assert by_key[dropped].reason.startswith(tuning.CLASH_REASON)
+    assert f"beside {kept}: {by_key[kept].new} ({by_key[kept].label})" in by_key[dropped].reason
+    assert "chunked does not combine with a compiled region" in by_key[dropped].reason
+    tuned = tuning.tuned_job(tiny_job, chosen)  # valid: it raises otherwise
+    assert getattr(tuned, kept) == by_key[kept].new and getattr(tuned, dropped) == getattr(tiny_job, dropped)
+
+
+def test_any_other_refused_combination_leaves_out_the_change_the_validator_names(tiny_job):
+    assert not tiny_job.activation_checkpointing
+    chosen = [tuning.Change("batch", "kernels", "checkpoint_policy", "full", "selective", "e", "measured"),
+              tuning.Change("loss", "compile", "loss_impl", "eager", "compiled", "e", "measured")]
+    out = tuning.combinable(tiny_job, chosen)
+    assert [c.adopted for c in out] == [False, True]
+    assert "checkpoint_policy" in out[0].reason and "activation_checkpointing: true" in out[0].reason
+    assert tuning.tuned_job(tiny_job, out).loss_impl == "compiled"

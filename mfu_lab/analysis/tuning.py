@@ -32,6 +32,7 @@ from typing import Any
 from mfu_lab.analysis.dp_family import LOSSY_HOOKS
 from mfu_lab.analysis.layouts.proposal import faster_layout
 from mfu_lab.analysis.result_keys import admitted
+from mfu_lab.core.errors import JobError
 from mfu_lab.core.job.schema import FIELDS, Job, validate
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
@@ -362,7 +363,7 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
             if c.key in pinned:
                 c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
             out.append(c)
-    return in_effect(out, job.to_dict()) + refused
+    return combinable(job, in_effect(out, job.to_dict())) + refused
 
 
 def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
@@ -378,6 +379,39 @@ def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
                 continue
         out.append(c)
     return out
+
+
+# pairs of keys whose changes may not stand together (core.job.rules refuses the pair): the validator names the
+# first; a proposed change gives way to a measured one, else the later rung gives way (its race ran without the other)
+CLASHES = (("loss_impl", "compile_mode"),)
+CLASH_REASON = "not adopted: the tuned job would be invalid with it beside "
+
+
+def combinable(job: Job, chosen: list[Change]) -> list[Change]:
+    """``chosen`` with the changes that cannot stand together left out, with why: step 4 may propose an unconfirmed
+    compile mode while its loss race, run eager, picked ``chunked`` (which no compiled region takes). Of such a
+    pair (:data:`CLASHES`) the proposed change gives way to the measured one, else the later rung's; any other
+    invalid combination leaves out the change of the key the validator names (else the last adopted), until the
+    tuned job is valid."""
+    order = {r: i for i, r in enumerate(RUNGS)}
+    for _ in range(len(chosen)):
+        try:
+            tuned_job(job, chosen)
+            return chosen
+        except JobError as e:
+            problem = e.problems[0]
+        live = [c for c in chosen if c.adopted]
+        named = [c for c in live if c.key == problem.key]
+        pair = next((p for p in CLASHES if p[0] == problem.key), ())
+        partners = [c for c in live if c.key in pair and c not in named]
+        both = named + partners
+        drop = min(both, key=lambda c: (c.label != "proposed", -order.get(c.rung, 0))) if both else \
+            (live or [None])[-1]
+        if drop is None:
+            return chosen
+        other = ", ".join(f"{c.key}: {c.new} ({c.label})" for c in both if c is not drop) or "the other changes"
+        drop.adopted, drop.reason = False, f"{CLASH_REASON}{other}: {problem}"
+    return chosen
 
 
 def tuned_job(job: Job, chosen: list[Change], source: str = "the tuned job") -> Job:
