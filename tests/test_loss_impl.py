@@ -203,3 +203,21 @@ def test_any_other_refused_combination_leaves_out_the_change_the_validator_names
     assert [c.adopted for c in out] == [False, True]
     assert "checkpoint_policy" in out[0].reason and "activation_checkpointing: true" in out[0].reason
     assert tuning.tuned_job(tiny_job, out).loss_impl == "compiled"
+
+
+def test_a_rung_the_job_refuses_alone_is_timed_with_the_later_change_that_mends_it(tiny_job):
+    """A job already on loss_impl chunked (a tuned.yaml run again): step 4 confirms mode default and its loss race,
+    in that mode, picks compiled. The tuned job is valid, but its compile rung alone (default beside chunked) is not:
+    the staircase times the two changes as one rung instead of failing step 7."""
+    job = dataclasses.replace(tiny_job, loss_impl="chunked")
+    race = {"ran": True, "adopted": True, "pick": "compiled", "reference": "chunked", "mode": "default",
+            "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}, "final_gap": 0.0}
+    step4 = {"recommendation": {"compile": True, "mode": "default"}, "trials": [{"mode": "default", "speedup": 1.3}],
+             "loss_race": race}
+    chosen = tuning.changes(job, {"compile": step4})
+    assert [(c.key, c.new, c.adopted) for c in chosen] == [("compile_mode", "default", True),
+                                                           ("loss_impl", "compiled", True)]
+    stairs = tuning.staircase(job, chosen)
+    assert [(name, [c.key for c in mine]) for name, _, mine in stairs] == [
+        ("original", []), ("compile", ["compile_mode", "loss_impl"])]
+    assert (stairs[1][1].compile_mode, stairs[1][1].loss_impl) == ("default", "compiled")

@@ -434,14 +434,24 @@ def tuned_name(name: str) -> str:
 
 def staircase(job: Job, chosen: list[Change]) -> list[tuple[str, Job, list[Change]]]:
     """(rung, job, its changes) from the original job up, one rung per stage that adopted a change; each
-    rung's job differs from the previous one by exactly that rung's changes."""
+    rung's job differs from the previous one by exactly that rung's changes.
+    A rung the validator refuses alone (step 4's compile mode on a job with ``loss_impl: chunked``, whose loss race
+    picked ``compiled``) takes in the later rung's change of the key it names: the two are timed as one rung."""
     steps: list[tuple[str, Job, list[Change]]] = [("original", job, [])]
-    values = job.to_dict()
+    values, taken = job.to_dict(), set()
     for rung in RUNGS:
-        mine = [c for c in chosen if c.adopted and c.rung == rung]
-        if not mine:
-            continue
-        for c in mine:
-            values[c.key] = c.new
-        steps.append((rung, validate(dict(values), f"staircase rung {rung}"), mine))
+        mine = [c for c in chosen if c.adopted and c.rung == rung and id(c) not in taken]
+        while mine:
+            try:
+                steps.append((rung, validate({**values, **{c.key: c.new for c in mine}}, f"staircase rung {rung}"),
+                              mine))
+                break
+            except JobError as e:
+                later = [c for c in chosen if c.adopted and id(c) not in taken | {id(m) for m in mine}
+                         and c.key in {p.key for p in e.problems}]
+                if not later:
+                    raise
+                mine += later
+        taken |= {id(c) for c in mine}
+        values |= {c.key: c.new for c in mine}
     return steps
