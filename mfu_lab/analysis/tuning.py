@@ -394,7 +394,7 @@ def combinable(job: Job, chosen: list[Change]) -> list[Change]:
     invalid combination leaves out the change of the key the validator names (else the last adopted), until the
     tuned job is valid."""
     order = {r: i for i, r in enumerate(RUNGS)}
-    for _ in range(len(chosen)):
+    for _ in range(len(chosen) + 1):
         try:
             tuned_job(job, chosen)
             return chosen
@@ -436,7 +436,8 @@ def staircase(job: Job, chosen: list[Change]) -> list[tuple[str, Job, list[Chang
     """(rung, job, its changes) from the original job up, one rung per stage that adopted a change; each
     rung's job differs from the previous one by exactly that rung's changes.
     A rung the validator refuses alone (step 4's compile mode on a job with ``loss_impl: chunked``, whose loss race
-    picked ``compiled``) takes in the later rung's change of the key it names: the two are timed as one rung."""
+    picked ``compiled``) takes in the later change of the key it names, else the next rung's changes, until it is
+    valid (the tuned job is, :func:`combinable`): they are timed as one rung."""
     steps: list[tuple[str, Job, list[Change]]] = [("original", job, [])]
     values, taken = job.to_dict(), set()
     for rung in RUNGS:
@@ -447,11 +448,12 @@ def staircase(job: Job, chosen: list[Change]) -> list[tuple[str, Job, list[Chang
                               mine))
                 break
             except JobError as e:
-                later = [c for c in chosen if c.adopted and id(c) not in taken | {id(m) for m in mine}
-                         and c.key in {p.key for p in e.problems}]
+                later = [c for c in chosen if c.adopted and id(c) not in taken | {id(m) for m in mine}]
+                named = [c for c in later if c.key in {p.key for p in e.problems}]
+                nxt = min((RUNGS.index(c.rung) for c in later if c.rung in RUNGS), default=None)
                 if not later:
                     raise
-                mine += later
+                mine += named or [c for c in later if c.rung in RUNGS and RUNGS.index(c.rung) == nxt] or later
         taken |= {id(c) for c in mine}
         values |= {c.key: c.new for c in mine}
     return steps
