@@ -4,6 +4,7 @@ useful tokens, one optimizer and scaler step, a step's time, samples, tokens and
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -284,3 +285,24 @@ def test_step4_skips_the_cuda_graph_modes_an_fsdp_job_with_accumulation_would_re
     assert why.startswith("'reduce-overhead' captures CUDA graphs, and with dp_mode 'fsdp' and grad_accum 2")
     assert _skip_reason("max-autotune-no-cudagraphs", "cuda", fsdp) == ""
     assert _skip_reason("reduce-overhead", "cuda", dataclasses.replace(fsdp, grad_accum=1)) == ""
+
+
+def test_a_split_is_not_adopted_beside_a_layout_that_scales_micro_batch(tiny_job):
+    """Step 6's layout (tp 2 at world 2: one data-parallel rank, micro_batch doubled) and step 3's split (raced in
+    the job's own DDP layout) each hold the samples per optimizer step alone; applied together the split's
+    micro_batch would undo the layout's scale (8 samples where the job trains 16): the split gives way, with why."""
+    job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
+    race = {"ran": True, "adopted": True, "pick": "8x1", "reference": "2x4", "samples_per_step": 8,
+            "pick_keys": {"micro_batch": 8, "grad_accum": 1}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
+    layout = {"layout": "tp2", "reference": "ddp", "changes": {"tp": 2, "micro_batch": 4}, "per_sample_s": 0.01,
+              "reference_per_sample_s": 0.02, "speedup": 2.0, "rule": "drawn"}
+    with mock.patch.object(tuning, "faster_layout", return_value=layout):
+        chosen = tuning.changes(job, {"kernels": {"batch_race": race}, "placement": {"layouts": [{}]}})
+    by_key = {(c.rung, c.key): c for c in chosen}
+    assert by_key["layout", "micro_batch"].adopted and by_key["layout", "tp"].adopted
+    for key in ("micro_batch", "grad_accum"):
+        assert not by_key["batch", key].adopted
+        assert by_key["batch", key].reason.startswith(tuning.BESIDE_LAYOUT) and "micro_batch 4" in \
+            by_key["batch", key].reason
+    tuned = tuning.tuned_job(job, chosen)
+    assert (tuned.micro_batch, tuned.grad_accum, tuned.tp) == (4, 4, 2)

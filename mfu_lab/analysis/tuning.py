@@ -363,7 +363,7 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
             if c.key in pinned:
                 c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
             out.append(c)
-    return combinable(job, in_effect(out, job.to_dict())) + refused
+    return combinable(job, _batch_beside_layout(in_effect(out, job.to_dict()))) + refused
 
 
 def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
@@ -379,6 +379,23 @@ def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
                 continue
         out.append(c)
     return out
+
+
+BESIDE_LAYOUT = "not adopted beside step 6's layout: "
+
+
+def _batch_beside_layout(chosen: list[Change]) -> list[Change]:
+    """Step 3's batch split left out where step 6's layout sets micro_batch too: each was measured on the job's own
+    layout and keeps its samples per optimizer step on its own (the layout scales micro_batch to its data-parallel
+    degree), so the two together would not (a micro_batch applied last would undo the layout's scale)."""
+    lay = next((c for c in chosen if c.adopted and c.rung == "layout" and c.key == "micro_batch"), None)
+    for c in chosen if lay else []:
+        if c.adopted and c.rung == "batch":
+            c.adopted, c.reason = False, (
+                f"{BESIDE_LAYOUT}it sets micro_batch {lay.new} to keep the samples per optimizer step in its "
+                "data-parallel degree, and step 3 raced micro_batch x grad_accum in the job's own layout; run the "
+                "workbook on tuned.yaml to race the split in the new layout")
+    return chosen
 
 
 # pairs of keys whose changes may not stand together (core.job.rules refuses the pair): the validator names the
