@@ -55,7 +55,7 @@ class Explorer:
     def update(self) -> None:
         fig, text = self.draw(**self.values())
         self.fig, self.redraws = fig, self.redraws + 1
-        self.image.value = fig._repr_png_()
+        self.image.value = fig.png()
         self.text.value = f"<small>{text}</small>"
 
     def fallback_html(self) -> str:

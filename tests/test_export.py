@@ -242,3 +242,26 @@ def test_anything_unexpected_while_summarising_gives_one_sentence(tmp_path, monk
     monkeypatch.setattr(found, "_context", broken)
     html = _export(tmp_path, _result(0.013))
     assert "could not be summarised (KeyError" in _found(html) and "BOOM-MARK" in html
+
+
+def test_a_figure_gives_its_titles_as_the_images_alternative_text(tmp_path):
+    """A ReportFigure shown by a cell carries its titles as the output's metadata (IPython's display formatter, as
+    the kernel runs it), and the report writes them as the image's alt, not nbconvert's 'No description'."""
+    import base64
+
+    from IPython.core.formatters import DisplayFormatter
+
+    from mfu_lab.plots.base import ReportFigure
+
+    fig = ReportFigure(figsize=(3, 2))
+    fig.suptitle("ALT-MARK <&>")
+    fig.subplots(1, 2)[1].set_title("Distribution")
+    data, md = DisplayFormatter().format(fig)
+    assert md == {"image/png": {"alt": "Plot: ALT-MARK <&>; Distribution"}}
+    nb = _notebook()
+    nb.cells.append(new_code_cell("fig", outputs=[new_output(
+        "execute_result", data={"image/png": base64.b64encode(data["image/png"]).decode(), "text/plain": "<Figure>"},
+        metadata=md, execution_count=6)]))
+    html = _export(tmp_path, nb=nb)
+    assert 'alt="Plot: ALT-MARK &lt;&amp;&gt;; Distribution"' in html
+    assert len(re.findall(r"<img ", html)) == 2 and html.count(" alt=") == 2  # the other image: nbconvert's default

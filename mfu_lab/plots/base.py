@@ -18,10 +18,26 @@ from matplotlib.figure import Figure
 class ReportFigure(Figure):
     """A Figure that Jupyter displays as PNG when a cell returns it."""
 
-    def _repr_png_(self) -> bytes:
+    def png(self) -> bytes:
         buf = io.BytesIO()
         self.savefig(buf, format="png", dpi=110, bbox_inches="tight")  # a legend set outside the axes is kept
         return buf.getvalue()
+
+    def _repr_png_(self) -> tuple[bytes, dict[str, str]]:
+        """The PNG with its alternative text as the output's metadata (IPython's (data, metadata) form): the
+        report's template writes it as the image's ``alt``."""
+        return self.png(), {"alt": self.alt_text()}
+
+    def alt_text(self) -> str:
+        """What the figure shows, for a reader who cannot see it: its title and its axes' titles (else their
+        axis labels)."""
+        parts = [self._suptitle.get_text()] if self._suptitle else []
+        for ax in self.axes:
+            title = ax.get_title() or ax.get_title("left")
+            labels = " against ".join(t for t in (ax.get_ylabel(), ax.get_xlabel()) if t)
+            parts.append(title or labels)
+        parts = [t for t in dict.fromkeys(" ".join(p.split()) for p in parts) if t]
+        return "Plot: " + "; ".join(parts) if parts else "Plot: its figures are in the table beside it"
 
 
 COLORS = {"compute": "#3b6fb6", "data": "#e8912d", "host": "#9a9a9a",
@@ -120,4 +136,4 @@ def mfu_progression(points: list[tuple[str, float]], meanings: list[str] | None 
 
 def to_data_uri(fig: ReportFigure) -> str:
     """PNG data URI for embedding in an offline HTML page."""
-    return "data:image/png;base64," + base64.b64encode(fig._repr_png_()).decode("ascii")
+    return "data:image/png;base64," + base64.b64encode(fig.png()).decode("ascii")
