@@ -306,3 +306,24 @@ def test_a_split_is_not_adopted_beside_a_layout_that_scales_micro_batch(tiny_job
             by_key["batch", key].reason
     tuned = tuning.tuned_job(job, chosen)
     assert (tuned.micro_batch, tuned.grad_accum, tuned.tp) == (4, 4, 2)
+
+
+def test_a_layout_step_7_took_back_does_not_bring_the_split_back_untimed(tiny_job):
+    """The runner writes tuned.yaml again after step 7 from the stored results: step 7 withdrew the layout (tp and
+    micro_batch back to the job's), and the split, left out beside that layout when step 7 ran, stays out (it was
+    never timed): the job's own 2 x 4 samples per step, not 2 x 1."""
+    job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
+    race = {"ran": True, "adopted": True, "pick": "8x1", "reference": "2x4", "samples_per_step": 8,
+            "pick_keys": {"micro_batch": 8, "grad_accum": 1}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
+    layout = {"layout": "tp2", "reference": "ddp", "changes": {"tp": 2, "micro_batch": 4}, "per_sample_s": 0.01,
+              "reference_per_sample_s": 0.02, "speedup": 2.0, "rule": "drawn"}
+    back = [{"rung": "layout", "step": "verify", "key": k, "old": v, "new": getattr(job, k), "evidence": "e",
+             "label": "measured", "adopted": True, "reason": f"{tuning.WITHDRAWN}: not verified faster"}
+            for k, v in layout["changes"].items()]
+    with mock.patch.object(tuning, "faster_layout", return_value=layout):
+        chosen = tuning.changes(job, {"kernels": {"batch_race": race}, "placement": {"layouts": [{}]},
+                                      "verify": {"changes": back}})
+    assert not [c for c in chosen if c.adopted]
+    assert [c.key for c in chosen if c.rung == "batch"] == ["grad_accum"]  # its micro_batch went with the layout's
+    tuned = tuning.tuned_job(job, chosen)
+    assert (tuned.micro_batch, tuned.grad_accum, tuned.tp) == (2, 4, 1)

@@ -205,10 +205,10 @@ def test_any_other_refused_combination_leaves_out_the_change_the_validator_names
     assert tuning.tuned_job(tiny_job, out).loss_impl == "compiled"
 
 
-def test_a_rung_the_job_refuses_alone_is_timed_with_the_later_change_that_mends_it(tiny_job):
+def test_a_rung_the_job_refuses_alone_is_climbed_after_the_rung_that_mends_it(tiny_job):
     """A job already on loss_impl chunked (a tuned.yaml run again): step 4 confirms mode default and its loss race,
-    in that mode, picks compiled. The tuned job is valid, but its compile rung alone (default beside chunked) is not:
-    the staircase times the two changes as one rung instead of failing step 7."""
+    in that mode, picks compiled. The tuned job is valid, but its compile rung on the original (default beside
+    chunked) is not: the staircase climbs the loss rung first, then compile, each rung its own change."""
     job = dataclasses.replace(tiny_job, loss_impl="chunked")
     race = {"ran": True, "adopted": True, "pick": "compiled", "reference": "chunked", "mode": "default",
             "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}, "final_gap": 0.0}
@@ -219,5 +219,6 @@ def test_a_rung_the_job_refuses_alone_is_timed_with_the_later_change_that_mends_
                                                            ("loss_impl", "compiled", True)]
     stairs = tuning.staircase(job, chosen)
     assert [(name, [c.key for c in mine]) for name, _, mine in stairs] == [
-        ("original", []), ("compile", ["compile_mode", "loss_impl"])]
-    assert (stairs[1][1].compile_mode, stairs[1][1].loss_impl) == ("default", "compiled")
+        ("original", []), ("loss", ["loss_impl"]), ("compile", ["compile_mode"])]
+    assert [(j.compile_mode, j.loss_impl) for _, j, _ in stairs] == [("off", "chunked"), ("off", "compiled"),
+                                                                      ("default", "compiled")]

@@ -14,9 +14,13 @@ from mfu_lab.core.errors import JobError  # noqa: E402
 from mfu_lab.core.job.schema import FIELDS, load_job, validate  # noqa: E402
 from tests.conftest import TINY  # noqa: E402
 
-READER_RUNG = {"attention": "attention", "communication": "communication", "layout": "layout", "data": "data",
-               "optimizer": "optimizer", "batch": "batch", "compile": "compile", "loss": "loss",
-               "precision": "precision", "fp8": "fp8"}
+READERS = sorted(k for k in MAY_SET if k not in ("rechecked", "withdrawn"))
+FSDP_KEYS = ("dp_mode", "fsdp_reshard_after_forward", "fsdp_prefetch", "fsdp_reduce_dtype")
+
+
+def _rung(reader: str, key: str) -> str:
+    """The rung a reader's change sits on (tuning's readers): step 2's FSDP2 pick is a layout change."""
+    return "layout" if reader == "communication" and key in FSDP_KEYS else reader
 
 
 def _values(key: str):
@@ -34,15 +38,22 @@ def _values(key: str):
 
 @st.composite
 def changes(draw):
-    out = []
+    """Changes as tuning's readers give them (one step's decision per rung, in the staircase's order), then
+    step 7's withdrawals of some of them (read last, back to the job's value)."""
+    out, seen = [], set()
     for _ in range(draw(st.integers(0, 8))):
-        reader = draw(st.sampled_from(sorted(READER_RUNG)))
+        reader = draw(st.sampled_from(READERS))
         key = draw(st.sampled_from(sorted(MAY_SET[reader].keys)))
         new = draw(_values(key))
-        if refusal(reader, key, new) is None:  # what a result may not set never reaches the tuned job
-            out.append(tuning.Change(READER_RUNG[reader], reader, key, None, new, "drawn",
+        if refusal(reader, key, new) is None and (reader, key) not in seen:  # a refused value never reaches tuning
+            seen.add((reader, key))
+            out.append(tuning.Change(_rung(reader, key), reader, key, None, new, "drawn",
                                      draw(st.sampled_from(["measured", "proposed"]))))
-    return sorted(out, key=lambda c: tuning.RUNGS.index(c.rung))  # tuning.changes lists them in the staircase's order
+    out.sort(key=lambda c: tuning.RUNGS.index(c.rung))
+    back = draw(st.lists(st.sampled_from(out), unique_by=id, max_size=2)) if out else []
+    back = [c for b in back for c in out if c.rung == b.rung and c.step == b.step]  # step 7 withdraws whole rungs
+    return out + [tuning.Change(c.rung, "verify", c.key, c.new, None, "drawn", "measured",
+                                reason=f"{tuning.WITHDRAWN}: drawn") for c in {id(c): c for c in back}.values()]
 
 
 @st.composite
@@ -62,7 +73,18 @@ def jobs(draw):
 def test_the_tuned_job_and_every_rung_are_valid_whatever_was_adopted(job, drawn):
     for c in drawn:
         c.old = getattr(job, c.key)
-    chosen = tuning.combinable(job, tuning._batch_beside_layout(drawn))  # as tuning.changes applies them
+        if c.step == "verify":
+            c.new = c.old
+    drawn = [c for c in drawn if c.step == "verify" or c.new != c.old]  # a reader never proposes the job's value
+    groups = {}
+    for c in drawn:
+        groups.setdefault((c.rung, c.step), []).append(c)
+    chosen = tuning.settle(job, drawn)  # as tuning.changes leaves them
+    withdrawn = {(c.rung, c.key) for c in drawn if c.step == "verify"}
+    for (rung, step), group in groups.items():  # a step's decision stands whole or not at all
+        if step != "verify" and not any((rung, c.key) in withdrawn for c in group):
+            standing = [any(x is c and x.adopted for x in chosen) for c in group]
+            assert all(standing) or not any(standing), (rung, step, standing)
     tuned = tuning.tuned_job(job, chosen)  # raises if the combination is refused
     stairs = tuning.staircase(job, chosen)
     assert {k: v for k, v in stairs[-1][1].to_dict().items() if k != "job_name"} == \
@@ -71,3 +93,15 @@ def test_the_tuned_job_and_every_rung_are_valid_whatever_was_adopted(job, drawn)
         assert c.adopted or c.reason.startswith((tuning.CLASH_REASON, tuning.BESIDE_LAYOUT))
     timed = [id(c) for _, _, mine in stairs for c in mine]
     assert sorted(timed) == sorted(id(c) for c in chosen if c.adopted)  # each adopted change on exactly one rung
+    for _, _, mine in stairs:  # one step's decision (a split, a layout) is never torn across rungs
+        for c in mine:
+            assert all(any(x is m for m in mine) for x in chosen if x.adopted and (x.rung, x.step) == (c.rung, c.step))
+    for c in chosen:  # nothing left out that could stand: each dropped step's changes, put back, are refused
+        if not c.adopted and c.reason.startswith(tuning.CLASH_REASON):
+            group = [x for x in chosen if (x.rung, x.step, x.reason) == (c.rung, c.step, c.reason)]
+            for x in group:
+                x.adopted = True
+            with pytest.raises(JobError):
+                tuning.tuned_job(job, chosen)
+            for x in group:
+                x.adopted = False

@@ -26,40 +26,23 @@ node (step 6's ``layouts``, or step 2's FSDP2 pick) faster beyond the noise is p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from mfu_lab.analysis.change import JOB_NAME_MAX, RUNGS, TUNED_SUFFIX, Change, tuned_job, tuned_name
 from mfu_lab.analysis.dp_family import LOSSY_HOOKS
 from mfu_lab.analysis.layouts.proposal import faster_layout
 from mfu_lab.analysis.result_keys import admitted
-from mfu_lab.core.errors import JobError
-from mfu_lab.core.job.schema import FIELDS, Job, validate
+from mfu_lab.analysis.together import BESIDE_LAYOUT, CLASH_REASON, batch_beside_layout, combinable, staircase
+from mfu_lab.core.job.schema import FIELDS, Job
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
-RUNGS = ("attention", "communication", "layout", "data", "optimizer", "batch", "compile", "loss", "precision",
-         "fp8")
+# named here too, as callers always have: the change, the tuned job, the staircase and what may stand together
+__all__ = ["BESIDE_LAYOUT", "CLASH_REASON", "JOB_NAME_MAX", "RUNGS", "TUNED_SUFFIX", "Change", "batch_beside_layout",
+           "changes", "combinable", "in_effect", "settle", "staircase", "tuned_job", "tuned_name", "withdrawals"]
+
 # keys that change what a step measured: a result taken with other values is evidence about another job
 SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "micro_batch",
               "data", "seq_policy", "device", "dtype", "attention", "compile_mode", "loss_impl", "grad_accum")
-TUNED_SUFFIX = "-tuned"
-JOB_NAME_MAX = 64  # job_name's length limit (core.job.rules.JOB_NAME_RE)
-
-
-@dataclass
-class Change:
-    rung: str  # one of RUNGS: where it sits on the staircase
-    step: str  # the registry key of the step that recommended it
-    key: str
-    old: Any
-    new: Any
-    evidence: str  # the figure behind it, in words, with its label
-    label: str  # measured | proposed | emulated
-    lossy: bool = False
-    adopted: bool = True
-    reason: str = ""  # why not adopted, or what to know when adopted
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _speed(v: float | None) -> str:
@@ -363,7 +346,15 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
             if c.key in pinned:
                 c.adopted, c.reason = False, "pinned: kept at the job's value (keep)"
             out.append(c)
-    return combinable(job, _batch_beside_layout(in_effect(out, job.to_dict()))) + refused
+    return settle(job, out) + refused
+
+
+def settle(job: Job, found: list[Change]) -> list[Change]:
+    """The changes read from the results (``found``, in the staircase's order, step 7's own last) as they stand: step
+    3's split beside a layout first (:func:`~mfu_lab.analysis.together.batch_beside_layout`), then step 7's
+    re-checks and withdrawals (:func:`in_effect`), then what cannot stand together
+    (:func:`~mfu_lab.analysis.together.combinable`)."""
+    return combinable(job, in_effect(batch_beside_layout(found), job.to_dict()))
 
 
 def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
@@ -379,98 +370,3 @@ def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:
                 continue
         out.append(c)
     return out
-
-
-BESIDE_LAYOUT = "not adopted beside step 6's layout: "
-
-
-def _batch_beside_layout(chosen: list[Change]) -> list[Change]:
-    """Step 3's batch split left out where step 6's layout sets micro_batch too: each was measured on the job's own
-    layout and keeps its samples per optimizer step on its own (the layout scales micro_batch to its data-parallel
-    degree), so the two together would not (a micro_batch applied last would undo the layout's scale)."""
-    lay = next((c for c in chosen if c.adopted and c.rung == "layout" and c.key == "micro_batch"), None)
-    for c in chosen if lay else []:
-        if c.adopted and c.rung == "batch":
-            c.adopted, c.reason = False, (
-                f"{BESIDE_LAYOUT}it sets micro_batch {lay.new} to keep the samples per optimizer step in its "
-                "data-parallel degree, and step 3 raced micro_batch x grad_accum in the job's own layout; run the "
-                "workbook on tuned.yaml to race the split in the new layout")
-    return chosen
-
-
-# pairs of keys whose changes may not stand together (core.job.rules refuses the pair): the validator names the
-# first; a proposed change gives way to a measured one, else the later rung gives way (its race ran without the other)
-CLASHES = (("loss_impl", "compile_mode"),)
-CLASH_REASON = "not adopted: the tuned job would be invalid with it beside "
-
-
-def combinable(job: Job, chosen: list[Change]) -> list[Change]:
-    """``chosen`` with the changes that cannot stand together left out, with why: step 4 may propose an unconfirmed
-    compile mode while its loss race, run eager, picked ``chunked`` (which no compiled region takes). Of such a
-    pair (:data:`CLASHES`) the proposed change gives way to the measured one, else the later rung's; any other
-    invalid combination leaves out the change of the key the validator names (else the last adopted), until the
-    tuned job is valid."""
-    order = {r: i for i, r in enumerate(RUNGS)}
-    for _ in range(len(chosen) + 1):
-        try:
-            tuned_job(job, chosen)
-            return chosen
-        except JobError as e:
-            problem = e.problems[0]
-        live = [c for c in chosen if c.adopted]
-        named = [c for c in live if c.key == problem.key]
-        pair = next((p for p in CLASHES if p[0] == problem.key), ())
-        partners = [c for c in live if c.key in pair and c not in named]
-        both = named + partners
-        drop = min(both, key=lambda c: (c.label != "proposed", -order.get(c.rung, 0))) if both else \
-            (live or [None])[-1]
-        if drop is None:
-            return chosen
-        other = ", ".join(f"{c.key}: {c.new} ({c.label})" for c in both if c is not drop) or "the other changes"
-        drop.adopted, drop.reason = False, f"{CLASH_REASON}{other}: {problem}"
-    return chosen
-
-
-def tuned_job(job: Job, chosen: list[Change], source: str = "the tuned job") -> Job:
-    """The job with every adopted change applied, under its own name (:func:`tuned_name`) so that its results do
-    not overwrite the original's."""
-    values = job.to_dict()
-    for c in chosen:
-        if c.adopted:
-            values[c.key] = c.new
-    values["job_name"] = tuned_name(job.job_name)
-    return validate(values, source)
-
-
-def tuned_name(name: str) -> str:
-    """``<name>-tuned``, the name cut first where it would pass job_name's 64 characters: always another name than
-    ``name`` (a tuned job's own tuned job is ``<name>-tuned-tuned``), so their results never share a folder."""
-    out = name[:JOB_NAME_MAX - len(TUNED_SUFFIX)] + TUNED_SUFFIX
-    return out if out != name else name[:JOB_NAME_MAX - len(TUNED_SUFFIX) - 1] + TUNED_SUFFIX
-
-
-def staircase(job: Job, chosen: list[Change]) -> list[tuple[str, Job, list[Change]]]:
-    """(rung, job, its changes) from the original job up, one rung per stage that adopted a change; each
-    rung's job differs from the previous one by exactly that rung's changes.
-    A rung the validator refuses alone (step 4's compile mode on a job with ``loss_impl: chunked``, whose loss race
-    picked ``compiled``) takes in the later change of the key it names, else the next rung's changes, until it is
-    valid (the tuned job is, :func:`combinable`): they are timed as one rung."""
-    steps: list[tuple[str, Job, list[Change]]] = [("original", job, [])]
-    values, taken = job.to_dict(), set()
-    for rung in RUNGS:
-        mine = [c for c in chosen if c.adopted and c.rung == rung and id(c) not in taken]
-        while mine:
-            try:
-                steps.append((rung, validate({**values, **{c.key: c.new for c in mine}}, f"staircase rung {rung}"),
-                              mine))
-                break
-            except JobError as e:
-                later = [c for c in chosen if c.adopted and id(c) not in taken | {id(m) for m in mine}]
-                named = [c for c in later if c.key in {p.key for p in e.problems}]
-                nxt = min((RUNGS.index(c.rung) for c in later if c.rung in RUNGS), default=None)
-                if not later:
-                    raise
-                mine += named or [c for c in later if c.rung in RUNGS and RUNGS.index(c.rung) == nxt] or later
-        taken |= {id(c) for c in mine}
-        values |= {c.key: c.new for c in mine}
-    return steps

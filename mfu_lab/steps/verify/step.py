@@ -88,6 +88,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     clock = Clock.for_step(job, INFO.key)
     skipped += untimed_proposals(job, chosen, clock, results.get("compile"))
     skipped += graphs_clash(job, chosen, device.type)
+    tuning.combinable(job, chosen)  # what step 7 left out may leave a pair that cannot stand alone
     tuned_path = job.output_root() / TUNED_FILE
     if write:
         save_tuned(job, chosen)
@@ -241,8 +242,9 @@ WITHDRAWN_RUNGS = ("fp8",)  # rungs step 7 withdraws unless it measures them fas
 
 
 def withdrawable(name: str, mine: list) -> bool:
-    """Whether step 7 withdraws rung ``name`` (its changes ``mine``) unless it measures it faster."""
-    return name in WITHDRAWN_RUNGS or any(c.label == "proposed" for c in mine)
+    """Whether step 7 withdraws rung ``name`` (its changes ``mine``; a rung of rungs climbed as one, "compile + loss",
+    by each of its names) unless it measures it faster."""
+    return any(n in WITHDRAWN_RUNGS for n in name.split(" + ")) or any(c.label == "proposed" for c in mine)
 
 
 def withdraw_unproven(job: Job, stairs: list, rungs: list[Rung], chosen: list) -> set[str]:
