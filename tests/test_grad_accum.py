@@ -327,3 +327,23 @@ def test_a_layout_step_7_took_back_does_not_bring_the_split_back_untimed(tiny_jo
     assert [c.key for c in chosen if c.rung == "batch"] == ["grad_accum"]  # its micro_batch went with the layout's
     tuned = tuning.tuned_job(job, chosen)
     assert (tuned.micro_batch, tuned.grad_accum, tuned.tp) == (2, 4, 1)
+
+
+def test_a_split_left_out_beside_a_pipeline_stays_out_when_step_7_takes_the_pipeline_back(tiny_job):
+    """Step 6's pp 2 refuses grad_accum > 1, so step 3's 2 x 2 split gives way (the later rung) and step 7 times the
+    pipeline alone; when step 7 withdraws it, tuned.yaml written again must not adopt the split it never timed."""
+    job = dataclasses.replace(tiny_job, micro_batch=4, grad_accum=1, pp_microbatches=2)
+    race = {"ran": True, "adopted": True, "pick": "2x2", "reference": "4x1", "samples_per_step": 4,
+            "pick_keys": {"micro_batch": 2, "grad_accum": 2}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
+    layout = {"layout": "pp2", "reference": "ddp", "changes": {"pp": 2}, "per_sample_s": 0.01,
+              "reference_per_sample_s": 0.02, "speedup": 2.0, "rule": "drawn"}
+    results = {"kernels": {"batch_race": race}, "placement": {"layouts": [{}]}}
+    with mock.patch.object(tuning, "faster_layout", return_value=layout):
+        seen = tuning.changes(job, results)  # what step 7 finds
+        back = [{"rung": "layout", "step": "verify", "key": "pp", "old": 2, "new": 1, "evidence": "e",
+                 "label": "measured", "adopted": True, "reason": f"{tuning.WITHDRAWN}: not verified faster"}]
+        after = tuning.changes(job, results | {"verify": {"changes": back}})  # the runner's rewrite
+    assert [(c.key, c.adopted) for c in seen] == [("pp", True), ("micro_batch", False), ("grad_accum", False)]
+    assert "grad_accum" in seen[1].reason and seen[1].reason.startswith(tuning.CLASH_REASON)
+    assert not [c for c in after if c.adopted]
+    assert (tuning.tuned_job(job, after).micro_batch, tuning.tuned_job(job, after).grad_accum) == (4, 1)

@@ -2,6 +2,8 @@
 accepts and every rung of step 7's staircase is too (a suite run's step 7 once failed on compile_mode default
 beside loss_impl chunked, each adopted by its own race of step 4)."""
 
+import dataclasses
+
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed: pip install -e '.[test]'")
@@ -96,6 +98,11 @@ def test_the_tuned_job_and_every_rung_are_valid_whatever_was_adopted(job, drawn)
     for _, _, mine in stairs:  # one step's decision (a split, a layout) is never torn across rungs
         for c in mine:
             assert all(any(x is m for m in mine) for x in chosen if x.adopted and (x.rung, x.step) == (c.rung, c.step))
+    before = tuning.settle(job, [dataclasses.replace(c, adopted=True, reason="") for c in drawn if c.step != "verify"])
+    left_out = {(c.rung, c.step, c.key) for c in before if not c.adopted}
+    assert not [c for c in chosen if c.adopted and (c.rung, c.step, c.key) in left_out]  # never back untimed
+    if len(before) < len(drawn):  # step 7 withdrew some: what it made room for stays out (above), not minimal
+        return
     for c in chosen:  # nothing left out that could stand: each dropped step's changes, put back, are refused
         if not c.adopted and c.reason.startswith(tuning.CLASH_REASON):
             group = [x for x in chosen if (x.rung, x.step, x.reason) == (c.rung, c.step, c.reason)]

@@ -68,8 +68,8 @@ def _latest_first(c: Change) -> int:
 def combinable(job: Job, chosen: list[Change]) -> list[Change]:
     """``chosen`` with the changes that cannot stand together left out, with why, until the tuned job is valid.
     Of a refused pair (:data:`CLASHES`) the proposed change's step gives way to the measured one, else the later
-    rung's; any other problem: the latest step's changes whose leaving clears it (else the latest's)."""
-    dropped: list[tuple[Change, ...]] = []
+    rung's; any other problem: the latest step's changes whose leaving clears the problem's key (else the
+    latest's)."""
     for _ in range(len(chosen) + 1):
         found = _problems(job, chosen)
         if not found:
@@ -79,7 +79,7 @@ def combinable(job: Job, chosen: list[Change]) -> list[Change]:
         both = sorted((c for c in live if c.key in pair), key=lambda c: (c.label != "proposed", _latest_first(c)))
         order = both or sorted(live, key=_latest_first)
         groups = list({tuple(map(id, g)): g for g in (_group(chosen, c) for c in order)}.values())
-        drop = next((g for g in groups if str(problem) not in map(str, _problems(job, chosen, g))),
+        drop = next((g for g in groups if problem.key not in {q.key for q in _problems(job, chosen, g)}),
                     groups[0] if groups else ())
         if not drop:
             break
@@ -89,16 +89,6 @@ def combinable(job: Job, chosen: list[Change]) -> list[Change]:
         keep = f"; keep: [{kept[0].key}] in the job would let step 7 time this change instead" if kept else ""
         for c in drop:
             c.adopted, c.reason = False, f"{CLASH_REASON}{beside}: {text}{keep}"
-        dropped.append(drop)
-    for drop in dropped[:-1]:  # one left out early that a later leaving made room for: back in, if all stays valid
-        for c in drop:
-            c.adopted = True
-        if _problems(job, chosen):
-            for c in drop:
-                c.adopted = False
-        else:
-            for c in drop:
-                c.reason = ""
     return chosen
 
 

@@ -350,11 +350,14 @@ def changes(job: Job, results: dict[str, dict], keep: list[str] | tuple[str, ...
 
 
 def settle(job: Job, found: list[Change]) -> list[Change]:
-    """The changes read from the results (``found``, in the staircase's order, step 7's own last) as they stand: step
-    3's split beside a layout first (:func:`~mfu_lab.analysis.together.batch_beside_layout`), then step 7's
-    re-checks and withdrawals (:func:`in_effect`), then what cannot stand together
-    (:func:`~mfu_lab.analysis.together.combinable`)."""
-    return combinable(job, in_effect(batch_beside_layout(found), job.to_dict()))
+    """The changes read from the results (``found``, in the staircase's order, step 7's own last) as they stand, in
+    step 7's own order: the steps' changes as step 7 found them (step 3's split beside a layout,
+    :func:`~mfu_lab.analysis.together.batch_beside_layout`, then what cannot stand together,
+    :func:`~mfu_lab.analysis.together.combinable`), then step 7's re-checks and withdrawals (:func:`in_effect`). A
+    change left out before step 7 ran was not timed: a withdrawal that made room for it does not bring it back. What
+    is left still passes :func:`~mfu_lab.analysis.together.combinable` (it only leaves out)."""
+    steps = combinable(job, batch_beside_layout([c for c in found if c.step != "verify"]))
+    return combinable(job, in_effect(steps + [c for c in found if c.step == "verify"], job.to_dict()))
 
 
 def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:

@@ -88,7 +88,7 @@ def run(job: Job, progress=None, write: bool = True, keep: list[str] | tuple[str
     clock = Clock.for_step(job, INFO.key)
     skipped += untimed_proposals(job, chosen, clock, results.get("compile"))
     skipped += graphs_clash(job, chosen, device.type)
-    tuning.combinable(job, chosen)  # what step 7 left out may leave a pair that cannot stand alone
+    tuning.combinable(job, chosen)  # a guard, as tuning.settle ends: what is left after step 7's leaving-out validates
     tuned_path = job.output_root() / TUNED_FILE
     if write:
         save_tuned(job, chosen)
