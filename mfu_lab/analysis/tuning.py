@@ -37,8 +37,9 @@ from mfu_lab.core.job.schema import FIELDS, Job
 from mfu_lab.core.thresholds import DATA_WAIT_LIMIT
 
 # named here too, as callers always have: the change, the tuned job, the staircase and what may stand together
-__all__ = ["BESIDE_LAYOUT", "CLASH_REASON", "JOB_NAME_MAX", "RUNGS", "TUNED_SUFFIX", "Change", "batch_beside_layout",
-           "changes", "combinable", "in_effect", "settle", "staircase", "tuned_job", "tuned_name", "withdrawals"]
+__all__ = ["BEFORE_TIMING", "BESIDE_LAYOUT", "CLASH_REASON", "JOB_NAME_MAX", "RUNGS", "TUNED_SUFFIX", "Change",
+           "batch_beside_layout", "changes", "combinable", "in_effect", "settle", "staircase", "tuned_job",
+           "tuned_name", "withdrawals"]
 
 # keys that change what a step measured: a result taken with other values is evidence about another job
 SHAPE_KEYS = ("model", "model_kwargs", "n_layers", "n_heads", "d_model", "vocab_size", "seq_len", "micro_batch",
@@ -275,6 +276,9 @@ def _fp8(job: Job, r: dict) -> list[Change]:
 
 
 WITHDRAWN = "withdrawn"  # how a reason begins when step 7 takes a key back to the job's value
+# step 7's words for a change it left out before timing (steps.verify.step: "withdrawn untimed: ...", a change
+# its budget could not time; "withdrawn clash: ...", a compile mode beside the tuned layout)
+BEFORE_TIMING = ("untimed", "clash")
 
 
 def _verify_rows(r: dict, withdrawals: bool) -> list[Change]:
@@ -353,11 +357,15 @@ def settle(job: Job, found: list[Change]) -> list[Change]:
     """The changes read from the results (``found``, in the staircase's order, step 7's own last) as they stand, in
     step 7's own order: the steps' changes as step 7 found them (step 3's split beside a layout,
     :func:`~mfu_lab.analysis.together.batch_beside_layout`, then what cannot stand together,
-    :func:`~mfu_lab.analysis.together.combinable`), then step 7's re-checks and withdrawals (:func:`in_effect`). A
+    :func:`~mfu_lab.analysis.together.combinable`), then what step 7 left out before timing (its reverts of
+    :data:`BEFORE_TIMING`) and its guard, then its re-checks and withdrawals after timing (:func:`in_effect`). A
     change left out before step 7 ran was not timed: a withdrawal that made room for it does not bring it back. What
     is left still passes :func:`~mfu_lab.analysis.together.combinable` (it only leaves out)."""
     steps = combinable(job, batch_beside_layout([c for c in found if c.step != "verify"]))
-    return combinable(job, in_effect(steps + [c for c in found if c.step == "verify"], job.to_dict()))
+    rows = [c for c in found if c.step == "verify"]
+    early = [c for c in rows if c.reason.startswith(tuple(f"{WITHDRAWN} {w}:" for w in BEFORE_TIMING))]
+    timed = combinable(job, in_effect(steps + early, job.to_dict()))  # step 7's guard, after its leaving-out
+    return combinable(job, in_effect(timed + [c for c in rows if not any(c is e for e in early)], job.to_dict()))
 
 
 def in_effect(chosen: list[Change], job_values: dict[str, Any]) -> list[Change]:

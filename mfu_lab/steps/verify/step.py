@@ -208,7 +208,7 @@ def untimed_proposals(job: Job, chosen: list, clock: Clock, step4: dict | None) 
 
 UNTIMED = "not timed, so not adopted: "
 CLASH = "not adopted beside the tuned layout: "
-_REVERTS = ((UNTIMED, "untimed"), (CLASH, "clash"))  # a reason step 7 left a change out for -> its revert's word
+_REVERTS = tuple(zip((UNTIMED, CLASH), tuning.BEFORE_TIMING))  # a reason step 7 left a change out for -> its word
 
 
 def graphs_clash(job: Job, chosen: list, device_type: str) -> list[dict[str, str]]:
