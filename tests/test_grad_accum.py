@@ -175,10 +175,22 @@ def test_the_race_holds_the_samples_and_the_loss(tiny_job):
     assert any("batch race round" in m for m in said)
 
 
+def _split_race(mb: int, accum: int, reference: str) -> dict:
+    """Step 3's batch race, adopted: micro_batch ``mb`` x grad_accum ``accum`` against the job's ``reference``."""
+    return {"ran": True, "adopted": True, "pick": f"{mb}x{accum}", "reference": reference,
+            "samples_per_step": mb * accum, "pick_keys": {"micro_batch": mb, "grad_accum": accum},
+            "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
+
+
+def _layout(name: str, **changes) -> dict:
+    """Step 6's proposal (analysis.layouts.proposal.faster_layout's dict): ``name`` with its key ``changes``."""
+    return {"layout": name, "reference": "ddp", "changes": changes, "per_sample_s": 0.01,
+            "reference_per_sample_s": 0.02, "speedup": 2.0, "rule": "drawn"}
+
+
 def test_an_adopted_split_reaches_the_tuned_job_on_its_own_rung(tiny_job):
     job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
-    race = {"ran": True, "adopted": True, "pick": "8x1", "reference": "2x4", "samples_per_step": 8,
-            "pick_keys": {"micro_batch": 8, "grad_accum": 1}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
+    race = _split_race(8, 1, "2x4")
     chosen = tuning.changes(job, {"kernels": {"batch_race": race}})
     assert [(c.rung, c.key, c.new) for c in chosen] == [("batch", "micro_batch", 8), ("batch", "grad_accum", 1)]
     stairs = tuning.staircase(job, chosen)
@@ -292,10 +304,8 @@ def test_a_split_is_not_adopted_beside_a_layout_that_scales_micro_batch(tiny_job
     the job's own DDP layout) each hold the samples per optimizer step alone; applied together the split's
     micro_batch would undo the layout's scale (8 samples where the job trains 16): the split gives way, with why."""
     job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
-    race = {"ran": True, "adopted": True, "pick": "8x1", "reference": "2x4", "samples_per_step": 8,
-            "pick_keys": {"micro_batch": 8, "grad_accum": 1}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
-    layout = {"layout": "tp2", "reference": "ddp", "changes": {"tp": 2, "micro_batch": 4}, "per_sample_s": 0.01,
-              "reference_per_sample_s": 0.02, "speedup": 2.0, "rule": "drawn"}
+    race = _split_race(8, 1, "2x4")
+    layout = _layout("tp2", tp=2, micro_batch=4)
     with mock.patch.object(tuning, "faster_layout", return_value=layout):
         chosen = tuning.changes(job, {"kernels": {"batch_race": race}, "placement": {"layouts": [{}]}})
     by_key = {(c.rung, c.key): c for c in chosen}
@@ -313,10 +323,8 @@ def test_a_layout_step_7_took_back_does_not_bring_the_split_back_untimed(tiny_jo
     micro_batch back to the job's), and the split, left out beside that layout when step 7 ran, stays out (it was
     never timed): the job's own 2 x 4 samples per step, not 2 x 1."""
     job = dataclasses.replace(tiny_job, micro_batch=2, grad_accum=4)
-    race = {"ran": True, "adopted": True, "pick": "8x1", "reference": "2x4", "samples_per_step": 8,
-            "pick_keys": {"micro_batch": 8, "grad_accum": 1}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
-    layout = {"layout": "tp2", "reference": "ddp", "changes": {"tp": 2, "micro_batch": 4}, "per_sample_s": 0.01,
-              "reference_per_sample_s": 0.02, "speedup": 2.0, "rule": "drawn"}
+    race = _split_race(8, 1, "2x4")
+    layout = _layout("tp2", tp=2, micro_batch=4)
     back = [{"rung": "layout", "step": "verify", "key": k, "old": v, "new": getattr(job, k), "evidence": "e",
              "label": "measured", "adopted": True, "reason": f"{tuning.WITHDRAWN}: not verified faster"}
             for k, v in layout["changes"].items()]
@@ -333,10 +341,8 @@ def test_a_split_left_out_beside_a_pipeline_stays_out_when_step_7_takes_the_pipe
     """Step 6's pp 2 refuses grad_accum > 1, so step 3's 2 x 2 split gives way (the later rung) and step 7 times the
     pipeline alone; when step 7 withdraws it, tuned.yaml written again must not adopt the split it never timed."""
     job = dataclasses.replace(tiny_job, micro_batch=4, grad_accum=1, pp_microbatches=2)
-    race = {"ran": True, "adopted": True, "pick": "2x2", "reference": "4x1", "samples_per_step": 4,
-            "pick_keys": {"micro_batch": 2, "grad_accum": 2}, "speedup": {"value": 1.4, "low": 1.2, "high": 1.6}}
-    layout = {"layout": "pp2", "reference": "ddp", "changes": {"pp": 2}, "per_sample_s": 0.01,
-              "reference_per_sample_s": 0.02, "speedup": 2.0, "rule": "drawn"}
+    race = _split_race(2, 2, "4x1")
+    layout = _layout("pp2", pp=2)
     results = {"kernels": {"batch_race": race}, "placement": {"layouts": [{}]}}
     with mock.patch.object(tuning, "faster_layout", return_value=layout):
         seen = tuning.changes(job, results)  # what step 7 finds

@@ -104,12 +104,12 @@ def staircase(job: Job, chosen: list[Change]) -> list[tuple[str, Job, list[Chang
     values: dict[str, Any] = job.to_dict()
     while pending:
         for i, (rung, mine) in enumerate(pending):
+            above = values | {c.key: c.new for c in mine}
             try:
-                rjob = validate(values | {c.key: c.new for c in mine}, f"staircase rung {rung}")
+                steps.append((rung, validate(above, f"staircase rung {rung}"), mine))
             except JobError:
                 continue
-            steps.append((rung, rjob, mine))
-            values |= {c.key: c.new for c in mine}
+            values = above
             del pending[i]
             break
         else:  # none can be climbed alone: the rest as one rung

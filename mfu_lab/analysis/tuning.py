@@ -279,6 +279,7 @@ WITHDRAWN = "withdrawn"  # how a reason begins when step 7 takes a key back to t
 # step 7's words for a change it left out before timing (steps.verify.step: "withdrawn untimed: ...", a change
 # its budget could not time; "withdrawn clash: ...", a compile mode beside the tuned layout)
 BEFORE_TIMING = ("untimed", "clash")
+_EARLY = tuple(f"{WITHDRAWN} {w}:" for w in BEFORE_TIMING)  # how such a revert's reason begins
 
 
 def _verify_rows(r: dict, withdrawals: bool) -> list[Change]:
@@ -363,7 +364,9 @@ def settle(job: Job, found: list[Change]) -> list[Change]:
     is left still passes :func:`~mfu_lab.analysis.together.combinable` (it only leaves out)."""
     steps = combinable(job, batch_beside_layout([c for c in found if c.step != "verify"]))
     rows = [c for c in found if c.step == "verify"]
-    early = [c for c in rows if c.reason.startswith(tuple(f"{WITHDRAWN} {w}:" for w in BEFORE_TIMING))]
+    if not rows:  # step 7 has not run: nothing of its own to replay
+        return steps
+    early = [c for c in rows if c.reason.startswith(_EARLY)]
     timed = combinable(job, in_effect(steps + early, job.to_dict()))  # step 7's guard, after its leaving-out
     return combinable(job, in_effect(timed + [c for c in rows if not any(c is e for e in early)], job.to_dict()))
 
