@@ -147,6 +147,8 @@ def test_step7_withdraws_a_layout_it_does_not_find_faster(monkeypatch, tmp_path)
     stored = {"placement": _placement(_entry("ddp2", 0.100, 0.098, 0.102), _entry("fsdp2", 0.080, 0.078, 0.082)),
               "verify": {"changes": [c.to_dict() for c in chosen]}}
     assert tuning.changes(job, stored) == []  # tuned.yaml, written again after step 7, keeps the job's layout
+    # read as a withdrawal: the runner's last line ("step 7 took back dp_mode") and the staircase plot count it
+    assert [c.key for c in tuning.withdrawals(stored["verify"])] == ["dp_mode"]
     # the index's summary counts what tuned.yaml holds: the proposal and its withdrawal are not adopted changes
     assert len(stored["verify"]["changes"]) > 0
     stored["verify"]["job"] = job.to_dict()

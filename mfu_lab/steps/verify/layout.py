@@ -159,8 +159,8 @@ def verify_layout_change(job: Job, device_type: str, chosen: list, work: Path, s
 def _withdraw(job: Job, chosen: list, keys: dict[str, Any], evidence: str) -> None:
     """Step 7's own finding against a proposed layout: each key back to the job's value (analysis.tuning reads step
     7's adopted changes last, and a change back to the job's value removes the earlier one from tuned.yaml)."""
-    from mfu_lab.analysis.tuning import Change
+    from mfu_lab.analysis.tuning import WITHDRAWN, Change
 
     for key, new in keys.items():
         chosen.append(Change("layout", "verify", key, new, getattr(job, key), evidence, "measured",
-                             reason="the proposed layout is withdrawn: not verified faster beside the original"))
+                             reason=f"{WITHDRAWN}: the proposed layout was not verified faster beside the original"))

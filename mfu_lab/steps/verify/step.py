@@ -206,8 +206,8 @@ def untimed_proposals(job: Job, chosen: list, clock: Clock, step4: dict | None) 
     return out
 
 
-UNTIMED = "not timed, so not adopted: "
-CLASH = "not adopted beside the tuned layout: "
+UNTIMED = "step 7 could not time it: "  # tuned_file writes "# not adopted: <change>: <reason>"
+CLASH = "it clashes with the tuned layout: "
 _REVERTS = tuple(zip((UNTIMED, CLASH), tuning.BEFORE_TIMING))  # a reason step 7 left a change out for -> its word
 
 
@@ -298,8 +298,8 @@ def advise(r: VerifyResult) -> list[Advice]:
         elif rung.status in ("failed", "excluded"):
             out.append(Advice("info" if rung.status == "excluded" else "look",
                               f"Rung {rung.name} {rung.status}: {rung.reason}", "recorded; the other rungs ran"))
-        if rung.name in gone:  # timed or not (a rung that failed): the rungs above held its change
-            below.append(rung.name)
+        if rung.name in gone and set(rung.keys) - retime.NOT_IN_ONE_PROCESS:  # timed or not (a rung that failed):
+            below.append(rung.name)  # the rungs above held its change (a layout's only through its micro_batch)
     if r.loss.get("status") == "off":
         out.append(Advice("act", "The tuned job's loss ends above the original's beyond loss_tolerance: refuse the "
                           "lossy changes (keep: [dtype, fp8_layers]) and verify again",
