@@ -75,8 +75,8 @@ def two_ranks(tmp_path_factory) -> Path:
     half second."""
     out = tmp_path_factory.mktemp("mon2")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    str(MONITOR_JOB), str(out), "--steps", str(MONITOR_STEPS), "--every", "5", "--loader-ms",
-                    str(MONITOR_LOADER_MS), "--slow-rank", "1", "--slow-ms", str(MONITOR_SLOW_MS),
+                    f"--log-dir={out}.logs", str(MONITOR_JOB), str(out), "--steps", str(MONITOR_STEPS), "--every", "5",
+                    "--loader-ms", str(MONITOR_LOADER_MS), "--slow-rank", "1", "--slow-ms", str(MONITOR_SLOW_MS),
                     "--profile-every-s", "0.5"],
                    check=True, cwd=ROOT, timeout=300, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     return out

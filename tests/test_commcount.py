@@ -34,8 +34,8 @@ def counted(tmp_path_factory) -> dict:
     """{layout: [rank 0's, rank 1's] {"facts", "steps"}} from one launch."""
     out = tmp_path_factory.mktemp("counts")
     log = out / "launch.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
-           str(out), ",".join(LAYOUTS)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           f"--log-dir={out / 'logs'}", str(SCRIPT), str(out), ",".join(LAYOUTS)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -270,7 +270,8 @@ def test_tensor_parallel_trains_its_fp8_layers_sharded_and_checks_the_loss_again
 
     cases = ["0:tensorwise", "1:tensorwise", "0:rowwise", "0:tensorwise:llama"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "tests" / "fixtures" / "tp_fp8_ranks.py"), str(tmp_path), ",".join(cases)],
+                        f"--log-dir={tmp_path / 'logs'}", str(ROOT / "tests" / "fixtures" / "tp_fp8_ranks.py"),
+                        str(tmp_path), ",".join(cases)],
                        cwd=ROOT, timeout=300, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     llama = json.loads((tmp_path / "0_tensorwise_llama.json").read_text())  # 2 layers x 7 Linears + lm_head
