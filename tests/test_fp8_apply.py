@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from mfu_lab.core.engine import fp8
+from mfu_lab.core.engine import fp8, losses
 from mfu_lab.core.engine.workload import build_model, build_train_step
 from mfu_lab.core.job.schema import load_job
 from mfu_lab.core.measure import device as dev
@@ -22,6 +22,17 @@ from .conftest import TINY
 
 GROUPS = ["mlp_up", "lm_head"]
 CPU_WHY = "a CPU has no FP8 matmul units: torch._scaled_mm runs on a CPU, far too slowly to train with"
+
+
+def _cpu_rowwise_refused() -> str | None:
+    """Why this torch's CPU ``_scaled_mm`` refuses rowwise scales, or None: torch 2.11's (the GPU machine's, on a
+    CPU) takes per-tensor scales only, 2.13's takes both; a CUDA device takes both in either."""
+    a, b = torch.ones(16, 32).to(torch.float8_e4m3fn), torch.ones(16, 32).to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return f"torch {torch.__version__}'s CPU _scaled_mm refuses rowwise scales: {str(e)[:120]}"
+    return None
 
 
 @pytest.fixture
@@ -110,6 +121,8 @@ def test_step_7_times_the_fp8_rung_where_the_device_has_fp8_units(job, monkeypat
 
 def test_with_a_chunked_loss_lm_head_stays_in_high_precision_and_the_step_says_so(job, monkeypatch):
     pytest.importorskip("torchao", reason="torchao is not installed (pip install -e '.[fp8]')")
+    if why := losses.chunked_available():  # torch 2.11 refuses loss_impl chunked by name (tests/test_loss_impl.py)
+        pytest.skip(why)
     monkeypatch.setattr(fp8, "fp8_units", lambda device_type, index=None: "")
     chunked = dataclasses.replace(job, loss_impl="chunked")  # lm_head's weight goes to F.linear_cross_entropy
     model = build_model(chunked)
@@ -269,6 +282,8 @@ def test_tensor_parallel_trains_its_fp8_layers_sharded_and_checks_the_loss_again
     from .conftest import ROOT
 
     cases = ["0:tensorwise", "1:tensorwise", "0:rowwise", "0:tensorwise:llama"]
+    if _cpu_rowwise_refused():  # the rowwise case runs where this CPU's _scaled_mm takes its scales
+        cases.remove("0:rowwise")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         f"--log-dir={tmp_path / 'logs'}", str(ROOT / "tests" / "fixtures" / "tp_fp8_ranks.py"),
                         str(tmp_path), ",".join(cases)],
@@ -279,7 +294,7 @@ def test_tensor_parallel_trains_its_fp8_layers_sharded_and_checks_the_loss_again
     assert ("FP8 under tensor parallel: 14 Float8Linear(s) sharded by torchao's float8 styles (their inputs cast "
             "before the collectives, 4 sub-block input(s) cast once)") in llama["notes"]  # attention: by keyword
     assert llama["losses"] == pytest.approx(llama["reference"], rel=5e-3)
-    for case in cases[:3]:
+    for case in [c for c in cases if not c.endswith("llama")]:
         got = json.loads((tmp_path / f"{case.replace(':', '_')}.json").read_text())
         assert got["why_not"] == "" and len(got["layers"]) == 13 and got["reference_converted"] is True, case
         weights = got["float8_weights"]
