@@ -87,7 +87,8 @@ def test_step7_changes_cannot_name_code_nor_set_any_key(tiny_job, evil):
     plant(tiny_job, "07_verify", {"changes": [
         row | {"key": "model", "new": "evilmod:make"}, row | {"key": "factory_paths", "new": [str(folder)]},
         row | {"key": "trust", "new": ["evilmod"]}, row | {"key": "steps", "new": 1000},
-        row | {"key": "micro_batch", "new": "8"}, row | {"key": ["attention"], "new": "unfused"},
+        row | {"key": "micro_batch", "new": "8", "reason": "withdrawn: planted"},  # a withdrawal may set it: typed
+        row | {"key": ["attention"], "new": "unfused"},
         row | {"key": "attention", "new": "unfused"}]})
     text, tuned, chosen = tuned_of(tiny_job)
     assert_refused_code(text, tuned, ("model", "factory_paths", "trust"))

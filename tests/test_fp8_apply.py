@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -31,6 +32,8 @@ def _cpu_rowwise_refused() -> str | None:
     try:
         torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
     except RuntimeError as e:
+        if "per-tensor scaling" not in str(e):  # not the refusal known of torch 2.11: a failure of its own
+            raise
         return f"torch {torch.__version__}'s CPU _scaled_mm refuses rowwise scales: {str(e)[:120]}"
     return None
 
@@ -282,8 +285,9 @@ def test_tensor_parallel_trains_its_fp8_layers_sharded_and_checks_the_loss_again
     from .conftest import ROOT
 
     cases = ["0:tensorwise", "1:tensorwise", "0:rowwise", "0:tensorwise:llama"]
-    if _cpu_rowwise_refused():  # the rowwise case runs where this CPU's _scaled_mm takes its scales
+    if why := _cpu_rowwise_refused():  # the rowwise case runs where this CPU's _scaled_mm takes its scales
         cases.remove("0:rowwise")
+        warnings.warn(f"the rowwise case is left out: {why}", stacklevel=1)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         f"--log-dir={tmp_path / 'logs'}", str(ROOT / "tests" / "fixtures" / "tp_fp8_ranks.py"),
                         str(tmp_path), ",".join(cases)],

@@ -149,6 +149,10 @@ def test_step7_withdraws_a_layout_it_does_not_find_faster(monkeypatch, tmp_path)
     assert tuning.changes(job, stored) == []  # tuned.yaml, written again after step 7, keeps the job's layout
     # read as a withdrawal: the runner's last line ("step 7 took back dp_mode") and the staircase plot count it
     assert [c.key for c in tuning.withdrawals(stored["verify"])] == ["dp_mode"]
+    before = {**stored, "verify": {"changes": [{**c, "reason": "the proposed layout is withdrawn: not verified faster "
+                                                 "beside the original"} if c["step"] == "verify" else c
+                                           for c in stored["verify"]["changes"]]}}  # a result of before 2026-12-08
+    assert [c.key for c in tuning.withdrawals(before["verify"])] == ["dp_mode"] and tuning.changes(job, before) == []
     # the index's summary counts what tuned.yaml holds: the proposal and its withdrawal are not adopted changes
     assert len(stored["verify"]["changes"]) > 0
     stored["verify"]["job"] = job.to_dict()

@@ -455,6 +455,20 @@ def test_a_withdrawn_rung_below_the_top_gets_the_tuned_file_timed_again_as_writt
     (line,) = [a for a in verify.advise(r) if a.message.startswith("The optimizer change is not proven")]
     assert line.because.endswith("; measured over rung data, which step 7 withdrew: the tuned file as written, "
                                  "timed again, is the headline's figure")
+    # a layout step 7 withdrew under the optimizer rung: in one process its dp_mode never ran, so it is not named;
+    # under torchrun in the job's own layout (the staircase ran there) every rung above held it
+    from mfu_lab.steps.verify.rungs import Rung
+    r.rungs.insert(2, Rung("layout", {"dp_mode": "fsdp"}, "excluded", "verified under torchrun"))
+    r.changes.append({"rung": "layout", "step": "verify", "key": "dp_mode", "old": "fsdp", "new": "ddp",
+                      "adopted": True, "reason": "withdrawn: the proposed layout was not verified faster"})
+    over = [a.because for a in verify.advise(r) if a.message.startswith("The optimizer change is not proven")]
+    assert over[0].endswith("; measured over rung data, which step 7 withdrew: the tuned file as written, timed "
+                            "again, is the headline's figure")
+    r.job = {**r.job, "dp_mode": "fsdp"}
+    over = [a.because for a in verify.advise(r) if a.message.startswith("The optimizer change is not proven")]
+    assert "; measured over rung data, layout, which step 7 withdrew" in over[0]
+    del r.rungs[2], r.changes[-1]
+    r.job = {**r.job, "dp_mode": job.dp_mode}
     assert [o for o in r.order if o[1] == retime.AGAIN] == [[1, retime.AGAIN], [2, retime.AGAIN], [3, retime.AGAIN]]
     from mfu_lab.steps.verify.tuned import withdrawn_keys
     assert withdrawn_keys(job) == ["num_workers"]  # the runner's last line names what step 7 took back

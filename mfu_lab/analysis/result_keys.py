@@ -43,7 +43,7 @@ MAY_SET: dict[str, Owns] = {
     "loss": Owns("step 4's loss race", {"loss_impl": str}),
     "precision": Owns("step 5's precision ladder", {"dtype": str, "matmul_precision": str}),
     "fp8": Owns("step 5's FP8 policy trials", {"fp8_layers": list, "fp8_recipe": str}),
-    "rechecked": Owns("step 7's own re-checks", {"attention": str} | _FSDP_PICK | _LAYOUT),
+    "rechecked": Owns("step 7's own re-checks", {"attention": str}),
 }
 # step 7 withdraws what it did not measure faster (or could not time): each key back to the job's own value, so it may
 # touch any key a rung sets (analysis.tuning._withdrawn; a withdrawal re-read from step 7's result must hold)

@@ -280,6 +280,9 @@ WITHDRAWN = "withdrawn"  # how a reason begins when step 7 takes a key back to t
 # its budget could not time; "withdrawn clash: ...", a compile mode beside the tuned layout)
 BEFORE_TIMING = ("untimed", "clash")
 _EARLY = tuple(f"{WITHDRAWN} {w}:" for w in BEFORE_TIMING)  # how such a revert's reason begins
+# how a reason may begin in a stored result of step 7 that took something back: results before 2026-12-08 wrote a
+# withdrawn layout's as "the proposed layout is withdrawn: ..."
+_TOOK_BACK = (WITHDRAWN, "the proposed layout is withdrawn")
 
 
 def _verify_rows(r: dict, withdrawals: bool) -> list[Change]:
@@ -291,12 +294,12 @@ def _verify_rows(r: dict, withdrawals: bool) -> list[Change]:
                    reason=str(c.get("reason", "")))
             for c in (rows if isinstance(rows, list) else []) if isinstance(c, dict)
             and c.get("step") == "verify" and c.get("adopted") is True
-            and str(c.get("reason", "")).startswith(WITHDRAWN) == withdrawals]
+            and str(c.get("reason", "")).startswith(_TOOK_BACK) == withdrawals]
 
 
 def _rechecked(job: Job, r: dict) -> list[Change]:
-    """Changes step 7 itself adopted: an earlier choice timed again at the tuned precision, and faster, or a
-    proposed layout withdrawn."""
+    """Changes step 7 itself adopted: an earlier choice timed again at the tuned precision, and faster (step 2's
+    attention)."""
     return _verify_rows(r, False)
 
 

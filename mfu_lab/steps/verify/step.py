@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from mfu_lab.analysis import tuning
@@ -284,6 +285,8 @@ def advise(r: VerifyResult) -> list[Advice]:
         out.append(Advice(sev, f"Adopt the tuned job ({Path(r.tuned_file).name}): {h['text']}",
                           "changes carried the gain: " + (", ".join(h["carried"]) or "none beyond the noise")))
     gone = {c.rung for c in tuning.withdrawals({"changes": r.changes})}
+    layout = {k: r.job.get(k, d) for k, d in (("dp_mode", "ddp"), ("tp", 1), ("pp", 1))}
+    in_layout = beyond_ddp(SimpleNamespace(**layout))  # the staircase ran under torchrun, in the job's own layout
     below: list[str] = []  # withdrawn rungs under the one at hand: its gain was measured over their change
     for rung in r.rungs[1:]:
         if rung.name in (retime.AGAIN, retime.AS_WRITTEN):  # the headline's pair: its figure is the headline
@@ -298,8 +301,10 @@ def advise(r: VerifyResult) -> list[Advice]:
         elif rung.status in ("failed", "excluded"):
             out.append(Advice("info" if rung.status == "excluded" else "look",
                               f"Rung {rung.name} {rung.status}: {rung.reason}", "recorded; the other rungs ran"))
-        if rung.name in gone and set(rung.keys) - retime.NOT_IN_ONE_PROCESS:  # timed or not (a rung that failed):
-            below.append(rung.name)  # the rungs above held its change (a layout's only through its micro_batch)
+        # timed or not (a rung that failed), the rungs above held its change: under torchrun in the job's own layout
+        # every key, in one process all but a layout's degrees and DDP settings (a layout through its micro_batch)
+        if rung.name in gone and (in_layout or set(rung.keys) - retime.NOT_IN_ONE_PROCESS):
+            below.append(rung.name)
     if r.loss.get("status") == "off":
         out.append(Advice("act", "The tuned job's loss ends above the original's beyond loss_tolerance: refuse the "
                           "lossy changes (keep: [dtype, fp8_layers]) and verify again",
