@@ -285,6 +285,39 @@ def test_hf_trainer_counted_flops_are_hfs_total_flos_plus_the_terms_it_leaves_ou
     assert f"FLOPs per token behind MFU: {got['counted'] / tokens:,.0f}" in page and "total_flos adds up" in page
 
 
+def test_a_trainer_that_dies_keeps_its_total_flos_up_to_its_last_log(tmp_path):
+    """The Trainer has no exception event: a run that raises at step 3 is closed at the process's exit, and its end
+    record still holds the Trainer's own FLOP figure as stored before its last log (step 2), by HF's formula."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from mfu_lab.monitor.hf import MonitorCallback
+
+    class Dies(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise RuntimeError("the job died at step 3")
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 96, (12, 16), generator=torch.Generator().manual_seed(0))
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=5, per_device_train_batch_size=2, report_to=[], save_strategy="no",
+        use_cpu=True, logging_steps=1, dataloader_num_workers=0, disable_tqdm=True,
+        include_num_input_tokens_seen=True)
+    monitor = MonitorCallback(tmp_path / "mon", every=2, peak_flops=1e12, profile_every_s=None)
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=[{"input_ids": x, "labels": x} for x in ids],
+                                   callbacks=[monitor, Dies()])
+    with pytest.raises(RuntimeError, match="died at step 3"):
+        trainer.train()
+    monitor._at_exit()  # what atexit runs when the process ends
+    recs = [json.loads(line) for f in sorted((tmp_path / "mon").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    (end,) = [r for r in recs if r["kind"] == "end"]
+    assert end["reason"].startswith("the process exited during training")
+    six_t_n = 6 * 2 * 16 * model.num_parameters(exclude_embeddings=True)  # HF's floating_point_ops per step
+    assert end["framework"]["steps"] == 2 and end["framework"]["per_step"] == pytest.approx(six_t_n, rel=1e-9)
+
+
 @pytest.mark.parametrize("fw_step, far", [(1.002e9, "the same"), (0.5e9, "50% lower"), (1.5e9, "50% higher"),
                                           (3e9, "3.0x as high")])
 def test_the_frameworks_figure_is_said_beside_the_lowest_ranks_count(fw_step, far):

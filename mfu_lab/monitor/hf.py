@@ -33,7 +33,8 @@ What is measured, and how (all host clock readings, no device synchronisation):
 Every rank records (each writes its own file; the monitor reads its rank from torchrun's or Slurm's variables,
 else torch.distributed). The monitor is created and started on ``on_train_begin`` and closed on ``on_train_end``.
 The Trainer has no exception event: a run that raises is closed when the process exits (or when the next
-``train()`` begins), with that as the end record's reason.
+``train()`` begins), with that as the end record's reason, and the Trainer's own FLOP figure (``total_flos``) as it
+stood at its last log.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ class MonitorCallback(TrainerCallback):
 
     def on_log(self, args, state, control, **kwargs) -> None:
         self._done_other()
+        self._framework_flops(args, state)  # the Trainer stores its FLOPs (store_flos) before each log: a run that
+        # dies later keeps the figure up to its last log
 
     def on_evaluate(self, args, state, control, **kwargs) -> None:
         self._done_other()
@@ -152,12 +155,17 @@ class MonitorCallback(TrainerCallback):
         self._last_end = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
-        if self.monitor is not None:  # the Trainer has stored its FLOPs (store_flos) by now
-            summed = str(getattr(getattr(args, "parallel_mode", None), "value", "")) == "distributed"
-            self.monitor.framework_flops = _trainer_flops(state, self._flos0, self._world if summed else 1)
+        self._framework_flops(args, state)  # the Trainer has stored its FLOPs (store_flos) by now
         self._close("closed")
 
     # ------------------------------------------------------------------ internals
+    def _framework_flops(self, args, state) -> None:
+        """The Trainer's own FLOP figure so far, kept for the monitor's end record (None until it added some)."""
+        if self.monitor is not None:
+            summed = str(getattr(getattr(args, "parallel_mode", None), "value", "")) == "distributed"
+            found = _trainer_flops(state, self._flos0, self._world if summed else 1)
+            self.monitor.framework_flops = found or self.monitor.framework_flops
+
     def _at_exit(self) -> None:
         self._close("the process exited during training (no on_train_end: an exception, or an interrupt?)")
 
