@@ -316,6 +316,10 @@ def test_a_trainer_that_dies_keeps_its_total_flos_up_to_its_last_log(tmp_path):
     assert end["reason"].startswith("the process exited during training")
     six_t_n = 6 * 2 * 16 * model.num_parameters(exclude_embeddings=True)  # HF's floating_point_ops per step
     assert end["framework"]["steps"] == 2 and end["framework"]["per_step"] == pytest.approx(six_t_n, rel=1e-9)
+    from mfu_lab.analysis.monitor.summary import summarise
+
+    note = summarise(tmp_path / "mon").flops_per_token["note"]  # the report says it, over the steps it covers
+    assert f"the Trainer's total_flos adds up {six_t_n:,.0f} FLOPs per optimizer step over 2 step(s)" in note, note
 
 
 @pytest.mark.parametrize("fw_step, far", [(1.002e9, "the same"), (0.5e9, "50% lower"), (1.5e9, "50% higher"),
